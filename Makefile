@@ -1,0 +1,34 @@
+# Quick start: `make demo` and `make test`. Both create .venv on first use and
+# re-install only when pyproject.toml changed (the stamp file tracks it).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint system-deps clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+# Prometheus, Alertmanager and Chromium come from Debian packages (the real
+# alert pipeline and the browser check). Installed when missing and apt exists;
+# tests that need them skip with a loud reason otherwise.
+system-deps:
+	@bash .ci/system-deps.sh
+
+demo: $(STAMP)
+	$(BIN)/fleetmend demo
+
+test: $(STAMP) system-deps
+	$(BIN)/python -m pytest -q -ra
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) .fleetmend .pytest_cache .mypy_cache .ruff_cache

