@@ -27,6 +27,8 @@ Simulator control (test and demo only):
   GET  /sim/v1/actions?since_seq=     -> list[ActionLogEntry]
   POST /sim/v1/notify <- NotifyMessage (Slack-compatible: {"text": ...})
   GET  /sim/v1/notify -> list[NotifyMessage]
+  POST /sim/v1/tickets  (header Idempotency-Key) <- {"title","body"} -> {"id","idempotency_key",...}
+  GET  /sim/v1/tickets?idempotency_key=K -> list of tickets (the probe for unknown outcomes)
 """
 
 from __future__ import annotations
