@@ -1,0 +1,62 @@
+"""Kubernetes API access for activities: the official ``kubernetes`` client.
+
+The client is synchronous, so every activity that uses it is a plain ``def``
+run by the worker's thread-pool ``activity_executor`` (DESIGN.md §6b). One
+``ApiClient`` per process: the client pools connections and is thread-safe for
+requests.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from kubernetes import client, config
+
+from worker.config import Settings
+
+LWS_GROUP = "leaderworkerset.x-k8s.io"
+LWS_VERSION = "v1"
+LWS_PLURAL = "leaderworkersets"
+
+
+@dataclass(frozen=True)
+class KubeApis:
+    core: client.CoreV1Api
+    apps: client.AppsV1Api
+    discovery: client.DiscoveryV1Api
+    custom: client.CustomObjectsApi
+    policy: client.PolicyV1Api
+
+
+_lock = threading.Lock()
+_cache: dict[tuple[str | None, str | None], KubeApis] = {}
+
+
+def kube_apis(settings: Settings) -> KubeApis:
+    """APIs for the configured cluster: kubeconfig (+context) if set, else in-cluster, else ~/.kube/config."""
+    key = (str(settings.kubeconfig) if settings.kubeconfig else None, settings.kube_context)
+    with _lock:
+        if key not in _cache:
+            _cache[key] = _build(settings.kubeconfig, settings.kube_context)
+        return _cache[key]
+
+
+def _build(kubeconfig: Path | None, context: str | None) -> KubeApis:
+    cfg = client.Configuration()
+    if kubeconfig is not None:
+        config.load_kube_config(config_file=str(kubeconfig), context=context, client_configuration=cfg)
+    else:
+        try:
+            config.load_incluster_config(client_configuration=cfg)
+        except config.ConfigException:
+            config.load_kube_config(context=context, client_configuration=cfg)
+    api = client.ApiClient(cfg)
+    return KubeApis(
+        core=client.CoreV1Api(api),
+        apps=client.AppsV1Api(api),
+        discovery=client.DiscoveryV1Api(api),
+        custom=client.CustomObjectsApi(api),
+        policy=client.PolicyV1Api(api),
+    )

@@ -1,0 +1,168 @@
+"""Inputs, phases and the operator-visible state of fleetmend's procedures.
+
+Pure pydantic models shared by the workflows (which fill them), the CLI
+(``fleetmend status``), the demo report and the tests. Durations are inputs so
+tests and the demo run the same procedure in seconds (there is no
+time-skipping server offline).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fleet.incident import LossReport, PoolRef, Severity
+
+
+class Phase(StrEnum):
+    """Named phases; the search attribute ``FleetmendPhase`` carries the current one."""
+
+    CORRELATING = "correlating"
+    CONFIRMING = "confirming"
+    DEROUTING = "derouting"
+    PROTECTING = "protecting-survivors"
+    IN_FLIGHT = "in-flight"
+    PROMOTING = "promoting"
+    REBUILDING = "rebuilding-warm-floor"
+    PLACING = "placing"
+    TRIAGING = "triaging"
+    RAMPING = "ramping"
+    VERIFYING = "verifying"
+    ROLLING_BACK = "rolling-back"
+    AWAITING_OPERATOR = "awaiting-operator"
+    PAUSED = "paused"
+    # scale-down
+    CHOOSING_VICTIMS = "choosing-victims"
+    MARKING_NOT_READY = "marking-not-ready"
+    DRAINING = "draining"
+    TERMINATING = "terminating"
+    YIELDING = "yielding-to-incident"
+    # terminal
+    NOT_A_LOSS = "not-a-loss"
+    BAD_ROLLOUT = "bad-rollout"
+    DONE = "done"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+TERMINAL_PHASES = frozenset({Phase.NOT_A_LOSS, Phase.BAD_ROLLOUT, Phase.DONE, Phase.ABORTED, Phase.FAILED})
+
+
+class RecoveryTimings(BaseModel):
+    """Every wait of the procedure, in seconds (production defaults; tests pass short ones)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    correlation_window_s: float = Field(60.0, gt=0)
+    poll_interval_s: float = Field(2.0, gt=0)
+    deroute_timeout_s: float = Field(60.0, gt=0)
+    replacement_timeout_s: float = Field(1800.0, gt=0)
+    ramp_interval_s: float = Field(30.0, gt=0)
+    ramp_max_s: float = Field(1800.0, gt=0)
+    warm_fraction: float = Field(0.9, gt=0, le=1.0)
+    qualification_timeout_s: float = Field(1800.0, gt=0)
+    approval_timeout_s: float = Field(3600.0, gt=0)
+    verify_timeout_s: float = Field(600.0, gt=0)
+    cooldown_s: float = Field(300.0, ge=0)
+    repeat_fault_window_s: float = Field(7 * 24 * 3600.0, gt=0)
+    drain_deadline_s: float = Field(600.0, gt=0)
+
+
+class ServingObjectives(BaseModel):
+    """What "serving well" means for the pool; verification checks against it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ttft_p99_slo_s: float = Field(2.0, gt=0)
+    warm_floor: int = Field(1, ge=0, description="Warm spare groups to keep")
+    min_serving_groups: int = Field(1, ge=0, description="Capacity floor the guard protects")
+    max_concurrent_destructive: int = Field(1, ge=1, description="Rate limit per pool")
+
+
+class IncidentInput(BaseModel):
+    """Start argument of ``FleetIncident`` (one per pool). Loss reports arrive as signals."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pool: PoolRef
+    dry_run: bool = False
+    timings: RecoveryTimings = Field(default_factory=RecoveryTimings)
+    objectives: ServingObjectives = Field(default_factory=ServingObjectives)
+
+
+class IncidentCause(StrEnum):
+    SINGLE_LOSS = "single-loss"
+    CORRELATED_LOSS = "correlated-loss"
+    DOMAIN_LOSS = "domain-loss"
+    BAD_ROLLOUT = "bad-rollout"
+
+
+class RecoveryInput(BaseModel):
+    """Start argument of one ``ReplicaLossRecovery`` child."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pool: PoolRef
+    incident_id: str
+    cause: IncidentCause
+    reports: list[LossReport]
+    severity: Severity = Severity.CRITICAL
+    dry_run: bool = False
+    timings: RecoveryTimings = Field(default_factory=RecoveryTimings)
+    objectives: ServingObjectives = Field(default_factory=ServingObjectives)
+    first_signal_at: float | None = None
+
+
+class Decision(BaseModel):
+    """One decision of the procedure, with the reason an SRE would want to read."""
+
+    phase: Phase
+    summary: str
+    figures: dict[str, Any] = Field(default_factory=dict)
+    at: float
+
+
+class PhaseSpan(BaseModel):
+    name: Phase
+    start: float
+    end: float | None = None
+
+
+class CheckResult(BaseModel):
+    name: str
+    passed: bool
+    observed: Any = None
+    expected: Any = None
+
+
+class VerificationReport(BaseModel):
+    passed: bool
+    checks: list[CheckResult]
+
+
+class ProcedureStatus(BaseModel):
+    """What the ``status`` query returns: phase, decisions and figures."""
+
+    workflow: str
+    pool: PoolRef
+    phase: Phase
+    dry_run: bool = False
+    paused: bool = False
+    awaiting: str | None = Field(None, description="Which operator Update the procedure waits for, and why")
+    decisions: list[Decision] = Field(default_factory=list)
+    phases: list[PhaseSpan] = Field(default_factory=list)
+    figures: dict[str, Any] = Field(default_factory=dict)
+    verification: VerificationReport | None = None
+    children: list[str] = Field(default_factory=list)
+
+
+class OperatorAction(BaseModel):
+    """Payload of the operator Updates (approve/pause/resume/abort/extend/accept_cut)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    operator: str = Field(min_length=1, max_length=100)
+    reason: str = Field("", max_length=1000)
+    extend_s: float | None = Field(None, gt=0, description="For extend: how much longer to drain")

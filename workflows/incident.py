@@ -1,0 +1,222 @@
+"""FleetIncident: one durable incident per serving pool.
+
+Every alert about the pool arrives here as a ``report_loss`` signal
+(signal-with-start, workflow id from the pool), so an alert storm reaches one
+workflow. The incident:
+
+1. absorbs repeats (by alert fingerprint and by the entity reported);
+2. starts a ReplicaLossRecovery child for the first loss at once — derouting a
+   dead replica must not wait for a correlation window;
+3. folds further losses reported within the correlation window into that same
+   child (``add_losses``), which treats the set as one correlated incident and
+   decides whether it has a common cause (bad rollout, failure domain);
+4. after the child finishes, stays open for a cool-down that absorbs late
+   repeats, then completes. A loss after the window starts a new child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.exceptions import ChildWorkflowError
+
+with workflow.unsafe.imports_passed_through():
+    from fleet.incident import AlertStatus, LossReport, PoolRef
+    from fleet.recovery import (
+        Decision,
+        IncidentCause,
+        IncidentInput,
+        Phase,
+        ProcedureStatus,
+        RecoveryInput,
+    )
+    from workflows import search_attributes as sa
+    from workflows.activity_refs import load_incident_config
+    from workflows.replica_loss import ReplicaLossRecovery
+
+
+def entity_key(report: LossReport) -> str:
+    """What a report is about: the same entity reported twice is one loss."""
+    if report.replica_group:
+        return f"group:{report.replica_group}"
+    if report.pod:
+        return f"pod:{report.pod}"
+    if report.node:
+        return f"node:{report.node}"
+    return f"alert:{report.fingerprint}"
+
+
+@workflow.defn(name="FleetIncident")
+class FleetIncident:
+    def __init__(self) -> None:
+        self._pending: list[LossReport] = []
+        self._fingerprints: set[str] = set()
+        self._entities: set[str] = set()
+        self._resolved: set[str] = set()
+        self._absorbed = 0
+        self._status: ProcedureStatus | None = None
+        self._children: list[str] = []
+
+    @workflow.signal(name="report_loss", description="An alert says a replica of this pool may be lost")
+    def report_loss(self, report: LossReport) -> None:
+        if report.status == AlertStatus.RESOLVED:
+            # Recorded, never used to abort a half-done step: the procedure verifies for itself.
+            self._resolved.add(report.fingerprint)
+            return
+        if report.fingerprint in self._fingerprints or entity_key(report) in self._entities:
+            self._absorbed += 1
+            self._fingerprints.add(report.fingerprint)
+            return
+        self._fingerprints.add(report.fingerprint)
+        self._entities.add(entity_key(report))
+        self._pending.append(report)
+
+    @workflow.query(name="status", description="Phase, children and figures of this incident")
+    def status(self) -> ProcedureStatus:
+        assert self._status is not None
+        self._status.figures.update(
+            {
+                "alerts_seen": len(self._fingerprints) + self._absorbed,
+                "alerts_absorbed": self._absorbed,
+                "resolved_alerts": len(self._resolved),
+                "entities": sorted(self._entities),
+            }
+        )
+        self._status.children = list(self._children)
+        return self._status
+
+    @workflow.run
+    async def run(self, pool: PoolRef, config: IncidentInput | None = None) -> ProcedureStatus:
+        info = workflow.info()
+        self._status = ProcedureStatus(workflow=info.workflow_id, pool=pool, phase=Phase.CORRELATING)
+        if config is None:
+            config = await workflow.execute_activity(
+                load_incident_config,
+                pool,
+                start_to_close_timeout=timedelta(seconds=30),
+                summary=f"load incident policy for {pool.key}",
+            )
+        self._status.dry_run = config.dry_run
+        workflow.upsert_search_attributes(
+            [
+                sa.FLEETMEND_KIND.value_set("incident"),
+                sa.FLEETMEND_NAMESPACE.value_set(pool.namespace),
+                sa.FLEETMEND_POOL.value_set(pool.key),
+                sa.FLEETMEND_PHASE.value_set(Phase.CORRELATING.value),
+                sa.FLEETMEND_DRY_RUN.value_set(config.dry_run),
+            ]
+        )
+        timings = config.timings
+        while True:
+            self._set_details(f"Waiting for loss reports on **{pool.key}**")
+            try:
+                await workflow.wait_condition(
+                    lambda: bool(self._pending),
+                    timeout=timedelta(seconds=max(timings.cooldown_s, 0.001)),
+                    timeout_summary="cool-down: absorbing late repeats",
+                )
+            except asyncio.TimeoutError:
+                break
+            await self._run_recovery(pool, config)
+
+        self._status.phase = Phase.DONE
+        workflow.upsert_search_attributes([sa.FLEETMEND_PHASE.value_set(Phase.DONE.value)])
+        self._set_details(f"Incident on **{pool.key}** closed after {len(self._children)} recoveries")
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        return self._status
+
+    async def _run_recovery(self, pool: PoolRef, config: IncidentInput) -> None:
+        assert self._status is not None
+        first = self._pending.pop(0)
+        now = workflow.now().timestamp()
+        n = len(self._children) + 1
+        child_id = f"{workflow.info().workflow_id}/recovery-{n}"
+        child_input = RecoveryInput(
+            pool=pool,
+            incident_id=workflow.info().workflow_id,
+            cause=IncidentCause.SINGLE_LOSS,
+            reports=[first],
+            severity=first.severity,
+            dry_run=config.dry_run,
+            timings=config.timings,
+            objectives=config.objectives,
+            first_signal_at=now,
+        )
+        self._children.append(child_id)
+        self._status.phase = Phase.CORRELATING
+        self._status.decisions.append(
+            Decision(
+                phase=Phase.CORRELATING,
+                summary=f"recovery {child_id} started for {entity_key(first)} ({first.alert_name})",
+                at=now,
+            )
+        )
+        self._set_details(f"Recovery **{child_id}** running for {entity_key(first)}")
+        handle = await workflow.start_child_workflow(
+            ReplicaLossRecovery.run,
+            child_input,
+            id=child_id,
+            task_queue=workflow.info().task_queue,
+            static_summary=f"Replica loss on {pool.key}: {entity_key(first)}",
+            search_attributes=TypedSearchAttributes(
+                [
+                    SearchAttributePair(sa.FLEETMEND_KIND, "replica-loss"),
+                    SearchAttributePair(sa.FLEETMEND_NAMESPACE, pool.namespace),
+                    SearchAttributePair(sa.FLEETMEND_POOL, pool.key),
+                    SearchAttributePair(sa.FLEETMEND_SEVERITY, first.severity.value),
+                    SearchAttributePair(sa.FLEETMEND_DRY_RUN, config.dry_run),
+                ]
+            ),
+        )
+        window_end = now + config.timings.correlation_window_s
+        # Losses within the window join this recovery as one correlated incident.
+        while True:
+            remaining = window_end - workflow.now().timestamp()
+            if self._pending and remaining > 0:
+                batch, self._pending = self._pending, []
+                await handle.signal(ReplicaLossRecovery.add_losses, batch)
+                self._status.decisions.append(
+                    Decision(
+                        phase=Phase.CORRELATING,
+                        summary=f"{len(batch)} more loss(es) within the correlation window joined {child_id}",
+                        figures={"entities": [entity_key(r) for r in batch]},
+                        at=workflow.now().timestamp(),
+                    )
+                )
+                continue
+            if remaining <= 0:
+                break
+            try:
+                await workflow.wait_condition(
+                    lambda: bool(self._pending) or handle.done(),
+                    timeout=timedelta(seconds=remaining),
+                    timeout_summary="correlation window",
+                )
+            except asyncio.TimeoutError:
+                break
+            if handle.done():
+                break
+        try:
+            result: ProcedureStatus = await handle
+            self._status.decisions.append(
+                Decision(
+                    phase=result.phase,
+                    summary=f"{child_id} ended in phase {result.phase.value}",
+                    figures={"verification_passed": result.verification.passed if result.verification else None},
+                    at=workflow.now().timestamp(),
+                )
+            )
+        except ChildWorkflowError as err:
+            self._status.decisions.append(
+                Decision(
+                    phase=Phase.FAILED,
+                    summary=f"{child_id} failed: {err.cause or err}",
+                    at=workflow.now().timestamp(),
+                )
+            )
+
+    def _set_details(self, text: str) -> None:
+        workflow.set_current_details(text)
