@@ -1,0 +1,151 @@
+"""The ramp-back model: the runbook's stated properties, checked over a grid with hypothesis."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from fleet.ramp import RampParams, RampPolicy, rate_weights, simulate_ramp, simulate_ramp_trace
+
+cold_fractions = st.floats(min_value=0.1, max_value=0.9)
+warmups = st.floats(min_value=30.0, max_value=600.0)
+
+
+def both(params: RampParams):  # type: ignore[no-untyped-def]
+    return simulate_ramp(params, RampPolicy.EQUAL), simulate_ramp(params, RampPolicy.RATE)
+
+
+def test_default_case_figures() -> None:
+    equal, rate = both(RampParams())
+    assert equal.late == pytest.approx(313.25)
+    assert equal.peak_wait_new == pytest.approx(31.181818, rel=1e-6)
+    assert equal.served == pytest.approx(35995.0)
+    assert rate.late == 0.0
+    assert rate.served == pytest.approx(36000.0)
+    assert rate.goodput == rate.served - rate.late
+    assert equal.goodput == equal.served - equal.late
+
+
+@settings(max_examples=60, deadline=None)
+@given(c=cold_fractions, t=warmups)
+def test_rate_policy_leaves_no_late_request_when_the_replacement_is_headroom(c: float, t: float) -> None:
+    rate = simulate_ramp(RampParams(cold_fraction=c, warmup_s=t), RampPolicy.RATE)
+    assert rate.late == 0.0
+    assert rate.peak_wait_new < 1e-9
+
+
+@settings(max_examples=20, deadline=None)
+@given(w=st.integers(min_value=1, max_value=8), r=st.floats(min_value=1.0, max_value=100.0))
+def test_a_replica_that_starts_warm_makes_both_policies_identical(w: int, r: float) -> None:
+    equal, rate = both(RampParams(cold_fraction=1.0, warmup_s=0.0, warm_replicas=w, warm_rate=r))
+    assert equal.late == rate.late == 0.0
+    assert equal.served == pytest.approx(rate.served)
+    assert equal.peak_wait_new == pytest.approx(rate.peak_wait_new, abs=1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(colder=cold_fractions, warmer=cold_fractions, t=warmups)
+def test_equal_policy_peak_wait_grows_as_the_start_gets_colder(
+    colder: float, warmer: float, t: float
+) -> None:
+    colder, warmer = min(colder, warmer), max(colder, warmer)
+    p_cold = simulate_ramp(RampParams(cold_fraction=colder, warmup_s=t), RampPolicy.EQUAL).peak_wait_new
+    p_warm = simulate_ramp(RampParams(cold_fraction=warmer, warmup_s=t), RampPolicy.EQUAL).peak_wait_new
+    assert p_cold >= p_warm
+    # Strictly, once the cold replacement cannot carry its equal share: c*R < A/(W+1) = 60/4 = 15 req/s.
+    if colder * 20.0 < 15.0:
+        assert p_cold > 0.0
+        if colder < warmer:
+            assert p_cold > p_warm
+
+
+@settings(max_examples=40, deadline=None)
+@given(c=cold_fractions, t=warmups)
+def test_routing_cannot_replace_admission_when_arrivals_need_the_warm_replacement(c: float, t: float) -> None:
+    # A = (W+1) x R: the pool is short while the replacement warms, and neither policy ever drains the
+    # backlog that builds up: only admission control (shedding) can.
+    params = RampParams(cold_fraction=c, warmup_s=t, arrival=4 * 20.0)
+    equal, rate = both(params)
+    assert equal.final_depth_new > 0.0
+    assert rate.final_depth_new > 0.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(c=cold_fractions, t=warmups)
+def test_both_policies_are_late_once_arrivals_exceed_the_warm_pool(c: float, t: float) -> None:
+    equal, rate = both(RampParams(cold_fraction=c, warmup_s=t, arrival=1.1 * 4 * 20.0))
+    assert equal.late > 0.0
+    assert rate.late > 0.0
+
+
+def test_runbook_case_with_arrivals_at_the_warm_capacity() -> None:
+    # What the model actually says for the runbook's defaults at A = (W+1)R: the equal policy is late,
+    # the rate policy keeps waits under D but carries a standing queue; a long cold warm-up makes both late.
+    equal, rate = both(RampParams(arrival=80.0))
+    assert equal.late > 0.0 and rate.late == 0.0 and rate.final_depth_new > 100.0
+    equal, rate = both(RampParams(arrival=80.0, warmup_s=300.0))
+    assert equal.late > 0.0 and rate.late > 0.0
+
+
+def test_trace_has_one_wait_per_second_and_its_peak_is_the_reported_peak() -> None:
+    trace = simulate_ramp_trace(RampParams(seconds=300), RampPolicy.EQUAL)
+    assert len(trace.wait_new) == 300
+    assert max(trace.wait_new) == trace.result.peak_wait_new
+
+
+def test_replacement_rate_ramps_linearly_from_cold_to_warm() -> None:
+    p = RampParams(warm_rate=20, cold_fraction=0.25, warmup_s=120)
+    assert p.replacement_rate(0) == 5.0
+    assert p.replacement_rate(60) == 12.5
+    assert p.replacement_rate(120) == p.replacement_rate(500) == 20.0
+    assert RampParams(warmup_s=0).replacement_rate(0) == 20.0
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"warm_rate": 0},
+        {"warm_rate": -1},
+        {"cold_fraction": 0},
+        {"cold_fraction": 1.5},
+        {"warmup_s": -1},
+        {"deadline_s": 0},
+        {"warm_replicas": 0},
+        {"seconds": 0},
+        {"arrival": -5},
+        {"warm_rate": float("nan")},
+    ],
+)
+def test_invalid_inputs_are_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(ValidationError):
+        RampParams(**bad)  # type: ignore[arg-type]
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=4), st.floats(min_value=0, max_value=1e6), min_size=1))
+def test_rate_weights_are_proportional_and_sum_to_one(rates: dict[str, float]) -> None:
+    weights = rate_weights(rates)
+    assert set(weights) == set(rates)
+    assert sum(weights.values()) == pytest.approx(1.0)
+    total = sum(rates.values())
+    if total > 0:
+        for key, rate in rates.items():
+            assert weights[key] == pytest.approx(rate / total, abs=1e-12)
+
+
+def test_rate_weights_floor_gives_an_unmeasured_replacement_a_trickle() -> None:
+    weights = rate_weights({"a": 20.0, "b": 20.0, "new": 0.0}, floor=0.05)
+    assert weights["new"] == pytest.approx(0.05)
+    assert weights["a"] == pytest.approx(0.475)
+    assert sum(weights.values()) == pytest.approx(1.0)
+    assert rate_weights({"a": 0.0, "b": 0.0}) == {"a": 0.5, "b": 0.5}
+    assert rate_weights({}) == {}
+
+
+@pytest.mark.parametrize(
+    "rates,floor", [({"a": -1.0}, 0.0), ({"a": float("nan")}, 0.0), ({"a": 1.0, "b": 1.0}, 0.5)]
+)
+def test_rate_weights_refuse_nonsense(rates: dict[str, float], floor: float) -> None:
+    with pytest.raises(ValueError):
+        rate_weights(rates, floor=floor)
