@@ -1,9 +1,124 @@
-"""`fleetmend dev` command (being built)."""
+"""``fleetmend dev`` (the embedded stack in the foreground) and the foundation's ``fleetmend demo``."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import time
+from datetime import timedelta
+from urllib.parse import quote
+
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from worker import jsonlog
+from worker.config import Settings, load_settings
+from worker.devstack import DevStack
+from worker.processes import StackError
+from worker.startup_checks import StartupCheckError
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def workflow_ui_url(settings: Settings, workflow_id: str) -> str:
+    ns = quote(settings.temporal_namespace, safe="")
+    return f"{settings.temporal_ui_url.rstrip('/')}/namespaces/{ns}/workflows/{quote(workflow_id, safe='')}"
+
+
+def _endpoint_table(stack: DevStack) -> Table:
+    table = Table(title="fleetmend embedded stack", title_justify="left")
+    table.add_column("part", style="bold")
+    table.add_column("what")
+    table.add_column("where", style="cyan", overflow="fold")
+    for row in stack.endpoints():
+        table.add_row(row.part, row.what, row.url)
+    return table
+
+
+def _stop_on_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+
+async def _serve(settings: Settings) -> None:
+    stop = asyncio.Event()
+    _stop_on_signals(stop)  # a Ctrl-C during start-up stops the stack right after it is up
+    async with DevStack(settings) as stack:
+        console.print(_endpoint_table(stack))
+        console.print(
+            "[green]fleetmend dev is up.[/] Ctrl-C stops every part; state is kept for the next start."
+        )
+        await stop.wait()
+        console.print("stopping ...")
+    console.print("stopped.")
+
+
+def _fail(message: str) -> None:
+    err_console.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)
+    raise typer.Exit(1)
+
+
+def _run(coro_factory: object) -> None:
+    try:
+        asyncio.run(coro_factory)  # type: ignore[arg-type]
+    except (StackError, StartupCheckError) as err:
+        _fail(str(err))
+
+
+def dev() -> None:
+    """Run the embedded stack in the foreground (Temporal + Web UI, Postgres, sim, webhook, worker).
+
+    Temporal dev server with its Web UI, the ledger Postgres (migrated), the sim,
+    the webhook API and the worker, each waited on until it answers. Ctrl-C stops
+    everything; a restart keeps workflow history and the ledger."""
+    settings = load_settings()
+    jsonlog.configure(file=settings.state_dir / "logs" / "fleetmend.log")
+    _run(_serve(settings))
+
+
+async def _smoke_demo(settings: Settings, keep_running: bool) -> None:
+    from workflows.smoke import FleetmendSmoke
+
+    stop = asyncio.Event()
+    _stop_on_signals(stop)
+    async with DevStack(settings) as stack:
+        console.print(_endpoint_table(stack))
+        workflow_id = f"fleetmend-smoke/{time.strftime('%Y%m%dT%H%M%S')}"
+        console.print(f"running workflow [bold]{workflow_id}[/] through the worker ...")
+        result = await stack.client.execute_workflow(
+            FleetmendSmoke.run,
+            "hello from fleetmend demo",
+            id=workflow_id,
+            task_queue=stack.settings.task_queue,
+            execution_timeout=timedelta(minutes=1),
+            static_summary="Foundation smoke run: worker -> activity -> result",
+        )
+        reply = result.reply
+        console.print(
+            f"[green]workflow completed:[/] activity echoed {reply.echo!r} on {reply.worker_host} "
+            f"(pid {reply.worker_pid}, thread {reply.thread})"
+        )
+        console.print(f"see it in the Temporal UI: {workflow_ui_url(stack.settings, workflow_id)}")
+        if keep_running:
+            console.print("--keep-running: Ctrl-C stops the stack.")
+            await stop.wait()
+
+
+def demo(
+    keep_running: bool = typer.Option(False, "--keep-running", help="Leave the stack up after the run."),
+) -> None:
+    """Start the embedded stack and run a smoke workflow end to end through the worker.
+
+    This is the foundation's demo; the guided GPU-node-loss incident replaces it."""
+    settings = load_settings()
+    jsonlog.configure(file=settings.state_dir / "logs" / "fleetmend.log")
+    _run(_smoke_demo(settings, keep_running))
 
 
 def register(app: typer.Typer) -> None:
     """Attach this module's commands to the root app."""
+    app.command("dev")(dev)
+    app.command("demo")(demo)

@@ -34,7 +34,9 @@ class Settings(BaseSettings):
     )
 
     # Kubernetes
-    kubeconfig: Path | None = Field(None, description="kubeconfig path; unset = in-cluster, then ~/.kube/config")
+    kubeconfig: Path | None = Field(
+        None, description="kubeconfig path; unset = in-cluster, then ~/.kube/config"
+    )
     kube_context: str | None = Field(None, description="kubeconfig context")
     router_label: str = Field(ROUTER_LABEL, description="Router-only pod label (never a controller selector)")
     router_label_value: str = Field(ROUTER_LABEL_VALUE, description="Value of the router-only label")
@@ -51,17 +53,24 @@ class Settings(BaseSettings):
     qualification_url_template: str = Field(
         "http://{node}:9401/qualification", description="Node qualification endpoint; placeholder {node}"
     )
-    notifier_url: str | None = Field(None, description="Slack-compatible incoming webhook for the incident channel")
+    notifier_url: str | None = Field(
+        None, description="Slack-compatible incoming webhook for the incident channel"
+    )
 
     # Webhook API
     webhook_host: str = Field("127.0.0.1", description="Webhook API bind address")
     webhook_port: int = Field(8088, description="Webhook API port")
     webhook_token: SecretStr | None = Field(None, description="Bearer token Alertmanager must send")
     webhook_max_body_bytes: int = Field(1_048_576, description="Largest accepted alert payload")
-    alert_rules_file: Path | None = Field(None, description="Alert routing rules YAML (default: shipped rules)")
+    alert_rules_file: Path | None = Field(
+        None, description="Alert routing rules YAML (default: shipped rules)"
+    )
 
     # Worker
     worker_metrics_port: int = Field(9464, description="Worker Prometheus metrics port (0 = off)")
+    worker_metrics_host: str = Field(
+        "127.0.0.1", description="Worker metrics bind address (0.0.0.0 in containers)"
+    )
 
     # Embedded dev stack
     state_dir: Path = Field(Path(".fleetmend"), description="Where the embedded stack keeps its state")

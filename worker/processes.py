@@ -1,0 +1,106 @@
+"""Child-process plumbing for the embedded stack: port checks, spawning, clean stops.
+
+Every helper here serves one promise of ``fleetmend dev``: whatever it started
+is gone when it stops, even when the supervisor itself is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+class StackError(RuntimeError):
+    """A part of the embedded stack could not start; the message names the fix."""
+
+
+class PortInUseError(StackError):
+    pass
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """True when nothing listens on host:port (we can bind it ourselves right now)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def require_free_port(host: str, port: int, *, what: str, setting: str) -> None:
+    """Fail with the fix when a port the stack needs is taken (before starting anything)."""
+    if port and not port_is_free(host, port):
+        raise PortInUseError(
+            f"{what} port {host}:{port} is already in use: stop the process using it "
+            f"(`ss -ltnp | grep :{port}`) or choose another port with {setting}"
+        )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS considers free right now (tests run side by side, so never hard-code one)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: if the supervisor dies (even by
+    # SIGKILL) the kernel sends the child SIGTERM, so no orphan keeps a port.
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def spawn(
+    argv: Sequence[str], *, log_file: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start a child in its own session (Ctrl-C reaches only the supervisor, which stops
+    children in order) that also dies with the supervisor; output goes to ``log_file``."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with log_file.open("ab") as log:
+        return subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+
+
+def terminate(proc: subprocess.Popen[bytes], *, timeout_s: float = 15.0) -> None:
+    """SIGTERM the child's whole process group, then SIGKILL whatever is left after ``timeout_s``."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+
+
+def log_tail(path: Path, lines: int = 5) -> str:
+    """The last lines of a child's log, for an error message that shows why it died."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.strip().splitlines()[-lines:])
