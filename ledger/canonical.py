@@ -1,0 +1,39 @@
+"""Canonical JSON and fingerprints: two requests are "the same" when these bytes match."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel
+
+from ledger.errors import InvalidEffectRequest
+
+
+def to_json_object(value: Mapping[str, Any] | BaseModel, what: str) -> dict[str, Any]:
+    """A plain JSON object (dict) from a mapping or pydantic model, or a clear error."""
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="json")
+    if not isinstance(value, Mapping):
+        raise InvalidEffectRequest(f"{what} must be a JSON object (a dict), got {type(value).__name__}")
+    try:
+        return json.loads(canonical_json(dict(value)))
+    except (TypeError, ValueError) as exc:
+        raise InvalidEffectRequest(f"{what} must be JSON-serialisable (no NaN, no custom objects): {exc}") from exc
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def fingerprint(kind: str, target: str, params: Mapping[str, Any]) -> str:
+    """sha256 over kind, target and canonical params: what "same request" means for an operation id."""
+    payload = canonical_json({"kind": kind, "target": target, "params": params})
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def body_digest(body: bytes) -> str:
+    """The digest an action log records for a request body: sha256 hex of the raw bytes sent."""
+    return hashlib.sha256(body).hexdigest()

