@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from worker import cli_dev, cli_ledger, cli_model, cli_sim, cli_worker
+from worker import cli_alert, cli_dev, cli_ledger, cli_model, cli_sim, cli_worker
 from worker.config import load_settings
 
 app = typer.Typer(
@@ -29,6 +29,7 @@ app.add_typer(cli_model.app, name="model", help="Capacity what-if models (ramp-b
 cli_dev.register(app)
 cli_sim.register(app)
 cli_worker.register(app)
+cli_alert.register(app)
 
 
 @app.command("config")

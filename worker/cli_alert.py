@@ -1,0 +1,139 @@
+"""``fleetmend webhook`` (serve the alert receiver) and ``fleetmend alert`` (post a payload by hand)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import typer
+from rich.console import Console
+
+from worker import jsonlog
+from worker.alert_examples import EXAMPLES, example_payload
+from worker.alert_rules import AlertRulesError, load_alert_rules
+from worker.config import load_settings
+from worker.webhook import ALERTMANAGER_PATH, WebhookConfigError, create_app, serve
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)
+    return typer.Exit(code)
+
+
+def webhook(
+    host: str | None = typer.Option(None, help="Bind address (default FLEETMEND_WEBHOOK_HOST)."),
+    port: int | None = typer.Option(None, help="Port (default FLEETMEND_WEBHOOK_PORT)."),
+    rules: Path | None = typer.Option(
+        None, help="Alert routing rules YAML (default FLEETMEND_ALERT_RULES_FILE)."
+    ),
+    check: bool = typer.Option(False, "--check", help="Validate token and routing rules, then exit."),
+    log_level: str = typer.Option("INFO", "--log-level", help="Python log level of the JSON logs on stderr."),
+) -> None:
+    """Serve the Alertmanager webhook receiver (POST /alerts/alertmanager, /healthz, /readyz, /metrics).
+
+    Needs FLEETMEND_WEBHOOK_TOKEN (Alertmanager sends it as a bearer token)."""
+    overrides: dict[str, object] = {}
+    if host is not None:
+        overrides["webhook_host"] = host
+    if port is not None:
+        overrides["webhook_port"] = port
+    if rules is not None:
+        overrides["alert_rules_file"] = rules
+    settings = load_settings(**overrides)
+    try:
+        create_app(settings)
+    except (WebhookConfigError, AlertRulesError) as err:
+        raise _fail(str(err)) from None
+    if check:
+        loaded = load_alert_rules(settings.alert_rules_file)
+        console.print(
+            f"ok: token set, {len(loaded.rules)} routing rules ({', '.join(sorted(loaded.alert_names))})"
+        )
+        return
+    jsonlog.configure(log_level)
+    serve(settings)
+
+
+def alert(
+    file: Path | None = typer.Option(
+        None, "--file", "-f", help="Post this Alertmanager payload (JSON; '-' reads stdin) to the webhook."
+    ),
+    example: str | None = typer.Option(
+        None, "--example", "-e", help=f"Print a realistic example payload: {', '.join(EXAMPLES)}."
+    ),
+    label: list[str] = typer.Option(
+        [], "--label", "-l", help="Override an example label: NAME=VALUE (repeat)."
+    ),
+    resolved: bool = typer.Option(False, "--resolved", help="Make the example a resolved notification."),
+    url: str | None = typer.Option(None, help="Webhook URL (default from FLEETMEND_WEBHOOK_HOST/PORT)."),
+) -> None:
+    """Post an alert payload to the fleetmend webhook, or print an example one.
+
+    fleetmend alert --example node-not-ready --label node=gpu-node-2 > alert.json
+    fleetmend alert --file alert.json"""
+    if (file is None) == (example is None):
+        raise _fail("give exactly one of --file (post a payload) or --example NAME (print one)")
+    if example is not None:
+        overrides: dict[str, str] = {}
+        for item in label:
+            name, sep, value = item.partition("=")
+            if not sep or not name:
+                raise _fail(f"--label {item!r} must look like NAME=VALUE")
+            overrides[name] = value
+        try:
+            payload = example_payload(example, overrides=overrides, resolved=resolved)
+        except KeyError as err:
+            raise _fail(str(err.args[0])) from None
+        typer.echo(json.dumps(payload, indent=2))
+        return
+    assert file is not None
+    _post(file, url)
+
+
+def _post(file: Path, url: str | None) -> None:
+    settings = load_settings()
+    try:
+        body = sys.stdin.buffer.read() if str(file) == "-" else file.read_bytes()
+    except OSError as err:
+        raise _fail(f"cannot read {file}: {err.strerror or err}") from None
+    token = settings.webhook_token.get_secret_value() if settings.webhook_token else ""
+    if not token:
+        raise _fail(
+            "FLEETMEND_WEBHOOK_TOKEN is not set: the webhook accepts only requests with its bearer token"
+        )
+    target = url or f"http://{settings.webhook_host}:{settings.webhook_port}{ALERTMANAGER_PATH}"
+    try:
+        response = httpx.post(
+            target,
+            content=body,
+            headers={
+                "Authorization": f"Bearer {token}",
+                "Content-Type": "application/json",
+                "User-Agent": "fleetmend-alert",
+            },
+            timeout=30.0,
+        )
+    except httpx.HTTPError as err:
+        raise _fail(
+            f"cannot reach the webhook at {target}: {err}. Is `fleetmend webhook` (or `fleetmend dev`) running?"
+        ) from None
+    try:
+        shown = json.dumps(response.json(), indent=2)
+    except ValueError:
+        shown = response.text
+    style = "green" if response.is_success else "red"
+    console.print(f"[{style}]HTTP {response.status_code}[/]", highlight=False)
+    console.print_json(shown) if shown.startswith(("{", "[")) else console.print(shown)
+    if not response.is_success:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Attach this module's commands to the root app."""
+    app.command("webhook")(webhook)
+    app.command("alert")(alert)

@@ -1,0 +1,339 @@
+"""The alert webhook API: Alertmanager posts here, fleetmend starts the right incident once.
+
+Status codes follow Alertmanager's retry rules (it retries 5xx and network
+errors, never 4xx):
+
+* 200 — every alert was delivered to its pool's incident or deliberately ignored;
+* 400/415/422 — the payload is malformed, of another version or has invalid fields:
+  retrying cannot help, so nothing is retried and nothing is started;
+* 401 — missing or wrong bearer token (compared in constant time);
+* 413 — body larger than ``FLEETMEND_WEBHOOK_MAX_BODY_BYTES``;
+* 503 — Temporal or the Kubernetes API is unreachable: Alertmanager retries, and
+  repeats are harmless because delivery is idempotent.
+
+Also: ``GET /healthz`` (process alive), ``GET /readyz`` (Temporal and the ledger
+database reachable), ``GET /metrics`` (Prometheus).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import importlib
+import importlib.util
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import Engine
+
+from worker.alert_intake import AlertIntake, IntakeResult, TemporalClientFactory, TemporalUnavailable
+from worker.alert_routing import AlertRouter
+from worker.alert_rules import AlertRules, load_alert_rules
+from worker.alertmanager import SUPPORTED_VERSION, AlertmanagerPayload
+from worker.config import Settings
+from worker.pool_topology import KubernetesUnavailable, PoolTopology
+from worker.webhook_metrics import WebhookMetrics
+
+log = logging.getLogger("fleetmend.webhook")
+
+ALERTMANAGER_PATH = "/alerts/alertmanager"
+RETRY_AFTER_S = "5"
+
+DatabaseProbe = Callable[[], Awaitable[None]]
+
+
+class WebhookConfigError(ValueError):
+    """The webhook cannot start with these settings; the message says what to set."""
+
+
+class _Rejected(Exception):
+    def __init__(self, status: int, reason: str, message: str, details: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.message = message
+        self.details = details or []
+
+
+def create_app(
+    settings: Settings,
+    *,
+    temporal_client_factory: TemporalClientFactory | None = None,
+    rules: AlertRules | None = None,
+    topology: PoolTopology | None = None,
+    database_probe: DatabaseProbe | None = None,
+    metrics: WebhookMetrics | None = None,
+) -> FastAPI:
+    """Build the webhook API. Raises ``WebhookConfigError`` / ``AlertRulesError`` before serving
+    anything when the token or the routing rules are unusable."""
+    token = settings.webhook_token.get_secret_value() if settings.webhook_token else ""
+    if not token:
+        raise WebhookConfigError(
+            "FLEETMEND_WEBHOOK_TOKEN is not set: the alert webhook refuses to run without a bearer token. "
+            "Generate one (e.g. `openssl rand -hex 32`), set it here and in Alertmanager's "
+            "http_config.authorization.credentials"
+        )
+    expected_token = token.encode()
+    rules = rules or load_alert_rules(settings.alert_rules_file)
+    topology = topology or PoolTopology.from_settings(settings)
+    metrics = metrics or WebhookMetrics()
+    client_factory = temporal_client_factory or _default_client_factory(settings)
+    intake = AlertIntake(settings, AlertRouter(rules, topology), client_factory, metrics)
+    engine_holder: list[Engine] = []
+    probe_database = database_probe or _sqlalchemy_probe(settings, engine_holder)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        log.info(
+            "alert webhook ready",
+            extra={"rules": len(rules.rules), "path": ALERTMANAGER_PATH, "task_queue": settings.task_queue},
+        )
+        yield
+        for engine in engine_holder:
+            engine.dispose()
+
+    app = FastAPI(
+        title="fleetmend alert webhook",
+        summary="Alertmanager webhook receiver: alerts become loss reports in the pool's FleetIncident.",
+        lifespan=lifespan,
+    )
+    app.state.metrics = metrics
+    app.state.intake = intake
+
+    @app.post(
+        ALERTMANAGER_PATH,
+        summary="Receive an Alertmanager webhook notification (payload version 4)",
+        responses={
+            200: {"description": "Alerts delivered to their incidents or ignored (with reasons)"},
+            400: {"description": "Body is not JSON"},
+            401: {"description": "Missing or wrong bearer token"},
+            413: {"description": "Body over the size limit"},
+            422: {"description": "Wrong payload version or invalid fields"},
+            503: {"description": "Temporal or Kubernetes unreachable: Alertmanager retries"},
+        },
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": AlertmanagerPayload.model_json_schema(by_alias=True)}
+                },
+            }
+        },
+    )
+    async def receive_alerts(request: Request) -> Response:
+        started = time.perf_counter()
+        try:
+            if not _bearer_matches(request.headers.get("authorization"), expected_token):
+                raise _Rejected(401, "unauthorized", "missing or wrong bearer token")
+            body = await _read_limited(request, settings.webhook_max_body_bytes)
+            payload = _parse_payload(body)
+            result = await intake.handle(payload)
+            response: Response = JSONResponse(_accepted_body(payload, result))
+        except _Rejected as rejection:
+            metrics.requests_rejected.labels(rejection.reason).inc()
+            log.warning(
+                "alert notification rejected",
+                extra={
+                    "reason": rejection.reason,
+                    "status_code": rejection.status,
+                    "detail": rejection.message,
+                    "client": request.client.host if request.client else None,
+                },
+            )
+            response = _error_response(rejection)
+        except (TemporalUnavailable, KubernetesUnavailable) as err:
+            reason = (
+                "temporal-unavailable" if isinstance(err, TemporalUnavailable) else "kubernetes-unavailable"
+            )
+            metrics.requests_rejected.labels(reason).inc()
+            log.error(
+                "alert notification not delivered; the sender will retry",
+                extra={"reason": reason, "detail": str(err)},
+            )
+            response = _error_response(_Rejected(503, reason, f"{err}; retry later (nothing was lost)"))
+            response.headers["Retry-After"] = RETRY_AFTER_S
+        metrics.request_seconds.labels(str(response.status_code)).observe(time.perf_counter() - started)
+        return response
+
+    @app.get("/healthz", summary="Liveness: the process answers")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", summary="Readiness: Temporal and the ledger database are reachable")
+    async def readyz() -> JSONResponse:
+        checks = dict(
+            zip(
+                ("temporal", "database"),
+                await asyncio.gather(_check(_temporal_probe(intake)), _check(probe_database)),
+                strict=True,
+            )
+        )
+        ready = all(v == "ok" for v in checks.values())
+        return JSONResponse({"ready": ready, "checks": checks}, status_code=200 if ready else 503)
+
+    @app.get("/metrics", summary="Prometheus metrics of the receiver")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    _include_effects_api(app, settings)
+    return app
+
+
+def _bearer_matches(header: str | None, expected: bytes) -> bool:
+    """Constant-time comparison: the reply time does not reveal how much of a guess was right."""
+    if not header:
+        return False
+    scheme, _, credentials = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(credentials.strip().encode("utf-8", "surrogateescape"), expected)
+
+
+async def _read_limited(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise _Rejected(400, "invalid-content-length", f"Content-Length {declared!r} is not a byte count")
+        if int(declared) > limit:
+            raise _Rejected(413, "too-large", f"body of {declared} bytes exceeds the {limit}-byte limit")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _Rejected(413, "too-large", f"body exceeds the {limit}-byte limit")
+    return bytes(body)
+
+
+def _parse_payload(body: bytes) -> AlertmanagerPayload:
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise _Rejected(400, "malformed-json", f"body is not JSON: {str(err)[:200]}") from err
+    if not isinstance(data, dict):
+        raise _Rejected(
+            422, "invalid-payload", "payload must be a JSON object (Alertmanager webhook version 4)"
+        )
+    version = data.get("version")
+    if version != SUPPORTED_VERSION:
+        shown = "missing" if version is None else repr(version)[:40]
+        raise _Rejected(
+            422,
+            "unsupported-version",
+            f"payload version {shown} is not supported: fleetmend accepts Alertmanager webhook payload "
+            f'version "{SUPPORTED_VERSION}" (every Alertmanager since 0.10 sends it)',
+        )
+    try:
+        return AlertmanagerPayload.model_validate(data)
+    except (ValidationError, RecursionError) as err:
+        details = (
+            [f"{'.'.join(str(p) for p in e['loc']) or '(payload)'}: {e['msg']}" for e in err.errors()[:20]]
+            if isinstance(err, ValidationError)
+            else ["payload nests too deeply"]
+        )
+        raise _Rejected(422, "invalid-payload", "payload fields are invalid", details) from err
+
+
+def _accepted_body(payload: AlertmanagerPayload, result: IntakeResult) -> dict[str, Any]:
+    return {
+        "status": "accepted" if result.delivered else "ignored",
+        "alerts": len(payload.alerts),
+        "incidents": result.workflows,
+        "delivered": [
+            {
+                "workflow_id": d.workflow_id,
+                "alertname": d.alert_name,
+                "fingerprint": d.fingerprint,
+                "status": d.status,
+                "replica_group": d.replica_group,
+                "delivery": d.mode,
+            }
+            for d in result.delivered
+        ],
+        "ignored": [
+            {
+                "alertname": i.alert_name,
+                "fingerprint": i.fingerprint,
+                "reason": i.reason.value,
+                "detail": i.detail,
+            }
+            for i in result.ignored
+        ],
+    }
+
+
+def _error_response(rejection: _Rejected) -> JSONResponse:
+    body: dict[str, Any] = {"error": rejection.reason, "message": rejection.message}
+    if rejection.details:
+        body["details"] = rejection.details
+    headers = {"WWW-Authenticate": "Bearer"} if rejection.status == 401 else None
+    return JSONResponse(body, status_code=rejection.status, headers=headers)
+
+
+async def _check(probe: DatabaseProbe) -> str:
+    try:
+        await asyncio.wait_for(probe(), timeout=5.0)
+    except Exception as err:
+        return f"unreachable: {str(err).splitlines()[0][:300] if str(err) else type(err).__name__}"
+    return "ok"
+
+
+def _temporal_probe(intake: AlertIntake) -> DatabaseProbe:
+    async def probe() -> None:
+        client = await intake.client()
+        await client.service_client.check_health()
+
+    return probe
+
+
+def _sqlalchemy_probe(settings: Settings, engines: list[Engine]) -> DatabaseProbe:
+    url = settings.database_url_value()
+
+    def select_one() -> None:
+        if not engines:
+            engines.append(create_engine(url or "", pool_pre_ping=True, connect_args={"connect_timeout": 3}))
+        with engines[0].connect() as conn:
+            conn.execute(text("SELECT 1"))
+
+    async def probe() -> None:
+        if not url:
+            raise RuntimeError("FLEETMEND_DATABASE_URL is not set (the ledger database)")
+        await asyncio.to_thread(select_one)
+
+    return probe
+
+
+def _default_client_factory(settings: Settings) -> TemporalClientFactory:
+    from worker.temporal_client import connect
+
+    return lambda: connect(settings, identity="fleetmend-webhook")
+
+
+def _include_effects_api(app: FastAPI, settings: Settings) -> None:
+    """Mount the effect-ledger query API when that module is installed."""
+    if importlib.util.find_spec("worker.effects_api") is None:
+        return
+    module = importlib.import_module("worker.effects_api")
+    router = module.create_router(settings) if hasattr(module, "create_router") else module.router
+    app.include_router(router)
+
+
+def serve(settings: Settings) -> None:
+    """Run the webhook API with uvicorn on ``webhook_host:webhook_port`` until interrupted."""
+    import uvicorn
+
+    app = create_app(settings)
+    uvicorn.run(
+        app,
+        host=settings.webhook_host,
+        port=settings.webhook_port,
+        log_config=None,
+    )
