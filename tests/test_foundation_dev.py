@@ -1,0 +1,172 @@
+"""``fleetmend dev`` as a user runs it: a subprocess that starts, answers, stops clean and keeps its state.
+
+Runs on free ports (FLEETMEND_* env) with its state in the test's temp dir.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+from ledger.migrate import is_at_head
+from worker.devstack import module_available
+from worker.processes import free_port, port_is_free
+from workflows.smoke import FleetmendSmoke
+
+pytestmark = pytest.mark.e2e
+
+FLEETMEND = str(Path(sys.executable).parent / "fleetmend")
+
+
+@dataclass
+class DevRun:
+    proc: subprocess.Popen[bytes]
+    stdout: Path
+
+    def output(self) -> str:
+        return self.stdout.read_text(errors="replace")
+
+
+@dataclass
+class DevConfig:
+    state_dir: Path
+    env: dict[str, str]
+    grpc_port: int
+    ui_port: int
+    metrics_port: int
+    task_queue: str
+
+    @property
+    def ports(self) -> list[int]:
+        return [self.grpc_port, self.ui_port, self.metrics_port, int(self.env["FLEETMEND_WEBHOOK_PORT"])]
+
+
+@pytest.fixture
+def dev_config(tmp_path: Path) -> DevConfig:
+    grpc, ui, metrics = free_port(), free_port(), free_port()
+    task_queue = f"dev-{uuid.uuid4().hex[:8]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETMEND_")}
+    env.update(
+        {
+            "FLEETMEND_STATE_DIR": str(tmp_path / "state"),
+            "FLEETMEND_TEMPORAL_ADDRESS": f"127.0.0.1:{grpc}",
+            "FLEETMEND_TEMPORAL_UI_PORT": str(ui),
+            "FLEETMEND_WORKER_METRICS_PORT": str(metrics),
+            "FLEETMEND_WEBHOOK_PORT": str(free_port()),
+            "FLEETMEND_SIM_PORT": str(free_port()),
+            "FLEETMEND_TASK_QUEUE": task_queue,
+            "COLUMNS": "400",  # one table row per line, so the test can read it
+        }
+    )
+    return DevConfig(tmp_path / "state", env, grpc, ui, metrics, task_queue)
+
+
+def start_dev(config: DevConfig, tag: str, timeout_s: float = 120.0) -> DevRun:
+    out = config.state_dir.parent / f"dev-{tag}.out"
+    with out.open("wb") as sink:
+        proc = subprocess.Popen([FLEETMEND, "dev"], stdout=sink, stderr=subprocess.STDOUT, env=config.env)
+    run = DevRun(proc, out)
+    deadline = time.monotonic() + timeout_s
+    while "fleetmend dev is up" not in run.output():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_dev(run, signal.SIGKILL)
+            pytest.fail(f"fleetmend dev did not come up:\n{run.output()}")
+        time.sleep(0.2)
+    return run
+
+
+def stop_dev(run: DevRun, sig: signal.Signals = signal.SIGINT) -> int:
+    run.proc.send_signal(sig)
+    return run.proc.wait(timeout=60)
+
+
+def processes_using(path: Path) -> list[str]:
+    """Command lines of live processes that mention ``path`` (temporal --db-filename, postgres -D)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        if str(path) in cmdline and "State:\tZ" not in status:
+            found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+def assert_nothing_left(config: DevConfig) -> None:
+    deadline = time.monotonic() + 10
+    while processes_using(config.state_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_using(config.state_dir) == []
+    assert all(port_is_free("127.0.0.1", port) for port in config.ports)
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[DevRun]]:
+    runs: list[DevRun] = []
+    yield runs
+    for run in runs:  # a failed assertion must not leave a stack running
+        if run.proc.poll() is None:
+            stop_dev(run, signal.SIGKILL)
+
+
+async def test_dev_starts_answers_stops_clean_and_keeps_history(
+    dev_config: DevConfig, cleanup: list[DevRun]
+) -> None:
+    run = start_dev(dev_config, "first")
+    cleanup.append(run)
+    output = run.output()
+    assert f"http://127.0.0.1:{dev_config.ui_port}" in output
+
+    async with httpx.AsyncClient(timeout=10) as http:
+        assert (await http.get(f"http://127.0.0.1:{dev_config.ui_port}/")).status_code == 200
+        metrics = await http.get(f"http://127.0.0.1:{dev_config.metrics_port}/metrics")
+        assert "temporal_worker_task_slots_available" in metrics.text
+        if module_available("worker.webhook"):
+            webhook = f"http://127.0.0.1:{dev_config.env['FLEETMEND_WEBHOOK_PORT']}/healthz"
+            assert (await http.get(webhook)).status_code == 200
+
+    # The ledger database named in the table is migrated.
+    match = re.search(r"(postgresql\+psycopg://\S+)", output)
+    assert match, output
+    assert is_at_head(match.group(1))
+
+    # A workflow runs end to end through the stack's own worker.
+    client = await Client.connect(f"127.0.0.1:{dev_config.grpc_port}", data_converter=pydantic_data_converter)
+    workflow_id = f"smoke-{uuid.uuid4().hex[:8]}"
+    result = await client.execute_workflow(
+        FleetmendSmoke.run, "dev", id=workflow_id, task_queue=dev_config.task_queue
+    )
+    assert result.reply.echo == "dev"
+
+    assert stop_dev(run, signal.SIGINT) == 0
+    assert "stopped." in run.output()
+    assert_nothing_left(dev_config)
+
+    # Restart on the same state: the earlier workflow is still there.
+    again = start_dev(dev_config, "second")
+    cleanup.append(again)
+    client = await Client.connect(f"127.0.0.1:{dev_config.grpc_port}", data_converter=pydantic_data_converter)
+    described = await client.get_workflow_handle(workflow_id).describe()
+    assert described.status == WorkflowExecutionStatus.COMPLETED
+    listed = [wf.id async for wf in client.list_workflows(f'WorkflowId="{workflow_id}"')]
+    assert listed == [workflow_id]
+
+    assert stop_dev(again, signal.SIGTERM) == 0
+    assert_nothing_left(dev_config)
