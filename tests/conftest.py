@@ -110,7 +110,11 @@ async def running_worker(
 
     Without ``workflows``/``activities`` it serves everything in ``worker.registry``.
     """
-    with ThreadPoolExecutor(max_workers=MAX_CONCURRENT_ACTIVITIES, thread_name_prefix="fleetmend-activity") as pool:
-        worker = build_worker(client, settings, activity_executor=pool, workflows=workflows, activities=activities)
+    with ThreadPoolExecutor(
+        max_workers=MAX_CONCURRENT_ACTIVITIES, thread_name_prefix="fleetmend-activity"
+    ) as pool:
+        worker = build_worker(
+            client, settings, activity_executor=pool, workflows=workflows, activities=activities
+        )
         async with worker:
             yield worker

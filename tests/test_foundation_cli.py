@@ -98,6 +98,8 @@ def test_dev_with_a_taken_port_is_one_actionable_error(tmp_path: Path) -> None:
 
 
 def test_worker_without_a_database_url_names_the_fix(tmp_path: Path) -> None:
-    result = subprocess.run([FLEETMEND, "worker"], capture_output=True, text=True, env=_env(tmp_path), timeout=60)
+    result = subprocess.run(
+        [FLEETMEND, "worker"], capture_output=True, text=True, env=_env(tmp_path), timeout=60
+    )
     line = _one_line_error(result)
     assert "FLEETMEND_DATABASE_URL is not set" in line

@@ -31,7 +31,9 @@ from workflows.search_attributes import CLI_TYPE_NAMES, FLEETMEND_KIND, FLEETMEN
 from workflows.smoke import FleetmendSmoke
 
 
-async def test_smoke_workflow_runs_through_a_real_worker(temporal_client: Client, worker_settings: Settings) -> None:
+async def test_smoke_workflow_runs_through_a_real_worker(
+    temporal_client: Client, worker_settings: Settings
+) -> None:
     async with running_worker(temporal_client, worker_settings):
         handle = await temporal_client.start_workflow(
             FleetmendSmoke.run,
@@ -67,7 +69,8 @@ async def test_worker_refuses_to_start_when_a_search_attribute_is_missing(
         AddSearchAttributesRequest(
             namespace=namespace,
             search_attributes={
-                name: IndexedValueType.Value(f"INDEXED_VALUE_TYPE_{kind.upper()}") for name, kind in present.items()
+                name: IndexedValueType.Value(f"INDEXED_VALUE_TYPE_{kind.upper()}")
+                for name, kind in present.items()
             },
         )
     )
@@ -92,13 +95,15 @@ def test_a_search_attribute_of_the_wrong_type_counts_as_missing() -> None:
 
 async def test_worker_refuses_an_unknown_namespace(worker_settings: Settings) -> None:
     settings = worker_settings.model_copy(update={"temporal_namespace": "no-such-namespace"})
-    with pytest.raises(StartupCheckError, match="namespace 'no-such-namespace' does not exist.*namespace create"):
+    with pytest.raises(
+        StartupCheckError, match=r"namespace 'no-such-namespace' does not exist.*namespace create"
+    ):
         await connect_checked(settings, runtime=None, database_url=None)
 
 
 async def test_worker_names_the_fix_when_temporal_is_unreachable(worker_settings: Settings) -> None:
     settings = worker_settings.model_copy(update={"temporal_address": f"127.0.0.1:{free_port()}"})
-    with pytest.raises(StartupCheckError, match="cannot reach Temporal at .*FLEETMEND_TEMPORAL_ADDRESS"):
+    with pytest.raises(StartupCheckError, match=r"cannot reach Temporal at .*FLEETMEND_TEMPORAL_ADDRESS"):
         await connect_checked(settings, runtime=None, database_url=None)
 
 
@@ -146,7 +151,9 @@ async def test_time_skipping_server_finishes_a_six_hour_timer_quickly(
     settings = Settings(task_queue=task_queue, worker_metrics_port=0, state_dir=tmp_path)
     async with running_worker(client, settings, workflows=[SixHourWait], activities=[]):
         elapsed = await asyncio.wait_for(
-            client.execute_workflow(SixHourWait.run, id=f"wait-{uuid.uuid4().hex[:8]}", task_queue=task_queue),
+            client.execute_workflow(
+                SixHourWait.run, id=f"wait-{uuid.uuid4().hex[:8]}", task_queue=task_queue
+            ),
             timeout=60,
         )
     assert elapsed.startswith("6:00:")
