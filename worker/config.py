@@ -10,9 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from fleet.recovery import RecoveryTimings, ServingObjectives
 from fleet.vocabulary import ROUTER_LABEL, ROUTER_LABEL_VALUE
 
 
@@ -47,6 +48,10 @@ class Settings(BaseSettings):
         "http://{pod_ip}:8000/metrics",
         description="Replica metrics URL; placeholders {pod_ip} {namespace} {pod}",
     )
+    health_url_template: str = Field(
+        "http://{pod_ip}:8000/health",
+        description="Replica /health URL; placeholders {pod_ip} {namespace} {pod}",
+    )
     node_telemetry_url_template: str = Field(
         "http://{node}:9400/metrics", description="DCGM exporter URL per node; placeholder {node}"
     )
@@ -78,6 +83,15 @@ class Settings(BaseSettings):
     sim_port: int = Field(8480, description="Embedded simulator port")
     sim_scenario: Path | None = Field(None, description="Scenario the embedded simulator loads")
 
+    # Procedure policy: what the worker's incidents use unless a start names its own.
+    dry_run: bool = Field(False, description="Compute and record every effect as planned; perform none")
+    recovery_timings: RecoveryTimings = Field(
+        default_factory=RecoveryTimings, description="Procedure waits as JSON (see fleet.recovery.RecoveryTimings)"
+    )
+    serving_objectives: ServingObjectives = Field(
+        default_factory=ServingObjectives, description="SLO, warm floor, capacity floor as JSON"
+    )
+
     # Durations (seconds) that workflows take as defaults; tests pass short ones.
     correlation_window_s: float = Field(60.0, description="Loss reports within this window form one incident")
     drain_deadline_s: float = Field(600.0, description="Default drain deadline of a scale-down")
@@ -92,6 +106,8 @@ class Settings(BaseSettings):
             value = getattr(self, name)
             if isinstance(value, SecretStr):
                 out[name] = "********" if value.get_secret_value() else None
+            elif isinstance(value, BaseModel):
+                out[name] = value.model_dump(mode="json")
             elif isinstance(value, Path):
                 out[name] = str(value)
             else:

@@ -1,0 +1,63 @@
+"""What every fleetmend activity needs, built once per worker process.
+
+Activities are methods of small classes holding these dependencies (the
+Temporal-recommended shape for injecting clients), so tests and the worker
+wire the same code to real Postgres, the real Kubernetes client and httpx.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import httpx
+from temporalio import activity
+
+from activities.kube import KubeApis, kube_apis
+from activities.router_client import RouterClient
+from ledger.effect import EffectContext
+from ledger.store import EffectLedger
+from worker.config import Settings
+
+
+@dataclass
+class ActivityDeps:
+    settings: Settings
+    ledger: EffectLedger
+    identity: str = "fleetmend-worker"
+    _http: httpx.Client | None = field(default=None, repr=False)
+
+    @cached_property
+    def kube(self) -> KubeApis:
+        return kube_apis(self.settings)
+
+    @cached_property
+    def router(self) -> RouterClient:
+        return RouterClient(self.settings.router_admin_url)
+
+    @property
+    def http(self) -> httpx.Client:
+        if self._http is None:
+            self._http = httpx.Client(timeout=httpx.Timeout(3.0, connect=1.0))
+        return self._http
+
+
+def operation_id(step: str, target: str) -> str:
+    """The ledger's business key for a workflow step: workflow id + step + target (DESIGN.md §5).
+
+    Not the run id nor the activity id: both change on continue-as-new and retries.
+    """
+    return f"{activity.info().workflow_id}/{step}/{target}"
+
+
+def effect_context(
+    step: str, fingerprints: list[str] | None = None, requested_by: str | None = None
+) -> EffectContext:
+    info = activity.info()
+    return EffectContext(
+        workflow_id=info.workflow_id,
+        run_id=info.workflow_run_id,
+        step=step,
+        alert_fingerprints=list(fingerprints or []),
+        requested_by=requested_by or "fleetmend-worker",
+    )

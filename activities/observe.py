@@ -1,0 +1,470 @@
+"""Read-only activities: look at the pool through Kubernetes, the router and the engines.
+
+None of these mutate anything, so none go through the ledger. Each returns a
+pydantic model the workflow hands to the pure policies in ``fleet/``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, Field
+from temporalio import activity
+
+from activities import kube_reads as kr
+from activities.deps import ActivityDeps
+from fleet.engine_metrics import EngineSnapshot, NodeGpuTelemetry, parse_dcgm_metrics, parse_engine_metrics
+from fleet.incident import PoolRef
+from fleet.loss import EndpointConditions, EngineHealth, PodObservation
+from fleet.observation import PoolObservation, WorkloadSelector
+from fleet.pool import GroupRole, NodeInfo, PoolSnapshot, ReplicaGroup, Taint, WorkloadKind
+from fleet.protocol import JournalEntry
+from fleet.recovery import IncidentInput
+from fleet.vocabulary import (
+    GPU_RESOURCE,
+    LWS_GROUP_INDEX_LABEL,
+    LWS_NAME_LABEL,
+    LWS_WORKER_INDEX_LABEL,
+    MODEL_LABEL,
+    REVISION_LABEL,
+    ROLE_LABEL,
+    ROLE_SPARE,
+)
+
+PROGRESS_PROBE_GAP_S = 0.5
+
+
+class ObserveRequest(BaseModel):
+    pool: PoolRef
+    check_progress_of: list[str] = Field(
+        default_factory=list, description="Group ids whose engines get two scrapes (wedge detection)"
+    )
+
+
+class NodeHealth(BaseModel):
+    node: NodeInfo | None
+    conditions: dict[str, str] = Field(default_factory=dict)
+    telemetry: NodeGpuTelemetry | None = None
+    telemetry_error: str | None = None
+    pod_reasons: dict[str, str] = Field(default_factory=dict, description="pod -> termination/waiting reason")
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class ScrapeRequest(BaseModel):
+    pool: PoolRef
+    pods: list[str]
+
+
+class JournalRequest(BaseModel):
+    pool: PoolRef
+    replicas: list[str]
+    since: float | None = None
+
+
+def _gpus_of(pod: kr.Obj) -> int:
+    total = 0
+    for c in pod.get("spec", {}).get("containers") or []:
+        res = c.get("resources") or {}
+        value = (res.get("limits") or {}).get(GPU_RESOURCE) or (res.get("requests") or {}).get(GPU_RESOURCE)
+        if value is not None:
+            total += int(value)
+    return total
+
+
+def _terminated(pod: kr.Obj) -> bool:
+    return pod.get("status", {}).get("phase") in ("Succeeded", "Failed")
+
+
+def node_info(node: kr.Obj, allocated: int) -> NodeInfo:
+    ready = kr.condition(node, "Ready")
+    taints = tuple(
+        Taint(key=t["key"], value=t.get("value", ""), effect=t.get("effect", "NoSchedule"))
+        for t in node.get("spec", {}).get("taints") or []
+    )
+    alloc = (node.get("status", {}).get("allocatable") or {}).get(GPU_RESOURCE, 0)
+    return NodeInfo(
+        name=kr.name(node),
+        labels=kr.labels(node),
+        ready=True if ready == "True" else (False if ready == "False" else None),
+        unschedulable=bool(node.get("spec", {}).get("unschedulable")),
+        taints=taints,
+        gpu_allocatable=int(alloc),
+        gpu_allocated=allocated,
+    )
+
+
+def _container_reasons(pod: kr.Obj) -> tuple[str | None, str | None, int]:
+    waiting = terminated = None
+    restarts = 0
+    for cs in pod.get("status", {}).get("containerStatuses") or []:
+        restarts += int(cs.get("restartCount") or 0)
+        state = cs.get("state") or {}
+        last = cs.get("lastState") or {}
+        if "waiting" in state and not waiting:
+            waiting = state["waiting"].get("reason")
+        term = state.get("terminated") or last.get("terminated")
+        if term and not terminated:
+            terminated = term.get("reason")
+    return waiting, terminated, restarts
+
+
+class ObserveActivities:
+    def __init__(self, deps: ActivityDeps) -> None:
+        self.deps = deps
+
+    # ------------------------------------------------------------ config
+
+    @activity.defn(name="load_incident_config")
+    def load_incident_config(self, pool: PoolRef) -> IncidentInput:
+        """The worker's procedure policy for an incident started by an alert (no explicit config)."""
+        s = self.deps.settings
+        return IncidentInput(
+            pool=pool, dry_run=s.dry_run, timings=s.recovery_timings, objectives=s.serving_objectives
+        )
+
+    # ------------------------------------------------------------ the pool
+
+    @activity.defn(name="observe_pool")
+    def observe_pool(self, req: ObserveRequest) -> PoolObservation:
+        """Kubernetes + router + engines, for one pool, as one observation."""
+        k = self.deps.kube
+        ns, svc_name = req.pool.namespace, req.pool.service
+        warnings: list[str] = []
+        svc = kr.get_service(k, ns, svc_name)
+        selector: dict[str, str] = dict(svc.get("spec", {}).get("selector") or {})
+        pnra = bool(svc.get("spec", {}).get("publishNotReadyAddresses"))
+        model = selector.get(MODEL_LABEL)
+        router_label = self.deps.settings.router_label
+        if model:
+            pods = kr.list_pods(k, ns, f"{MODEL_LABEL}={model}")
+        else:
+            base = {key: v for key, v in selector.items() if key != router_label}
+            pods = kr.list_pods(k, ns, ",".join(f"{key}={v}" for key, v in base.items()) or None)
+
+        endpoints: dict[str, EndpointConditions] = {}
+        for sl in kr.list_endpoint_slices(k, ns, svc_name):
+            for ep in sl.get("endpoints") or []:
+                ref = ep.get("targetRef") or {}
+                if ref.get("kind") == "Pod" and ref.get("name"):
+                    cond = ep.get("conditions") or {}
+                    endpoints[ref["name"]] = EndpointConditions(
+                        pod=ref["name"],
+                        ready=cond.get("ready"),
+                        serving=cond.get("serving"),
+                        terminating=cond.get("terminating"),
+                    )
+
+        router_state = None
+        routed: list[str] = []
+        try:
+            router_state = self.deps.router.state(req.pool)
+            routed = [e.pod for e in self.deps.router.routing_set(req.pool).endpoints]
+        except httpx.HTTPError as exc:
+            warnings.append(f"router admin API unreachable: {exc}")
+
+        # Nodes, with GPUs allocated by every non-terminated pod on them (all namespaces).
+        allocated: dict[str, int] = {}
+        for p in kr.list_all_pods(k):
+            node = p.get("spec", {}).get("nodeName")
+            if node and not _terminated(p):
+                allocated[node] = allocated.get(node, 0) + _gpus_of(p)
+        nodes = [node_info(n, allocated.get(kr.name(n), 0)) for n in kr.list_nodes(k)]
+        node_by_name = {n.name: n for n in nodes}
+
+        workloads, rs_owner, targets = self._workloads(ns)
+
+        # Pods -> observations and replica groups.
+        pod_obs: dict[str, PodObservation] = {}
+        pod_nodes: dict[str, str] = {}
+        members: dict[str, list[kr.Obj]] = {}
+        for p in pods:
+            pname = kr.name(p)
+            meta, status = p["metadata"], p.get("status", {})
+            waiting, terminated, restarts = _container_reasons(p)
+            node = p.get("spec", {}).get("nodeName")
+            if node:
+                pod_nodes[pname] = node
+            pod_obs[pname] = PodObservation(
+                pod=pname,
+                phase=status.get("phase", "Unknown"),
+                node=node,
+                deleting=bool(meta.get("deletionTimestamp")),
+                pod_ready=kr.condition(p, "Ready") == "True",
+                containers_ready=kr.condition(p, "ContainersReady") != "False",
+                waiting_reason=waiting,
+                terminated_reason=terminated,
+                restart_count=restarts,
+                status_reason=status.get("reason"),
+                endpoint=endpoints.get(pname),
+            )
+            lbl = kr.labels(p)
+            gid = (
+                f"{lbl[LWS_NAME_LABEL]}-{lbl.get(LWS_GROUP_INDEX_LABEL, '0')}"
+                if LWS_NAME_LABEL in lbl
+                else pname
+            )
+            members.setdefault(gid, []).append(p)
+
+        groups: list[ReplicaGroup] = []
+        leaders: dict[str, kr.Obj] = {}
+        for gid, gpods in members.items():
+            gpods.sort(key=lambda p: int(kr.labels(p).get(LWS_WORKER_INDEX_LABEL, "0")))
+            leader = gpods[0]
+            leaders[gid] = leader
+            lbl = kr.labels(leader)
+            names = tuple(kr.name(p) for p in gpods)
+            if LWS_NAME_LABEL in lbl:
+                kind, wname = WorkloadKind.LEADER_WORKER_SET, lbl[LWS_NAME_LABEL]
+            else:
+                kind, wname = WorkloadKind.DEPLOYMENT, self._deployment_of(leader, rs_owner)
+            groups.append(
+                ReplicaGroup(
+                    id=gid,
+                    model=lbl.get(MODEL_LABEL, model or ""),
+                    revision=lbl.get(REVISION_LABEL, ""),
+                    role=GroupRole.SPARE if lbl.get(ROLE_LABEL) == ROLE_SPARE else GroupRole.SERVING,
+                    pods=names,
+                    nodes=tuple(sorted({pod_nodes[n] for n in names if n in pod_nodes})),
+                    leader_pod=kr.name(leader),
+                    gpus_per_pod=_gpus_of(leader),
+                    ready=all(pod_obs[n].pod_ready and not pod_obs[n].deleting for n in names),
+                    routed=(kr.name(leader) in routed)
+                    if router_state is not None
+                    else kr.labels(leader).get(router_label) == self.deps.settings.router_label_value,
+                    workload_kind=kind,
+                    workload_name=wname,
+                )
+            )
+
+        # Engines: health + one scrape per leader; two scrapes for groups under suspicion.
+        engines: dict[str, EngineSnapshot] = {}
+        first: dict[str, EngineSnapshot] = {}
+        for g in groups:
+            leader = leaders[g.id]
+            health, snap = self._probe_engine(ns, leader)
+            pod_obs[g.leader_pod] = pod_obs[g.leader_pod].model_copy(update={"engine_health": health})
+            if snap is not None:
+                engines[g.id] = snap
+                if g.id in req.check_progress_of:
+                    first[g.id] = snap
+        if first:
+            time.sleep(PROGRESS_PROBE_GAP_S)
+            for gid, before in first.items():
+                _, after = self._probe_engine(ns, leaders[gid])
+                if after is None:
+                    continue
+                stuck = (
+                    before.in_flight > 0 and after.generation_tokens_total <= before.generation_tokens_total
+                )
+                leader_pod = kr.name(leaders[gid])
+                pod_obs[leader_pod] = pod_obs[leader_pod].model_copy(update={"engine_progressing": not stuck})
+                engines[gid] = after
+
+        pending: dict[str, str] = {}
+        pending_names = {kr.name(p) for p in pods if p.get("status", {}).get("phase") == "Pending"}
+        if pending_names:
+            for ev in sorted(kr.list_events(k, ns), key=lambda e: str(e.get("lastTimestamp") or "")):
+                obj = ev.get("involvedObject") or {}
+                if ev.get("reason") == "FailedScheduling" and obj.get("name") in pending_names:
+                    pending[obj["name"]] = ev.get("message", "")
+            for n in pending_names:
+                pending.setdefault(n, "Pending (no scheduling event yet)")
+
+        target_revision, rollout = targets.get("revision"), bool(targets.get("rollout"))
+        snapshot = PoolSnapshot(
+            pool=req.pool,
+            observed_at=time.time(),
+            groups=tuple(groups),
+            nodes=tuple(nodes),
+            target_revision=target_revision,
+            rollout_in_progress=rollout
+            or any(
+                g.revision != target_revision
+                for g in groups
+                if target_revision and g.role is GroupRole.SERVING
+            ),
+        )
+        del node_by_name
+        return PoolObservation(
+            snapshot=snapshot,
+            pods=pod_obs,
+            pod_nodes=pod_nodes,
+            service_selector=selector,
+            publish_not_ready=pnra,
+            workloads=workloads,
+            routed_pods=routed,
+            router=router_state,
+            engines=engines,
+            pending_pods=pending,
+            warnings=warnings,
+        )
+
+    def _workloads(self, ns: str) -> tuple[list[WorkloadSelector], dict[str, str], dict[str, Any]]:
+        """Every controller's selector in the namespace (any of them may select on the router label)."""
+        k = self.deps.kube
+        out: list[WorkloadSelector] = []
+        rs_owner: dict[str, str] = {}
+        targets: dict[str, Any] = {}
+
+        def selector_of(obj: kr.Obj) -> tuple[dict[str, str], tuple[str, ...]]:
+            sel = obj.get("spec", {}).get("selector") or {}
+            exprs = tuple(e.get("key", "") for e in sel.get("matchExpressions") or [])
+            return dict(sel.get("matchLabels") or {}), exprs
+
+        for d in kr.list_deployments(k, ns):
+            ml, ex = selector_of(d)
+            replicas = d.get("spec", {}).get("replicas")
+            out.append(
+                WorkloadSelector(
+                    kind="Deployment",
+                    name=kr.name(d),
+                    match_labels=ml,
+                    match_expression_keys=ex,
+                    replicas=replicas,
+                )
+            )
+            tmpl = d.get("spec", {}).get("template", {}).get("metadata", {}).get("labels") or {}
+            if tmpl.get(ROLE_LABEL, "serving") != ROLE_SPARE and REVISION_LABEL in tmpl:
+                targets["revision"] = tmpl[REVISION_LABEL]
+                st = d.get("status", {})
+                if (st.get("updatedReplicas") or 0) < (replicas or 0):
+                    targets["rollout"] = True
+        for rs in kr.list_replica_sets(k, ns):
+            ml, ex = selector_of(rs)
+            out.append(
+                WorkloadSelector(
+                    kind="ReplicaSet",
+                    name=kr.name(rs),
+                    match_labels=ml,
+                    match_expression_keys=ex,
+                    replicas=rs.get("spec", {}).get("replicas"),
+                )
+            )
+            for ref in rs["metadata"].get("ownerReferences") or []:
+                if ref.get("kind") == "Deployment":
+                    rs_owner[kr.name(rs)] = ref["name"]
+        for sts in kr.list_stateful_sets(k, ns):
+            ml, ex = selector_of(sts)
+            out.append(
+                WorkloadSelector(
+                    kind="StatefulSet",
+                    name=kr.name(sts),
+                    match_labels=ml,
+                    match_expression_keys=ex,
+                    replicas=sts.get("spec", {}).get("replicas"),
+                )
+            )
+        for lws in kr.list_leader_worker_sets(k, ns):
+            # LWS selects its pods by leaderworkerset.sigs.k8s.io/name (and group labels).
+            out.append(
+                WorkloadSelector(
+                    kind="LeaderWorkerSet",
+                    name=kr.name(lws),
+                    match_labels={LWS_NAME_LABEL: kr.name(lws)},
+                    replicas=lws.get("spec", {}).get("replicas"),
+                )
+            )
+            tmpl = (
+                lws.get("spec", {})
+                .get("leaderWorkerTemplate", {})
+                .get("workerTemplate", {})
+                .get("metadata", {})
+                .get("labels")
+                or {}
+            )
+            if REVISION_LABEL in tmpl and tmpl.get(ROLE_LABEL, "serving") != ROLE_SPARE:
+                targets["revision"] = tmpl[REVISION_LABEL]
+        return out, rs_owner, targets
+
+    @staticmethod
+    def _deployment_of(pod: kr.Obj, rs_owner: dict[str, str]) -> str:
+        for ref in pod["metadata"].get("ownerReferences") or []:
+            if ref.get("kind") == "ReplicaSet":
+                return rs_owner.get(ref["name"], ref["name"])
+        return "(orphan)"
+
+    def _urls(self, ns: str, pod: kr.Obj) -> tuple[str, str]:
+        s = self.deps.settings
+        values = {"pod_ip": pod.get("status", {}).get("podIP") or "", "namespace": ns, "pod": kr.name(pod)}
+        return s.metrics_url_template.format(**values), s.health_url_template.format(**values)
+
+    def _probe_engine(self, ns: str, pod: kr.Obj) -> tuple[EngineHealth, EngineSnapshot | None]:
+        if not pod.get("status", {}).get("podIP"):
+            return EngineHealth.UNREACHABLE, None
+        metrics_url, health_url = self._urls(ns, pod)
+        try:
+            h = self.deps.http.get(health_url)
+            health = EngineHealth.OK if h.status_code == 200 else EngineHealth.FAILING
+        except httpx.HTTPError:
+            return EngineHealth.UNREACHABLE, None
+        try:
+            m = self.deps.http.get(metrics_url)
+            snap = parse_engine_metrics(m.text) if m.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            snap = None
+        return health, snap
+
+    @activity.defn(name="scrape_engines")
+    def scrape_engines(self, req: ScrapeRequest) -> dict[str, EngineSnapshot]:
+        """One metrics scrape per named pod (group leaders); unreachable ones are left out."""
+        k = self.deps.kube
+        out: dict[str, EngineSnapshot] = {}
+        for name in req.pods:
+            pod = kr.get_pod(k, req.pool.namespace, name)
+            if pod is None:
+                continue
+            _, snap = self._probe_engine(req.pool.namespace, pod)
+            if snap is not None:
+                out[name] = snap
+        return out
+
+    # ------------------------------------------------------------ nodes
+
+    @activity.defn(name="read_node_health")
+    def read_node_health(self, node: str) -> NodeHealth:
+        """Node conditions, DCGM telemetry and the reasons its pods ended, for triage."""
+        k = self.deps.kube
+        try:
+            obj = kr.get_node(k, node)
+        except Exception as exc:
+            return NodeHealth(node=None, telemetry_error=f"node object unreadable: {exc}")
+        conditions = {c["type"]: c["status"] for c in obj.get("status", {}).get("conditions") or []}
+        reasons: dict[str, str] = {}
+        for p in kr.list_all_pods(k):
+            if p.get("spec", {}).get("nodeName") == node:
+                waiting, terminated, _ = _container_reasons(p)
+                reason = terminated or waiting or p.get("status", {}).get("reason")
+                if reason:
+                    reasons[kr.name(p)] = reason
+        telemetry = None
+        error = None
+        try:
+            r = self.deps.http.get(self.deps.settings.node_telemetry_url_template.format(node=node))
+            r.raise_for_status()
+            telemetry = parse_dcgm_metrics(node, r.text)
+        except (httpx.HTTPError, ValueError) as exc:
+            error = f"DCGM exporter on {node} unreachable: {exc}"
+        return NodeHealth(
+            node=node_info(obj, 0),
+            conditions=conditions,
+            telemetry=telemetry,
+            telemetry_error=error,
+            pod_reasons=reasons,
+            annotations=dict(obj["metadata"].get("annotations") or {}),
+        )
+
+    # ------------------------------------------------------------ router
+
+    @activity.defn(name="routed_pods")
+    def routed_pods(self, pool: PoolRef) -> list[str]:
+        return [e.pod for e in self.deps.router.routing_set(pool).endpoints]
+
+    @activity.defn(name="read_journal")
+    def read_journal(self, req: JournalRequest) -> list[JournalEntry]:
+        """The gateway's journal of requests the named replicas served (the in-flight record)."""
+        out: list[JournalEntry] = []
+        for replica in req.replicas:
+            out.extend(self.deps.router.journal(req.pool, replica=replica, since=req.since))
+        return out
