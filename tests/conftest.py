@@ -22,7 +22,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from worker.config import Settings
+from worker.config import Settings, load_settings
 from worker.processes import free_port
 from worker.temporal_dev import find_temporal_cli
 from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
@@ -89,7 +89,7 @@ def task_queue() -> str:
 @pytest.fixture
 def worker_settings(temporal_env: WorkflowEnvironment, task_queue: str, tmp_path: Path) -> Settings:
     """Settings pointing at the session dev server and this test's task queue; metrics off."""
-    return Settings(
+    return load_settings(
         temporal_address=temporal_env.client.service_client.config.target_host,
         temporal_namespace=temporal_env.client.namespace,
         task_queue=task_queue,

@@ -23,7 +23,7 @@ from temporalio.testing import WorkflowEnvironment
 from tests.conftest import running_worker
 from tests.foundation_timer_workflow import SixHourWait
 from worker import jsonlog
-from worker.config import Settings
+from worker.config import Settings, load_settings
 from worker.processes import free_port
 from worker.startup_checks import StartupCheckError, check_search_attributes, missing_search_attributes
 from worker.worker import connect_checked, metrics_runtime, run_worker
@@ -148,7 +148,7 @@ async def test_time_skipping_server_finishes_a_six_hour_timer_quickly(
     time_skipping_env: WorkflowEnvironment, task_queue: str, tmp_path: Path
 ) -> None:
     client = time_skipping_env.client
-    settings = Settings(task_queue=task_queue, worker_metrics_port=0, state_dir=tmp_path)
+    settings = load_settings(task_queue=task_queue, worker_metrics_port=0, state_dir=tmp_path)
     async with running_worker(client, settings, workflows=[SixHourWait], activities=[]):
         elapsed = await asyncio.wait_for(
             client.execute_workflow(
