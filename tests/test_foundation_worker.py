@@ -20,6 +20,7 @@ from temporalio.api.workflowservice.v1 import RegisterNamespaceRequest
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
+from ledger.migrate import upgrade_head
 from tests.conftest import running_worker
 from tests.foundation_timer_workflow import SixHourWait
 from worker import jsonlog
@@ -157,3 +158,18 @@ async def test_time_skipping_server_finishes_a_six_hour_timer_quickly(
             timeout=60,
         )
     assert elapsed.startswith("6:00:")
+
+
+async def test_worker_refuses_an_unmigrated_ledger_and_accepts_a_migrated_one(
+    worker_settings: Settings, pg_url: str
+) -> None:
+    with pytest.raises(StartupCheckError, match="not at the latest migration"):
+        await connect_checked(worker_settings, runtime=None, database_url=pg_url)
+    upgrade_head(pg_url)
+    await connect_checked(worker_settings, runtime=None, database_url=pg_url)
+
+
+async def test_worker_names_the_fix_when_the_ledger_is_unreachable(worker_settings: Settings) -> None:
+    url = f"postgresql+psycopg://fm:pw@127.0.0.1:{free_port()}/ledger"
+    with pytest.raises(StartupCheckError, match="FLEETMEND_DATABASE_URL points at a reachable Postgres"):
+        await connect_checked(worker_settings, runtime=None, database_url=url)
