@@ -100,7 +100,9 @@ async def _smoke_demo(settings: Settings, keep_running: bool) -> None:
             f"[green]workflow completed:[/] activity echoed {reply.echo!r} on {reply.worker_host} "
             f"(pid {reply.worker_pid}, thread {reply.thread})"
         )
-        console.print(f"see it in the Temporal UI: {workflow_ui_url(stack.settings, workflow_id)}")
+        console.print(
+            f"see it in the Temporal UI: {workflow_ui_url(stack.settings, workflow_id)}", soft_wrap=True
+        )
         if keep_running:
             console.print("--keep-running: Ctrl-C stops the stack.")
             await stop.wait()

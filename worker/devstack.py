@@ -446,6 +446,10 @@ class DevStack:
                     self.settings = self.settings.model_copy(update={"database_url": SecretStr(part.url)})
                 if isinstance(part, _TemporalPart):
                     self._client = await connect(self.settings)
+                    if not part.server.headless:  # links printed by the CLI point at this UI
+                        self.settings = self.settings.model_copy(
+                            update={"temporal_ui_url": part.server.ui_url}
+                        )
                 if isinstance(part, _SimPart):
                     self.settings = self.settings.model_copy(update=part.settings_for_clients())
         except BaseException:
