@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import itertools
 import os
-import warnings
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,18 +80,29 @@ def docker_engine_answers() -> bool:
         return False
 
 
-def start_embedded_server(directory: Path) -> PgServer:
-    """An embedded Postgres under ``directory`` (which it may create); stopped by ``PgServer.stop``."""
+def start_embedded_server() -> PgServer:
+    """An embedded Postgres in a fresh directory, removed again by ``PgServer.stop``.
+
+    Not under pytest's ``tmp_path``: as root the server runs as an unprivileged user, and every new
+    pytest session (other test runs on this machine) resets ``/tmp/pytest-of-<user>`` to mode 0700,
+    which would lock the running server out of its own data directory.
+    """
     from ledger.embedded_pg import EmbeddedPostgres
 
-    warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
-    pg = EmbeddedPostgres(directory)
+    base = Path(tempfile.mkdtemp(prefix="fleetmend-test-pg-"))
+    base.chmod(0o755)
+    pg = EmbeddedPostgres(base / "pg")
     url = pg.start()
-    return PgServer(admin_url=url, source="embedded", _stop=pg.stop, restart=pg.restart)
+
+    def stop() -> None:
+        pg.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+    return PgServer(admin_url=url, source="embedded", _stop=stop, restart=pg.restart)
 
 
-def acquire_server(scratch: Path) -> PgServer:
-    """Pick the test Postgres (env URL, else testcontainers with Docker, else embedded under ``scratch``)."""
+def acquire_server() -> PgServer:
+    """Pick the test Postgres: env URL, else testcontainers with Docker, else embedded."""
     env_url = os.environ.get(ENV_URL)
     if env_url:
         return PgServer(admin_url=env_url, source="env")
@@ -100,12 +112,12 @@ def acquire_server(scratch: Path) -> PgServer:
         container = PostgresContainer("postgres:16-alpine", driver="psycopg")
         container.start()
         return PgServer(admin_url=container.get_connection_url(), source="testcontainers", _stop=container.stop)
-    return start_embedded_server(scratch / "pg")
+    return start_embedded_server()
 
 
 @pytest.fixture(scope="session")
-def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PgServer]:
-    server = acquire_server(tmp_path_factory.mktemp("postgres"))
+def pg_server() -> Iterator[PgServer]:
+    server = acquire_server()
     yield server
     server.stop()
 

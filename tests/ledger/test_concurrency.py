@@ -12,7 +12,7 @@ from sqlalchemy import text
 
 from ledger import Attempt, EffectLedger, EffectOutcome, FencedOut
 from ledger.metrics import FENCE_REJECTIONS
-from tests.ledger.world import World, WorldEffect
+from tests.ledger.world import SimulatedCrash, World, WorldEffect
 
 CALLERS = 64
 WORKERS = 4  # separate ledger instances (own pools, own lease owner ids), 16 threads each
@@ -100,7 +100,7 @@ def test_stalled_holder_does_not_apply_after_its_lease_ran_out(
 ) -> None:
     """A takeover whose probe stalls past the lease must not go on to apply: a newer holder may be applying."""
     first = make_ledger(owner="w1", lease_seconds=0.2)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SimulatedCrash):
         first.perform("op-stall", "k", "t", {}, WorldEffect(world, before_land=_crash))
     time.sleep(0.3)
 
@@ -119,4 +119,4 @@ def test_stalled_holder_does_not_apply_after_its_lease_ran_out(
 
 
 def _crash(attempt: Attempt) -> None:
-    raise KeyboardInterrupt("worker died")
+    raise SimulatedCrash("worker died")

@@ -69,9 +69,9 @@ def test_kill_9_at_each_point_then_rerun_applies_exactly_once(
 
 
 @pytest.fixture
-def restartable_pg(tmp_path: Path) -> Iterator[PgServer]:
+def restartable_pg() -> Iterator[PgServer]:
     """A Postgres of this test's own that it may crash and restart (the session server stays up)."""
-    server = start_embedded_server(tmp_path / "pg")
+    server = start_embedded_server()
     yield server
     server.stop()
 

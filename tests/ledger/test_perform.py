@@ -21,7 +21,7 @@ from ledger import (
     NeedsOperator,
     OperationInProgress,
 )
-from tests.ledger.world import NoProbeWorldEffect, RefusingEffect, World, WorldEffect
+from tests.ledger.world import SimulatedCrash, NoProbeWorldEffect, RefusingEffect, World, WorldEffect
 
 CTX = EffectContext(
     workflow_id="replica-loss/default/llama-70b",
@@ -135,7 +135,7 @@ def test_live_lease_of_another_worker_is_waited_for_then_reported_in_progress(
 ) -> None:
     holder = make_ledger(owner="holder", lease_seconds=60)
     # A crashed holder: its claim is in the ledger, its lease still live.
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SimulatedCrash):
         holder.perform("op-held", "k", "t", {}, WorldEffect(world, before_land=_crash))
     impatient = make_ledger(owner="other", wait_seconds=0.2)
     with pytest.raises(OperationInProgress, match="holder"):
@@ -147,7 +147,7 @@ def test_at_most_once_kind_hands_an_unknown_outcome_to_an_operator(
     make_ledger: Callable[..., EffectLedger], world: World
 ) -> None:
     crashing = make_ledger(owner="w1", lease_seconds=0.2)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SimulatedCrash):
         crashing.perform("notify/1", "notify.post", "#incident", {"text": "hi"},
                          NoProbeWorldEffect(world, Delivery.AT_MOST_ONCE, after_land=_crash))
     retry = make_ledger(owner="w2")
@@ -161,7 +161,7 @@ def test_at_least_once_kind_repeats_an_unknown_outcome_and_says_so(
     make_ledger: Callable[..., EffectLedger], world: World
 ) -> None:
     crashing = make_ledger(owner="w1", lease_seconds=0.2)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SimulatedCrash):
         crashing.perform("notify/2", "notify.post", "#incident", {"text": "hi"},
                          NoProbeWorldEffect(world, Delivery.AT_LEAST_ONCE, after_land=_crash))
     outcome = make_ledger(owner="w2").perform(
@@ -191,6 +191,4 @@ def test_bad_requests_are_refused_with_a_clear_error_and_nothing_recorded(
 
 
 def _crash(attempt: Attempt) -> None:
-    # A BaseException the ledger does not catch: the attempt dies with nothing recorded after it,
-    # as a killed worker would (the kill -9 tests do it with real processes).
-    raise KeyboardInterrupt("worker died")
+    raise SimulatedCrash("worker died")

@@ -23,6 +23,12 @@ CREATE TABLE IF NOT EXISTS world_actions (
 """
 
 
+class SimulatedCrash(BaseException):
+    """Raised inside an effect to end the attempt the way a killed worker would: the ledger does not
+    catch it (it is not an ``Exception``), so nothing is recorded after it. The kill -9 tests do the same
+    with real processes."""
+
+
 class World:
     """The ``world_actions`` table in one test database."""
 
