@@ -1,0 +1,106 @@
+"""The capacity-aware guard run before every destructive step (DESIGN.md §6a).
+
+Peers gate remediation on a *count* of unhealthy nodes; fleetmend asks the
+question that matters to the people being served: **after this step, can the
+remaining serving capacity still carry the demand?** ``check_capacity`` takes
+each serving group's current contribution (tokens/s and requests/s it serves
+when warm; a dead group contributes 0), the groups the step would take out of
+service, and the current demand, and answers *allow* or *refuse, because ...*.
+A refusal is not an error: the workflow stops and asks an operator (an Update),
+quoting the reason.
+
+The guard is always on - there is no "off unless configured": with no explicit
+floor it still refuses to take the pool to zero serving groups or below demand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class GroupCapacity(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    tokens_per_s: float = Field(ge=0)
+    requests_per_s: float = Field(default=0.0, ge=0)
+
+
+class Demand(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    tokens_per_s: float = Field(ge=0)
+    requests_per_s: float = Field(default=0.0, ge=0)
+
+
+class GuardDecision(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    allowed: bool
+    action: str
+    remaining_groups: int
+    min_groups: int
+    remaining_tokens_per_s: float
+    required_tokens_per_s: float
+    remaining_requests_per_s: float
+    required_requests_per_s: float
+    reason: str
+
+
+def check_capacity(
+    action: str,
+    capacity: Mapping[str, GroupCapacity],
+    removing: Iterable[str],
+    demand: Demand,
+    min_groups: int = 1,
+    headroom: float = 1.1,
+) -> GuardDecision:
+    """Would the serving groups left after ``action`` (removing ``removing``) still carry ``demand x headroom``?
+
+    ``capacity`` lists every serving group with what it contributes now; groups
+    already lost contribute zero and do not count as remaining replicas.
+    """
+    if min_groups < 0 or headroom < 1.0:
+        raise ValueError(f"min_groups must be >= 0 and headroom >= 1.0, got {min_groups}, {headroom}")
+    gone = set(removing)
+    unknown = gone - set(capacity)
+    if unknown:
+        raise ValueError(f"{action}: groups {sorted(unknown)} are not in the capacity map")
+    remaining = {g: c for g, c in capacity.items() if g not in gone and c.tokens_per_s > 0}
+    tokens = sum(c.tokens_per_s for c in remaining.values())
+    requests = sum(c.requests_per_s for c in remaining.values())
+    need_tokens = demand.tokens_per_s * headroom
+    need_requests = demand.requests_per_s * headroom
+    floor = max(min_groups, 1)
+    problems = []
+    if len(remaining) < floor:
+        problems.append(f"{len(remaining)} serving group(s) would remain, the floor is {floor}")
+    if tokens < need_tokens:
+        problems.append(
+            f"remaining {tokens:,.0f} tokens/s < demand {demand.tokens_per_s:,.0f} x {headroom:g} = {need_tokens:,.0f}"
+        )
+    if demand.requests_per_s > 0 and requests < need_requests:
+        problems.append(
+            f"remaining {requests:,.1f} req/s < demand {demand.requests_per_s:,.1f} x {headroom:g} = {need_requests:,.1f}"
+        )
+    if problems:
+        reason = (
+            f"refuse {action}: " + "; ".join(problems) + " - an operator must approve or add capacity first"
+        )
+    else:
+        reason = (
+            f"allow {action}: {len(remaining)} serving group(s) remain (floor {floor}) with {tokens:,.0f} tokens/s "
+            f"for a demand of {demand.tokens_per_s:,.0f} tokens/s x {headroom:g}"
+        )
+    return GuardDecision(
+        allowed=not problems,
+        action=action,
+        remaining_groups=len(remaining),
+        min_groups=floor,
+        remaining_tokens_per_s=tokens,
+        required_tokens_per_s=need_tokens,
+        remaining_requests_per_s=requests,
+        required_requests_per_s=need_requests,
+        reason=reason,
+    )

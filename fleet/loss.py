@@ -1,0 +1,345 @@
+"""Step 1 of the replica-loss procedure: confirm the loss, size it, and look for a common cause.
+
+Contract (all pure; the activities gather the observations):
+
+* ``confirm_group(group, pods, nodes, routed_pods, publish_not_ready)`` ->
+  ``GroupVerdict``: is this replica group **lost** or **slow-but-present**?
+  Lost means a pod is gone/failed/terminating, its node is NotReady/Unknown,
+  its engine is dead (health 5xx/unreachable, container not ready, crash loop)
+  or wedged (work queued, tokens not advancing). One lost rank loses the whole
+  group. A replica that is merely saturated or slow - including one whose
+  ``serving-ready`` gate fleetmend itself turned off - is *not* a loss: the
+  verdict says so and the procedure stops without touching anything. The
+  verdict also lists lost pods the router can still reach (``dead_but_routed``):
+  those must be derouted first.
+* ``size_loss(snapshot, lost_group_ids)`` -> ``LossSize``: groups and GPUs lost,
+  the fraction of the serving pool, the nodes and failure domains involved.
+* ``correlate(events, snapshot, window_s)`` -> ``Correlation``: several losses
+  within the window are one incident; a loss of the revision being rolled out
+  is a **bad rollout** (revert, never replace); two or more lost nodes in one
+  NVLink domain, or every pool node of a zone, is a **domain loss**.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fleet.pool import NodeInfo, PoolSnapshot, ReplicaGroup
+from fleet.recovery import IncidentCause
+from fleet.vocabulary import NVLINK_DOMAIN_LABEL, ZONE_LABEL
+
+_ENGINE_DEAD_WAITING_REASONS = frozenset({"CrashLoopBackOff", "RunContainerError", "CreateContainerError"})
+
+
+class EngineHealth(StrEnum):
+    OK = "ok"  # /health 200
+    FAILING = "failing"  # /health 5xx (EngineDeadError -> 503)
+    UNREACHABLE = "unreachable"  # connection refused / timed out
+    UNKNOWN = "unknown"  # not probed
+
+
+class EndpointConditions(BaseModel):
+    """One endpoint of the Service's EndpointSlices. ``None`` follows Kubernetes' nil semantics."""
+
+    model_config = ConfigDict(frozen=True)
+
+    pod: str
+    ready: bool | None = None  # nil = true
+    serving: bool | None = None  # nil = true
+    terminating: bool | None = None  # nil = false
+
+    def routable(self, publish_not_ready: bool) -> bool:
+        """Would a router following the slice send traffic here?
+
+        Under ``publishNotReadyAddresses`` (e.g. LWS headless Services) ``ready`` is
+        always true, so ``serving`` and ``terminating`` are what count.
+        """
+        if publish_not_ready:
+            return self.serving is not False and self.terminating is not True
+        return self.ready is not False
+
+
+class PodObservation(BaseModel):
+    """What the activities saw of one pod of a group."""
+
+    model_config = ConfigDict(frozen=True)
+
+    pod: str
+    exists: bool = True
+    phase: str = "Running"
+    node: str | None = None
+    deleting: bool = Field(default=False, description="metadata.deletionTimestamp set")
+    pod_ready: bool = True
+    containers_ready: bool = True
+    waiting_reason: str | None = None
+    terminated_reason: str | None = Field(default=None, description="Current or last termination reason")
+    restart_count: int = 0
+    status_reason: str | None = Field(default=None, description="status.reason, e.g. Evicted, NodeLost")
+    engine_health: EngineHealth = EngineHealth.UNKNOWN
+    engine_progressing: bool | None = Field(
+        default=None, description="False = requests queued/running but no token advanced between two scrapes"
+    )
+    endpoint: EndpointConditions | None = Field(default=None, description="None = not in any EndpointSlice")
+
+
+class Verdict(StrEnum):
+    LOST = "lost"
+    PRESENT = "slow-but-present"
+
+
+class GroupVerdict(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    group_id: str
+    verdict: Verdict
+    reason: str
+    lost_pods: tuple[str, ...] = ()
+    dead_but_routed: tuple[str, ...] = Field(default=(), description="Lost pods the router can still reach")
+    evidence: tuple[str, ...] = ()
+
+    @property
+    def lost(self) -> bool:
+        return self.verdict is Verdict.LOST
+
+
+def _pod_loss_evidence(obs: PodObservation, node: NodeInfo | None) -> list[str]:
+    ev: list[str] = []
+    if not obs.exists:
+        return [f"pod {obs.pod} no longer exists"]
+    if obs.phase in ("Failed", "Succeeded", "Unknown"):
+        detail = f" ({obs.status_reason})" if obs.status_reason else ""
+        ev.append(f"pod {obs.pod} is in phase {obs.phase}{detail}")
+    if obs.deleting:
+        ev.append(f"pod {obs.pod} is terminating")
+    if node is not None and node.ready is not True:
+        state = "Unknown (kubelet stopped posting status)" if node.ready is None else "NotReady"
+        ev.append(f"node {node.name} is {state}")
+    if obs.waiting_reason in _ENGINE_DEAD_WAITING_REASONS:
+        ev.append(f"pod {obs.pod} container is waiting in {obs.waiting_reason}")
+    if obs.terminated_reason and not obs.containers_ready:
+        ev.append(f"pod {obs.pod} container terminated: {obs.terminated_reason}")
+    if obs.engine_health is EngineHealth.FAILING:
+        ev.append(f"engine on {obs.pod} answers /health with an error (engine dead)")
+    elif obs.engine_health is EngineHealth.UNREACHABLE:
+        ev.append(f"engine on {obs.pod} does not answer")
+    if not obs.containers_ready and not ev:
+        ev.append(f"pod {obs.pod} containers are not ready (engine readiness probe failing)")
+    if obs.engine_progressing is False:
+        ev.append(f"engine on {obs.pod} is wedged: requests queued but no token generated")
+    return ev
+
+
+def confirm_group(
+    group: ReplicaGroup,
+    pods: Mapping[str, PodObservation],
+    nodes: Mapping[str, NodeInfo] | Iterable[NodeInfo] = (),
+    routed_pods: Iterable[str] = (),
+    publish_not_ready: bool = False,
+) -> GroupVerdict:
+    """Lost or slow-but-present? A pod of the group missing from ``pods`` counts as gone."""
+    node_map = nodes if isinstance(nodes, Mapping) else {n.name: n for n in nodes}
+    routed = set(routed_pods)
+    evidence: list[str] = []
+    lost: list[str] = []
+    for pod in group.pods:
+        obs = pods.get(pod, PodObservation(pod=pod, exists=False))
+        node = node_map.get(obs.node) if obs.node else None
+        pod_ev = _pod_loss_evidence(obs, node)
+        if pod_ev:
+            lost.append(pod)
+            evidence += pod_ev
+    if lost:
+        dead_routed = tuple(
+            p
+            for p in lost
+            if p in routed
+            or (
+                (ep := pods[p].endpoint if p in pods else None) is not None
+                and pods[p].exists
+                and ep.routable(publish_not_ready)
+            )
+        )
+        whole = ""
+        if len(group.pods) > 1:
+            whole = f"; {len(lost)} of {len(group.pods)} ranks lost, so the whole group is lost"
+        return GroupVerdict(
+            group_id=group.id,
+            verdict=Verdict.LOST,
+            reason=f"{evidence[0]}{whole}",
+            lost_pods=tuple(lost),
+            dead_but_routed=dead_routed,
+            evidence=tuple(evidence),
+        )
+    notes = []
+    gated = [p for p in group.pods if p in pods and not pods[p].pod_ready and pods[p].containers_ready]
+    if gated:
+        notes.append(f"{', '.join(gated)} held not-ready by the serving-ready gate (saturated, not dead)")
+    probed = [p for p in group.pods if p in pods and pods[p].engine_health is EngineHealth.OK]
+    reason = (
+        f"all {len(group.pods)} pod(s) of {group.id} exist and are Running on Ready nodes"
+        + (", engine answers" if probed else "")
+        + ": slow-but-present, not a replica loss"
+        + (f" ({'; '.join(notes)})" if notes else "")
+    )
+    return GroupVerdict(group_id=group.id, verdict=Verdict.PRESENT, reason=reason, evidence=tuple(notes))
+
+
+class LossSize(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    groups_lost: int
+    serving_groups: int = Field(description="Serving groups before the loss")
+    fraction: float = Field(description="Lost serving groups / serving groups before the loss")
+    gpus_lost: int
+    nodes: tuple[str, ...]
+    domains: dict[str, tuple[str, ...]] = Field(
+        default_factory=dict, description="Topology label -> distinct values among the lost nodes"
+    )
+    summary: str
+
+
+def size_loss(
+    snapshot: PoolSnapshot,
+    lost_group_ids: Iterable[str],
+    domain_labels: tuple[str, ...] = (NVLINK_DOMAIN_LABEL, ZONE_LABEL),
+) -> LossSize:
+    lost = [snapshot.group(gid) for gid in dict.fromkeys(lost_group_ids)]
+    serving = len(snapshot.serving)
+    lost_serving = sum(1 for g in lost if g.role.value == "serving")
+    nodes = tuple(sorted({n for g in lost for n in g.nodes}))
+    domains: dict[str, tuple[str, ...]] = {}
+    for label in domain_labels:
+        values = sorted({v for n in nodes if (info := snapshot.node(n)) and (v := info.labels.get(label))})
+        if values:
+            domains[label] = tuple(values)
+    fraction = lost_serving / serving if serving else 0.0
+    gpus = sum(g.gpus for g in lost)
+    dom = "; ".join(f"{k.rsplit('/', 1)[-1]} {', '.join(v)}" for k, v in domains.items())
+    summary = (
+        f"{len(lost)} replica group(s) lost ({lost_serving} of {serving} serving = {fraction:.0%}), "
+        f"{gpus} GPU(s) on node(s) {', '.join(nodes) or '-'}" + (f"; {dom}" if dom else "")
+    )
+    return LossSize(
+        groups_lost=len(lost),
+        serving_groups=serving,
+        fraction=fraction,
+        gpus_lost=gpus,
+        nodes=nodes,
+        domains=domains,
+        summary=summary,
+    )
+
+
+class LossEvent(BaseModel):
+    """A confirmed group loss, as the incident correlates them."""
+
+    model_config = ConfigDict(frozen=True)
+
+    group_id: str
+    revision: str
+    nodes: tuple[str, ...] = ()
+    at: float
+
+
+class Correlation(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    cause: IncidentCause
+    reason: str
+    group_ids: tuple[str, ...]
+    revision: str | None = Field(default=None, description="The failing revision (bad rollout)")
+    domain: str | None = Field(default=None, description="'label=value' of the lost domain")
+    replace: bool = Field(
+        description="False: do not rebuild capacity of the failing revision (revert instead)"
+    )
+
+
+def correlate(
+    events: Iterable[LossEvent],
+    snapshot: PoolSnapshot,
+    window_s: float,
+    domain_label: str = NVLINK_DOMAIN_LABEL,
+    min_domain_nodes: int = 2,
+) -> Correlation:
+    """Group the losses within ``window_s`` of the first one and name their common cause."""
+    ordered = sorted(events, key=lambda e: (e.at, e.group_id))
+    if not ordered:
+        raise ValueError("correlate() needs at least one loss event")
+    first = ordered[0].at
+    inside = [e for e in ordered if e.at - first <= window_s]
+    ids = tuple(dict.fromkeys(e.group_id for e in inside))
+
+    # A loss of the revision being rolled out (or rolled out within the window) is a bad rollout.
+    target = snapshot.target_revision
+    recent_rollout = snapshot.rollout_in_progress or (
+        snapshot.rollout_started_at is not None and snapshot.rollout_started_at >= first - window_s
+    )
+    if target and recent_rollout:
+        new_rev = [e for e in inside if e.revision == target]
+        if new_rev:
+            return Correlation(
+                cause=IncidentCause.BAD_ROLLOUT,
+                reason=(
+                    f"{len(new_rev)} of {len(inside)} lost group(s) run revision {target}, which is being "
+                    "rolled out: bad rollout - revert, do not replace with the failing revision"
+                ),
+                group_ids=ids,
+                revision=target,
+                replace=False,
+            )
+
+    lost_nodes = sorted({n for e in inside for n in e.nodes})
+    by_domain: dict[str, list[str]] = defaultdict(list)
+    for name in lost_nodes:
+        node = snapshot.node(name)
+        if node is not None and (value := node.labels.get(domain_label)):
+            by_domain[value].append(name)
+    for value, names in sorted(by_domain.items()):
+        if len(names) >= min_domain_nodes:
+            return Correlation(
+                cause=IncidentCause.DOMAIN_LOSS,
+                reason=(
+                    f"{len(names)} lost nodes ({', '.join(names)}) share {domain_label}={value}: "
+                    "failure-domain loss - place replacements outside it"
+                ),
+                group_ids=ids,
+                domain=f"{domain_label}={value}",
+                replace=True,
+            )
+    # Every pool node of a zone lost (and more than one): the zone went.
+    pool_nodes = {n for g in snapshot.groups for n in g.nodes}
+    zones: dict[str, set[str]] = defaultdict(set)
+    for name in pool_nodes:
+        node = snapshot.node(name)
+        if node is not None and node.zone:
+            zones[node.zone].add(name)
+    for zone, members in sorted(zones.items()):
+        if len(members) >= min_domain_nodes and members <= set(lost_nodes):
+            return Correlation(
+                cause=IncidentCause.DOMAIN_LOSS,
+                reason=f"every pool node of zone {zone} ({', '.join(sorted(members))}) is lost: zone loss",
+                group_ids=ids,
+                domain=f"{ZONE_LABEL}={zone}",
+                replace=True,
+            )
+    if len(ids) > 1:
+        span = inside[-1].at - first
+        return Correlation(
+            cause=IncidentCause.CORRELATED_LOSS,
+            reason=(
+                f"{len(ids)} groups lost within {span:.0f} s (window {window_s:.0f} s): one incident with a "
+                "common cause (rollout, node-pool operation, image pull, disk, fabric) - handled together"
+            ),
+            group_ids=ids,
+            replace=True,
+        )
+    return Correlation(
+        cause=IncidentCause.SINGLE_LOSS,
+        reason=f"single loss of {ids[0]}",
+        group_ids=ids,
+        replace=True,
+    )
