@@ -1,0 +1,346 @@
+"""Fault injection for the serving layer: each kind leaves the signals a real one would.
+
+| kind            | target        | what happens (Kubernetes / metrics / DCGM)                              |
+|-----------------|---------------|-------------------------------------------------------------------------|
+| node-lost       | node          | (world) kubelet silent -> Ready=Unknown -> taint -> eviction at +300 s; |
+|                 |               | its engines die at once, its DCGM exporter stops answering              |
+| gpu-xid         | node (+gpu,   | DCGM_FI_DEV_XID_ERRORS{err_code} = code (ECC counters for 48/63/64/94/95);|
+|                 |  code)        | the replica holding that GPU dies (503, then container exit, restart);  |
+|                 |               | a hardware Xid leaves the GPU broken: restarts crash-loop until repair  |
+| pod-oomkilled   | ns/pod        | process killed: lastState.terminated.reason=OOMKilled, exit 137,       |
+|                 |               | restartCount+1; the new engine is cold and its counters reset           |
+| rank-lost       | ns/pod (rank) | that rank's container dies; the leader's engine aborts (NCCL); the LWS |
+|                 |               | controller recreates the whole group                                    |
+| slow-replica    | ns/pod        | rate x factor (default 0.3): ITL up, throughput down, still Ready       |
+| wedged-engine   | ns/pod        | no progress at all; /health still 200; running/waiting stay, tokens flat |
+| nvlink-error    | node (+gpu)   | Xid 74 + NVLink CRC/replay counters; multi-GPU replicas there die and   |
+|                 |               | crash-loop until repair                                                  |
+| thermal         | node          | GPU temp high, clock-event reasons = thermal slowdown; engines there   |
+|                 |               | run at ``factor`` (default 0.5) until cleared                            |
+| bad-rollout     | ns/workload   | the workload's template moves to a revision whose pods crash on start  |
+|                 |               | (CrashLoopBackOff, restartCount climbing)                                |
+
+``params.clear: true`` undoes slow-replica, wedged-engine (by restart), thermal and
+repairs a node's broken GPUs (what a GPU reset or RMA would do).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from fleet.protocol import FaultRequest
+from fleet.vocabulary import REVISION_LABEL, FaultKind
+from sim.serving.telemetry import (
+    APPLICATION_XIDS,
+    CLOCK_EVENT_HW_THERMAL,
+    CLOCK_EVENT_SW_THERMAL,
+    INFORMATIONAL_XIDS,
+    gpu_assignment,
+    pod_gpu_request,
+)
+
+if TYPE_CHECKING:
+    from sim.serving.layer import ServingLayer
+
+log = logging.getLogger(__name__)
+
+NODE_FAULTS = frozenset({FaultKind.NODE_LOST, FaultKind.GPU_XID, FaultKind.NVLINK_ERROR, FaultKind.THERMAL})
+POD_FAULTS = frozenset(
+    {FaultKind.POD_OOMKILLED, FaultKind.RANK_LOST, FaultKind.SLOW_REPLICA, FaultKind.WEDGED_ENGINE}
+)
+
+
+class FaultError(Exception):
+    """A fault request that cannot be applied; ``status`` is the HTTP answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _param_int(params: dict[str, Any], name: str, default: int, lo: int = 0, hi: int = 10_000) -> int:
+    value = params.get(name, default)
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise FaultError(422, f"params.{name} must be an integer (got {value!r})") from None
+    if not lo <= number <= hi:
+        raise FaultError(422, f"params.{name} must be between {lo} and {hi} (got {number})")
+    return number
+
+
+def _param_float(params: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = params.get(name, default)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise FaultError(422, f"params.{name} must be a number (got {value!r})") from None
+    if not lo <= number <= hi:
+        raise FaultError(422, f"params.{name} must be between {lo:g} and {hi:g} (got {number:g})")
+    return number
+
+
+class FaultInjector:
+    def __init__(self, layer: ServingLayer) -> None:
+        self.layer = layer
+
+    # ---- validation -------------------------------------------------------------------------
+    def validate(self, fault: FaultRequest) -> None:
+        """Raise FaultError (404/422) when the target or params are wrong; changes nothing."""
+        if fault.kind in NODE_FAULTS:
+            self._node(fault.target)
+        elif fault.kind in POD_FAULTS:
+            self._pod_key(fault.target)
+        elif fault.kind == FaultKind.BAD_ROLLOUT:
+            self._workload(fault.target)
+        params = fault.params
+        if fault.kind == FaultKind.GPU_XID:
+            _param_int(params, "code", 79, 1, 200)
+        if fault.kind in (FaultKind.GPU_XID, FaultKind.NVLINK_ERROR, FaultKind.THERMAL) and "gpu" in params:
+            tel = self.layer.node_telemetry(fault.target)
+            _param_int(params, "gpu", 0, 0, max(0, len(tel.gpus) - 1))
+        if fault.kind in (FaultKind.SLOW_REPLICA, FaultKind.THERMAL) and "factor" in params:
+            _param_float(params, "factor", 0.3, 0.01, 1.0)
+
+    def _node(self, name: str) -> dict[str, Any]:
+        node = self.layer.kube.node(name)
+        if node is None:
+            known = sorted(n["metadata"]["name"] for n in self.layer.kube.nodes())
+            raise FaultError(404, f"no node named {name!r}; known nodes: {known}")
+        return node
+
+    def _pod_key(self, target: str) -> str:
+        ns, _, name = target.rpartition("/")
+        ns = ns or self.layer.default_namespace
+        if self.layer.kube.pod(ns, name) is None:
+            raise FaultError(404, f"no pod {name!r} in namespace {ns!r}; name it as 'namespace/pod'")
+        return f"{ns}/{name}"
+
+    def _workload(self, target: str) -> tuple[str, str, str]:
+        ns, _, name = target.rpartition("/")
+        ns = ns or self.layer.default_namespace
+        for plural in ("deployments", "leaderworkersets"):
+            if self.layer.world.store.find(plural, ns, name) is not None:
+                return plural, ns, name
+        raise FaultError(404, f"no Deployment or LeaderWorkerSet {name!r} in namespace {ns!r}")
+
+    # ---- application --------------------------------------------------------------------------
+    def apply(self, fault: FaultRequest) -> None:
+        self.validate(fault)
+        now = self.layer.clock.now()
+        params = fault.params
+        clear = bool(params.get("clear"))
+        log.info("fault %s on %s %s", fault.kind.value, fault.target, params)
+        kind = fault.kind
+        if kind == FaultKind.NODE_LOST:
+            if clear:
+                self.layer.world.restore_node(fault.target)
+            else:
+                self.layer.world.lose_node(fault.target)
+                self.layer.supervisor.reconcile(now, force=True)
+        elif kind == FaultKind.GPU_XID:
+            if clear:
+                self.repair_node(fault.target)
+            else:
+                self._xid(fault.target, _param_int(params, "code", 79, 1, 200), params, now)
+        elif kind == FaultKind.NVLINK_ERROR:
+            if clear:
+                self.repair_node(fault.target)
+            else:
+                self._nvlink(fault.target, params, now)
+        elif kind == FaultKind.THERMAL:
+            self._thermal(fault.target, params, clear, now)
+        elif kind == FaultKind.POD_OOMKILLED:
+            self._oom(self._pod_key(fault.target), now)
+        elif kind == FaultKind.RANK_LOST:
+            self._rank_lost(self._pod_key(fault.target), now)
+        elif kind == FaultKind.SLOW_REPLICA:
+            key = self._pod_key(fault.target)
+            factor = 1.0 if clear else _param_float(params, "factor", 0.3, 0.01, 1.0)
+            self.layer.supervisor.sticky.setdefault(key, {})["slow_factor"] = factor
+            engine = self.layer.supervisor.get(key)
+            if engine is not None:
+                engine.advance(now)
+                engine.slow_factor = factor
+        elif kind == FaultKind.WEDGED_ENGINE:
+            key = self._pod_key(fault.target)
+            engine = self.layer.supervisor.get(key)
+            if engine is None:
+                raise FaultError(409, f"pod {key} runs no engine right now (not started or crashed)")
+            engine.advance(now)
+            engine.wedged = not clear
+        elif kind == FaultKind.BAD_ROLLOUT:
+            self._bad_rollout(fault.target, params)
+
+    def _victims(self, node: str, gpu: int | None) -> list[str]:
+        """Serving replicas (engine keys) using ``gpu`` on ``node`` (all GPUs when None)."""
+        holders = gpu_assignment(self.layer.kube, node)
+        pods = (
+            [holders[gpu]]
+            if gpu is not None and gpu in holders
+            else list(holders.values())
+            if gpu is None
+            else []
+        )
+        keys: list[str] = []
+        for pod in pods:
+            key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+            if key not in keys:
+                keys.append(key)
+        return keys
+
+    def _kill_replicas(self, keys: list[str], reason: str, now: float) -> None:
+        for key in keys:
+            engine = self.layer.supervisor.get(key)
+            if engine is not None:
+                engine.kill(reason, now)
+            else:
+                # A worker rank: its container dies, and the group's leader follows (NCCL).
+                ns, name = key.split("/", 1)
+                self.layer.world.set_container_state(ns, name, "crashed", message=reason)
+
+    def _xid(self, node: str, code: int, params: dict[str, Any], now: float) -> None:
+        tel = self.layer.node_telemetry(node)
+        gpu = _param_int(params, "gpu", 0, 0, max(0, len(tel.gpus) - 1))
+        state = tel.gpus[gpu]
+        state.last_xid = code
+        if code == 48:
+            state.ecc_dbe_vol += 1
+            state.ecc_dbe_agg += 1
+        elif code in (94, 95, 140):
+            state.ecc_dbe_vol += 1
+            state.ecc_dbe_agg += 1
+            state.remapped_uncorrectable += 1
+        elif code == 63:
+            state.remapped_uncorrectable += 1
+        elif code == 64:
+            state.row_remap_failure = 1
+        elif code == 92:
+            state.ecc_sbe_vol += 1000
+            state.ecc_sbe_agg += 1000
+        elif code == 74:
+            state.nvlink_crc_errors += 100
+        if code in INFORMATIONAL_XIDS:
+            return
+        reason = f"CUDA error: Xid {code} on GPU {gpu} of {node}"
+        if code not in APPLICATION_XIDS:
+            state.broken = f"Xid {code}"
+        self._kill_replicas(self._victims(node, gpu), reason, now)
+
+    def _nvlink(self, node: str, params: dict[str, Any], now: float) -> None:
+        tel = self.layer.node_telemetry(node)
+        gpu = _param_int(params, "gpu", 0, 0, max(0, len(tel.gpus) - 1))
+        state = tel.gpus[gpu]
+        state.last_xid = 74
+        state.nvlink_crc_errors += 250
+        state.nvlink_replay_errors += 40
+        state.broken = "Xid 74 (NVLink error)"
+        victims = [
+            key
+            for key in self._victims(node, gpu)
+            if (pod := self.layer.kube.pod(*key.split("/", 1))) is not None and pod_gpu_request(pod) > 1
+        ]
+        self._kill_replicas(victims, f"NCCL error: NVLink failure on GPU {gpu} of {node} (Xid 74)", now)
+
+    def _thermal(self, node: str, params: dict[str, Any], clear: bool, now: float) -> None:
+        tel = self.layer.node_telemetry(node)
+        factor = 1.0 if clear else _param_float(params, "factor", 0.5, 0.01, 1.0)
+        temp = 38.0 if clear else _param_float(params, "temp_c", 94.0, 0.0, 130.0)
+        gpus = [tel.gpus[_param_int(params, "gpu", 0, 0, len(tel.gpus) - 1)]] if "gpu" in params else tel.gpus
+        for g in gpus:
+            g.temp_c = temp
+            g.clock_events = 0 if clear else CLOCK_EVENT_SW_THERMAL | CLOCK_EVENT_HW_THERMAL
+        if clear:
+            self.layer.thermal_nodes.pop(node, None)
+        else:
+            self.layer.thermal_nodes[node] = factor
+        for key, engine in self.layer.supervisor.engines().items():
+            if engine.node == node:
+                engine.advance(now)
+                sticky = self.layer.supervisor.sticky.get(key, {}).get("slow_factor", 1.0)
+                engine.slow_factor = sticky * factor
+
+    def _oom(self, key: str, now: float) -> None:
+        ns, name = key.split("/", 1)
+        engine = self.layer.supervisor.get(key)
+        if engine is not None:
+            engine.kill("OOMKilled: the container exceeded its memory limit", now)
+            self.layer.supervisor.mark_exit_reported(key)
+        self.layer.world.set_container_state(ns, name, "oomkilled", message="OOMKilled")
+
+    def _rank_lost(self, key: str, now: float) -> None:
+        ns, name = key.split("/", 1)
+        engine = self.layer.supervisor.get(key)
+        if engine is not None:
+            engine.kill("NCCL error: a rank of the replica group was lost", now)
+            self.layer.supervisor.mark_exit_reported(key)
+        self.layer.world.set_container_state(ns, name, "crashed", message="rank lost: NCCL watchdog timeout")
+        self.layer.supervisor.reconcile(now, force=True)
+
+    def _bad_rollout(self, target: str, params: dict[str, Any]) -> None:
+        plural, ns, name = self._workload(target)
+        store = self.layer.world.store
+        obj = store.find(plural, ns, name)
+        assert obj is not None
+        if plural == "deployments":
+            template = obj["spec"]["template"]
+        else:
+            template = obj["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+        labels = template.setdefault("metadata", {}).setdefault("labels", {})
+        current = labels.get(REVISION_LABEL, "r1")
+        model = self.layer.world.model_for_pod({"metadata": {"labels": labels}})
+        revision = str(params.get("revision") or f"{current}-bad")
+        defect = str(params.get("defect") or "crash-on-start")
+        if defect not in ("crash-on-start", "oom-on-start", "slow"):
+            raise FaultError(
+                422, f"params.defect must be crash-on-start, oom-on-start or slow (got {defect!r})"
+            )
+        if model is not None:
+            try:
+                model.revision(revision)
+            except KeyError:
+                from sim.scenario import ModelRevision
+
+                base = model.revisions[0]
+                model.revisions.append(
+                    ModelRevision(
+                        name=revision,
+                        image=f"{base.image.rsplit(':', 1)[0]}:{revision}",
+                        engine_version=base.engine_version,
+                        defect=defect,  # type: ignore[arg-type]
+                    )
+                )
+            image = model.revision(revision).image
+        else:
+            image = None
+
+        def change(o: dict[str, Any]) -> None:
+            tpl = (
+                o["spec"]["template"]
+                if plural == "deployments"
+                else o["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+            )
+            tpl.setdefault("metadata", {}).setdefault("labels", {})[REVISION_LABEL] = revision
+            if image:
+                for c in tpl.get("spec", {}).get("containers", [])[:1]:
+                    c["image"] = image
+            if plural == "leaderworkersets":
+                leader = o["spec"]["leaderWorkerTemplate"].get("leaderTemplate")
+                if leader:
+                    leader.setdefault("metadata", {}).setdefault("labels", {})[REVISION_LABEL] = revision
+                    for c in leader.get("spec", {}).get("containers", [])[:1]:
+                        if image:
+                            c["image"] = image
+
+        store.mutate(plural, ns, name, change)
+
+    def repair_node(self, node: str) -> None:
+        """A GPU reset / repair: clears broken GPUs and volatile counters (aggregate ones persist)."""
+        tel = self.layer.node_telemetry(node)
+        for g in tel.gpus:
+            g.broken = None
+            g.ecc_sbe_vol = g.ecc_dbe_vol = 0
+            g.last_xid = 0
+            g.row_remap_failure = 0

@@ -1,0 +1,322 @@
+"""HTTP API of the serving layer (paths and shapes from ``fleet.protocol``).
+
+Mounted on the simulator's one port by ``sim.serving.attach``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Header, HTTPException, Query, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from fleet.protocol import (
+    AdmissionChange,
+    FaultRequest,
+    JournalPage,
+    NotifyMessage,
+    Outcome,
+    Qualification,
+    RetryPolicyChange,
+    RouterState,
+    RoutingSet,
+    WeightsChange,
+)
+from sim.serving.faults import FaultError
+from sim.serving.layer import ServingLayer
+from sim.serving.router import Completion, CompletionRequest, GatewayError, StaleVersion
+
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class TicketBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    title: str = Field(min_length=1, max_length=500)
+    body: str = Field(default="", max_length=20_000)
+
+
+def _error(status: int, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"detail": message, **extra}, status_code=status)
+
+
+def _sse(payload: Any) -> bytes:
+    return b"data: " + (payload if isinstance(payload, bytes) else json.dumps(payload).encode()) + b"\n\n"
+
+
+def build_router(layer: ServingLayer) -> APIRouter:
+    api = APIRouter()
+    router = layer.router
+
+    # ---- router admin ---------------------------------------------------------------------
+    def pool_or_404(ns: str, svc: str) -> str:
+        key = f"{ns}/{svc}"
+        try:
+            router.pool(key)
+        except KeyError as exc:
+            raise HTTPException(404, str(exc.args[0])) from None
+        return key
+
+    @api.get("/router/v1/pools/{ns}/{svc}/state", response_model=RouterState, tags=["router"])
+    async def get_state(ns: str, svc: str) -> RouterState:
+        return router.state(pool_or_404(ns, svc))
+
+    @api.get("/router/v1/pools/{ns}/{svc}/routing-set", response_model=RoutingSet, tags=["router"])
+    async def get_routing_set(ns: str, svc: str) -> RoutingSet:
+        return router.routing_set(pool_or_404(ns, svc))
+
+    def versioned(apply: Any, key: str, change: Any) -> Any:
+        try:
+            return apply(key, change)
+        except StaleVersion as exc:
+            return _error(409, str(exc), current_version=exc.current)
+        except ValueError as exc:
+            return _error(422, str(exc))
+
+    @api.put("/router/v1/pools/{ns}/{svc}/weights", response_model=RouterState, tags=["router"])
+    async def put_weights(ns: str, svc: str, change: WeightsChange) -> Any:
+        return versioned(router.set_weights, pool_or_404(ns, svc), change)
+
+    @api.put("/router/v1/pools/{ns}/{svc}/admission", response_model=RouterState, tags=["router"])
+    async def put_admission(ns: str, svc: str, change: AdmissionChange) -> Any:
+        return versioned(router.set_admission, pool_or_404(ns, svc), change)
+
+    @api.put("/router/v1/pools/{ns}/{svc}/retry-policy", response_model=RouterState, tags=["router"])
+    async def put_retry(ns: str, svc: str, change: RetryPolicyChange) -> Any:
+        return versioned(router.set_retry_policy, pool_or_404(ns, svc), change)
+
+    @api.get("/router/v1/journal", response_model=JournalPage, tags=["router"])
+    async def get_journal(
+        pool: str | None = None,
+        replica: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        outcome: Outcome | None = None,
+        request_id: str | None = None,
+        limit: int = Query(1000, ge=1, le=10_000),
+    ) -> JournalPage:
+        return layer.journal.query(
+            pool=pool,
+            replica=replica,
+            since=since,
+            until=until,
+            outcome=outcome,
+            request_id=request_id,
+            limit=limit,
+        )
+
+    # ---- data plane --------------------------------------------------------------------------
+    @api.get("/v1/models", tags=["gateway"])
+    async def list_models() -> dict[str, Any]:
+        served = router.served_models()
+        return {
+            "object": "list",
+            "data": [{"id": m, "object": "model", "owned_by": p} for m, p in sorted(served.items())],
+        }
+
+    @api.post("/v1/completions", tags=["gateway"])
+    async def completions(body: CompletionRequest, x_request_id: str | None = Header(None)) -> Response:
+        if x_request_id and not body.request_id:
+            body.request_id = x_request_id
+        try:
+            completion = await router.complete(body)
+        except GatewayError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        headers = {
+            "x-request-id": completion.request_id,
+            "x-fleetmend-replica": completion.replica,
+            "x-fleetmend-attempt": str(completion.attempt),
+        }
+        if body.stream:
+            return StreamingResponse(
+                _stream(completion),
+                media_type="text/event-stream",
+                headers={**headers, "cache-control": "no-cache"},
+            )
+        return await _collect(completion, headers)
+
+    # ---- engines and nodes ----------------------------------------------------------------------
+    @api.get("/pods/{ns}/{pod}/metrics", tags=["engines"])
+    async def pod_metrics(ns: str, pod: str) -> Response:
+        engine = layer.supervisor.get(f"{ns}/{pod}")
+        if engine is None or (engine.node and layer.world.is_node_lost(engine.node)):
+            return PlainTextResponse(f"replica {ns}/{pod} is not answering\n", status_code=503)
+        return Response(engine.render_metrics(), media_type=PROMETHEUS_TEXT)
+
+    @api.get("/pods/{ns}/{pod}/health", tags=["engines"])
+    async def pod_health(ns: str, pod: str) -> Response:
+        engine = layer.supervisor.get(f"{ns}/{pod}")
+        if engine is None or (engine.node and layer.world.is_node_lost(engine.node)):
+            return PlainTextResponse(f"replica {ns}/{pod} is not answering\n", status_code=503)
+        return Response(status_code=engine.health_status())
+
+    @api.get("/nodes/{node}/metrics", tags=["nodes"])
+    async def node_metrics(node: str) -> Response:
+        try:
+            tel = layer.node_telemetry(node)
+        except KeyError as exc:
+            raise HTTPException(404, str(exc.args[0])) from None
+        if layer.world.is_node_lost(node):
+            return PlainTextResponse(f"dcgm-exporter on {node} is not answering\n", status_code=503)
+        from sim.serving.telemetry import gpu_assignment, render_dcgm
+
+        text = render_dcgm(tel, gpu_assignment(layer.kube, node), layer.gpu_utilisation(node))
+        return Response(text, media_type=PROMETHEUS_TEXT)
+
+    @api.post("/nodes/{node}/qualification", response_model=Qualification, status_code=202, tags=["nodes"])
+    async def start_qualification(node: str) -> Any:
+        try:
+            return layer.start_qualification(node)
+        except KeyError as exc:
+            raise HTTPException(404, str(exc.args[0])) from None
+        except FaultError as exc:
+            return _error(exc.status, exc.message)
+
+    @api.get("/nodes/{node}/qualification", response_model=Qualification, tags=["nodes"])
+    async def get_qualification(node: str) -> Any:
+        try:
+            return layer.qualification(node)
+        except KeyError as exc:
+            raise HTTPException(404, str(exc.args[0])) from None
+        except LookupError as exc:
+            raise HTTPException(404, str(exc.args[0])) from None
+
+    @api.get("/metrics", tags=["cluster"])
+    async def kube_state_metrics() -> Response:
+        from sim.serving.telemetry import render_kube_state
+
+        return Response(render_kube_state(layer.kube), media_type=PROMETHEUS_TEXT)
+
+    @api.get("/sim/v1/prometheus/targets", tags=["sim"])
+    async def prometheus_targets(request: Request) -> list[dict[str, Any]]:
+        """Prometheus HTTP service discovery: one target per replica's and node's metrics page."""
+        host = request.headers.get("host", request.url.netloc)
+        out: list[dict[str, Any]] = []
+        for key in sorted(layer.supervisor.engines()):
+            ns, pod = key.split("/", 1)
+            out.append(
+                {
+                    "targets": [host],
+                    "labels": {
+                        "__metrics_path__": f"/pods/{ns}/{pod}/metrics",
+                        "job": "vllm",
+                        "namespace": ns,
+                        "pod": pod,
+                    },
+                }
+            )
+        for node in sorted(n["metadata"]["name"] for n in layer.kube.nodes()):
+            out.append(
+                {
+                    "targets": [host],
+                    "labels": {
+                        "__metrics_path__": f"/nodes/{node}/metrics",
+                        "job": "dcgm-exporter",
+                        "node": node,
+                    },
+                }
+            )
+        return out
+
+    # ---- simulator control ----------------------------------------------------------------------
+    @api.post("/sim/v1/faults", status_code=202, tags=["sim"])
+    async def post_fault(fault: FaultRequest) -> Any:
+        try:
+            return layer.submit_fault(fault)
+        except FaultError as exc:
+            return _error(exc.status, exc.message)
+
+    @api.post("/sim/v1/notify", tags=["sim"])
+    async def post_notify(message: NotifyMessage) -> Response:
+        layer.notify(message)
+        return PlainTextResponse("ok")  # what a Slack incoming webhook answers
+
+    @api.get("/sim/v1/notify", response_model=list[NotifyMessage], tags=["sim"])
+    async def get_notify() -> list[dict[str, Any]]:
+        return layer.notifications
+
+    @api.post("/sim/v1/tickets", status_code=201, tags=["sim"])
+    async def post_ticket(body: TicketBody, idempotency_key: str | None = Header(None)) -> Any:
+        try:
+            ticket, created = layer.create_ticket(body.title, body.body, idempotency_key)
+        except ValueError as exc:
+            return _error(422, str(exc))
+        if created:
+            return JSONResponse(ticket, status_code=201)
+        return JSONResponse(ticket, status_code=200, headers={"Idempotent-Replayed": "true"})
+
+    @api.get("/sim/v1/tickets", tags=["sim"])
+    async def get_tickets(idempotency_key: str | None = None) -> list[dict[str, Any]]:
+        return [
+            t for t in layer.tickets if idempotency_key is None or t["idempotency_key"] == idempotency_key
+        ]
+
+    from sim.serving.loadgen import install_load_routes
+
+    install_load_routes(api, layer)
+    return api
+
+
+async def _stream(completion: Completion) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    base = {
+        "id": completion.request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": completion.model,
+    }
+
+    def chunk(text: str, finish: str | None) -> bytes:
+        return _sse(
+            {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+        )
+
+    events = completion.events()
+    try:
+        yield chunk(" tok" * completion.first_tokens, None)
+        async for event in events:
+            if event.kind == "tokens":
+                yield chunk(" tok" * event.count, None)
+            elif event.kind == "done":
+                yield chunk("", event.finish_reason)
+                yield _sse(b"[DONE]")
+            else:
+                yield _sse(
+                    {"error": {"message": event.message, "type": "terminal_stream_error", "code": 502}}
+                )
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+async def _collect(completion: Completion, headers: dict[str, str]) -> Response:
+    tokens = completion.first_tokens
+    finish: str | None = None
+    events = completion.events()
+    try:
+        async for event in events:
+            if event.kind == "tokens":
+                tokens += event.count
+            elif event.kind == "done":
+                finish = event.finish_reason
+            else:
+                return JSONResponse(
+                    {"error": {"message": event.message, "type": "upstream_failed", "code": 502}},
+                    status_code=502,
+                    headers=headers,
+                )
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+    return JSONResponse(
+        {
+            "id": completion.request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": completion.model,
+            "choices": [{"index": 0, "text": " tok" * tokens, "logprobs": None, "finish_reason": finish}],
+            "usage": {"completion_tokens": tokens},
+        },
+        headers=headers,
+    )

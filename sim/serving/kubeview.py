@@ -1,0 +1,104 @@
+"""The serving layer's read-only view of the simulated cluster.
+
+Kept current from the object store's watch events (no deep-copying list per
+tick): the router derives its routing set from EndpointSlices and pod labels
+here, and the engine supervisor derives which engines exist from pods.
+Watch callbacks may arrive on any thread; they only replace dict entries and
+bump a generation counter, which the serving tick loop reads.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from sim.k8s.store import ObjectStore, WatchEvent
+
+Obj = dict[str, Any]
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+_KINDS = ("pods", "nodes", "services", "endpointslices", "deployments", "leaderworkersets")
+
+
+def _key(obj: Obj) -> tuple[str, str]:
+    meta = obj.get("metadata", {})
+    return meta.get("namespace", "") or "", meta["name"]
+
+
+class KubeView:
+    """Current pods, nodes, Services and EndpointSlices by (namespace, name)."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        self.objects: dict[str, dict[tuple[str, str], Obj]] = {kind: {} for kind in _KINDS}
+        self.generation = 0
+        self._unsubscribe = store.watch(self._on_event)
+        for kind in _KINDS:
+            for obj in store.list(kind):
+                self.objects[kind][_key(obj)] = obj
+
+    def close(self) -> None:
+        self._unsubscribe()
+
+    def _on_event(self, event: WatchEvent) -> None:
+        if event.resource not in self.objects:
+            return
+        with self._lock:
+            table = self.objects[event.resource]
+            if event.type == "DELETED":
+                table.pop(_key(event.object), None)
+            else:
+                table[_key(event.object)] = event.object
+            self.generation += 1
+
+    # ---- lookups (return the cached dicts; callers must not mutate them) ----------
+    def pods(self) -> list[Obj]:
+        with self._lock:
+            return list(self.objects["pods"].values())
+
+    def pod(self, namespace: str, name: str) -> Obj | None:
+        return self.objects["pods"].get((namespace, name))
+
+    def node(self, name: str) -> Obj | None:
+        return self.objects["nodes"].get(("", name))
+
+    def nodes(self) -> list[Obj]:
+        with self._lock:
+            return list(self.objects["nodes"].values())
+
+    def service(self, namespace: str, name: str) -> Obj | None:
+        return self.objects["services"].get((namespace, name))
+
+    def services(self) -> list[Obj]:
+        with self._lock:
+            return list(self.objects["services"].values())
+
+    def endpoint_slices(self, namespace: str, service: str) -> list[Obj]:
+        with self._lock:
+            return [
+                s
+                for (ns, _), s in self.objects["endpointslices"].items()
+                if ns == namespace and (s["metadata"].get("labels") or {}).get(SERVICE_NAME_LABEL) == service
+            ]
+
+
+def pod_labels(pod: Obj) -> dict[str, str]:
+    return pod.get("metadata", {}).get("labels") or {}
+
+
+def pod_is_terminating(pod: Obj) -> bool:
+    return bool(pod.get("metadata", {}).get("deletionTimestamp"))
+
+
+def pod_condition(pod: Obj, kind: str) -> str | None:
+    for cond in pod.get("status", {}).get("conditions") or []:
+        if cond.get("type") == kind:
+            return cond.get("status")
+    return None
+
+
+def node_ready(node: Obj) -> str | None:
+    for cond in node.get("status", {}).get("conditions") or []:
+        if cond.get("type") == "Ready":
+            return cond.get("status")
+    return None

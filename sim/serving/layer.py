@@ -1,0 +1,285 @@
+"""The serving layer of one simulated world: engines, router, telemetry, faults, sinks.
+
+``ServingLayer(world)`` wires everything to the world's clock and object store;
+``start()`` runs the single tick loop (engines advance on the sim clock, probes,
+scheduled faults, qualifications); ``stop()`` ends it. ``sim.serving.attach``
+builds one and mounts its HTTP API on the simulator's app.
+
+Settings come from the scenario's free-form ``load`` section (``ServingSettings``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fleet.protocol import FaultRequest, NotifyMessage, Qualification, QualificationState
+from fleet.vocabulary import FaultKind, Tier
+from sim.serving.faults import FaultError, FaultInjector
+from sim.serving.journal import Journal
+from sim.serving.kubeview import KubeView
+from sim.serving.probes import ProbeSettings, ReadinessProber
+from sim.serving.router import Router, RouterConfig
+from sim.serving.supervisor import EngineSupervisor
+from sim.serving.telemetry import NodeTelemetry, gpu_assignment, node_gpu_count, node_gpu_product
+
+log = logging.getLogger(__name__)
+
+
+class TrafficSpec(BaseModel):
+    """Background load the simulator runs by itself (for the demo)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rate: float = Field(gt=0, description="requests per sim second")
+    duration_s: float = Field(default=3600.0, gt=0)
+    seed: int = 0
+    tiers: dict[Tier, float] = Field(
+        default_factory=lambda: {Tier.CRITICAL: 0.2, Tier.STANDARD: 0.5, Tier.SHEDDABLE: 0.3}
+    )
+    model: str | None = None
+
+
+class ServingSettings(BaseModel):
+    """The scenario's ``load`` section."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: dict[str, Any] = Field(default_factory=dict, description="EngineSpec overrides for every model")
+    router: RouterConfig = Field(default_factory=lambda: RouterConfig())
+    probe_period_s: float = Field(default=10.0, gt=0)
+    probe_failure_threshold: int = Field(default=3, ge=1)
+    qualification_s: float = Field(default=120.0, ge=0, description="how long node diagnostics take")
+    tick_s: float = Field(default=0.05, gt=0, description="engine tick in sim seconds (at least 5 ms wall)")
+    tickets_honour_idempotency_key: bool = True
+    traffic: TrafficSpec | None = None
+
+
+def settings_from_scenario(load: dict[str, Any]) -> ServingSettings:
+    try:
+        return ServingSettings.model_validate(load or {})
+    except ValidationError as exc:
+        problems = "; ".join(f"load.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"invalid serving settings in the scenario: {problems}") from None
+
+
+class ServingLayer:
+    def __init__(self, world: Any, settings: ServingSettings | None = None) -> None:
+        self.world = world
+        self.clock = world.clock
+        scenario = getattr(world, "scenario", None)
+        self.settings = settings or settings_from_scenario(getattr(scenario, "load", {}) or {})
+        self.default_namespace: str = getattr(scenario, "namespace", "default")
+        self.kube = KubeView(world.store)
+        self.supervisor = EngineSupervisor(world, self.kube, self.settings.engine)
+        self.journal = Journal()
+        self.router = Router(self.clock, self.kube, self.supervisor.get, self.journal, self.settings.router)
+        self.faults = FaultInjector(self)
+        self.prober = ReadinessProber(
+            world,
+            self.kube,
+            self.supervisor,
+            ProbeSettings(self.settings.probe_period_s, self.settings.probe_failure_threshold),
+        )
+        self.telemetry: dict[str, NodeTelemetry] = {}
+        self.thermal_nodes: dict[str, float] = {}
+        self.qualifications: dict[str, tuple[Qualification, float]] = {}
+        self.notifications: list[dict[str, Any]] = []
+        self.tickets: list[dict[str, Any]] = []
+        self._scheduled: list[FaultRequest] = []
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.background_load: Any = None
+        self.supervisor.start_blocker = self._start_blocker
+        self.supervisor.node_factor = lambda node: self.thermal_nodes.get(node or "", 1.0)
+        register = getattr(world, "register_fault_handler", None)
+        if register is not None:
+            for kind in FaultKind:
+                if kind != FaultKind.NODE_LOST:
+                    register(kind, self._world_fault_handler)
+        self.supervisor.reconcile(self.clock.now(), force=True)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self) -> asyncio.Task[None]:
+        if self._task is None or self._task.done():
+            self._stopping = False
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-serving")
+            if self.settings.traffic is not None and self.background_load is None:
+                from sim.serving.loadgen import LoadSpec, start_load
+
+                t = self.settings.traffic
+                self.background_load = start_load(
+                    self,
+                    LoadSpec(rate=t.rate, duration_s=t.duration_s, seed=t.seed, tiers=t.tiers, model=t.model),
+                )
+        return self._task
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self.background_load is not None:
+            await self.background_load.stop()
+            self.background_load = None
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self.router.aclose()
+
+    def tick_real_seconds(self) -> float:
+        return min(0.05, max(0.005, self.clock.real_seconds(self.settings.tick_s)))
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            try:
+                self.tick()
+            except Exception:  # one bad tick must not stop the fleet
+                log.exception("serving tick failed")
+            await asyncio.sleep(self.tick_real_seconds())
+
+    def tick(self) -> None:
+        now = self.clock.now()
+        self.supervisor.reconcile(now)
+        self.supervisor.advance(now)
+        self.supervisor.reconcile(now)
+        self.prober.tick(now)
+        self._apply_due_faults(now)
+        self._finish_qualifications(now)
+
+    # ---- faults ---------------------------------------------------------------------------
+    def _world_fault_handler(self, fault: FaultRequest) -> None:
+        try:
+            self.faults.apply(fault)
+        except FaultError as exc:
+            raise KeyError(exc.message) if exc.status == 404 else ValueError(exc.message) from None
+
+    def submit_fault(self, fault: FaultRequest) -> dict[str, Any]:
+        """Validate now; apply now or at ``fault.at`` (sim time). Raises FaultError on bad input."""
+        self.faults.validate(fault)
+        now = self.clock.now()
+        if fault.at is not None and fault.at > now:
+            self._scheduled.append(fault)
+            self._scheduled.sort(key=lambda f: f.at or 0.0)
+            return {
+                "accepted": True,
+                "scheduled_at": fault.at,
+                "kind": fault.kind.value,
+                "target": fault.target,
+            }
+        self.faults.apply(fault)
+        self.kick_world()
+        return {"accepted": True, "applied_at": now, "kind": fault.kind.value, "target": fault.target}
+
+    def _apply_due_faults(self, now: float) -> None:
+        while self._scheduled and (self._scheduled[0].at or 0.0) <= now:
+            fault = self._scheduled.pop(0)
+            try:
+                self.faults.apply(fault)
+                self.kick_world()
+            except FaultError:
+                log.exception("scheduled fault %s on %s failed", fault.kind, fault.target)
+
+    def kick_world(self) -> None:
+        kick = getattr(self.world, "kick", None)
+        if kick is not None:
+            kick()
+
+    # ---- node telemetry and qualification ---------------------------------------------------
+    def node_telemetry(self, node: str) -> NodeTelemetry:
+        tel = self.telemetry.get(node)
+        if tel is None:
+            obj = self.kube.node(node)
+            if obj is None:
+                raise KeyError(f"no node named {node!r}")
+            tel = NodeTelemetry.for_node(node, node_gpu_count(obj), node_gpu_product(obj))
+            self.telemetry[node] = tel
+        return tel
+
+    def _start_blocker(self, pod: dict[str, Any]) -> str | None:
+        node = (pod.get("spec") or {}).get("nodeName")
+        tel = self.telemetry.get(node or "")
+        if tel is None:
+            return None
+        holders = gpu_assignment(self.kube, node or "")
+        uid = pod["metadata"].get("uid")
+        for index, holder in holders.items():
+            gpu = tel.gpus[index] if index < len(tel.gpus) else None
+            if gpu is not None and gpu.broken and holder["metadata"].get("uid") == uid:
+                return f"GPU {index} of {node}: {gpu.broken}"
+        return None
+
+    def gpu_utilisation(self, node: str) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for index, pod in gpu_assignment(self.kube, node).items():
+            engine = self.supervisor.get(f"{pod['metadata']['namespace']}/{pod['metadata']['name']}")
+            if engine is not None and engine.alive:
+                out[index] = min(1.0, 0.1 + engine.num_running / max(1, engine.spec.max_num_seqs) * 4)
+        return out
+
+    def start_qualification(self, node: str) -> Qualification:
+        self.node_telemetry(node)
+        if self.world.is_node_lost(node):
+            raise FaultError(503, f"node {node} is unreachable; diagnostics cannot run on it")
+        existing = self.qualifications.get(node)
+        if existing is not None and existing[0].state == QualificationState.RUNNING:
+            return existing[0]
+        now = self.clock.now()
+        q = Qualification(
+            node=node, state=QualificationState.RUNNING, started_at=now, detail="diagnostics running"
+        )
+        self.qualifications[node] = (q, now + self.settings.qualification_s)
+        self._finish_qualifications(now)
+        return self.qualifications[node][0]
+
+    def qualification(self, node: str) -> Qualification:
+        self.node_telemetry(node)
+        self._finish_qualifications(self.clock.now())
+        existing = self.qualifications.get(node)
+        if existing is None:
+            raise LookupError(f"no qualification has run on node {node}; POST to start one")
+        return existing[0]
+
+    def _finish_qualifications(self, now: float) -> None:
+        for node, (q, due) in list(self.qualifications.items()):
+            if q.state != QualificationState.RUNNING or now < due:
+                continue
+            problems = self.node_telemetry(node).problems()
+            if self.world.is_node_lost(node):
+                problems.append("node stopped responding during diagnostics")
+            state = QualificationState.FAILED if problems else QualificationState.PASSED
+            detail = "; ".join(problems) if problems else "all GPU diagnostics passed"
+            done = q.model_copy(update={"state": state, "finished_at": due, "detail": detail})
+            self.qualifications[node] = (done, due)
+
+    # ---- incident channel and tickets ---------------------------------------------------------
+    def notify(self, message: NotifyMessage) -> None:
+        self.notifications.append({"received_at": self.clock.now(), **message.model_dump()})
+
+    def create_ticket(
+        self, title: str, body: str, idempotency_key: str | None
+    ) -> tuple[dict[str, Any], bool]:
+        """(ticket, created). A repeated Idempotency-Key with the same content replays the first ticket;
+        with different content it is refused (ValueError). ``tickets_honour_idempotency_key: false``
+        turns the target into one that duplicates (to show what the ledger prevents)."""
+        if idempotency_key and self.settings.tickets_honour_idempotency_key:
+            for existing in self.tickets:
+                if existing["idempotency_key"] == idempotency_key:
+                    if (existing["title"], existing["body"]) != (title, body):
+                        raise ValueError(
+                            f"Idempotency-Key {idempotency_key!r} was already used for a ticket with different "
+                            "content; use a new key for a new ticket"
+                        )
+                    return existing, False
+        ticket = {
+            "id": f"TKT-{len(self.tickets) + 1:05d}",
+            "idempotency_key": idempotency_key,
+            "title": title,
+            "body": body,
+            "created_at": self.clock.now(),
+        }
+        self.tickets.append(ticket)
+        return ticket, True

@@ -1,0 +1,443 @@
+"""Open-loop load: Poisson arrivals at a set rate with a tier mix, and what users saw.
+
+Arrivals are a pure function of the seed (same seed, same arrivals: inter-arrival
+times, tiers, prompt and output lengths, request ids), independent of how the
+fleet responds — open loop, as real users behave. Requests go through the
+router's own code path in-process by default (cheap enough for a loaded demo
+fleet on two cores) or over real HTTP/SSE (``base_url``).
+
+The report counts goodput (completed within deadline), late, shed, rejected,
+terminal errors, truncated streams and retries, and per-replica TTFT
+percentiles, over any window of arrival times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import APIRouter, HTTPException
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fleet.vocabulary import Tier
+
+DEFAULT_DEADLINES: dict[Tier, float] = {Tier.CRITICAL: 5.0, Tier.STANDARD: 10.0, Tier.SHEDDABLE: 20.0}
+
+
+class LoadSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rate: float = Field(gt=0, le=10_000, description="mean arrivals per sim second")
+    duration_s: float = Field(default=60.0, gt=0, description="sim seconds of arrivals")
+    seed: int = 0
+    tiers: dict[Tier, float] = Field(
+        default_factory=lambda: {Tier.CRITICAL: 0.2, Tier.STANDARD: 0.5, Tier.SHEDDABLE: 0.3}
+    )
+    model: str | None = Field(default=None, description="default: the first model the gateway serves")
+    pool: str | None = None
+    prompt_tokens: tuple[int, int] = (128, 1024)
+    output_tokens: tuple[int, int] = (8, 32)
+    deadlines_s: dict[Tier, float] = Field(default_factory=lambda: dict(DEFAULT_DEADLINES))
+    stream: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> LoadSpec:
+        if not self.tiers or sum(self.tiers.values()) <= 0 or any(v < 0 for v in self.tiers.values()):
+            raise ValueError(
+                "tiers: give non-negative shares with a positive sum, e.g. {critical: 0.2, standard: 0.8}"
+            )
+        for name, (lo, hi) in (("prompt_tokens", self.prompt_tokens), ("output_tokens", self.output_tokens)):
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name}: need 1 <= min <= max (got [{lo}, {hi}])")
+        return self
+
+
+@dataclass(frozen=True)
+class Arrival:
+    offset_s: float
+    request_id: str
+    tier: Tier
+    prompt_tokens: int
+    output_tokens: int
+
+
+def arrivals(spec: LoadSpec) -> list[Arrival]:
+    """The seeded open-loop arrival sequence."""
+    rng = random.Random(spec.seed)
+    tiers = list(spec.tiers)
+    weights = [spec.tiers[t] for t in tiers]
+    out: list[Arrival] = []
+    t = 0.0
+    n = 0
+    while True:
+        t += rng.expovariate(spec.rate)
+        if t >= spec.duration_s:
+            return out
+        n += 1
+        tier = rng.choices(tiers, weights)[0]
+        out.append(
+            Arrival(
+                offset_s=t,
+                request_id=f"load-{spec.seed}-{n:06d}",
+                tier=tier,
+                prompt_tokens=rng.randint(*spec.prompt_tokens),
+                output_tokens=rng.randint(*spec.output_tokens),
+            )
+        )
+
+
+@dataclass
+class RequestResult:
+    request_id: str
+    tier: Tier
+    arrived_at: float  # sim seconds since the run started
+    outcome: str  # goodput | late | shed | rejected | terminal_error | truncated | not_found
+    replica: str | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    tokens: int = 0
+    expected_tokens: int = 0
+    attempts: int = 1
+    status: int | None = None
+
+
+class ReplicaLatency(BaseModel):
+    requests: int
+    ttft_p50_s: float | None
+    ttft_p90_s: float | None
+    ttft_p99_s: float | None
+
+
+class LoadReport(BaseModel):
+    sent: int
+    finished: int
+    in_flight: int
+    goodput: int = Field(description="completed within deadline")
+    late: int
+    shed: int
+    rejected: int
+    terminal_errors: int
+    truncated_streams: int = Field(description="streams that ended before their last token")
+    retried: int = Field(description="requests served on a later attempt")
+    by_tier: dict[str, dict[str, int]]
+    per_replica: dict[str, ReplicaLatency]
+    window_s: tuple[float, float]
+
+    def goodput_fraction(self) -> float:
+        return self.goodput / self.finished if self.finished else 0.0
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
+    return round(ordered[index], 4)
+
+
+def summarize(results: list[RequestResult], sent: int, window: tuple[float, float]) -> LoadReport:
+    lo, hi = window
+    chosen = [r for r in results if lo <= r.arrived_at < hi]
+    count = {k: 0 for k in ("goodput", "late", "shed", "rejected", "terminal_error", "not_found")}
+    by_tier: dict[str, dict[str, int]] = {}
+    ttfts: dict[str, list[float]] = {}
+    truncated = retried = 0
+    for r in chosen:
+        count[r.outcome] = count.get(r.outcome, 0) + 1
+        by_tier.setdefault(r.tier.value, {}).setdefault(r.outcome, 0)
+        by_tier[r.tier.value][r.outcome] += 1
+        if r.tokens and r.tokens < r.expected_tokens and r.outcome == "terminal_error":
+            truncated += 1
+        if r.attempts > 1 and r.outcome in ("goodput", "late"):
+            retried += 1
+        if r.replica is not None and r.ttft_s is not None:
+            ttfts.setdefault(r.replica, []).append(r.ttft_s)
+    per_replica = {
+        replica: ReplicaLatency(
+            requests=len(values),
+            ttft_p50_s=percentile(values, 0.5),
+            ttft_p90_s=percentile(values, 0.9),
+            ttft_p99_s=percentile(values, 0.99),
+        )
+        for replica, values in sorted(ttfts.items())
+    }
+    return LoadReport(
+        sent=sent,
+        finished=len(chosen),
+        in_flight=max(0, sent - len(results)),
+        goodput=count["goodput"],
+        late=count["late"],
+        shed=count["shed"],
+        rejected=count["rejected"] + count["not_found"],
+        terminal_errors=count["terminal_error"],
+        truncated_streams=truncated,
+        retried=retried,
+        by_tier=by_tier,
+        per_replica=per_replica,
+        window_s=window,
+    )
+
+
+class LoadRun:
+    """A running (or finished) load; ``await run.wait()`` for the final report."""
+
+    def __init__(self, target: Any, spec: LoadSpec) -> None:
+        self.id = uuid.uuid4().hex[:12]
+        self.spec = spec
+        self.results: list[RequestResult] = []
+        self.sent = 0
+        self._target = target
+        self._layer: Any = target if not isinstance(target, str) else None
+        self._base_url = target if isinstance(target, str) else None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._runner: asyncio.Task[None] | None = None
+        self._http: httpx.AsyncClient | None = None
+        self._speed = 1.0
+        self._start_sim = 0.0
+        self._start_mono = 0.0
+
+    # ---- time -----------------------------------------------------------------------------
+    def sim_now(self) -> float:
+        """Sim seconds since the run started."""
+        if self._layer is not None:
+            return float(self._layer.clock.now() - self._start_sim)
+        return (time.monotonic() - self._start_mono) * self._speed
+
+    async def _sleep_until(self, offset: float) -> None:
+        delay = offset - self.sim_now()
+        if delay > 0:
+            await asyncio.sleep(delay / self._speed)
+
+    # ---- running --------------------------------------------------------------------------
+    def start(self) -> LoadRun:
+        self._runner = asyncio.get_running_loop().create_task(self._run(), name=f"load-{self.id}")
+        return self
+
+    async def _run(self) -> None:
+        if self._base_url is not None:
+            self._http = httpx.AsyncClient(
+                base_url=self._base_url, timeout=httpx.Timeout(300.0, connect=10.0)
+            )
+            reply = await self._http.get("/sim/v1/clock")
+            if reply.status_code != 200:
+                raise RuntimeError(
+                    f"{self._base_url} is not a fleetmend simulator (GET /sim/v1/clock -> {reply.status_code})"
+                )
+            self._speed = float(reply.json()["speed"])
+        else:
+            self._speed = float(self._layer.clock.speed)
+            self._start_sim = float(self._layer.clock.now())
+        self._start_mono = time.monotonic()
+        model = self.spec.model or await self._default_model()
+        for arrival in arrivals(self.spec):
+            await self._sleep_until(arrival.offset_s)
+            self.sent += 1
+            task = asyncio.get_running_loop().create_task(self._one(arrival, model))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def _default_model(self) -> str:
+        if self._layer is not None:
+            served = self._layer.router.served_models()
+        else:
+            assert self._http is not None
+            served = {m["id"]: m["owned_by"] for m in (await self._http.get("/v1/models")).json()["data"]}
+        if not served:
+            raise RuntimeError("the gateway serves no model yet; wait until a pool has pods, or pass model=")
+        return sorted(served)[0]
+
+    def _body(self, arrival: Arrival, model: str) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": "",
+            "max_tokens": self.spec.output_tokens[1],
+            "stream": self.spec.stream,
+            "tier": arrival.tier.value,
+            "deadline_s": self.spec.deadlines_s.get(arrival.tier, DEFAULT_DEADLINES[arrival.tier]),
+            "request_id": arrival.request_id,
+            "prompt_tokens": arrival.prompt_tokens,
+            "output_tokens": arrival.output_tokens,
+        }
+        if self.spec.pool:
+            body["pool"] = self.spec.pool
+        return body
+
+    async def _one(self, arrival: Arrival, model: str) -> None:
+        result = RequestResult(
+            arrival.request_id,
+            arrival.tier,
+            arrival.offset_s,
+            "terminal_error",
+            expected_tokens=arrival.output_tokens,
+        )
+        deadline = self.spec.deadlines_s.get(arrival.tier, DEFAULT_DEADLINES[arrival.tier])
+        try:
+            if self._layer is not None:
+                await self._in_process(arrival, model, result)
+            else:
+                await self._over_http(arrival, model, result)
+        except Exception as exc:  # a client-side failure is a failed request, not a crashed run
+            result.outcome = "terminal_error"
+            result.status = result.status or 0
+            del exc
+        if result.outcome == "goodput" and result.e2e_s is not None and result.e2e_s > deadline:
+            result.outcome = "late"
+        self.results.append(result)
+
+    async def _in_process(self, arrival: Arrival, model: str, result: RequestResult) -> None:
+        from sim.serving.router import CompletionRequest, GatewayError
+
+        router = self._layer.router
+        sent_at = self.sim_now()
+        try:
+            completion = await router.complete(CompletionRequest.model_validate(self._body(arrival, model)))
+        except GatewayError as exc:
+            result.status = exc.status
+            result.outcome = _refusal_outcome(exc.status)
+            return
+        result.replica, result.attempts = completion.replica, completion.attempt
+        result.ttft_s = completion.ttft_s
+        result.tokens = completion.first_tokens
+        async for event in completion.events():
+            if event.kind == "tokens":
+                result.tokens += event.count
+            elif event.kind == "done":
+                result.outcome = "goodput"
+            else:
+                result.outcome = "terminal_error"
+        result.e2e_s = self.sim_now() - sent_at
+
+    async def _over_http(self, arrival: Arrival, model: str, result: RequestResult) -> None:
+        assert self._http is not None
+        sent_at = self.sim_now()
+        async with self._http.stream("POST", "/v1/completions", json=self._body(arrival, model)) as response:
+            result.status = response.status_code
+            if response.status_code != 200:
+                await response.aread()
+                result.outcome = _refusal_outcome(response.status_code)
+                return
+            result.replica = response.headers.get("x-fleetmend-replica")
+            result.attempts = int(response.headers.get("x-fleetmend-attempt", "1"))
+            if not self.spec.stream:
+                body = json.loads(await response.aread())
+                result.tokens = body.get("usage", {}).get("completion_tokens", 0)
+                result.ttft_s = self.sim_now() - sent_at
+                result.outcome = "goodput"
+                result.e2e_s = result.ttft_s
+                return
+            done = False
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    result.outcome = "terminal_error"
+                    break
+                text = event["choices"][0]["text"]
+                if text and result.ttft_s is None:
+                    result.ttft_s = self.sim_now() - sent_at
+                result.tokens += text.count(" tok")
+            if done:
+                result.outcome = "goodput"
+            result.e2e_s = self.sim_now() - sent_at
+
+    async def wait(self) -> LoadReport:
+        if self._runner is not None:
+            await self._runner
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+        return self.report()
+
+    async def stop(self) -> LoadReport:
+        for task in [self._runner, *self._tasks]:
+            if task is not None:
+                task.cancel()
+        for task in [self._runner, *self._tasks]:
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+        return self.report()
+
+    def report(self, since_s: float = 0.0, until_s: float = math.inf) -> LoadReport:
+        """Outcomes of requests that arrived in [since_s, until_s) (sim seconds since the start)."""
+        return summarize(self.results, self.sent, (since_s, until_s))
+
+    @property
+    def done(self) -> bool:
+        return self._runner is not None and self._runner.done()
+
+
+def _refusal_outcome(status: int) -> str:
+    return {429: "shed", 503: "rejected", 504: "late", 404: "not_found"}.get(status, "terminal_error")
+
+
+def _resolve_target(target: Any) -> Any:
+    if isinstance(target, str):
+        return target.rstrip("/")
+    layer = getattr(target, "serving", None)  # a SimWorld the serving layer is attached to
+    if layer is not None and hasattr(layer, "router"):
+        return layer
+    if hasattr(target, "router") and hasattr(target, "clock"):
+        return target
+    raise TypeError(
+        "start_load needs a base URL, a ServingLayer, or a SimWorld with the serving layer attached"
+    )
+
+
+def start_load(
+    target: Any, rate: float | LoadSpec, duration_s: float = 60.0, seed: int = 0, **options: Any
+) -> LoadRun:
+    """Start open-loop load on the running event loop; ``await run.wait()`` for the report.
+
+    ``target``: a base URL (requests go over HTTP/SSE), a ``ServingLayer``, or a
+    ``SimWorld`` with the serving layer attached (requests go through the router
+    in-process, the same code path as the HTTP handler).
+    """
+    spec = (
+        rate
+        if isinstance(rate, LoadSpec)
+        else LoadSpec(rate=rate, duration_s=duration_s, seed=seed, **options)
+    )
+    return LoadRun(_resolve_target(target), spec).start()
+
+
+def install_load_routes(api: APIRouter, layer: Any) -> None:
+    runs: dict[str, LoadRun] = {}
+
+    @api.post("/sim/v1/load", status_code=202, tags=["sim"])
+    async def post_load(spec: LoadSpec) -> dict[str, Any]:
+        run = LoadRun(layer, spec).start()
+        runs[run.id] = run
+        return {"id": run.id, "arrivals": len(arrivals(spec))}
+
+    @api.get("/sim/v1/load/{run_id}", response_model=LoadReport, tags=["sim"])
+    async def get_load(run_id: str, since_s: float = 0.0, until_s: float | None = None) -> LoadReport:
+        run = runs.get(run_id)
+        if run is None:
+            raise HTTPException(404, f"no load run {run_id!r}; known: {sorted(runs)}")
+        return run.report(since_s, until_s if until_s is not None else math.inf)
+
+    @api.delete("/sim/v1/load/{run_id}", response_model=LoadReport, tags=["sim"])
+    async def delete_load(run_id: str) -> LoadReport:
+        run = runs.pop(run_id, None)
+        if run is None:
+            raise HTTPException(404, f"no load run {run_id!r}")
+        return await run.stop()
