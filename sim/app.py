@@ -1,0 +1,203 @@
+"""The simulator's HTTP server: one port for the Kubernetes API, simulator control and the serving layer.
+
+``build_app(world)`` serves:
+
+* the Kubernetes API (``/version``, ``/api``, ``/apis``; bearer token required on
+  ``/api`` and ``/apis``), see ``sim.k8s.api``;
+* ``GET  /sim/v1/clock`` -> ``fleet.protocol.SimClock``;
+  ``POST /sim/v1/clock/advance`` ``{"seconds": S}`` jumps sim time ahead;
+* ``GET  /sim/v1/actions?since_seq=N`` -> ``list[fleet.protocol.ActionLogEntry]``: every
+  mutating request (POST/PUT/PATCH/DELETE) this server received, on any path;
+* ``GET|PUT /sim/v1/api-faults`` ``{"rules": [ApiFaultRule...]}``: error rates on chosen verbs;
+* ``POST /sim/v1/nodes/{node}/lose`` and ``/restore``: node loss on demand;
+* whatever ``sim.serving.attach(world, app)`` adds (router, engines' metrics, faults, notify),
+  when the ``sim.serving`` package is installed.
+
+``serve(world, host, port)`` runs it with uvicorn on the current loop, with the world's controllers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import importlib.util
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, HTTPException, Query
+from pydantic import BaseModel, ConfigDict, Field
+
+from fleet.protocol import ActionLogEntry, SimClock
+from sim.actionlog import MUTATING_VERBS
+from sim.k8s.api import KubeApi, build_router
+from sim.k8s.faults import ApiFaultRuleSet
+from sim.world import SimWorld
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class ActionLogMiddleware:
+    """Records every mutating HTTP request (after it was answered) in ``world.actions``."""
+
+    def __init__(self, app: ASGIApp, world: SimWorld) -> None:
+        self.app = app
+        self.world = world
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in MUTATING_VERBS:
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        status = {"code": 500}
+
+        async def recording_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                chunks.append(message.get("body", b""))
+            return message
+
+        async def recording_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, recording_receive, recording_send)
+        finally:
+            headers = {k.decode().lower(): v.decode(errors="replace") for k, v in scope.get("headers", [])}
+            self.world.actions.record(
+                time=self.world.clock.now(),
+                verb=scope["method"],
+                path=scope["path"]
+                + (f"?{scope['query_string'].decode()}" if scope.get("query_string") else ""),
+                body=b"".join(chunks),
+                client=client_identity(headers, self.world.token),
+                status=status["code"],
+            )
+
+
+def client_identity(headers: dict[str, str], token: str) -> str:
+    """Who sent a request: the kubeconfig user when its token was presented, plus the user agent."""
+    agent = headers.get("x-fleetmend-client") or headers.get("user-agent", "unknown")
+    user = "sim-admin" if headers.get("authorization") == f"Bearer {token}" else "anonymous"
+    return f"{user}/{agent}"
+
+
+class ClockAdvance(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    seconds: float = Field(gt=0, le=7 * 24 * 3600)
+
+
+def build_app(world: SimWorld) -> FastAPI:
+    """The whole simulator as one ASGI app (see the module docstring for the routes)."""
+    app = FastAPI(
+        title="fleetmend simulator",
+        description="Simulated GPU inference cluster",
+        docs_url="/sim/docs",
+        openapi_url="/sim/openapi.json",
+    )
+    app.state.world = world
+    app.include_router(build_router(KubeApi(world.control, world.api_faults, world.token)))
+
+    @app.get("/sim/v1/clock", response_model=SimClock)
+    async def clock() -> SimClock:
+        return SimClock(now=world.clock.now(), speed=world.clock.speed)
+
+    @app.post("/sim/v1/clock/advance", response_model=SimClock)
+    async def advance(body: ClockAdvance) -> SimClock:
+        world.clock.advance(body.seconds)
+        world.kick()
+        return SimClock(now=world.clock.now(), speed=world.clock.speed)
+
+    @app.get("/sim/v1/actions", response_model=list[ActionLogEntry])
+    async def actions(since_seq: int = Query(0, ge=0)) -> list[ActionLogEntry]:
+        return world.actions.since(since_seq)
+
+    @app.get("/sim/v1/api-faults", response_model=ApiFaultRuleSet)
+    async def get_api_faults() -> ApiFaultRuleSet:
+        return ApiFaultRuleSet(rules=world.api_faults.rules())
+
+    @app.put("/sim/v1/api-faults", response_model=ApiFaultRuleSet)
+    async def put_api_faults(body: ApiFaultRuleSet) -> ApiFaultRuleSet:
+        world.api_faults.set_rules(body.rules)
+        return body
+
+    @app.post("/sim/v1/nodes/{node}/lose", status_code=202)
+    async def lose(node: str) -> dict[str, str]:
+        try:
+            world.lose_node(node)
+        except KeyError as exc:
+            raise HTTPException(404, f"no node named {node!r}; list nodes with GET /api/v1/nodes") from exc
+        return {"node": node, "state": "lost"}
+
+    @app.post("/sim/v1/nodes/{node}/restore", status_code=202)
+    async def restore(node: str) -> dict[str, str]:
+        world.restore_node(node)
+        return {"node": node, "state": "restored"}
+
+    attach_serving_layer(world, app)
+    app.add_middleware(ActionLogMiddleware, world=world)
+    return app
+
+
+def attach_serving_layer(world: SimWorld, app: FastAPI) -> bool:
+    """Let ``sim.serving`` (router, engines, load, faults) add its routes, if it is present."""
+    if importlib.util.find_spec("sim.serving") is None:
+        return False
+    serving = importlib.import_module("sim.serving")
+    attach = getattr(serving, "attach", None)
+    if attach is None:
+        log.warning("sim.serving has no attach(world, app); serving layer not attached")
+        return False
+    attach(world, app)
+    return True
+
+
+async def serve(
+    world: SimWorld,
+    host: str = "127.0.0.1",
+    port: int = 8480,
+    *,
+    ready: Callable[[int], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run the API server and the world's controllers on this loop until ``stop`` is set (or cancelled).
+
+    ``ready(port)`` is called once the socket listens (with the real port when ``port=0``).
+    Shutdown is graceful: the app's lifespan (and the serving layer's) runs to completion.
+    """
+    app = build_app(world)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on")
+    server = uvicorn.Server(config)
+    world.start()
+    serve_task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            if serve_task.done():
+                await serve_task  # re-raises the bind error
+                raise RuntimeError(f"the simulator's HTTP server could not listen on {host}:{port}")
+            await asyncio.sleep(0.01)
+        bound = server.servers[0].sockets[0].getsockname()[1]
+        if ready is not None:
+            ready(bound)
+        if stop is None:
+            await asyncio.shield(serve_task)
+        else:
+            stopper = asyncio.create_task(stop.wait())
+            await asyncio.wait({serve_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+    finally:
+        server.should_exit = True
+        if not serve_task.done():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(serve_task), timeout=5)
+        await world.stop()

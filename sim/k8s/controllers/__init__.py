@@ -1,0 +1,1 @@
+"""One module per Kubernetes controller the simulator reproduces; each exports a ``reconcile`` pass."""

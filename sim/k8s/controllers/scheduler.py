@@ -1,0 +1,225 @@
+"""The scheduler: binds pending pods to nodes with room for their ``nvidia.com/gpu`` request.
+
+Filters as kube-scheduler reports them: ``spec.unschedulable``, untolerated
+NoSchedule/NoExecute taints, ``nodeSelector``, insufficient GPUs, and for
+LeaderWorkerSet groups with the exclusive-topology annotation, one topology
+domain per group. Scoring is LeastAllocated (most free GPUs first, then name),
+so placements are deterministic. A pod that fits nowhere stays Pending with
+``PodScheduled=False/Unschedulable`` and a ``FailedScheduling`` event such as
+``0/4 nodes are available: 4 Insufficient nvidia.com/gpu. ...`` — even when the
+cluster has enough free GPUs in total (fragmentation).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from fleet.vocabulary import GPU_RESOURCE, LWS_GROUP_KEY_LABEL
+from sim.k8s import objects as o
+from sim.k8s.controllers.lws import EXCLUSIVE_TOPOLOGY_ANNOTATION
+
+if TYPE_CHECKING:
+    from sim.k8s.controlplane import ControlPlane
+
+Obj = dict[str, Any]
+COMPONENT = "default-scheduler"
+
+
+def _free_gpus(cp: ControlPlane, nodes: list[Obj]) -> dict[str, int]:
+    free = {o.name_of(n): o.node_gpus(n) for n in nodes}
+    for pod in cp.store.list("pods"):
+        node = pod.get("spec", {}).get("nodeName")
+        if node in free and not o.is_pod_terminal(pod):
+            free[node] -= o.pod_gpus(pod)
+    return free
+
+
+def _filter_reason(pod: Obj, node: Obj, free: int) -> str | None:
+    spec = pod.get("spec", {})
+    tolerations = spec.get("tolerations") or []
+    for taint in node.get("spec", {}).get("taints") or []:
+        if taint.get("effect") not in ("NoSchedule", "NoExecute"):
+            continue
+        if o.tolerates(tolerations, taint) is None:
+            if taint.get("key") == "node.kubernetes.io/unschedulable":
+                return "node(s) were unschedulable"
+            return f"node(s) had untolerated taint {{{taint.get('key')}: {taint.get('value', '')}}}"
+    if node.get("spec", {}).get("unschedulable") and not any(
+        t.get("key") == "node.kubernetes.io/unschedulable" for t in tolerations
+    ):
+        return "node(s) were unschedulable"
+    node_labels = o.labels(node)
+    for key, value in (spec.get("nodeSelector") or {}).items():
+        if node_labels.get(key) != value:
+            return "node(s) didn't match Pod's node affinity/selector"
+    if o.pod_gpus(pod) > free:
+        return f"Insufficient {GPU_RESOURCE}"
+    return None
+
+
+def _failure_message(total: int, reasons: Counter[str]) -> str:
+    parts = sorted(f"{count} {reason}" for reason, count in reasons.items())
+    insufficient = sum(c for r, c in reasons.items() if r.startswith("Insufficient"))
+    preemption = []
+    if insufficient:
+        preemption.append(f"{insufficient} No preemption victims found for incoming pod")
+    if total - insufficient:
+        preemption.append(f"{total - insufficient} Preemption is not helpful for scheduling")
+    return (
+        f"0/{total} nodes are available: {', '.join(parts)}. "
+        f"preemption: 0/{total} nodes are available: {', '.join(sorted(preemption))}."
+    )
+
+
+def schedule_pending_pods(cp: ControlPlane) -> None:
+    pending = [
+        p
+        for p in cp.store.list("pods")
+        if not p.get("spec", {}).get("nodeName")
+        and not o.is_terminating(p)
+        and p.get("spec", {}).get("schedulerName", COMPONENT) == COMPONENT
+    ]
+    if not pending:
+        return
+    nodes = cp.store.list("nodes")
+    free = _free_gpus(cp, nodes)
+    pending.sort(key=lambda p: cp.store.creation_order(o.uid_of(p)))
+    handled: set[str] = set()
+    for pod in pending:
+        uid = o.uid_of(pod)
+        if uid in handled:
+            continue
+        key = o.labels(pod).get(LWS_GROUP_KEY_LABEL)
+        topology = (pod["metadata"].get("annotations") or {}).get(EXCLUSIVE_TOPOLOGY_ANNOTATION)
+        if key and topology:
+            gang = [
+                p
+                for p in pending
+                if o.labels(p).get(LWS_GROUP_KEY_LABEL) == key and o.namespace_of(p) == o.namespace_of(pod)
+            ]
+            handled.update(o.uid_of(p) for p in gang)
+            _schedule_gang(cp, gang, nodes, free, topology)
+        else:
+            handled.add(uid)
+            _schedule_one(cp, pod, nodes, free)
+
+
+def _bind(cp: ControlPlane, pod: Obj, node_name: str, free: dict[str, int]) -> None:
+    free[node_name] -= o.pod_gpus(pod)
+    stamp = cp.clock.timestamp()
+
+    def change(obj: Obj) -> None:
+        obj["spec"]["nodeName"] = node_name
+        o.set_condition(obj, "PodScheduled", "True", stamp)
+
+    cp.store.mutate("pods", o.namespace_of(pod), o.name_of(pod), change)
+    cp.scheduler_memory.pop(o.uid_of(pod), None)
+    cp.events.record(
+        pod,
+        "Scheduled",
+        f"Successfully assigned {o.namespace_of(pod)}/{o.name_of(pod)} to {node_name}",
+        component=COMPONENT,
+    )
+
+
+def _unschedulable(cp: ControlPlane, pod: Obj, message: str) -> None:
+    now = cp.now()
+    uid = o.uid_of(pod)
+    last = cp.scheduler_memory.get(uid)
+    if last is not None and last[0] == message and now - last[1] < cp.timings.scheduler_retry_s:
+        return
+    cp.scheduler_memory[uid] = (message, now)
+    stamp = cp.clock.timestamp()
+    cp.store.mutate(
+        "pods",
+        o.namespace_of(pod),
+        o.name_of(pod),
+        lambda obj: o.set_condition(obj, "PodScheduled", "False", stamp, "Unschedulable", message),
+    )
+    cp.events.record(pod, "FailedScheduling", message, event_type="Warning", component=COMPONENT)
+
+
+def _schedule_one(cp: ControlPlane, pod: Obj, nodes: list[Obj], free: dict[str, int]) -> None:
+    reasons: Counter[str] = Counter()
+    candidates: list[Obj] = []
+    for node in nodes:
+        reason = _filter_reason(pod, node, free[o.name_of(node)])
+        if reason is None:
+            candidates.append(node)
+        else:
+            reasons[reason] += 1
+    if not candidates:
+        _unschedulable(cp, pod, _failure_message(len(nodes), reasons))
+        return
+    best = min(candidates, key=lambda n: (-(free[o.name_of(n)] - o.pod_gpus(pod)), o.name_of(n)))
+    _bind(cp, pod, o.name_of(best), free)
+
+
+def _schedule_gang(
+    cp: ControlPlane, gang: list[Obj], nodes: list[Obj], free: dict[str, int], topology: str
+) -> None:
+    """Place all pending pods of one LWS group inside one topology domain held by no other group."""
+    sample = gang[0]
+    key = o.labels(sample)[LWS_GROUP_KEY_LABEL]
+    namespace = o.namespace_of(sample)
+    node_by_name = {o.name_of(n): n for n in nodes}
+    domain_of = {o.name_of(n): o.labels(n).get(topology) for n in nodes}
+    group_pods = cp.store.list("pods", namespace, f"{LWS_GROUP_KEY_LABEL}={key}")
+    bound_domains = {
+        domain_of.get(p["spec"].get("nodeName")) for p in group_pods if p.get("spec", {}).get("nodeName")
+    }
+    taken: set[str | None] = set()
+    for pod in cp.store.list("pods"):
+        node = pod.get("spec", {}).get("nodeName")
+        other_key = o.labels(pod).get(LWS_GROUP_KEY_LABEL)
+        if (
+            node
+            and other_key
+            and other_key != key
+            and (pod["metadata"].get("annotations") or {}).get(EXCLUSIVE_TOPOLOGY_ANNOTATION) == topology
+        ):
+            taken.add(domain_of.get(node))
+    domains = sorted({d for d in domain_of.values() if d is not None})
+    if bound_domains:
+        domains = [d for d in domains if d in bound_domains]
+    reasons: Counter[str] = Counter()
+    for domain in sorted(domains, key=lambda d: (-sum(free[n] for n, dd in domain_of.items() if dd == d), d)):
+        if domain in taken:
+            continue
+        trial = dict(free)
+        placement: list[tuple[Obj, str]] = []
+        for pod in sorted(
+            gang, key=lambda p: int(o.labels(p).get("leaderworkerset.sigs.k8s.io/worker-index", 0))
+        ):
+            fits = [
+                node_by_name[n]
+                for n, d in domain_of.items()
+                if d == domain and _filter_reason(pod, node_by_name[n], trial[n]) is None
+            ]
+            if not fits:
+                break
+            best = min(fits, key=lambda n: (-(trial[o.name_of(n)] - o.pod_gpus(pod)), o.name_of(n)))
+            trial[o.name_of(best)] -= o.pod_gpus(pod)
+            placement.append((pod, o.name_of(best)))
+        if len(placement) == len(gang):
+            for pod, node_name in placement:
+                _bind(cp, pod, node_name, free)
+            return
+    for node in nodes:
+        name = o.name_of(node)
+        reason = _filter_reason(sample, node, free[name])
+        if reason is None and (
+            domain_of.get(name) is None or domain_of.get(name) in taken or domain_of.get(name) not in domains
+        ):
+            reason = (
+                "node(s) didn't match pod anti-affinity rules"
+                if domain_of.get(name) in taken
+                else "node(s) didn't match pod affinity rules"
+            )
+        if reason is None:
+            reason = f"Insufficient {GPU_RESOURCE}"
+        reasons[reason] += 1
+    message = _failure_message(len(nodes), reasons)
+    for pod in gang:
+        _unschedulable(cp, pod, message)

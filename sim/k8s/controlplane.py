@@ -1,0 +1,315 @@
+"""The simulated control plane: runs every controller over the store, once per tick.
+
+Controllers are level-triggered: each pass compares the desired state with the
+stored objects and writes only differences (no-op writes are dropped by the
+store), so running them every tick is cheap and converges.
+
+Pass order (one reconcile): node lifecycle → taint eviction → garbage collection
+→ Deployments → ReplicaSets → LeaderWorkerSets → scheduler → kubelets →
+EndpointSlices → PodDisruptionBudgets.
+
+Object deletion (``delete``) is shared by the API server and the controllers:
+a pod bound to a node gets a ``deletionTimestamp`` and lives on until its
+kubelet confirms (grace period, or the engine exited); everything else goes at
+once and its dependents are garbage-collected.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sim.clock import SimClock, parse_timestamp
+from sim.k8s import objects as o
+from sim.k8s.errors import ApiError, not_found
+from sim.k8s.events import EventRecorder
+from sim.k8s.resources import RESOURCES
+from sim.k8s.store import ObjectStore
+from sim.scenario import Timings
+
+Obj = dict[str, Any]
+
+UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
+NOT_READY_TAINT = "node.kubernetes.io/not-ready"
+UNSCHEDULABLE_TAINT = "node.kubernetes.io/unschedulable"
+OUT_OF_SERVICE_TAINT = "node.kubernetes.io/out-of-service"
+
+
+@dataclass(frozen=True)
+class StartupProfile:
+    """How long a pod's engine takes to come up (sim seconds) and whether it dies on start."""
+
+    image_pull_s: float = 2.0
+    weight_load_s: float = 0.0
+    distributed_init_s: float = 0.0
+    defect: str = "none"
+
+    @property
+    def ready_after_start_s(self) -> float:
+        return self.weight_load_s + self.distributed_init_s
+
+
+DEFAULT_PROFILE = StartupProfile()
+
+
+@dataclass
+class PodRuntime:
+    """What the kubelet knows about one pod incarnation (keyed by pod uid)."""
+
+    bound_at: float
+    ip: str
+    started_at: float | None = None  # current container incarnation start
+    restart_count: int = 0
+    crashed_at: float | None = None  # in CrashLoopBackOff until crashed_at + backoff
+    last_terminated: Obj | None = None
+    ready_override: bool | None = None
+    exited: bool = False
+    gate_initialised: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ControlPlane:
+    """Controllers, scheduler, node lifecycle and kubelets of the simulated cluster."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        clock: SimClock,
+        timings: Timings,
+        profile_for: Callable[[Obj], StartupProfile | None],
+        *,
+        seed: int = 0,
+    ) -> None:
+        self.store = store
+        self.clock = clock
+        self.timings = timings
+        self.profile_for = profile_for
+        self.events = EventRecorder(store, clock)
+        self.rng = random.Random(seed)
+        self.lock = threading.RLock()
+        self.lost_nodes: dict[str, float] = {}
+        self.runtimes: dict[str, PodRuntime] = {}
+        self.gates_set_on_first_ready: set[str] = set()  # readiness-gate condition types the sim admits
+        self._next_ip = 0
+        self.scheduler_memory: dict[str, tuple[str, float]] = {}  # pod uid -> (last message, last event time)
+        self.instant_start: bool = False
+        # imported here to keep each controller in its own module without import cycles
+        from sim.k8s.controllers import disruption, endpoints, kubelet, lws, nodes, scheduler, workloads
+
+        self._passes: list[Callable[[ControlPlane], None]] = [
+            nodes.reconcile_nodes,
+            nodes.evict_tainted_pods,
+            nodes.collect_garbage,
+            workloads.reconcile_deployments,
+            workloads.reconcile_replicasets,
+            lws.reconcile_leaderworkersets,
+            scheduler.schedule_pending_pods,
+            kubelet.run_kubelets,
+            endpoints.reconcile_endpointslices,
+            disruption.reconcile_pdbs,
+        ]
+
+    # ------------------------------------------------------------- running
+    def reconcile(self) -> None:
+        with self.lock:
+            for step in self._passes:
+                step(self)
+
+    def settle(self, max_passes: int = 20) -> None:
+        """Reconcile until nothing changes (used to build the initial steady state)."""
+        for _ in range(max_passes):
+            before = self.store.resource_version
+            self.reconcile()
+            if self.store.resource_version == before:
+                return
+
+    def now(self) -> float:
+        return self.clock.now()
+
+    def allocate_ip(self) -> str:
+        """Pod IPs from 127.10.0.0/16 (loopback, so they are valid addresses on this host)."""
+        with self.lock:
+            index = self._next_ip
+            self._next_ip += 1
+        return f"127.10.{(index // 254) % 256}.{index % 254 + 1}"
+
+    # -------------------------------------------------------------- nodes
+    def is_node_lost(self, name: str) -> bool:
+        return name in self.lost_nodes
+
+    def lose_node(self, name: str) -> None:
+        if self.store.find("nodes", "", name) is None:
+            raise KeyError(f"no node named {name!r}")
+        with self.lock:
+            self.lost_nodes.setdefault(name, self.now())
+
+    def restore_node(self, name: str) -> None:
+        with self.lock:
+            self.lost_nodes.pop(name, None)
+
+    # -------------------------------------------------------------- pods
+    def admit_pod(self, pod: Obj) -> Obj:
+        """What admission plugins add to a new pod (defaults and DefaultTolerationSeconds)."""
+        spec = pod.setdefault("spec", {})
+        spec.setdefault("restartPolicy", "Always")
+        spec.setdefault("terminationGracePeriodSeconds", self.timings.default_termination_grace_s)
+        spec.setdefault("dnsPolicy", "ClusterFirst")
+        spec.setdefault("schedulerName", "default-scheduler")
+        spec.setdefault("serviceAccountName", "default")
+        spec.setdefault("enableServiceLinks", True)
+        spec.setdefault("priority", 0)
+        tolerations: list[Obj] = spec.setdefault("tolerations", [])
+        for key, seconds in (
+            (NOT_READY_TAINT, self.timings.not_ready_toleration_s),
+            (UNREACHABLE_TAINT, self.timings.unreachable_toleration_s),
+        ):
+            if not any(t.get("key") == key and t.get("effect") in (None, "NoExecute") for t in tolerations):
+                tolerations.append(
+                    {"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": seconds}
+                )
+        for container in spec.get("containers") or []:
+            container.setdefault("imagePullPolicy", "IfNotPresent")
+            container.setdefault("terminationMessagePath", "/dev/termination-log")
+            container.setdefault("terminationMessagePolicy", "File")
+            container.setdefault("resources", {})
+        status = pod.setdefault("status", {})
+        status.setdefault("phase", "Pending")
+        status.setdefault(
+            "qosClass",
+            "BestEffort"
+            if not any(c.get("resources") for c in spec.get("containers") or [])
+            else "Burstable",
+        )
+        return pod
+
+    def create_pod(self, pod: Obj) -> Obj:
+        return self.store.create("pods", self.admit_pod(pod))
+
+    def runtime(self, namespace: str, name: str) -> PodRuntime | None:
+        pod = self.store.find("pods", namespace, name)
+        if pod is None:
+            return None
+        return self.runtimes.get(o.uid_of(pod))
+
+    def _require_runtime(self, namespace: str, name: str) -> PodRuntime:
+        runtime = self.runtime(namespace, name)
+        if runtime is None:
+            raise KeyError(f"pod {namespace}/{name} is not running on a node")
+        return runtime
+
+    def kill_container(self, namespace: str, name: str, *, oom: bool, message: str = "") -> None:
+        with self.lock:
+            runtime = self._require_runtime(namespace, name)
+            self._crash(runtime, self.now(), oom=oom, message=message)
+
+    def _crash(self, runtime: PodRuntime, at: float, *, oom: bool, message: str = "") -> None:
+        started = runtime.started_at if runtime.started_at is not None else at
+        runtime.last_terminated = {
+            "terminated": {
+                "exitCode": 137 if oom else 1,
+                "reason": "OOMKilled" if oom else "Error",
+                "message": message
+                or ("container exceeded its memory limit" if oom else "engine process exited"),
+                "startedAt": self.clock.timestamp(started),
+                "finishedAt": self.clock.timestamp(at),
+                "containerID": f"containerd://{o.stable_hash([runtime.ip, runtime.restart_count], 32)}",
+            }
+        }
+        runtime.restart_count += 1
+        runtime.crashed_at = at
+        runtime.started_at = None
+        runtime.extra.pop("ready_at", None)
+
+    def set_container_ready(self, namespace: str, name: str, ready: bool | None) -> None:
+        with self.lock:
+            self._require_runtime(namespace, name).ready_override = ready
+
+    def finish_termination(self, namespace: str, name: str) -> None:
+        with self.lock:
+            self._require_runtime(namespace, name).exited = True
+
+    def set_pod_condition(
+        self, namespace: str, name: str, condition_type: str, status: str, reason: str = "", message: str = ""
+    ) -> None:
+        def change(pod: Obj) -> None:
+            o.set_condition(
+                pod, condition_type, status, self.clock.timestamp(), reason or None, message or None
+            )
+
+        if self.store.mutate("pods", namespace, name, change) is None:
+            raise KeyError(f"no pod {namespace}/{name}")
+
+    # ----------------------------------------------------------- deletion
+    def delete(
+        self,
+        plural: str,
+        namespace: str,
+        name: str,
+        *,
+        grace_seconds: int | None = None,
+        propagation: str | None = None,
+    ) -> Obj:
+        """Delete as the apiserver does; returns the object as it stands afterwards."""
+        resource = RESOURCES[plural]
+        obj = self.store.find(plural, namespace, name)
+        if obj is None:
+            raise not_found(plural, name, resource.group)
+        if plural == "pods":
+            return self._delete_pod(obj, grace_seconds)
+        if propagation == "Orphan":
+            self._orphan_dependents(obj)
+        if obj["metadata"].get("finalizers"):
+            marked = self.store.set_deletion(plural, namespace, name, self.clock.timestamp(), 0)
+            return marked or obj
+        removed = self.store.remove(plural, namespace, name)
+        return removed or obj
+
+    def _delete_pod(self, pod: Obj, grace_seconds: int | None) -> Obj:
+        namespace, name = o.namespace_of(pod), o.name_of(pod)
+        grace = grace_seconds
+        if grace is None:
+            grace = int(
+                pod.get("spec", {}).get(
+                    "terminationGracePeriodSeconds", self.timings.default_termination_grace_s
+                )
+            )
+        node = pod.get("spec", {}).get("nodeName")
+        # Unscheduled pods, finished pods and grace 0 (force) leave storage at once.
+        if grace <= 0 or not node or o.is_pod_terminal(pod):
+            removed = self.store.remove("pods", namespace, name)
+            self.runtimes.pop(o.uid_of(pod), None)
+            return removed or pod
+        deadline = self.now() + grace
+        marked = self.store.set_deletion("pods", namespace, name, self.clock.timestamp(deadline), grace)
+        return marked or pod
+
+    def _orphan_dependents(self, owner: Obj) -> None:
+        uid = o.uid_of(owner)
+        for plural in ("replicasets", "pods", "endpointslices"):
+            for dependent in self.store.list(plural, o.namespace_of(owner) or None):
+                refs = dependent["metadata"].get("ownerReferences") or []
+                if any(r.get("uid") == uid for r in refs):
+
+                    def drop(obj: Obj, uid: str = uid) -> None:
+                        obj["metadata"]["ownerReferences"] = [
+                            r for r in obj["metadata"].get("ownerReferences") or [] if r.get("uid") != uid
+                        ]
+
+                    self.store.mutate(plural, o.namespace_of(dependent), o.name_of(dependent), drop)
+
+    def deletion_deadline(self, obj: Obj) -> float | None:
+        stamp = obj["metadata"].get("deletionTimestamp")
+        return None if stamp is None else parse_timestamp(stamp)
+
+    def ensure_exists(self, plural: str, obj: Obj) -> Obj:
+        """Create ``obj`` unless an object of that name exists (then return the stored one)."""
+        existing = self.store.find(plural, obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
+        if existing is not None:
+            return existing
+        try:
+            return self.store.create(plural, obj)
+        except ApiError:
+            return self.store.get(plural, obj["metadata"].get("namespace", ""), obj["metadata"]["name"])

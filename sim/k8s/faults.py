@@ -1,0 +1,79 @@
+"""Fault knobs for the simulated API itself (for retry and unknown-outcome tests).
+
+A rule makes a share of matching requests fail with 500, 429 or 409, or time
+out (the server holds the request for ``delay_s`` wall seconds, then answers
+504 — optionally *after* applying the change, the nasty "did it happen?" case).
+Randomness is seeded so a scenario replays the same failures.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sim.k8s.errors import ApiError, conflict, internal_error, too_many_requests
+
+
+class ApiFaultRule(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    verbs: list[Literal["GET", "POST", "PUT", "PATCH", "DELETE"]] = Field(default_factory=lambda: ["PATCH"])
+    path_contains: str = Field("", description="only requests whose path contains this text")
+    error: Literal["500", "429", "409", "timeout"]
+    rate: float = Field(1.0, ge=0.0, le=1.0, description="share of matching requests that fail")
+    count: int | None = Field(None, ge=1, description="stop after this many injected failures")
+    delay_s: float = Field(5.0, ge=0.0, le=120.0, description="wall seconds a timeout holds the request")
+    apply_before_timeout: bool = Field(False, description="timeouts: perform the change, then time out")
+    retry_after_s: int = Field(1, ge=0, description="429: Retry-After seconds")
+
+
+class ApiFaultRuleSet(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rules: list[ApiFaultRule] = Field(default_factory=list)
+
+
+class ApiFaults:
+    """The active rules; ``pick`` decides whether a request is hit."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._lock = threading.Lock()
+        self._rng = random.Random(seed)
+        self._rules: list[ApiFaultRule] = []
+        self._used: list[int] = []
+
+    def set_rules(self, rules: list[ApiFaultRule]) -> None:
+        with self._lock:
+            self._rules = list(rules)
+            self._used = [0] * len(rules)
+
+    def rules(self) -> list[ApiFaultRule]:
+        with self._lock:
+            return list(self._rules)
+
+    def pick(self, verb: str, path: str) -> ApiFaultRule | None:
+        with self._lock:
+            for index, rule in enumerate(self._rules):
+                if verb not in rule.verbs or rule.path_contains not in path:
+                    continue
+                if rule.count is not None and self._used[index] >= rule.count:
+                    continue
+                if self._rng.random() < rule.rate:
+                    self._used[index] += 1
+                    return rule
+            return None
+
+
+def error_for(rule: ApiFaultRule, resource: str, name: str, group: str) -> ApiError:
+    """The Status error an injected (non-timeout) fault answers with."""
+    if rule.error == "429":
+        return too_many_requests(
+            "the server has received too many requests and has asked us to try again later",
+            retry_after=rule.retry_after_s,
+        )
+    if rule.error == "409":
+        return conflict(resource, name or "unknown", group)
+    return internal_error("injected fault (fleetmend simulator)")

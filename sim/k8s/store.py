@@ -1,0 +1,276 @@
+"""The simulated apiserver's storage: API objects as JSON dicts with resourceVersions.
+
+One global, monotonically increasing resourceVersion (like etcd's revision) is
+stamped on every write. Writes that change nothing are dropped without bumping
+it, as the real apiserver does, so level-triggered controllers can re-apply
+their desired state every tick without churning versions.
+
+Thread-safe (one re-entrant lock): the API server, the controllers and the
+serving layer may all touch it. Every read returns a deep copy; callers mutate
+their copy and write it back with ``update``.
+
+Watchers: ``store.watch(callback)`` registers ``callback(WatchEvent)``, called
+synchronously after every effective write (ADDED, MODIFIED, DELETED). Callbacks
+must be quick; they may read the store, and should schedule (not perform) writes.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from sim.clock import SimClock
+from sim.k8s.errors import already_exists, conflict, invalid, not_found
+from sim.k8s.resources import RESOURCES, Resource
+from sim.k8s.selectors import parse_field_selector, parse_label_selector
+
+Obj = dict[str, Any]
+EventType = Literal["ADDED", "MODIFIED", "DELETED"]
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    type: EventType
+    resource: str  # plural, e.g. "pods"
+    object: Obj  # deep copy of the object after the change (before removal for DELETED)
+
+
+Watcher = Callable[[WatchEvent], None]
+
+
+def _resource(plural: str) -> Resource:
+    try:
+        return RESOURCES[plural]
+    except KeyError:
+        raise ValueError(f"the simulator does not serve resource {plural!r}") from None
+
+
+def labels_of(obj: Obj) -> dict[str, str]:
+    return dict(obj.get("metadata", {}).get("labels") or {})
+
+
+def key_of(obj: Obj) -> tuple[str, str]:
+    meta = obj.get("metadata", {})
+    return meta.get("namespace", "") or "", meta["name"]
+
+
+class ObjectStore:
+    """All API objects of the simulated cluster."""
+
+    def __init__(self, clock: SimClock) -> None:
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._objects: dict[str, dict[tuple[str, str], Obj]] = {plural: {} for plural in RESOURCES}
+        self._revision = 0
+        self._watchers: list[Watcher] = []
+        self._created: dict[str, int] = {}  # uid -> revision at creation (creation order)
+
+    # ----------------------------------------------------------------- reads
+    @property
+    def lock(self) -> threading.RLock:
+        """Hold it to make a read-modify-write sequence atomic."""
+        return self._lock
+
+    @property
+    def resource_version(self) -> str:
+        with self._lock:
+            return str(self._revision)
+
+    def find(self, plural: str, namespace: str, name: str) -> Obj | None:
+        """The object, or None when absent (cluster-scoped: namespace="")."""
+        resource = _resource(plural)
+        with self._lock:
+            obj = self._objects[plural].get((namespace if resource.namespaced else "", name))
+            return copy.deepcopy(obj) if obj is not None else None
+
+    def get(self, plural: str, namespace: str, name: str) -> Obj:
+        """The object, or the apiserver's 404 ``ApiError``."""
+        obj = self.find(plural, namespace, name)
+        if obj is None:
+            resource = _resource(plural)
+            raise not_found(plural, name, resource.group)
+        return obj
+
+    def list(
+        self,
+        plural: str,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        predicate: Callable[[Obj], bool] | None = None,
+    ) -> list[Obj]:
+        """Objects sorted by namespace/name, filtered like ``GET .../{plural}?labelSelector=&fieldSelector=``."""
+        resource = _resource(plural)
+        label_match = parse_label_selector(label_selector)
+        field_match = parse_field_selector(field_selector, resource.field_selectors)
+        with self._lock:
+            items = [
+                obj
+                for (ns, _), obj in sorted(self._objects[plural].items())
+                if (namespace is None or ns == namespace)
+                and label_match(labels_of(obj))
+                and field_match(obj)
+                and (predicate is None or predicate(obj))
+            ]
+            return copy.deepcopy(items)
+
+    # ---------------------------------------------------------------- writes
+    def create(self, plural: str, obj: Obj) -> Obj:
+        """Store a new object: uid, resourceVersion, creationTimestamp and generation are assigned."""
+        resource = _resource(plural)
+        obj = copy.deepcopy(obj)
+        meta = obj.setdefault("metadata", {})
+        name = meta.get("name")
+        if not name:
+            generate = meta.get("generateName")
+            if not generate:
+                raise invalid(
+                    resource.kind, "", "metadata.name", "name or generateName is required", resource.group
+                )
+            name = meta["name"] = generate + uuid.uuid4().hex[:5]
+        if not resource.namespaced:
+            meta.pop("namespace", None)
+        elif not meta.get("namespace"):
+            meta["namespace"] = "default"
+        with self._lock:
+            key = key_of(obj)
+            if key in self._objects[plural]:
+                raise already_exists(plural, name, resource.group)
+            obj["apiVersion"] = resource.api_version
+            obj["kind"] = resource.kind
+            meta["uid"] = str(uuid.uuid4())
+            meta["creationTimestamp"] = self.clock.timestamp()
+            meta.pop("deletionTimestamp", None)
+            if "spec" in obj:
+                meta["generation"] = 1
+            self._revision += 1
+            meta["resourceVersion"] = str(self._revision)
+            self._created[meta["uid"]] = self._revision
+            self._objects[plural][key] = obj
+            self._notify("ADDED", plural, obj)
+            return copy.deepcopy(obj)
+
+    def update(self, plural: str, obj: Obj, *, check_version: bool = True) -> Obj:
+        """Replace an object (optimistic concurrency on ``metadata.resourceVersion`` when set).
+
+        A stale resourceVersion raises the apiserver's 409 Conflict. Immutable
+        metadata (uid, creationTimestamp) is kept; ``generation`` moves with the spec.
+        A write that changes nothing is dropped and returns the stored object.
+        """
+        resource = _resource(plural)
+        obj = copy.deepcopy(obj)
+        with self._lock:
+            key = key_of(obj) if resource.namespaced else ("", obj["metadata"]["name"])
+            current = self._objects[plural].get(key)
+            name = obj["metadata"]["name"]
+            if current is None:
+                raise not_found(plural, name, resource.group)
+            meta = obj["metadata"]
+            cur_meta = current["metadata"]
+            requested = meta.get("resourceVersion")
+            if check_version and requested and requested != cur_meta["resourceVersion"]:
+                raise conflict(plural, name, resource.group)
+            obj["apiVersion"] = resource.api_version
+            obj["kind"] = resource.kind
+            for field in ("uid", "creationTimestamp", "namespace"):
+                if field in cur_meta:
+                    meta[field] = cur_meta[field]
+            if "deletionTimestamp" in cur_meta:
+                meta["deletionTimestamp"] = cur_meta["deletionTimestamp"]
+                meta["deletionGracePeriodSeconds"] = cur_meta.get("deletionGracePeriodSeconds", 0)
+            meta["generation"] = cur_meta.get("generation", 1 if "spec" in obj else None)
+            if meta["generation"] is None:
+                meta.pop("generation")
+            elif obj.get("spec") != current.get("spec"):
+                meta["generation"] += 1
+            meta["resourceVersion"] = cur_meta["resourceVersion"]
+            if obj == current:
+                return copy.deepcopy(current)
+            self._revision += 1
+            meta["resourceVersion"] = str(self._revision)
+            self._objects[plural][key] = obj
+            self._notify("MODIFIED", plural, obj)
+            return copy.deepcopy(obj)
+
+    def mutate(self, plural: str, namespace: str, name: str, change: Callable[[Obj], None]) -> Obj | None:
+        """Atomic read-modify-write for controllers: ``change`` edits the object in place.
+
+        Returns the stored result, or None when the object does not exist.
+        """
+        with self._lock:
+            obj = self.find(plural, namespace, name)
+            if obj is None:
+                return None
+            change(obj)
+            return self.update(plural, obj, check_version=False)
+
+    def set_deletion(
+        self, plural: str, namespace: str, name: str, timestamp: str, grace_seconds: int
+    ) -> Obj | None:
+        """Mark an object as terminating (``deletionTimestamp``); it stays until ``remove``."""
+        with self._lock:
+            obj = self.find(plural, namespace, name)
+            if obj is None:
+                return None
+            meta = obj["metadata"]
+            if "deletionTimestamp" in meta and meta.get("deletionGracePeriodSeconds", 0) <= grace_seconds:
+                return obj
+            meta["deletionTimestamp"] = timestamp
+            meta["deletionGracePeriodSeconds"] = grace_seconds
+            key = key_of(obj) if _resource(plural).namespaced else ("", name)
+            self._revision += 1
+            meta["resourceVersion"] = str(self._revision)
+            self._objects[plural][key] = obj
+            self._notify("MODIFIED", plural, obj)
+            return copy.deepcopy(obj)
+
+    def remove(self, plural: str, namespace: str, name: str) -> Obj | None:
+        """Delete an object from storage for good; returns its last state."""
+        resource = _resource(plural)
+        with self._lock:
+            obj = self._objects[plural].pop((namespace if resource.namespaced else "", name), None)
+            if obj is None:
+                return None
+            self._created.pop(obj["metadata"].get("uid", ""), None)
+            self._revision += 1
+            obj["metadata"]["resourceVersion"] = str(self._revision)
+            self._notify("DELETED", plural, obj)
+            return copy.deepcopy(obj)
+
+    def creation_order(self, uid: str) -> int:
+        """Position of the object in creation order (older objects sort first)."""
+        with self._lock:
+            return self._created.get(uid, 1 << 62)
+
+    # --------------------------------------------------------------- watches
+    def watch(self, callback: Watcher) -> Callable[[], None]:
+        """Call ``callback(WatchEvent)`` after every effective write; returns an unsubscribe function."""
+        with self._lock:
+            self._watchers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._watchers:
+                    self._watchers.remove(callback)
+
+        return unsubscribe
+
+    def _notify(self, event_type: EventType, plural: str, obj: Obj) -> None:
+        if not self._watchers:
+            return
+        event = WatchEvent(event_type, plural, copy.deepcopy(obj))
+        for watcher in list(self._watchers):
+            watcher(event)
+
+    def all_objects(self) -> Iterable[tuple[str, Obj]]:
+        """Every stored object as (plural, copy) — for dumps and debugging."""
+        with self._lock:
+            return [
+                (plural, copy.deepcopy(obj))
+                for plural, objs in self._objects.items()
+                for obj in objs.values()
+            ]

@@ -1,0 +1,266 @@
+"""``SimWorld``: the whole simulated cluster in one object.
+
+It owns the clock (real time x ``speed``; every duration is in sim seconds),
+the object store, the control plane (controllers, scheduler, node lifecycle,
+kubelet), the action log, the API fault knobs and the scenario it was built
+from. The API server (``sim.app``) and the serving layer (``sim.serving``)
+both act on it.
+
+Stable interface for the serving layer (all thread-safe, all return copies):
+
+Reading the cluster
+    world.clock.now() -> float                 sim epoch seconds; world.clock.speed; await world.clock.sleep(s)
+    world.pods(namespace=None, label_selector=None) -> list[dict]
+    world.pod(namespace, name) -> dict | None
+    world.nodes() -> list[dict]
+    world.services(namespace=None) -> list[dict]
+    world.endpointslices(namespace=None, service=None) -> list[dict]
+    world.model_for_pod(pod) -> ModelSpec | None      (from the fleetmend.io/model label)
+    world.revision_for_pod(pod) -> ModelRevision | None
+    world.is_node_lost(name) -> bool
+    world.store.watch(callback) -> unsubscribe         callback(WatchEvent(type, resource, object))
+
+Acting on it (what faults do)
+    world.lose_node(name)                 kubelet stops reporting: Unknown -> tainted -> pods deleted
+    world.restore_node(name)              kubelet reports again
+    world.set_container_state(ns, pod, "crashed" | "oomkilled", message="")
+                                          container dies: restartCount+1, CrashLoopBackOff, restarts
+    world.set_container_ready(ns, pod, ready: bool | None)
+                                          readiness probe result override (None = follow start-up)
+    world.set_pod_condition(ns, pod, type, status, reason="", message="")
+    world.finish_termination(ns, pod)     the engine drained and exited before the grace period ended
+    world.register_fault_handler(kind, handler)   handler(FaultRequest) for faults this module does not own
+    world.inject_fault(FaultRequest)      node-lost is handled here, other kinds by registered handlers
+    world.kick()                          run the controllers now instead of at the next tick
+
+Lifecycle
+    task = world.start()    on a running asyncio loop (or: await world.run())
+    await world.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Callable
+from typing import Any, Literal
+
+from fleet.protocol import FaultRequest
+from fleet.vocabulary import MODEL_LABEL, REVISION_LABEL, SERVING_READY_CONDITION, FaultKind
+from sim.actionlog import ActionLog
+from sim.clock import SimClock
+from sim.k8s.controlplane import ControlPlane, StartupProfile
+from sim.k8s.faults import ApiFaults
+from sim.k8s.manifests import build_objects, rollout_patch
+from sim.k8s.store import ObjectStore, WatchEvent
+from sim.scenario import ModelRevision, ModelSpec, Scenario
+
+log = logging.getLogger(__name__)
+
+FaultHandler = Callable[[FaultRequest], None]
+
+
+class SimWorld:
+    """The simulated cluster built from a scenario, running at ``speed`` x real time."""
+
+    def __init__(self, scenario: Scenario, *, speed: float = 1.0, token: str | None = None) -> None:
+        self.scenario = scenario
+        self.clock = SimClock(speed)
+        self.started_at = self.clock.now()
+        self.store = ObjectStore(self.clock)
+        self.actions = ActionLog()
+        self.api_faults = ApiFaults(seed=scenario.seed)
+        self.token = token or secrets.token_urlsafe(24)
+        self.control = ControlPlane(
+            self.store, self.clock, scenario.timings, self._startup_profile, seed=scenario.seed
+        )
+        self.control.gates_set_on_first_ready.add(SERVING_READY_CONDITION)
+        self._fault_handlers: dict[FaultKind, FaultHandler] = {}
+        self._pending_faults = sorted(scenario.faults, key=lambda f: f.at_s)
+        self._pending_rollouts = sorted(
+            ((w.rollout.at_s, w) for w in scenario.workloads if w.rollout is not None),
+            key=lambda item: item[0],
+        )
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        for plural, obj in build_objects(scenario):
+            self.store.create(plural, obj)
+        # The scenario starts in steady state: pods already pulled, loaded and Ready.
+        self.control.instant_start = True
+        self.control.settle()
+        self.control.instant_start = False
+        self.store.watch(self._on_change)
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> asyncio.Task[None]:
+        """Run the controllers as a task on the running loop."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self.run(), name="sim-world")
+        return self._task
+
+    async def run(self) -> None:
+        """Reconcile every tick (and at once after any change) until ``stop``."""
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._stopping = False
+        while not self._stopping:
+            self._wake.clear()
+            try:
+                self._apply_due_scenario_events()
+                self.control.reconcile()
+            except Exception:  # a controller bug must not freeze the whole world
+                log.exception("sim controllers failed; retrying next tick")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=self.tick_real_seconds())
+            # let a burst of API writes land before reconciling
+            await asyncio.sleep(0.002)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self.kick()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(self._task, timeout=5)
+            self._task = None
+
+    def tick_real_seconds(self) -> float:
+        """Wall seconds between reconcile passes: half a sim second, clamped to [20 ms, 100 ms]."""
+        return min(0.1, max(0.02, self.clock.real_seconds(0.5)))
+
+    def kick(self) -> None:
+        """Wake the controllers now (safe from any thread)."""
+        loop, wake = self._loop, self._wake
+        if loop is None or wake is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            wake.set()
+        else:
+            loop.call_soon_threadsafe(wake.set)
+
+    def _on_change(self, event: WatchEvent) -> None:
+        self.kick()
+
+    # ------------------------------------------------------------- reading
+    def pods(self, namespace: str | None = None, label_selector: str | None = None) -> list[dict[str, Any]]:
+        return self.store.list("pods", namespace, label_selector)
+
+    def pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.store.find("pods", namespace, name)
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return self.store.list("nodes")
+
+    def services(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        return self.store.list("services", namespace)
+
+    def endpointslices(
+        self, namespace: str | None = None, service: str | None = None
+    ) -> list[dict[str, Any]]:
+        selector = f"kubernetes.io/service-name={service}" if service else None
+        return self.store.list("endpointslices", namespace, selector)
+
+    def model_for_pod(self, pod: dict[str, Any]) -> ModelSpec | None:
+        name = (pod.get("metadata", {}).get("labels") or {}).get(MODEL_LABEL)
+        if name is None:
+            return None
+        try:
+            return self.scenario.model(name)
+        except KeyError:
+            return None
+
+    def revision_for_pod(self, pod: dict[str, Any]) -> ModelRevision | None:
+        model = self.model_for_pod(pod)
+        revision = (pod.get("metadata", {}).get("labels") or {}).get(REVISION_LABEL)
+        if model is None or revision is None:
+            return None
+        try:
+            return model.revision(revision)
+        except KeyError:
+            return None
+
+    def is_node_lost(self, name: str) -> bool:
+        return self.control.is_node_lost(name)
+
+    # -------------------------------------------------------------- acting
+    def lose_node(self, name: str) -> None:
+        """The node's kubelet stops reporting (power loss, fabric partition, kernel panic)."""
+        self.control.lose_node(name)
+        self.kick()
+
+    def restore_node(self, name: str) -> None:
+        self.control.restore_node(name)
+        self.kick()
+
+    def set_container_state(
+        self, namespace: str, pod: str, state: Literal["crashed", "oomkilled"], message: str = ""
+    ) -> None:
+        self.control.kill_container(namespace, pod, oom=state == "oomkilled", message=message)
+        self.kick()
+
+    def set_container_ready(self, namespace: str, pod: str, ready: bool | None) -> None:
+        self.control.set_container_ready(namespace, pod, ready)
+        self.kick()
+
+    def set_pod_condition(
+        self, namespace: str, pod: str, condition_type: str, status: str, reason: str = "", message: str = ""
+    ) -> None:
+        self.control.set_pod_condition(namespace, pod, condition_type, status, reason, message)
+        self.kick()
+
+    def finish_termination(self, namespace: str, pod: str) -> None:
+        self.control.finish_termination(namespace, pod)
+        self.kick()
+
+    def register_fault_handler(self, kind: FaultKind, handler: FaultHandler) -> None:
+        self._fault_handlers[kind] = handler
+
+    def inject_fault(self, fault: FaultRequest) -> None:
+        """Apply a fault now. ``node-lost`` is built in; other kinds need a registered handler."""
+        if fault.kind == FaultKind.NODE_LOST:
+            if self.store.find("nodes", "", fault.target) is None:
+                raise KeyError(f"no node named {fault.target!r}")
+            self.lose_node(fault.target)
+            return
+        handler = self._fault_handlers.get(fault.kind)
+        if handler is None:
+            raise LookupError(f"no handler registered for fault kind {fault.kind.value!r}")
+        handler(fault)
+        self.kick()
+
+    def _startup_profile(self, pod: dict[str, Any]) -> StartupProfile | None:
+        model = self.model_for_pod(pod)
+        if model is None:
+            return None
+        revision = self.revision_for_pod(pod)
+        multi = model.pods_per_replica > 1
+        return StartupProfile(
+            image_pull_s=model.image_pull_s,
+            weight_load_s=model.weight_load_s,
+            distributed_init_s=model.distributed_init_s if multi else 0.0,
+            defect=revision.defect if revision is not None else "none",
+        )
+
+    def _apply_due_scenario_events(self) -> None:
+        elapsed = self.clock.now() - self.started_at
+        while self._pending_faults and self._pending_faults[0].at_s <= elapsed:
+            scheduled = self._pending_faults.pop(0)
+            try:
+                self.inject_fault(
+                    FaultRequest(kind=scheduled.kind, target=scheduled.target, params=scheduled.params)
+                )
+            except (KeyError, LookupError):
+                log.exception(
+                    "scheduled fault %s on %s could not be applied", scheduled.kind, scheduled.target
+                )
+        while self._pending_rollouts and self._pending_rollouts[0][0] <= elapsed:
+            _, workload = self._pending_rollouts.pop(0)
+            plural, namespace, name, change = rollout_patch(self.scenario, workload)
+            self.store.mutate(plural, namespace, name, change)
