@@ -1,0 +1,25 @@
+# One image for every fleetmend process: `fleetmend worker`, `fleetmend webhook`,
+# `fleetmend sim`, and the one-shot jobs (ledger migrations, search attributes).
+FROM python:3.11-slim AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY fleet fleet
+COPY workflows workflows
+COPY activities activities
+COPY ledger ledger
+COPY worker worker
+COPY sim sim
+RUN pip install --no-cache-dir --prefix=/install .
+
+FROM python:3.11-slim
+RUN useradd --create-home --uid 10001 fleetmend \
+ && mkdir -p /var/lib/fleetmend \
+ && chown fleetmend:fleetmend /var/lib/fleetmend
+COPY --from=build /install /usr/local
+COPY deploy /opt/fleetmend/deploy
+ENV PYTHONUNBUFFERED=1 \
+    FLEETMEND_STATE_DIR=/var/lib/fleetmend
+USER fleetmend
+WORKDIR /var/lib/fleetmend
+ENTRYPOINT ["fleetmend"]
+CMD ["worker"]

@@ -1,0 +1,144 @@
+"""The production-shaped docker-compose stack, checked without a Docker engine.
+
+No Docker engine runs here, so these tests read the compose file and check what
+``docker compose up`` would trip over: settings names that do not exist, host
+ports used twice, dependencies on services that are not defined, files that are
+not in the repository, and a search-attribute job that drifted from the code.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from google.protobuf.duration_pb2 import Duration
+from temporalio.api.workflowservice.v1 import RegisterNamespaceRequest
+from temporalio.client import Client
+
+from worker.config import Settings
+from worker.startup_checks import check_search_attributes
+from workflows.search_attributes import CLI_TYPE_NAMES
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "docker-compose.yml"
+REGISTER_SCRIPT = ROOT / "deploy" / "temporal" / "register-search-attributes.sh"
+FLEETMEND_SERVICES = {"worker", "webhook", "sim", "ledger-migrate", "temporal-setup"}
+
+
+@pytest.fixture(scope="module")
+def services() -> dict[str, dict[str, Any]]:
+    compose = yaml.safe_load(COMPOSE.read_text())
+    return dict(compose["services"])
+
+
+def environment(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):  # the "KEY=value" list form
+        return dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
+    return {str(key): str(value) for key, value in env.items()}
+
+
+def host_port(mapping: str | dict[str, Any]) -> int:
+    if isinstance(mapping, dict):
+        return int(mapping["published"])
+    parts = str(mapping).split(":")
+    return int(parts[-2])
+
+
+def test_every_fleetmend_variable_is_a_real_setting(services: dict[str, dict[str, Any]]) -> None:
+    known = {f"FLEETMEND_{name.upper()}" for name in Settings.model_fields}
+    used = {
+        (name, key)
+        for name, svc in services.items()
+        for key in environment(svc)
+        if key.startswith("FLEETMEND_")
+    }
+    assert used, "the fleetmend services configure nothing"
+    assert [pair for pair in used if pair[1] not in known] == []
+
+
+def test_fleetmend_services_reach_temporal_and_the_ledger_by_service_name(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    for name in ("worker", "webhook"):
+        env = environment(services[name])
+        assert env["FLEETMEND_TEMPORAL_ADDRESS"].split(":")[0] in services
+        database_host = re.search(r"@([^:/]+)", env["FLEETMEND_DATABASE_URL"])
+        assert database_host and database_host.group(1) in services
+    # Bound to all interfaces inside their containers, or the published ports reach nothing.
+    assert environment(services["worker"])["FLEETMEND_WORKER_METRICS_HOST"] == "0.0.0.0"
+    assert environment(services["webhook"])["FLEETMEND_WEBHOOK_HOST"] == "0.0.0.0"
+
+
+def test_host_ports_do_not_collide(services: dict[str, dict[str, Any]]) -> None:
+    published = [host_port(p) for svc in services.values() for p in svc.get("ports", [])]
+    assert len(published) == len(set(published)), published
+    assert {7233, 8233, 9090, 9093, 8088, 9464} <= set(published)
+
+
+def test_dependencies_exist_and_one_shot_jobs_gate_the_worker(services: dict[str, dict[str, Any]]) -> None:
+    for name, svc in services.items():
+        depends = svc.get("depends_on") or []
+        for target in depends:
+            assert target in services, f"{name} depends on undefined service {target}"
+            assert target != name
+    worker_deps = services["worker"]["depends_on"]
+    assert worker_deps["temporal-setup"]["condition"] == "service_completed_successfully"
+    assert worker_deps["ledger-migrate"]["condition"] == "service_completed_successfully"
+
+
+def test_fleetmend_services_build_from_the_one_dockerfile(services: dict[str, dict[str, Any]]) -> None:
+    assert (ROOT / "Dockerfile").is_file()
+    for name in FLEETMEND_SERVICES:
+        assert services[name]["build"] == ".", name
+
+
+def test_bind_mounts_point_into_the_repository(services: dict[str, dict[str, Any]]) -> None:
+    mounts = [str(v).split(":")[0] for svc in services.values() for v in svc.get("volumes", [])]
+    local = [m for m in mounts if m.startswith("./")]
+    assert "./deploy/temporal/dynamicconfig" in local
+    assert {
+        "./deploy/prometheus/prometheus.yml",
+        "./deploy/prometheus/rules.yml",
+        "./deploy/alertmanager/alertmanager.yml",
+    } <= set(local)
+    for mount in local:
+        assert (ROOT / mount).parent.is_dir(), mount
+    assert (ROOT / "deploy/temporal/dynamicconfig/development-sql.yaml").is_file()
+
+
+def test_search_attribute_job_registers_exactly_the_code_list() -> None:
+    listed = dict(re.findall(r"^\s+(Fleetmend\w+)=(\w+)\s*$", REGISTER_SCRIPT.read_text(), re.MULTILINE))
+    assert listed == CLI_TYPE_NAMES
+
+
+async def test_search_attribute_job_makes_the_worker_check_pass(
+    temporal_client: Client, temporal_cli: Path
+) -> None:
+    """Run the compose job's script against a real server: a fresh namespace ends up passing the check."""
+    namespace = f"compose-{uuid.uuid4().hex[:8]}"
+    await temporal_client.workflow_service.register_namespace(
+        RegisterNamespaceRequest(
+            namespace=namespace, workflow_execution_retention_period=Duration(seconds=86400)
+        )
+    )
+    env = {
+        **os.environ,
+        "TEMPORAL_ADDRESS": temporal_client.service_client.config.target_host,
+        "TEMPORAL_NAMESPACE": namespace,
+        "TEMPORAL_CLI": str(temporal_cli),
+        "WAIT_S": "60",
+    }
+    for _ in range(2):  # idempotent: a second deploy changes nothing and succeeds
+        done = subprocess.run(
+            ["bash", str(REGISTER_SCRIPT)], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+    assert "already registered" in done.stdout
+    await check_search_attributes(temporal_client, namespace)
