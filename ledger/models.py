@@ -158,7 +158,7 @@ class DivergenceRecord(Base):
     first_seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     last_seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 
-    __table_args__ = (UniqueConstraint("op_id", "fingerprint", name="op_fingerprint"),)
+    __table_args__ = (UniqueConstraint("op_id", "fingerprint", name="uq_ledger_divergences_op_fingerprint"),)
 
 
 effects_table = EffectRecord.__table__

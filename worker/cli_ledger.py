@@ -1,7 +1,303 @@
-"""`fleetmend ledger` commands (being built; see the README's status section)."""
+"""``fleetmend ledger``: audit, reconcile and prune the effect ledger.
+
+The database is ``FLEETMEND_DATABASE_URL``, else the embedded Postgres of ``fleetmend dev``
+under ``FLEETMEND_STATE_DIR/pg`` (started for the command and stopped again when it was
+not already running).
+"""
 
 from __future__ import annotations
 
-import typer
+import json
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
-app = typer.Typer(no_args_is_help=True)
+import httpx
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy import Engine, create_engine
+
+from ledger.audit import EffectFilter, InvalidQuery, list_effects, show_effect
+from ledger.migrate import is_at_head
+from ledger.models import EffectState
+from ledger.outcome import EffectOutcome
+from ledger.reconcile import ReconcileReport, WorldAction, reconcile, world_actions_from_sim
+from ledger.retention import prune as prune_rows
+from worker.config import Settings, load_settings
+
+app = typer.Typer(no_args_is_help=True, help="Audit, reconcile and prune the effect ledger.")
+console = Console()
+err_console = Console(stderr=True)
+
+_RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+
+
+def fail(message: str, code: int = 1) -> None:
+    err_console.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(code)
+
+
+@contextmanager
+def ledger_engine(settings: Settings | None = None) -> Iterator[Engine]:
+    """An engine on the ledger database, checked to be at the schema this code expects."""
+    settings = settings or load_settings()
+    url = settings.database_url_value()
+    embedded = None
+    started_here = False
+    if url is None:
+        pgdata = settings.state_dir / "pg"
+        if not (pgdata / "PG_VERSION").exists():
+            fail(
+                f"no ledger database: FLEETMEND_DATABASE_URL is not set and there is no embedded Postgres under "
+                f"{pgdata}; set the URL, or run `fleetmend dev` once"
+            )
+        from ledger.embedded_pg import EmbeddedPostgres
+
+        started_here = not (pgdata / "postmaster.pid").exists()
+        embedded = EmbeddedPostgres(pgdata)
+        url = embedded.start()
+    engine = create_engine(url, pool_size=2)
+    try:
+        try:
+            at_head = is_at_head(engine)
+        except Exception as exc:
+            fail(f"cannot reach the ledger database ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+        if not at_head:
+            fail("the ledger schema is not at the latest migration: run `fleetmend dev` (it migrates) and retry")
+        yield engine
+    finally:
+        engine.dispose()
+        if embedded is not None and started_here:
+            embedded.stop()
+
+
+def parse_time(value: str | None, option: str) -> datetime | None:
+    """ISO 8601 with a zone (2026-11-29T10:00:00Z), or a relative age such as 30m, 2h, 7d (that long ago)."""
+    if value is None:
+        return None
+    match = _RELATIVE.match(value.strip())
+    if match:
+        return datetime.now(UTC) - timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
+    try:
+        parsed = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+    except ValueError:
+        fail(f"{option} {value!r} is not a time: use ISO 8601 (2026-11-29T10:00:00Z) or an age like 30m, 2h, 7d", 2)
+        raise  # unreachable; keeps type checkers sure ``parsed`` is set
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def _when(value: datetime | None) -> str:
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") if value else ""
+
+
+def _effects_table(items: list[EffectOutcome], title: str) -> Table:
+    table = Table(title=title)
+    for column in ("created (UTC)", "op id", "kind", "target", "state", "delivery", "workflow / step", "tries"):
+        table.add_column(column, overflow="fold")
+    for o in items:
+        state = o.state + (f" (+{o.divergences} divergent)" if o.divergences else "")
+        who = "/".join(x for x in (o.workflow_id, o.step) if x) or (o.request_id or "")
+        table.add_row(_when(o.created_at), o.op_id, o.kind, o.target, state, o.delivery, who, str(o.attempts))
+    return table
+
+
+@app.command("list")
+def list_command(
+    workflow: str | None = typer.Option(None, "--workflow", help="Workflow id that asked."),
+    target: str | None = typer.Option(None, "--target", help="Target (node, pod, pool, channel...)."),
+    kind: str | None = typer.Option(None, "--kind", help="Effect kind, e.g. ticket.create."),
+    state: EffectState | None = typer.Option(None, "--state", help="Row state; 'divergent' = re-requested differently."),
+    since: str | None = typer.Option(None, "--since", help="Created at/after: ISO time or an age (30m, 2h, 7d)."),
+    until: str | None = typer.Option(None, "--until", help="Created before: ISO time or an age."),
+    limit: int = typer.Option(50, "--limit", min=1, max=500, help="Rows per page."),
+    cursor: str | None = typer.Option(None, "--cursor", help="next_cursor of the previous page."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON (items and next_cursor)."),
+) -> None:
+    """List effects, newest first, filtered by workflow, target, kind, state and time range."""
+    try:
+        filters = EffectFilter(
+            workflow_id=workflow,
+            target=target,
+            kind=kind,
+            state=state,
+            since=parse_time(since, "--since"),
+            until=parse_time(until, "--until"),
+        )
+    except ValidationError as exc:
+        fail(str(exc), 2)
+    with ledger_engine() as engine:
+        try:
+            page = list_effects(engine, filters, limit=limit, cursor=cursor)
+        except InvalidQuery as exc:
+            fail(str(exc), 2)
+    if as_json:
+        typer.echo(page.model_dump_json(indent=2))
+        return
+    console.print(_effects_table(page.items, f"ledger effects ({len(page.items)})"))
+    if page.next_cursor:
+        console.print(f"more: --cursor {page.next_cursor}")
+
+
+@app.command("show")
+def show_command(
+    op_id: str = typer.Argument(..., help="Operation id."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Everything the ledger knows about one operation: who asked, params, outcome, lease, divergences."""
+    with ledger_engine() as engine:
+        detail = show_effect(engine, op_id)
+    if detail is None:
+        fail(f"no operation {op_id!r} in the ledger (pruned, or never requested); try `fleetmend ledger list`")
+        return
+    if as_json:
+        typer.echo(detail.model_dump_json(indent=2))
+        return
+    o = detail.effect
+    table = Table(title=f"operation {o.op_id}", show_header=False)
+    table.add_column("field")
+    table.add_column("value", overflow="fold")
+    for name, value in o.model_dump(mode="json", exclude={"replayed"}).items():
+        if value in (None, [], {}):
+            continue
+        table.add_row(name, value if isinstance(value, str) else json.dumps(value))
+    console.print(table)
+    if detail.divergences:
+        div = Table(title="divergent requests (never performed)")
+        for column in ("last seen (UTC)", "times", "target", "params", "workflow / request"):
+            div.add_column(column, overflow="fold")
+        for d in detail.divergences:
+            div.add_row(
+                _when(d.last_seen_at),
+                str(d.times_seen),
+                d.target,
+                json.dumps(d.params),
+                d.workflow_id or d.request_id or "",
+            )
+        console.print(div)
+
+
+def _load_world_actions(
+    actions_url: str | None, actions_file: Path | None, world: str | None, client: str | None
+) -> tuple[str | None, list[WorldAction] | None]:
+    if actions_url and actions_file:
+        fail("give either --actions-url or --actions-file, not both", 2)
+    if not actions_url and not actions_file:
+        return None, None
+    raw: Any
+    if actions_url:
+        base = actions_url.rstrip("/")
+        try:
+            response = httpx.get(f"{base}/sim/v1/actions", params={"since_seq": 0}, timeout=30)
+            response.raise_for_status()
+            raw = response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            fail(f"could not read the action log at {base}/sim/v1/actions: {exc}")
+        world = world or urlsplit(base).netloc
+    else:
+        assert actions_file is not None
+        if not world:
+            fail("--actions-file needs --world (the origin the logged API serves, e.g. 127.0.0.1:8480)", 2)
+        try:
+            raw = json.loads(actions_file.read_text())
+        except (OSError, ValueError) as exc:
+            fail(f"could not read {actions_file}: {exc}", 2)
+    if not isinstance(raw, list):
+        fail("the action log must be a JSON list of entries (seq, time, verb, path, body_digest, client, status)", 2)
+    assert world is not None
+    try:
+        actions = world_actions_from_sim(world, raw)
+    except ValidationError as exc:
+        fail(f"the action log has an entry that is not an action: {exc}", 2)
+    if client:
+        actions = [a for a in actions if a.client == client]
+    return world, actions
+
+
+def _print_report(report: ReconcileReport) -> None:
+    def section(title: str, items: list[EffectOutcome]) -> None:
+        if items:
+            console.print(_effects_table(items, title))
+
+    section(f"unresolved for more than {report.unresolved_after_s:.0f} s", report.unresolved)
+    section("waiting for an operator", report.needs_operator)
+    section("re-requested with different params", report.divergent)
+    section("applied but missing from the world's log", report.missing)
+    if report.orphans:
+        table = Table(title=f"orphans: actions in {report.world} with no ledger row")
+        for column in ("seq", "verb", "path", "body digest", "client", "status"):
+            table.add_column(column, overflow="fold")
+        for a in report.orphans:
+            table.add_row(str(a.seq), a.verb, a.path, a.body_digest[:16], a.client or "", str(a.status))
+        console.print(table)
+    if report.duplicates:
+        table = Table(title=f"duplicates: ledger operations whose action {report.world} logged more than once")
+        for column in ("op ids", "verb", "path", "expected", "observed"):
+            table.add_column(column, overflow="fold")
+        for d in report.duplicates:
+            table.add_row(", ".join(d.op_ids), d.signature.get("verb", ""), d.signature.get("path", ""),
+                          str(d.expected), str(d.observed))
+        console.print(table)
+    compared = (
+        f"; {report.world_actions_compared} actions of {report.world} compared"
+        if report.world
+        else "; no action log given (--actions-url / --actions-file), so orphans and duplicates were not checked"
+    )
+    if report.clean:
+        console.print(f"[green]ledger reconciled: no findings[/green]{compared}")
+    else:
+        console.print(f"[red]{report.findings} finding(s)[/red]{compared}")
+
+
+@app.command("reconcile")
+def reconcile_command(
+    actions_url: str | None = typer.Option(
+        None, "--actions-url", help="Base URL of a target serving GET /sim/v1/actions (the sim)."
+    ),
+    actions_file: Path | None = typer.Option(None, "--actions-file", help="JSON list of action log entries."),
+    world: str | None = typer.Option(None, "--world", help="Name of the logged API (default: the URL's host:port)."),
+    client: str | None = typer.Option(None, "--client", help="Only compare log entries from this client identity."),
+    unresolved_after: float = typer.Option(300.0, "--unresolved-after-s", min=0, help="Bound for unresolved intents."),
+    window_hours: float = typer.Option(24.0, "--window-hours", min=0, help="Divergences/missing checked this far back."),
+    check_missing: bool = typer.Option(False, "--check-missing", help="Also report applied rows the log lacks."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Report unresolved intents, divergences, orphans and duplicates. Exit status 1 when anything is found."""
+    world_name, actions = _load_world_actions(actions_url, actions_file, world, client)
+    with ledger_engine() as engine:
+        report = reconcile(
+            engine,
+            world=world_name,
+            actions=actions,
+            unresolved_after=timedelta(seconds=unresolved_after),
+            window=timedelta(hours=window_hours),
+            check_missing=check_missing,
+        )
+    if as_json:
+        typer.echo(json.dumps({**report.model_dump(mode="json"), "findings": report.findings}, indent=2))
+    else:
+        _print_report(report)
+    if not report.clean:
+        raise typer.Exit(1)
+
+
+@app.command("prune")
+def prune_command(
+    older_than_days: float | None = typer.Option(
+        None, "--older-than-days", min=0, help="Retention window (default FLEETMEND_LEDGER_RETENTION_DAYS)."
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Count what would be deleted; delete nothing."),
+) -> None:
+    """Delete resolved rows older than the retention window. Unresolved rows are never pruned."""
+    settings = load_settings()
+    days = settings.ledger_retention_days if older_than_days is None else older_than_days
+    with ledger_engine(settings) as engine:
+        count = prune_rows(engine, older_than=timedelta(days=days), dry_run=dry_run)
+    verb = "would delete" if dry_run else "deleted"
+    console.print(f"{verb} {count} resolved effect(s) older than {days:g} days; unresolved rows are kept")

@@ -1,0 +1,240 @@
+"""Reconciliation: compare the ledger with itself and with the world's own action log.
+
+Findings:
+
+* **unresolved** — an intent still ``claimed`` longer than the bound (a worker died and
+  nobody retried; the next ``perform`` of that op id will probe and resolve it);
+* **needs_operator** — outcomes an operator must check by hand;
+* **divergent** — op ids re-requested with different params (within the window);
+* **orphans** — actions in the world with no ledger row (someone acted outside the ledger,
+  or the ledger lost a row);
+* **duplicates** — ledger operations whose action appears in the world more than once;
+* **missing** — ``applied`` rows whose action the world never logged (opt-in with
+  ``check_missing``: only valid when the log covers the whole window; a restarted sim's
+  log does not).
+
+Matching the world to the ledger: every effect kind declares the
+:class:`~ledger.effect.ActionSignature` its request will leave in the target's log
+(world = the API's origin, verb, path, sha256 of the raw body), stored on the row at
+claim time. When the world echoes operation ids (an ``Idempotency-Key``, a
+``ledger/op-id`` annotation), a log entry carrying one is matched by op id. Otherwise
+entries are matched by signature and *counted*: n log entries against m ledger rows
+with that signature → n − m are findings (orphans when m = 0, else duplicates of those
+rows). Only successful (2xx) log entries count: a refused request changed nothing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+from typing import Any, cast
+
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy import Engine, Table, func, select
+
+from fleet.protocol import ActionLogEntry
+from ledger.models import DivergenceRecord, EffectRecord, EffectState
+from ledger.outcome import EffectOutcome
+
+EFFECTS = cast(Table, EffectRecord.__table__)
+DIVERGENCES = cast(Table, DivergenceRecord.__table__)
+DEFAULT_UNRESOLVED_AFTER = timedelta(minutes=5)
+DEFAULT_WINDOW = timedelta(hours=24)
+# Rows whose action may be in the world: a claimed row may have acted before its worker died.
+_MAY_HAVE_ACTED = (EffectState.APPLIED, EffectState.CLAIMED, EffectState.NEEDS_OPERATOR)
+
+
+class WorldAction(BaseModel):
+    """One entry of a target's action log, in the ledger's terms."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    world: str
+    verb: str
+    path: str
+    body_digest: str
+    op_id: str | None = None
+    seq: int | None = None
+    time: float | None = None
+    status: int = 200
+    client: str | None = None
+
+    def key(self) -> tuple[str, str, str, str]:
+        return (self.world, self.verb.upper(), self.path, self.body_digest)
+
+
+def world_actions_from_sim(world: str, entries: Iterable[ActionLogEntry | dict[str, Any]]) -> list[WorldAction]:
+    """Convert the sim's ``GET /sim/v1/actions`` entries (it does not echo op ids)."""
+    out = []
+    for entry in entries:
+        e = entry if isinstance(entry, ActionLogEntry) else ActionLogEntry.model_validate(entry)
+        out.append(
+            WorldAction(
+                world=world,
+                verb=e.verb,
+                path=e.path,
+                body_digest=e.body_digest,
+                seq=e.seq,
+                time=e.time,
+                status=e.status,
+                client=e.client,
+            )
+        )
+    return out
+
+
+class Duplicate(BaseModel):
+    op_ids: list[str]
+    signature: dict[str, str]
+    expected: int
+    observed: int
+    actions: list[WorldAction]
+
+
+class ReconcileReport(BaseModel):
+    checked_at: datetime
+    unresolved_after_s: float
+    window_s: float
+    world: str | None
+    world_actions_compared: int
+    unresolved: list[EffectOutcome]
+    needs_operator: list[EffectOutcome]
+    divergent: list[EffectOutcome]
+    orphans: list[WorldAction]
+    duplicates: list[Duplicate]
+    missing: list[EffectOutcome]
+
+    @property
+    def findings(self) -> int:
+        return (
+            len(self.unresolved)
+            + len(self.needs_operator)
+            + len(self.divergent)
+            + len(self.orphans)
+            + len(self.duplicates)
+            + len(self.missing)
+        )
+
+    @property
+    def clean(self) -> bool:
+        return self.findings == 0
+
+
+def reconcile(
+    engine: Engine,
+    *,
+    world: str | None = None,
+    actions: Iterable[WorldAction] | None = None,
+    unresolved_after: timedelta = DEFAULT_UNRESOLVED_AFTER,
+    window: timedelta = DEFAULT_WINDOW,
+    check_missing: bool = False,
+) -> ReconcileReport:
+    """Reconcile the ledger; with ``world`` and ``actions``, also against that world's action log."""
+    if (world is None) != (actions is None):
+        raise ValueError("pass both the world's name and its action log, or neither")
+    c = EFFECTS.c
+    with engine.connect() as conn:
+        now: datetime = conn.execute(select(func.now())).scalar_one()
+        since = now - window
+
+        def rows(*conditions: Any) -> list[EffectOutcome]:
+            query = select(EFFECTS).where(*conditions).order_by(c.created_at)
+            return [EffectOutcome.from_row(r) for r in conn.execute(query).mappings()]
+
+        unresolved = rows(c.state == EffectState.CLAIMED, c.updated_at < now - unresolved_after)
+        needs_operator = rows(c.state == EffectState.NEEDS_OPERATOR)
+        recent_divergent = select(DIVERGENCES.c.op_id).where(DIVERGENCES.c.last_seen_at >= since)
+        divergent = rows(c.op_id.in_(recent_divergent))
+        candidates: list[EffectOutcome] = []
+        if world is not None:
+            candidates = rows(
+                c.state.in_([s.value for s in _MAY_HAVE_ACTED]),
+                c.action_signature["world"].astext == world,
+            )
+
+    report = ReconcileReport(
+        checked_at=now,
+        unresolved_after_s=unresolved_after.total_seconds(),
+        window_s=window.total_seconds(),
+        world=world,
+        world_actions_compared=0,
+        unresolved=unresolved,
+        needs_operator=needs_operator,
+        divergent=divergent,
+        orphans=[],
+        duplicates=[],
+        missing=[],
+    )
+    if world is not None and actions is not None:
+        _compare_with_world(
+            report, candidates, [a for a in actions if a.world == world], since if check_missing else None
+        )
+    return report
+
+
+def _signature_key(outcome: EffectOutcome) -> tuple[str, str, str, str]:
+    sig = outcome.action_signature or {}
+    return (sig.get("world", ""), str(sig.get("verb", "")).upper(), sig.get("path", ""), sig.get("body_digest", ""))
+
+
+def _compare_with_world(
+    report: ReconcileReport,
+    candidates: list[EffectOutcome],
+    actions: list[WorldAction],
+    missing_since: datetime | None,
+) -> None:
+    landed = [a for a in actions if 200 <= a.status < 300]
+    report.world_actions_compared = len(landed)
+    by_op = {o.op_id: o for o in candidates}
+    rows_by_key: dict[tuple[str, str, str, str], list[EffectOutcome]] = defaultdict(list)
+    for outcome in candidates:
+        rows_by_key[_signature_key(outcome)].append(outcome)
+
+    seen_by_op: dict[str, list[WorldAction]] = defaultdict(list)
+    seen_by_key: dict[tuple[str, str, str, str], list[WorldAction]] = defaultdict(list)
+    for action in landed:
+        if action.op_id is not None:
+            if action.op_id in by_op:
+                seen_by_op[action.op_id].append(action)
+            else:
+                report.orphans.append(action)
+        else:
+            seen_by_key[action.key()].append(action)
+
+    for op_id, seen in seen_by_op.items():
+        if len(seen) > 1:
+            outcome = by_op[op_id]
+            report.duplicates.append(
+                Duplicate(
+                    op_ids=[op_id],
+                    signature=dict(outcome.action_signature or {}),
+                    expected=1,
+                    observed=len(seen),
+                    actions=seen,
+                )
+            )
+
+    for key, seen in seen_by_key.items():
+        owners = rows_by_key.get(key, [])
+        if not owners:
+            report.orphans.extend(seen)
+        elif len(seen) > len(owners):
+            report.duplicates.append(
+                Duplicate(
+                    op_ids=[o.op_id for o in owners],
+                    signature={"world": key[0], "verb": key[1], "path": key[2], "body_digest": key[3]},
+                    expected=len(owners),
+                    observed=len(seen),
+                    actions=seen,
+                )
+            )
+
+    if missing_since is None:
+        return
+    for key, owners in rows_by_key.items():
+        applied = [o for o in owners if o.state == EffectState.APPLIED and o.created_at >= missing_since]
+        observed = len(seen_by_key.get(key, [])) + sum(len(seen_by_op.get(o.op_id, [])) for o in owners)
+        if len(applied) > observed:
+            # Fewer actions than applied rows: the newest rows are the ones the log cannot account for.
+            report.missing.extend(applied[observed - len(applied) :])
