@@ -83,6 +83,7 @@ class SimWorld:
             ((w.rollout.at_s, w) for w in scenario.workloads if w.rollout is not None),
             key=lambda item: item[0],
         )
+        self.serving: Any = None  # the ServingLayer, once sim.serving.attach() ran
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None

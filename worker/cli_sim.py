@@ -1,9 +1,93 @@
-"""`fleetmend sim` command (being built)."""
+"""``fleetmend sim``: serve a simulated GPU cluster from a scenario file.
+
+The simulator speaks the Kubernetes REST API (plus the serving layer's router,
+metrics and fault APIs) on one loopback port, writes a kubeconfig for it and
+prints that file's path, so ``kubectl`` / the official client / fleetmend's
+worker can point at it::
+
+    fleetmend sim --scenario sim/scenarios/gpu-node-loss.yaml --speed 10
+    export KUBECONFIG=<printed path>
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import signal
+from pathlib import Path
+
 import typer
+
+from worker.config import load_settings
 
 
 def register(app: typer.Typer) -> None:
     """Attach this module's commands to the root app."""
+
+    @app.command("sim")
+    def sim_command(
+        scenario: Path = typer.Option(..., "--scenario", "-s", help="Scenario YAML (see sim/scenarios/)."),
+        port: int | None = typer.Option(
+            None, "--port", "-p", help="Port to listen on (default FLEETMEND_SIM_PORT; 0 = any free port)."
+        ),
+        speed: float = typer.Option(
+            1.0,
+            "--speed",
+            help="Sim seconds per wall second (e.g. 10 makes a 300 s toleration pass in 30 s).",
+        ),
+        host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
+        kubeconfig: Path | None = typer.Option(
+            None, "--kubeconfig", help="Where to write the kubeconfig (default <state_dir>/sim-kubeconfig)."
+        ),
+    ) -> None:
+        """Serve a simulated Kubernetes cluster + inference fleet; prints the kubeconfig path."""
+        from sim.app import serve
+        from sim.runner import write_kubeconfig
+        from sim.scenario import ScenarioError, load_scenario
+        from sim.world import SimWorld
+
+        settings = load_settings()
+        if speed <= 0:
+            typer.echo(f"error: --speed must be greater than 0 (got {speed}); use 1 for real time.", err=True)
+            raise typer.Exit(2)
+        try:
+            loaded = load_scenario(scenario)
+        except ScenarioError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        listen_port = settings.sim_port if port is None else port
+        config_path = (kubeconfig or settings.state_dir / "sim-kubeconfig").resolve()
+        world = SimWorld(loaded, speed=speed)
+
+        def ready(bound: int) -> None:
+            url = f"http://{host}:{bound}"
+            write_kubeconfig(config_path, url, world.token, loaded.namespace)
+            typer.echo(
+                f"fleetmend sim: scenario {loaded.name!r} at {url} (speed x{speed:g}); Ctrl-C stops it"
+            )
+            typer.echo(f"kubeconfig: {config_path}", color=False)
+            typer.echo(f"export KUBECONFIG={config_path}")
+
+        async def main() -> None:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(NotImplementedError):
+                    loop.add_signal_handler(sig, stop.set)
+            await serve(world, host, listen_port, ready=ready, stop=stop)
+
+        try:
+            asyncio.run(main())
+        except OSError as exc:
+            typer.echo(
+                f"error: cannot listen on {host}:{listen_port} ({exc.strerror}); pick another --port or use --port 0.",
+                err=True,
+            )
+            raise typer.Exit(1) from None
+        except SystemExit as exc:  # uvicorn exits when the port is taken
+            if exc.code not in (0, None):
+                typer.echo(
+                    f"error: cannot listen on {host}:{listen_port}; pick another --port or use --port 0.",
+                    err=True,
+                )
+                raise typer.Exit(1) from None

@@ -224,10 +224,10 @@ class KubeApi:
             current = self.store.get(resource.plural, namespace, name)
             if sub == "scale":
                 scale = self._scale(resource, current)
-                patched_scale = apply_patch(scale, body, content_type, custom=resource.custom)
+                patched_scale = apply_patch(scale, body, content_type, custom_resource=resource.custom)
                 self._check_precondition(resource, current, patched_scale, body)
                 return self._scale(resource, self._set_replicas(resource, current, patched_scale))
-            patched = apply_patch(current, body, content_type, custom=resource.custom)
+            patched = apply_patch(current, body, content_type, custom_resource=resource.custom)
             self._check_precondition(resource, current, patched, body)
             result = self._store_update(resource, current, patched, sub)
         return result

@@ -1,0 +1,74 @@
+"""Fixtures for the simulated cluster: a real sim server on a free loopback port, and
+official ``kubernetes`` client APIs pointed at it through its generated kubeconfig.
+
+``sim_server`` serves ``gpu-node-loss`` by default; pick another scenario with
+``@pytest.mark.parametrize("sim_server", ["rank-lost"], indirect=True)``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pytest
+from kubernetes import client, config
+
+from sim.runner import RunningSim, start_sim
+from sim.scenario import shipped_scenarios
+
+TEST_SPEED = 100.0  # a 300 s toleration passes in 3 s
+T = TypeVar("T")
+
+
+@pytest.fixture
+def sim_server(request: pytest.FixtureRequest) -> Iterator[RunningSim]:
+    name = getattr(request, "param", "gpu-node-loss")
+    running = start_sim(shipped_scenarios()[name], speed=TEST_SPEED)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@dataclass
+class Kube:
+    """The official client's API groups, configured from the sim's kubeconfig."""
+
+    api_client: client.ApiClient
+    core: client.CoreV1Api
+    apps: client.AppsV1Api
+    discovery: client.DiscoveryV1Api
+    policy: client.PolicyV1Api
+    custom: client.CustomObjectsApi
+    sim: RunningSim
+
+
+@pytest.fixture
+def kube(sim_server: RunningSim) -> Iterator[Kube]:
+    api_client = config.new_client_from_config(config_file=str(sim_server.kubeconfig), context="sim")
+    try:
+        yield Kube(
+            api_client,
+            client.CoreV1Api(api_client),
+            client.AppsV1Api(api_client),
+            client.DiscoveryV1Api(api_client),
+            client.PolicyV1Api(api_client),
+            client.CustomObjectsApi(api_client),
+            sim_server,
+        )
+    finally:
+        api_client.close()
+
+
+def wait_for(check: Callable[[], T | None], timeout: float = 10.0, what: str = "condition") -> T:
+    """Poll ``check`` until it returns something truthy (wall-clock ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
