@@ -13,7 +13,8 @@
   of the interval (not since process start).
 * ``parse_dcgm_metrics(node, text)`` reads a DCGM-exporter page into
   ``NodeGpuTelemetry``: per GPU the last Xid, ECC and row-remap counters,
-  temperature, thermal violation time and NVLink error counters.
+  temperature, thermal violation time, clock-event (throttle) reasons and
+  NVLink error counters.
 
 The models are plain pydantic and safe to import anywhere (workflows pass them
 around); ``prometheus_client`` - the parser - is imported only inside the two
@@ -250,6 +251,10 @@ def parse_engine_metrics(text: str) -> EngineSnapshot:
 
 DCGM_XID = "DCGM_FI_DEV_XID_ERRORS"
 DCGM_TEMP = "DCGM_FI_DEV_GPU_TEMP"
+DCGM_CLOCK_THROTTLE = "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"  # renamed CLOCK_EVENT_REASONS in newer DCGM
+DCGM_CLOCK_EVENT = "DCGM_FI_DEV_CLOCK_EVENT_REASONS"
+CLOCK_EVENT_SW_THERMAL = 0x20
+CLOCK_EVENT_HW_THERMAL = 0x40
 DCGM_THERMAL_VIOLATION = "DCGM_FI_DEV_THERMAL_VIOLATION"
 DCGM_ECC_SBE_VOL = "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL"
 DCGM_ECC_DBE_VOL = "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"
@@ -298,6 +303,7 @@ class GpuTelemetry(BaseModel):
     remapped_rows_uncorrectable: float | None = None
     remapped_rows_correctable: float | None = None
     row_remap_failure: float | None = None
+    clock_event_reasons: int | None = Field(default=None, description="Clock throttle/event reason bitmask")
     nvlink_errors: float | None = Field(
         default=None, description="Sum of NVLink CRC/replay/recovery error counters"
     )
@@ -310,6 +316,12 @@ class NodeGpuTelemetry(BaseModel):
 
     node: str
     gpus: tuple[GpuTelemetry, ...] = ()
+
+    @property
+    def thermal_throttled(self) -> list[str]:
+        """GPUs whose clocks are held down for temperature (software or hardware thermal slowdown)."""
+        bits = CLOCK_EVENT_SW_THERMAL | CLOCK_EVENT_HW_THERMAL
+        return [g.gpu for g in self.gpus if (g.clock_event_reasons or 0) & bits]
 
     @property
     def xids(self) -> dict[str, int]:
@@ -341,6 +353,8 @@ def parse_dcgm_metrics(node: str, text: str) -> NodeGpuTelemetry:
                 fields["last_xid"] = int(value)
                 if labels.get("err_msg"):
                     fields["xid_message"] = labels["err_msg"]
+            elif name in (DCGM_CLOCK_THROTTLE, DCGM_CLOCK_EVENT):
+                fields["clock_event_reasons"] = int(value)
             elif name in _GPU_FIELDS:
                 fields[_GPU_FIELDS[name]] = value
             elif name in _NVLINK_FIELDS:

@@ -7,7 +7,7 @@ NVLink counters, node conditions, and the lost pods' status - into one of:
 * ``xid-ecc``   GPU hardware (Xid 46/48/62/64/79/95/109/140/143, DBE, row-remap failure)
 * ``fabric``    NVLink / NVSwitch (Xid 74, 144-150, NVLink error counters)
 * ``driver``    driver / GSP firmware (Xid 119/120, driver conditions, device admission errors)
-* ``thermal``   over temperature or thermal throttling
+* ``thermal``   over temperature or thermal clock slowdown (clock-event reasons)
 * ``application`` the engine, not the GPU (Xid 13/31/32/43/45/68/94, OOMKilled, crash loop)
 * ``unknown``   the node went silent with no readable evidence
 
@@ -30,7 +30,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleet.engine_metrics import NodeGpuTelemetry
+from fleet.engine_metrics import CLOCK_EVENT_HW_THERMAL, CLOCK_EVENT_SW_THERMAL, NodeGpuTelemetry
 from fleet.protocol import QualificationState
 
 
@@ -239,6 +239,11 @@ def triage_node(
             actions.append(Action.RESET_GPU)
         if gpu.temperature_c is not None and gpu.temperature_c >= t.thermal_limit_c:
             found[FaultClass.THERMAL].append(f"{where}: {gpu.temperature_c:g} C >= {t.thermal_limit_c:g} C")
+            actions.append(Action.CHECK_MECHANICALS)
+        elif (gpu.clock_event_reasons or 0) & (CLOCK_EVENT_SW_THERMAL | CLOCK_EVENT_HW_THERMAL):
+            found[FaultClass.THERMAL].append(
+                f"{where}: clocks held down for temperature ({gpu.temperature_c} C)"
+            )
             actions.append(Action.CHECK_MECHANICALS)
         elif (gpu.thermal_violation_us or 0) > 0:
             found[FaultClass.THERMAL].append(
