@@ -1,8 +1,8 @@
 """The policies fleetmend is measured against, as runnable sim policies.
 
 * **Kubernetes default path** — what a fleet gets with no recovery procedure:
-  the kubelet's readiness probe (``periodSeconds`` × ``failureThreshold``, default
-  10 s × 3) is the only thing that takes a dead-but-running replica out of the
+  the kubelet's readiness probe (``periodSeconds`` x ``failureThreshold``, default
+  10 s x 3) is the only thing that takes a dead-but-running replica out of the
   Service's EndpointSlice; a lost node needs the node-monitor grace period
   before its pods turn not-ready and the 300 s ``unreachable`` toleration before
   they are evicted and replaced; the gateway routes equal shares to every Ready

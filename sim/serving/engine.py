@@ -270,19 +270,19 @@ class Engine:
 
     def _prefill(self, budget: float, now: float) -> float:
         for req in self.running:
-            if budget <= 0:
-                break
-            if req.prefill_left <= 0:
-                continue
-            spend = min(budget, req.prefill_left)
-            req.prefill_left -= spend
-            budget -= spend
-            if req.prefill_left <= 1e-9:
+            if req.prefill_left > 0:
+                if budget <= 0:
+                    continue
+                spend = min(budget, req.prefill_left)
+                req.prefill_left -= spend
+                budget -= spend
+                if req.prefill_left > 1e-9:
+                    continue
                 req.prefill_left = 0.0
-                if req.emitted == 0:
-                    # The prefill step samples the first token.
-                    req.progress = 1.0
-                    self._emit(req, 1, now)
+            if req.emitted == 0:
+                # The prefill step samples the first token.
+                req.progress = 1.0
+                self._emit(req, 1, now)
         return budget
 
     def _decode(self, budget: float, dt: float, now: float) -> None:

@@ -1,0 +1,86 @@
+"""A restarted replica is ready before it is fast: its measured rate climbs over the warm-up window,
+and equal-share routing to it makes requests late where rate-proportional weights do not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fleet.vocabulary import Tier
+from sim.serving.loadgen import LoadReport, LoadSpec, arrivals, start_load
+from tests.sim.serving_fixtures import NAMESPACE, RunningServing, running_serving, scenario
+
+WARM_RATE = 200.0
+
+
+async def generation_tokens(sim: RunningServing, pod: str) -> float:
+    families = await sim.metrics(pod)
+    return sum(s.value for s in families["vllm:generation_tokens"].samples if s.name.endswith("_total"))
+
+
+async def test_a_cold_replicas_measured_rate_climbs_to_warm_over_its_warm_up_window() -> None:
+    scn = scenario(
+        workloads=[{"name": "llama", "model": "llama-8b", "replicas": 1}],
+        model={"warm_up_s": 40, "cold_rate_fraction": 0.25, "warm_rate_tokens_per_s": WARM_RATE},
+        load={"engine": {"prefill_cost": 0.0}},
+    )
+    async with running_serving(scn, speed=10) as sim:
+        (pod,) = await sim.wait_serving(1)
+        engine = sim.layer.supervisor.get(f"{NAMESPACE}/{pod}")
+        assert engine is not None
+        # Saturate it: 12 req/s x ~20 tokens is above even the warm rate.
+        run = start_load(sim.world, 12.0, duration_s=60.0, seed=5, tiers={Tier.STANDARD: 1.0})
+        rates: list[tuple[float, float]] = []  # (engine age at window end, tokens/s over the window)
+        previous_tokens, previous_at = await generation_tokens(sim, pod), sim.world.clock.now()
+        for _ in range(10):
+            await sim.sim_sleep(5.0)
+            tokens, at = await generation_tokens(sim, pod), sim.world.clock.now()
+            rates.append((at - engine.started_at, (tokens - previous_tokens) / (at - previous_at)))
+            previous_tokens, previous_at = tokens, at
+        await run.stop()
+    early = [rate for age, rate in rates if age <= 15]
+    late = [rate for age, rate in rates if age >= 45]
+    assert early and late, rates
+    assert max(early) < 0.6 * WARM_RATE, rates  # cold: a fraction of the warm rate
+    assert min(late) > 0.85 * WARM_RATE, rates  # warm once the window has passed
+    assert all(b >= a * 0.9 for (_, a), (_, b) in zip(rates, rates[1:], strict=False)), rates  # it climbs
+
+
+async def run_with_one_cold_replica(weighting: str, spec: LoadSpec) -> tuple[LoadReport, dict[str, Any]]:
+    scn = scenario(model={"warm_up_s": 600, "cold_rate_fraction": 0.25, "warm_rate_tokens_per_s": WARM_RATE})
+    async with running_serving(scn, speed=10) as sim:
+        warm, cold = await sim.wait_serving(2)
+        # Let both warm up fully, then restart one: it comes back Ready but cold.
+        advance = await sim.http.post("/sim/v1/clock/advance", json={"seconds": 600})
+        assert advance.status_code == 200
+        await sim.sim_sleep(0.5)
+        assert (await sim.fault("pod-oomkilled", f"{NAMESPACE}/{cold}")).status_code == 202
+        old = sim.layer.supervisor.get(f"{NAMESPACE}/{cold}")
+
+        def restarted() -> bool:
+            engine = sim.layer.supervisor.get(f"{NAMESPACE}/{cold}")
+            return engine is not None and engine is not old and engine.alive
+
+        await sim.wait_for(restarted, 120, "the OOM-killed replica to restart")
+        await sim.wait_serving(2)
+        now = sim.world.clock.now()
+        rates = {pod: sim.layer.supervisor.get(f"{NAMESPACE}/{pod}").rate(now) for pod in (warm, cold)}  # type: ignore[union-attr]
+        assert rates[cold] < 0.3 * rates[warm]
+        weights = {} if weighting == "equal" else rates
+        await sim.set_state("weights", "weights", weights)
+        report = await start_load(sim.world, spec).wait()
+        return report, {"warm": warm, "cold": cold, "rates": rates}
+
+
+async def test_equal_share_to_a_cold_replica_makes_requests_late_and_rate_weights_do_not() -> None:
+    spec = LoadSpec(rate=6.0, duration_s=40.0, seed=11, tiers={Tier.STANDARD: 1.0}, prompt_tokens=(128, 1024))
+    equal, info_e = await run_with_one_cold_replica("equal", spec)
+    weighted, info_w = await run_with_one_cold_replica("rate", spec)
+    assert equal.sent == weighted.sent == len(arrivals(spec))  # same seed, same arrivals
+    assert equal.late >= 5, equal
+    assert weighted.late == 0, weighted
+    assert weighted.goodput == weighted.sent
+    # The lateness is the cold replica's: its TTFT tail under equal share dwarfs the warm one's.
+    cold_e, warm_e = equal.per_replica[info_e["cold"]], equal.per_replica[info_e["warm"]]
+    assert cold_e.ttft_p90_s is not None and warm_e.ttft_p90_s is not None
+    assert cold_e.ttft_p90_s > 5 * warm_e.ttft_p90_s
+    assert weighted.per_replica[info_w["cold"]].requests < weighted.per_replica[info_w["warm"]].requests
