@@ -51,7 +51,13 @@ class DevConfig:
 
     @property
     def ports(self) -> list[int]:
-        return [self.grpc_port, self.ui_port, self.metrics_port, int(self.env["FLEETMEND_WEBHOOK_PORT"])]
+        return [
+            self.grpc_port,
+            self.ui_port,
+            self.metrics_port,
+            int(self.env["FLEETMEND_WEBHOOK_PORT"]),
+            int(self.env["FLEETMEND_SIM_PORT"]),
+        ]
 
 
 @pytest.fixture
@@ -141,6 +147,16 @@ async def test_dev_starts_answers_stops_clean_and_keeps_history(
         if module_available("worker.webhook"):
             webhook = f"http://127.0.0.1:{dev_config.env['FLEETMEND_WEBHOOK_PORT']}/healthz"
             assert (await http.get(webhook)).status_code == 200
+
+    # The sim answers the official Kubernetes client through the kubeconfig the stack wrote.
+    if module_available("sim.runner"):
+        import kubernetes
+
+        kubeconfig = dev_config.state_dir / "sim" / "kubeconfig"
+        api = kubernetes.client.CoreV1Api(
+            kubernetes.config.new_client_from_config(config_file=str(kubeconfig), context="sim")
+        )
+        assert api.list_node().items
 
     # The ledger database named in the table is migrated.
     match = re.search(r"(postgresql\+psycopg://\S+)", output)

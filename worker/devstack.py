@@ -37,6 +37,7 @@ from worker.worker import metrics_runtime, run_worker
 log = logging.getLogger("fleetmend.devstack")
 
 ALL_PARTS: tuple[str, ...] = ("temporal", "postgres", "sim", "webhook", "worker")
+DEFAULT_SIM_SCENARIO = "gpu-node-loss.yaml"
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ class _PostgresPart:
 
 
 class _SimPart:
-    """The simulated cluster + fleet + router (``sim.runner.start_sim``), when that module exists."""
+    """The simulated cluster + fleet + router (``sim.runner.start_sim``), in a background thread."""
 
     name = "sim"
 
@@ -190,36 +191,47 @@ class _SimPart:
     def preflight(self) -> None:
         require_free_port("127.0.0.1", self.settings.sim_port, what="sim", setting="FLEETMEND_SIM_PORT")
 
+    def scenario(self) -> Path:
+        if self.settings.sim_scenario is not None:
+            return self.settings.sim_scenario
+        import sim
+
+        return Path(sim.__file__).parent / "scenarios" / DEFAULT_SIM_SCENARIO
+
     async def start(self) -> None:
-        runner = importlib.import_module("sim.runner")
-        started = runner.start_sim(self.settings)
-        self.handle = await started if asyncio.iscoroutine(started) else started
+        from sim.runner import start_sim
+
+        scenario = self.scenario()
+        if not scenario.is_file():
+            raise StackError(
+                f"sim scenario {scenario} does not exist: set FLEETMEND_SIM_SCENARIO to a scenario YAML"
+            )
+        kubeconfig = self.settings.state_dir / "sim" / "kubeconfig"
+        kubeconfig.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.handle = await asyncio.to_thread(
+                start_sim, scenario, port=self.settings.sim_port, kubeconfig=kubeconfig
+            )
+        except Exception as err:
+            raise StackError(f"the sim did not start with {scenario}: {err}".splitlines()[0]) from err
 
     async def stop(self) -> None:
-        if self.handle is None:
-            return
-        stopped = self.handle.stop()
-        if asyncio.iscoroutine(stopped):
-            await stopped
-        self.handle = None
+        if self.handle is not None:
+            await asyncio.to_thread(self.handle.stop)
+            self.handle = None
 
     def settings_for_clients(self) -> dict[str, Any]:
-        """Point the worker and webhook at the sim: its kubeconfig and router admin API, when it offers them."""
-        update: dict[str, Any] = {}
-        kubeconfig = getattr(self.handle, "kubeconfig_path", None)
-        if kubeconfig and self.settings.kubeconfig is None:
-            update["kubeconfig"] = Path(kubeconfig)
-        router_url = getattr(self.handle, "router_admin_url", None)
-        if router_url:
-            update["router_admin_url"] = str(router_url)
+        """Point the worker and webhook at the sim: its kubeconfig and its router admin API."""
+        update: dict[str, Any] = {"router_admin_url": self.handle.base_url}
+        if self.settings.kubeconfig is None:
+            update["kubeconfig"] = Path(self.handle.kubeconfig)
         return update
 
     def endpoints(self) -> list[Endpoint]:
-        rows = [Endpoint("sim", "Simulated cluster + router", f"http://127.0.0.1:{self.settings.sim_port}")]
-        kubeconfig = getattr(self.handle, "kubeconfig_path", None)
-        if kubeconfig:
-            rows.append(Endpoint("sim", "kubeconfig of the sim", str(kubeconfig)))
-        return rows
+        return [
+            Endpoint("sim", f"Sim ({self.scenario().stem})", self.handle.base_url),
+            Endpoint("sim", "Sim kubeconfig", str(self.handle.kubeconfig)),
+        ]
 
 
 class _WebhookPart:
