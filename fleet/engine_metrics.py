@@ -2,7 +2,8 @@
 
 * ``parse_engine_metrics(text)`` reads a vLLM ``/metrics`` page into an
   ``EngineSnapshot``: requests running and waiting, KV-cache usage, preemptions,
-  the TTFT histogram, generation tokens and successful requests. It copes with
+  the TTFT, end-to-end and queue-time histograms, generation tokens and
+  successful requests. It copes with
   all three metric-name eras of KV-cache usage (reference fleet-protocols §1.2):
   old ``vllm:gpu_cache_usage_perc`` only (<= v0.9.1), both names (v0.9.2-v0.10),
   new ``vllm:kv_cache_usage_perc`` only (>= v0.11). Under data parallelism a pod
@@ -38,6 +39,9 @@ GENERATION_TOKENS = "vllm:generation_tokens_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 REQUEST_SUCCESS = "vllm:request_success_total"
 TTFT = "vllm:time_to_first_token_seconds"
+E2E = "vllm:e2e_request_latency_seconds"
+QUEUE_TIME = "vllm:request_queue_time_seconds"
+_HISTOGRAMS = {TTFT: "ttft", E2E: "e2e", QUEUE_TIME: "queue_time"}
 
 
 class KvMetricEra(StrEnum):
@@ -124,6 +128,10 @@ class EngineSnapshot(BaseModel):
     prompt_tokens_total: float = 0.0
     request_success_total: float = 0.0
     ttft: Histogram = Field(default_factory=Histogram)
+    e2e: Histogram = Field(default_factory=Histogram, description="End-to-end request latency")
+    queue_time: Histogram = Field(
+        default_factory=Histogram, description="Time requests spent waiting (queued)"
+    )
     engines: int = Field(default=0, description="Distinct engine labels seen (data-parallel ranks)")
     model_names: tuple[str, ...] = ()
 
@@ -194,8 +202,9 @@ def parse_engine_metrics(text: str) -> EngineSnapshot:
     kv: dict[str, dict[str, float]] = {KV_USAGE_NEW: {}, KV_USAGE_OLD: {}}
     engines: set[str] = set()
     models: set[str] = set()
-    ttft_buckets: dict[float, float] = defaultdict(float)
-    ttft_sum = ttft_count = 0.0
+    hist_buckets: dict[str, dict[float, float]] = {h: defaultdict(float) for h in _HISTOGRAMS}
+    hist_sum: dict[str, float] = dict.fromkeys(_HISTOGRAMS, 0.0)
+    hist_count: dict[str, float] = dict.fromkeys(_HISTOGRAMS, 0.0)
     for family in _families(text):
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, float(sample.value)
@@ -210,14 +219,18 @@ def parse_engine_metrics(text: str) -> EngineSnapshot:
             elif name in kv:
                 kv[name][engine] = value
                 engines.add(engine)
-            elif name == TTFT + "_bucket":
-                le = float(labels["le"])
-                if math.isfinite(le):
-                    ttft_buckets[le] += value
-            elif name == TTFT + "_sum":
-                ttft_sum += value
-            elif name == TTFT + "_count":
-                ttft_count += value
+            else:
+                base, _, suffix = name.rpartition("_")
+                if base not in _HISTOGRAMS:
+                    continue
+                if suffix == "bucket":
+                    le = float(labels["le"])
+                    if math.isfinite(le):
+                        hist_buckets[base][le] += value
+                elif suffix == "sum":
+                    hist_sum[base] += value
+                elif suffix == "count":
+                    hist_count[base] += value
     # Prefer the new name when both are exported (v0.9.2-v0.10 export the same value twice).
     new, old = kv[KV_USAGE_NEW], kv[KV_USAGE_OLD]
     era = {
@@ -237,11 +250,16 @@ def parse_engine_metrics(text: str) -> EngineSnapshot:
         generation_tokens_total=sums[GENERATION_TOKENS],
         prompt_tokens_total=sums[PROMPT_TOKENS],
         request_success_total=sums[REQUEST_SUCCESS],
-        ttft=Histogram(
-            buckets=tuple(HistogramBucket(le=le, count=c) for le, c in sorted(ttft_buckets.items())),
-            sum=ttft_sum,
-            count=ttft_count,
-        ),
+        **{
+            field: Histogram(
+                buckets=tuple(
+                    HistogramBucket(le=le, count=c) for le, c in sorted(hist_buckets[name].items())
+                ),
+                sum=hist_sum[name],
+                count=hist_count[name],
+            )
+            for name, field in _HISTOGRAMS.items()
+        },
         engines=len(engines),
         model_names=tuple(sorted(models)),
     )

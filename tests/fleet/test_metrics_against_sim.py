@@ -37,6 +37,8 @@ def test_sim_vllm_page_in_every_era(era: MetricsEra, expected: KvMetricEra) -> N
         1.0,
     )
     assert snap.ttft.count == 1.0
+    assert snap.e2e.count == 1.0 and snap.e2e.sum == pytest.approx(1.0)
+    assert snap.queue_time.count == 1.0 and snap.queue_time.sum == pytest.approx(0.01)
 
 
 def test_sim_dcgm_page_drives_triage() -> None:
