@@ -11,9 +11,6 @@ rate (``rate_weights``), nothing queues. This module is
   its measured rate over the sum of rates. The live ramp-back (replica-loss
   step 9) sets router weights with it; the model below uses it for its
   ``rate`` policy, so the planning tool and the product cannot drift apart.
-* ``ramp_step(...)`` - one interval of the live ramp-back: weights from the
-  freshly measured rates, whether the replacement is warm yet, and a back-off
-  for a replacement whose *own* TTFT p99 exceeds the SLO.
 * ``simulate_ramp(params, policy)`` - the runbook's discrete-time model,
   implemented exactly as published (issue 6), so its figures can be checked
   against the runbook's table. ``fleetmend model ramp`` is its command line.
@@ -23,9 +20,8 @@ Pure: no I/O, no clock, no randomness.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from enum import StrEnum
-from statistics import median
 from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -63,82 +59,6 @@ def rate_weights(rates: Mapping[K, float], floor: float = 0.0) -> dict[K, float]
     rest_total = sum(w for key, w in raw.items() if key not in lifted)
     budget = 1.0 - floor * len(lifted)
     return {key: (floor if key in lifted else w * budget / rest_total) for key, w in raw.items()}
-
-
-class RampStep(BaseModel):
-    """One interval of the live ramp-back: the router weights to set and why."""
-
-    model_config = ConfigDict(frozen=True)
-
-    weights: dict[str, float]
-    warm: bool = Field(description="Every new replica serves at least warm_fraction of the warm rate")
-    backed_off: tuple[str, ...] = Field(default=(), description="New replicas over their TTFT SLO")
-    warm_rate: float
-    reason: str
-
-
-def ramp_step(
-    service_rates: Mapping[str, float],
-    new_replicas: Collection[str],
-    ttft_slo_s: float,
-    new_ttft_p99_s: Mapping[str, float | None] | None = None,
-    previous_weights: Mapping[str, float] | None = None,
-    warm_fraction: float = 0.9,
-    backoff: float = 0.5,
-    floor: float = 0.02,
-) -> RampStep:
-    """Router weights for the next interval, re-measured each time until the replacement is warm.
-
-    ``service_rates`` are each replica's measured service rate (requests/s it
-    completes when it has work); the warm rate is the median of the replicas
-    that are not new. A new replica whose own TTFT p99 is over ``ttft_slo_s``
-    gets ``backoff`` x its weight (never more than it had last interval) and is
-    not warm, whatever its rate. Every replica keeps at least ``floor`` of the
-    traffic so a cold one is still measured.
-    """
-    new = list(dict.fromkeys(new_replicas))
-    missing = [r for r in new if r not in service_rates]
-    if missing:
-        raise ValueError(f"no measured rate for new replica(s) {missing}")
-    if not 0 < warm_fraction <= 1 or not 0 <= backoff < 1 or ttft_slo_s <= 0:
-        raise ValueError("need 0 < warm_fraction <= 1, 0 <= backoff < 1 and ttft_slo_s > 0")
-    old_rates = [rate for name, rate in service_rates.items() if name not in new]
-    warm_rate = median(old_rates) if old_rates else max(service_rates.values(), default=0.0)
-    floor = min(floor, 0.5 / max(1, len(service_rates)))
-    weights = rate_weights(service_rates, floor=floor)
-    ttfts = new_ttft_p99_s or {}
-    slow = [r for r in new if (p99 := ttfts.get(r)) is not None and p99 > ttft_slo_s]
-    if slow:
-        held = {}
-        for r in slow:
-            cap = (
-                weights[r]
-                if previous_weights is None
-                else min(weights[r], previous_weights.get(r, weights[r]))
-            )
-            held[r] = max(floor, cap * backoff)
-        rest = {k: w for k, w in weights.items() if k not in held}
-        rest_total = sum(rest.values())
-        budget = 1.0 - sum(held.values())
-        weights = {
-            k: held[k] if k in held else (w * budget / rest_total if rest_total else budget / len(rest))
-            for k, w in weights.items()
-        }
-    warm = not slow and all(warm_rate > 0 and service_rates[r] >= warm_fraction * warm_rate for r in new)
-    parts = [
-        "rates " + ", ".join(f"{k} {v:.1f}" for k, v in service_rates.items()) + " req/s",
-        "weights " + ", ".join(f"{k} {w:.1%}" for k, w in weights.items()),
-    ]
-    for r in new:
-        share = service_rates[r] / warm_rate if warm_rate > 0 else 0.0
-        parts.append(f"{r} at {share:.0%} of the warm rate {warm_rate:.1f} (warm at {warm_fraction:.0%})")
-    if slow:
-        parts.append(
-            "backed off " + ", ".join(f"{r} (TTFT p99 {ttfts[r]:.2f} s > SLO {ttft_slo_s:g} s)" for r in slow)
-        )
-    return RampStep(
-        weights=weights, warm=warm, backed_off=tuple(slow), warm_rate=warm_rate, reason="; ".join(parts)
-    )
 
 
 class RampPolicy(StrEnum):

@@ -149,37 +149,3 @@ def test_rate_weights_floor_gives_an_unmeasured_replacement_a_trickle() -> None:
 def test_rate_weights_refuse_nonsense(rates: dict[str, float], floor: float) -> None:
     with pytest.raises(ValueError):
         rate_weights(rates, floor=floor)
-
-
-def test_live_ramp_step_weights_by_measured_rate_until_warm() -> None:
-    from fleet.ramp import ramp_step
-
-    step = ramp_step({"a": 20.0, "b": 20.0, "c": 20.0, "new": 5.0}, ["new"], ttft_slo_s=2.0)
-    assert step.weights["new"] == pytest.approx(5 / 65)
-    assert not step.warm and step.warm_rate == 20.0
-    assert "new at 25% of the warm rate 20.0 (warm at 90%)" in step.reason
-    warm = ramp_step({"a": 20.0, "b": 20.0, "c": 20.0, "new": 18.5}, ["new"], ttft_slo_s=2.0)
-    assert warm.warm
-
-
-def test_live_ramp_step_backs_off_when_the_new_replica_misses_its_own_ttft_slo() -> None:
-    from fleet.ramp import ramp_step
-
-    rates = {"a": 20.0, "b": 20.0, "new": 19.0}
-    step = ramp_step(
-        rates, ["new"], ttft_slo_s=2.0, new_ttft_p99_s={"new": 3.5}, previous_weights={"new": 0.2}
-    )
-    assert step.backed_off == ("new",) and not step.warm
-    assert step.weights["new"] == pytest.approx(0.1)  # half of last interval's weight
-    assert sum(step.weights.values()) == pytest.approx(1.0)
-    assert step.weights["a"] == pytest.approx(0.45)
-    assert "TTFT p99 3.50 s > SLO 2 s" in step.reason
-
-
-def test_live_ramp_step_gives_an_unmeasured_replacement_a_trickle_and_checks_input() -> None:
-    from fleet.ramp import ramp_step
-
-    step = ramp_step({"a": 20.0, "new": 0.0}, ["new"], ttft_slo_s=2.0)
-    assert step.weights["new"] == pytest.approx(0.02) and not step.warm
-    with pytest.raises(ValueError, match="no measured rate"):
-        ramp_step({"a": 20.0}, ["new"], ttft_slo_s=2.0)
