@@ -13,7 +13,7 @@ from functools import cached_property
 import httpx
 from temporalio import activity
 
-from activities.kube import KubeApis, kube_apis
+from activities.kube import USER_AGENT, KubeApis, kube_apis
 from activities.router_client import RouterClient
 from ledger.effect import EffectContext
 from ledger.store import EffectLedger
@@ -33,12 +33,14 @@ class ActivityDeps:
 
     @cached_property
     def router(self) -> RouterClient:
-        return RouterClient(self.settings.router_admin_url)
+        return RouterClient(self.settings.router_admin_url, user_agent=USER_AGENT)
 
     @property
     def http(self) -> httpx.Client:
         if self._http is None:
-            self._http = httpx.Client(timeout=httpx.Timeout(3.0, connect=1.0))
+            self._http = httpx.Client(
+                timeout=httpx.Timeout(3.0, connect=1.0), headers={"User-Agent": USER_AGENT}
+            )
         return self._http
 
 

@@ -19,6 +19,7 @@ from worker.config import Settings
 LWS_GROUP = "leaderworkerset.x-k8s.io"
 LWS_VERSION = "v1"
 LWS_PLURAL = "leaderworkersets"
+USER_AGENT = "fleetmend-worker/0.1"
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ def _build(kubeconfig: Path | None, context: str | None) -> KubeApis:
         except config.ConfigException:
             config.load_kube_config(context=context, client_configuration=cfg)
     api = client.ApiClient(cfg)
+    # The world's action log names who acted: reconcile counts fleetmend's own requests.
+    api.user_agent = USER_AGENT
     return KubeApis(
         core=client.CoreV1Api(api),
         apps=client.AppsV1Api(api),

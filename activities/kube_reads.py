@@ -80,7 +80,7 @@ def list_stateful_sets(k: KubeApis, ns: str) -> list[Obj]:
 
 def list_leader_worker_sets(k: KubeApis, ns: str) -> list[Obj]:
     try:
-        data = k.custom.list_namespaced_custom_object(LWS_GROUP, LWS_VERSION, ns, LWS_PLURAL)
+        data: Any = k.custom.list_namespaced_custom_object(LWS_GROUP, LWS_VERSION, ns, LWS_PLURAL)
     except ApiException as exc:
         if exc.status == 404:  # LWS CRD not installed
             return []

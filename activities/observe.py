@@ -171,13 +171,13 @@ class ObserveActivities:
             if node and not _terminated(p):
                 allocated[node] = allocated.get(node, 0) + _gpus_of(p)
         nodes = [node_info(n, allocated.get(kr.name(n), 0)) for n in kr.list_nodes(k)]
-        node_by_name = {n.name: n for n in nodes}
 
         workloads, rs_owner, targets = self._workloads(ns)
 
         # Pods -> observations and replica groups.
         pod_obs: dict[str, PodObservation] = {}
         pod_nodes: dict[str, str] = {}
+        pod_uids: dict[str, str] = {}
         members: dict[str, list[kr.Obj]] = {}
         for p in pods:
             pname = kr.name(p)
@@ -186,6 +186,7 @@ class ObserveActivities:
             node = p.get("spec", {}).get("nodeName")
             if node:
                 pod_nodes[pname] = node
+            pod_uids[pname] = str(meta.get("uid", ""))
             pod_obs[pname] = PodObservation(
                 pod=pname,
                 phase=status.get("phase", "Unknown"),
@@ -286,11 +287,13 @@ class ObserveActivities:
                 if target_revision and g.role is GroupRole.SERVING
             ),
         )
-        del node_by_name
         return PoolObservation(
             snapshot=snapshot,
             pods=pod_obs,
+            pod_uids=pod_uids,
             pod_nodes=pod_nodes,
+            router_label=router_label,
+            router_label_value=self.deps.settings.router_label_value,
             service_selector=selector,
             publish_not_ready=pnra,
             workloads=workloads,

@@ -29,8 +29,16 @@ _MAX_CONFLICT_RETRIES = 5
 
 
 class RouterClient:
-    def __init__(self, base_url: str, timeout_s: float = 5.0, http: httpx.Client | None = None) -> None:
-        self._http = http or httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s)
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 5.0,
+        http: httpx.Client | None = None,
+        user_agent: str = "fleetmend/0.1",
+    ) -> None:
+        self._http = http or httpx.Client(
+            base_url=base_url.rstrip("/"), timeout=timeout_s, headers={"User-Agent": user_agent}
+        )
 
     def _pool_path(self, pool: PoolRef) -> str:
         return f"/router/v1/pools/{pool.namespace}/{pool.service}"
@@ -47,7 +55,9 @@ class RouterClient:
 
     def set_weights(self, pool: PoolRef, weights: dict[str, float]) -> RouterState:
         return self._versioned_put(
-            pool, "weights", lambda v: WeightsChange(replaces_version=v, weights=weights).model_dump(mode="json")
+            pool,
+            "weights",
+            lambda v: WeightsChange(replaces_version=v, weights=weights).model_dump(mode="json"),
         )
 
     def set_admission(self, pool: PoolRef, admission: Admission) -> RouterState:
@@ -64,7 +74,9 @@ class RouterClient:
             lambda v: RetryPolicyChange(replaces_version=v, retry=retry).model_dump(mode="json"),
         )
 
-    def _versioned_put(self, pool: PoolRef, what: str, body: Callable[[int], dict[str, object]]) -> RouterState:
+    def _versioned_put(
+        self, pool: PoolRef, what: str, body: Callable[[int], dict[str, object]]
+    ) -> RouterState:
         for _ in range(_MAX_CONFLICT_RETRIES):
             current = self.state(pool)
             r = self._http.put(f"{self._pool_path(pool)}/{what}", json=body(current.version))

@@ -34,6 +34,9 @@ class WorkloadSelector(BaseModel):
 class PoolObservation(BaseModel):
     snapshot: PoolSnapshot
     pods: dict[str, PodObservation] = Field(default_factory=dict)
+    pod_uids: dict[str, str] = Field(
+        default_factory=dict, description="pod -> metadata.uid (a recreated pod differs)"
+    )
     pod_nodes: dict[str, str] = Field(default_factory=dict)
     service_selector: dict[str, str] = Field(default_factory=dict)
     publish_not_ready: bool = False
@@ -46,6 +49,8 @@ class PoolObservation(BaseModel):
     pending_pods: dict[str, str] = Field(
         default_factory=dict, description="Pending pod -> latest FailedScheduling message"
     )
+    router_label: str = Field(description="The router-only label this pool routes by")
+    router_label_value: str = "true"
     warnings: list[str] = Field(default_factory=list, description="Parts that could not be observed")
 
     def controllers_selecting(self, label: str) -> list[WorkloadSelector]:

@@ -58,8 +58,14 @@ class Settings(BaseSettings):
     qualification_url_template: str = Field(
         "http://{node}:9401/qualification", description="Node qualification endpoint; placeholder {node}"
     )
+    action_log_url: str | None = Field(
+        None, description="A target's own action log (the simulator's /sim/v1/actions) for ledger reconcile"
+    )
     notifier_url: str | None = Field(
         None, description="Slack-compatible incoming webhook for the incident channel"
+    )
+    tickets_url: str | None = Field(
+        None, description="Ticket API base URL for ticket.create effects (unset = router_admin_url, the sim)"
     )
 
     # Webhook API

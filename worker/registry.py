@@ -10,13 +10,43 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from activities.act import ActActivities
+from activities.audit import AuditActivities
+from activities.deps import ActivityDeps
+from activities.observe import ObserveActivities
 from activities.smoke import smoke_probe
+from ledger.store import EffectLedger
 from worker.config import Settings
+from workflows.incident import FleetIncident
+from workflows.replica_loss import ReplicaLossRecovery
 from workflows.smoke import FleetmendSmoke
 
-WORKFLOWS: list[type] = [FleetmendSmoke]
+WORKFLOWS: list[type] = [FleetmendSmoke, FleetIncident, ReplicaLossRecovery]
 
 
-def build_activities(settings: Settings) -> list[Callable[..., Any]]:
-    """The activity callables, bound to the clients ``settings`` describes."""
-    return [smoke_probe]
+def _methods(obj: object) -> list[Callable[..., Any]]:
+    """The bound ``@activity.defn`` methods of an activities object."""
+    out = []
+    for name in dir(type(obj)):
+        member = getattr(type(obj), name)
+        if callable(member) and hasattr(member, "__temporal_activity_definition"):
+            out.append(getattr(obj, name))
+    return out
+
+
+def build_activities(settings: Settings, database_url: str | None = None) -> list[Callable[..., Any]]:
+    """The activity callables, bound to the clients ``settings`` describes.
+
+    Without a ledger database only the smoke activity is served: every other
+    activity may mutate the world and must go through the ledger.
+    """
+    url = database_url or settings.database_url_value()
+    if not url:
+        return [smoke_probe]
+    deps = ActivityDeps(settings=settings, ledger=EffectLedger(url))
+    return [
+        smoke_probe,
+        *_methods(ObserveActivities(deps)),
+        *_methods(ActActivities(deps)),
+        *_methods(AuditActivities(deps)),
+    ]

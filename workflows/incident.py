@@ -16,7 +16,6 @@ workflow. The incident:
 
 from __future__ import annotations
 
-import asyncio
 from datetime import timedelta
 
 from temporalio import workflow
@@ -24,6 +23,7 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
+    from activities.observe import ObserveActivities
     from fleet.incident import AlertStatus, LossReport, PoolRef
     from fleet.recovery import (
         Decision,
@@ -34,7 +34,6 @@ with workflow.unsafe.imports_passed_through():
         RecoveryInput,
     )
     from workflows import search_attributes as sa
-    from workflows.activity_refs import load_incident_config
     from workflows.replica_loss import ReplicaLossRecovery
 
 
@@ -93,8 +92,8 @@ class FleetIncident:
         info = workflow.info()
         self._status = ProcedureStatus(workflow=info.workflow_id, pool=pool, phase=Phase.CORRELATING)
         if config is None:
-            config = await workflow.execute_activity(
-                load_incident_config,
+            config = await workflow.execute_activity_method(
+                ObserveActivities.load_incident_config,
                 pool,
                 start_to_close_timeout=timedelta(seconds=30),
                 summary=f"load incident policy for {pool.key}",
@@ -118,7 +117,7 @@ class FleetIncident:
                     timeout=timedelta(seconds=max(timings.cooldown_s, 0.001)),
                     timeout_summary="cool-down: absorbing late repeats",
                 )
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
             await self._run_recovery(pool, config)
 
@@ -195,7 +194,7 @@ class FleetIncident:
                     timeout=timedelta(seconds=remaining),
                     timeout_summary="correlation window",
                 )
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
             if handle.done():
                 break
@@ -205,7 +204,9 @@ class FleetIncident:
                 Decision(
                     phase=result.phase,
                     summary=f"{child_id} ended in phase {result.phase.value}",
-                    figures={"verification_passed": result.verification.passed if result.verification else None},
+                    figures={
+                        "verification_passed": result.verification.passed if result.verification else None
+                    },
                     at=workflow.now().timestamp(),
                 )
             )
