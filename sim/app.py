@@ -97,8 +97,12 @@ class ClockAdvance(BaseModel):
     seconds: float = Field(gt=0, le=7 * 24 * 3600)
 
 
-def build_app(world: SimWorld) -> FastAPI:
-    """The whole simulator as one ASGI app (see the module docstring for the routes)."""
+def build_app(world: SimWorld, *, serving: bool = True) -> FastAPI:
+    """The whole simulator as one ASGI app (see the module docstring for the routes).
+
+    ``serving=False`` leaves the serving layer out (the Kubernetes semantics alone: no
+    engines drain and exit on SIGTERM, so terminating pods last their full grace period).
+    """
     app = FastAPI(
         title="fleetmend simulator",
         description="Simulated GPU inference cluster",
@@ -144,7 +148,8 @@ def build_app(world: SimWorld) -> FastAPI:
         world.restore_node(node)
         return {"node": node, "state": "restored"}
 
-    attach_serving_layer(world, app)
+    if serving:
+        attach_serving_layer(world, app)
     app.add_middleware(ActionLogMiddleware, world=world)
     return app
 
@@ -169,13 +174,14 @@ async def serve(
     *,
     ready: Callable[[int], None] | None = None,
     stop: asyncio.Event | None = None,
+    serving: bool = True,
 ) -> None:
     """Run the API server and the world's controllers on this loop until ``stop`` is set (or cancelled).
 
     ``ready(port)`` is called once the socket listens (with the real port when ``port=0``).
     Shutdown is graceful: the app's lifespan (and the serving layer's) runs to completion.
     """
-    app = build_app(world)
+    app = build_app(world, serving=serving)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on")
     server = uvicorn.Server(config)
     world.start()

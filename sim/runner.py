@@ -100,9 +100,13 @@ def start_sim(
     host: str = "127.0.0.1",
     kubeconfig: Path | None = None,
     token: str | None = None,
+    serving: bool = True,
     startup_timeout: float = 30.0,
 ) -> RunningSim:
-    """Serve ``scenario`` on ``host:port`` (0 = a free port) in a daemon thread; returns when it listens."""
+    """Serve ``scenario`` on ``host:port`` (0 = a free port) in a daemon thread; returns when it listens.
+
+    ``serving=False`` serves the Kubernetes side only (no engines, router or load).
+    """
     loaded = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
     world = SimWorld(loaded, speed=speed, token=token)
     loop = asyncio.new_event_loop()
@@ -118,7 +122,7 @@ def start_sim(
     def run() -> None:
         asyncio.set_event_loop(loop)
         try:
-            loop.run_until_complete(serve(world, host, port, ready=on_ready, stop=stop))
+            loop.run_until_complete(serve(world, host, port, ready=on_ready, stop=stop, serving=serving))
         except asyncio.CancelledError:
             pass
         except BaseException as exc:  # surfaced to the caller below

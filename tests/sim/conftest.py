@@ -3,6 +3,8 @@ official ``kubernetes`` client APIs pointed at it through its generated kubeconf
 
 ``sim_server`` serves ``gpu-node-loss`` by default; pick another scenario with
 ``@pytest.mark.parametrize("sim_server", ["rank-lost"], indirect=True)``.
+It serves the Kubernetes side without the serving layer, so these tests see the
+control plane's own timing (an idle engine would otherwise exit at once on SIGTERM).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ T = TypeVar("T")
 @pytest.fixture
 def sim_server(request: pytest.FixtureRequest) -> Iterator[RunningSim]:
     name = getattr(request, "param", "gpu-node-loss")
-    running = start_sim(shipped_scenarios()[name], speed=TEST_SPEED)
+    running = start_sim(shipped_scenarios()[name], speed=TEST_SPEED, serving=False)
     try:
         yield running
     finally:
