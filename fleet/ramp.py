@@ -86,7 +86,9 @@ class RampParams(BaseModel):
         default=30.0, gt=0, allow_inf_nan=False, description="D: queue wait beyond this is late"
     )
     warm_replicas: int = Field(default=3, ge=1, le=10_000, description="W: warm survivors")
-    seconds: int = Field(default=600, gt=0, le=10_000_000, description="S: horizon in 1-second steps")
+    seconds: int = Field(
+        default=600, gt=0, le=604_800, description="S: horizon in 1-second steps (at most a week)"
+    )
     arrival: float | None = Field(
         default=None,
         ge=0,

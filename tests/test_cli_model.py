@@ -107,3 +107,19 @@ def test_bad_input_is_one_clear_error_with_exit_2(args: list[str], mentions: str
 def test_a_non_number_is_refused_by_the_parser() -> None:
     result = run("--warm-rate", "fast")
     assert result.exit_code == 2
+
+
+def test_the_docs_show_the_table_exactly_as_the_command_prints_it() -> None:
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "ramp-back.md").read_text()
+    printed = runner.invoke(app, ["ramp"], env={"NO_COLOR": "1"}).stdout.rstrip("\n")
+    assert printed in docs
+    assert "![" in docs and "ramp-back.png" in docs
+    assert (Path(__file__).resolve().parents[1] / "docs" / "ramp-back.png").stat().st_size > 10_000
+
+
+def test_one_policy_with_a_sweep() -> None:
+    result = run("--policy", "rate", "--sweep", "warmup=60,600", "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert [set(r) for r in rows] == [{"warmup_s", "rate"}] * 2
+    assert all(r["rate"]["late"] == 0.0 for r in rows)
