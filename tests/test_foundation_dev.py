@@ -186,3 +186,25 @@ async def test_dev_starts_answers_stops_clean_and_keeps_history(
 
     assert stop_dev(again, signal.SIGTERM) == 0
     assert_nothing_left(dev_config)
+
+
+def test_failed_migration_is_one_error_line_and_leaves_nothing_running(dev_config: DevConfig) -> None:
+    unreachable = f"postgresql+psycopg://fm:secret-pw@127.0.0.1:{free_port()}/ledger"
+    env = {**dev_config.env, "FLEETMEND_DATABASE_URL": unreachable}
+    done = subprocess.run([FLEETMEND, "dev"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ledger migrations failed"), done.stderr
+    assert "FLEETMEND_DATABASE_URL" in lines[0] and "secret-pw" not in lines[0]
+    assert_nothing_left(dev_config)
+
+
+def test_a_part_that_dies_stops_the_whole_stack(dev_config: DevConfig, cleanup: list[DevRun]) -> None:
+    run = start_dev(dev_config, "crash")
+    cleanup.append(run)
+    temporal = processes_using(dev_config.state_dir / "temporal.db")
+    assert len(temporal) == 1, temporal
+    os.kill(int(temporal[0].split(":")[0]), signal.SIGKILL)
+    assert run.proc.wait(timeout=60) == 1
+    assert "the Temporal dev server exited" in run.output()
+    assert_nothing_left(dev_config)

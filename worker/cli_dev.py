@@ -50,8 +50,16 @@ async def _serve(settings: Settings) -> None:
         console.print(
             "[green]fleetmend dev is up.[/] Ctrl-C stops every part; state is kept for the next start."
         )
-        await stop.wait()
+        stopped = asyncio.create_task(stop.wait())
+        died = asyncio.create_task(stack.watch())
+        await asyncio.wait({stopped, died}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (stopped, died):
+            task.cancel()
         console.print("stopping ...")
+        if not stop.is_set():  # a part died: stop the rest and say which
+            reason = died.result()
+            await stack.stop()
+            raise StackError(f"{reason}; every other part was stopped")
     console.print("stopped.")
 
 

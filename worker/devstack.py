@@ -79,6 +79,10 @@ class _Part(Protocol):
 
     def endpoints(self) -> list[Endpoint]: ...
 
+    def failure(self) -> str | None:
+        """Why this part stopped on its own after start-up; None while it runs."""
+        ...
+
 
 class _TemporalPart:
     name = "temporal"
@@ -111,6 +115,9 @@ class _TemporalPart:
 
     async def stop(self) -> None:
         await asyncio.to_thread(self.server.stop)
+
+    def failure(self) -> str | None:
+        return self.server.exit_message()
 
     def endpoints(self) -> list[Endpoint]:
         rows = [Endpoint("temporal", "Temporal gRPC", self.server.address)]
@@ -168,6 +175,14 @@ class _PostgresPart:
             await asyncio.to_thread(self._embedded.stop)
             self._embedded = None
 
+    def failure(self) -> str | None:
+        if self._embedded is None:
+            return None
+        info = self._embedded.server._postmaster_info
+        if info is not None and not info.is_running():
+            return f"the embedded Postgres under {self.directory} stopped; see {self.directory / 'log'}"
+        return None
+
     def endpoints(self) -> list[Endpoint]:
         where = "external" if self.external_url else "embedded"
         state = "migrated" if self.migrated else "not migrated"
@@ -219,6 +234,11 @@ class _SimPart:
         if self.handle is not None:
             await asyncio.to_thread(self.handle.stop)
             self.handle = None
+
+    def failure(self) -> str | None:
+        if self.handle is not None and not self.handle._thread.is_alive():
+            return "the sim stopped; see .fleetmend/logs/fleetmend.log"
+        return None
 
     def settings_for_clients(self) -> dict[str, Any]:
         """Point the worker and webhook at the sim: its kubeconfig and its router admin API."""
@@ -278,6 +298,11 @@ class _WebhookPart:
                 self._task.result()
                 raise StackError("the webhook API stopped during start-up; see .fleetmend/logs/fleetmend.log")
             await asyncio.sleep(0.05)
+
+    def failure(self) -> str | None:
+        if self._task is not None and self._task.done():
+            return "the webhook API stopped; see .fleetmend/logs/fleetmend.log"
+        return None
 
     async def stop(self) -> None:
         if self._server is not None and self._task is not None:
@@ -359,6 +384,12 @@ class _WorkerPart:
             except StartupCheckError as err:
                 raise StackError(f"the worker refused to start: {err}") from err
             raise StackError("the worker stopped during start-up")
+
+    def failure(self) -> str | None:
+        if self._task is None or not self._task.done() or self._stop.is_set():
+            return None
+        error = self._task.exception() if not self._task.cancelled() else None
+        return f"the worker stopped: {error}" if error else "the worker stopped"
 
     async def stop(self) -> None:
         self._stop.set()
@@ -477,6 +508,15 @@ class DevStack:
             except Exception:
                 log.exception("part did not stop cleanly", extra={"part": part.name})
         self._client = None
+
+    async def watch(self, *, interval_s: float = 0.5) -> str:
+        """Return, with the reason, as soon as any started part stops on its own."""
+        while True:
+            for part in self._started:
+                reason = part.failure()
+                if reason:
+                    return reason
+            await asyncio.sleep(interval_s)
 
     def endpoints(self) -> list[Endpoint]:
         rows: list[Endpoint] = []

@@ -147,6 +147,12 @@ class TemporalDevServer:
         except Exception:
             return False
 
+    def exit_message(self) -> str | None:
+        """Why the server is gone, if it exited on its own after start; None while it runs."""
+        if self._proc is None or self._proc.poll() is None:
+            return None
+        return f"the Temporal dev server exited with status {self._proc.returncode}; see {self.log_file}"
+
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL); its state file stays for the next start."""
         if self._proc is not None:
