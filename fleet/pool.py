@@ -85,6 +85,13 @@ class ReplicaGroup(BaseModel):
     leader_pod: str
     gpus_per_pod: int = Field(default=1, ge=0)
     ready: bool = Field(default=True, description="Every pod Ready (incl. the serving-ready gate)")
+    engine_up: bool | None = Field(
+        default=None,
+        description=(
+            "Every pod's containers ready and engine answering: loaded and healthy, with or without headroom. "
+            "None = unknown, taken to equal ``ready``"
+        ),
+    )
     routed: bool = Field(default=True, description="In the router's routing set (router-only label present)")
     workload_kind: WorkloadKind = WorkloadKind.DEPLOYMENT
     workload_name: str
@@ -107,8 +114,12 @@ class ReplicaGroup(BaseModel):
 
     @property
     def warm(self) -> bool:
-        """Loaded and healthy: counts towards the warm floor whether serving or spare."""
-        return self.ready
+        """Loaded and healthy: counts towards the warm floor whether serving or spare.
+
+        A saturated replica that the ``serving-ready`` gate holds not-ready is still
+        warm (its cache is full of live work), so warmth follows ``engine_up``.
+        """
+        return self.ready if self.engine_up is None else self.engine_up
 
     @property
     def shape(self) -> str:
@@ -167,5 +178,5 @@ class PoolSnapshot(BaseModel):
         return [g for g in self.groups if g.role is GroupRole.SPARE]
 
     def warm_copies(self, model: str, revision: str) -> list[ReplicaGroup]:
-        """Ready groups (serving or spare) of exactly this model and revision."""
-        return [g for g in self.groups if g.model == model and g.revision == revision and g.ready]
+        """Warm groups (serving or spare) of exactly this model and revision."""
+        return [g for g in self.groups if g.model == model and g.revision == revision and g.warm]

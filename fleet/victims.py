@@ -3,12 +3,15 @@
 ``choose_victims(snapshot, target_groups=N)`` or ``choose_victims(snapshot,
 explicit=[...])`` picks **whole serving groups only** and never:
 
-* removes the **last warm copy of a model revision** (a ready group of that
+* removes the **last warm copy of a model revision** (a warm group of that
   model@revision, serving or spare, must remain);
-* takes the pool **below the warm floor** (``warm_floor`` = ready groups of the
+* takes the pool **below the warm floor** (``warm_floor`` = warm groups of the
   pool, serving or spare, that must remain).
 
-Among the groups it may remove, it prefers the ones cheapest to lose: not ready
+Warm means loaded and healthy (``ReplicaGroup.warm``): a replica that the
+readiness gate holds not-ready because it is saturated is warm - and busy.
+
+Among the groups it may remove, it prefers the ones cheapest to lose: not warm
 first (they serve nothing), then the least loaded (running + waiting requests
 to drain), then the coldest (lowest KV-cache usage: least cached work lost),
 then the lowest id so the choice is deterministic. When the rules allow fewer
@@ -54,13 +57,13 @@ class VictimChoice(BaseModel):
 
 def _preference(group: ReplicaGroup, loads: Mapping[str, GroupLoad]) -> tuple[bool, float, float, str]:
     load = loads.get(group.id, GroupLoad())
-    return (group.ready, load.in_flight, load.kv_usage or 0.0, group.id)
+    return (group.warm, load.in_flight, load.kv_usage or 0.0, group.id)
 
 
 def _why_not(group: ReplicaGroup, snapshot: PoolSnapshot, chosen: set[str], warm_floor: int) -> str | None:
     if group.role is not GroupRole.SERVING:
         return "not a serving group"
-    if not group.ready:
+    if not group.warm:
         return None  # not warm: removing it costs neither a warm copy nor the floor
     copies = [
         g
@@ -69,7 +72,7 @@ def _why_not(group: ReplicaGroup, snapshot: PoolSnapshot, chosen: set[str], warm
     ]
     if not copies:
         return f"last warm copy of {group.model}@{group.revision}"
-    warm_left = sum(1 for g in snapshot.groups if g.ready and g.id not in chosen) - 1
+    warm_left = sum(1 for g in snapshot.groups if g.warm and g.id not in chosen) - 1
     if warm_left < warm_floor:
         return f"would leave {warm_left} warm group(s), below the warm floor of {warm_floor}"
     return None
@@ -123,7 +126,7 @@ def choose_victims(
         else:
             chosen.append(group.id)
     remaining_serving = len(serving) - sum(1 for g in chosen if snapshot.group(g).role is GroupRole.SERVING)
-    remaining_warm = sum(1 for g in snapshot.groups if g.ready and g.id not in chosen)
+    remaining_warm = sum(1 for g in snapshot.groups if g.warm and g.id not in chosen)
     if wanted == 0:
         reason = f"nothing to remove: {len(serving)} serving group(s), target {target_groups}"
     else:

@@ -137,6 +137,18 @@ def test_victims_prefer_unready_then_least_loaded_then_coldest() -> None:
     assert c.complete and c.remaining_serving == 4
 
 
+def test_a_saturated_replica_is_warm_and_busy_not_a_cheap_victim() -> None:
+    # The serving-ready gate holds g0 not-ready because its KV cache is full: it is warm, with work to drain.
+    snap = snapshot([group("g0", ready=False, engine_up=True), group("g1"), group("b", revision="r2")])
+    loads = {"g0": GroupLoad(running=40, waiting=6, kv_usage=0.98), "g1": GroupLoad(running=3)}
+    c = choose_victims(snap, target_groups=2, loads=loads, warm_floor=1)
+    assert c.victims == ("g1",)
+    assert snap.group("g0").warm and snap.warm_copies("llama-70b", "r1") == [
+        snap.group("g0"),
+        snap.group("g1"),
+    ]
+
+
 def test_never_the_last_warm_copy_of_a_revision() -> None:
     snap = snapshot([group("a1", revision="r1"), group("a2", revision="r1"), group("b1", revision="r2")])
     c = choose_victims(snap, target_groups=1, loads={"b1": GroupLoad()}, warm_floor=0)
@@ -181,6 +193,7 @@ def fleets(draw):  # type: ignore[no-untyped-def]
                 model=draw(st.sampled_from(["llama", "mistral"])),
                 role=draw(st.sampled_from([GroupRole.SERVING, GroupRole.SERVING, GroupRole.SPARE])),
                 ready=draw(st.booleans() | st.just(True)),
+                engine_up=draw(st.none() | st.booleans()),
                 pods=draw(st.integers(min_value=1, max_value=3)),
             )
         )
@@ -207,15 +220,15 @@ def test_victim_selection_is_always_safe(fleet, target: int, floor: int) -> None
     remaining = [g for g in snap.groups if g.id not in victims]
     # Never the last warm copy of a revision.
     for g in snap.groups:
-        if g.ready:
-            assert any(r.ready and r.model == g.model and r.revision == g.revision for r in remaining)
+        if g.warm:
+            assert any(r.warm and r.model == g.model and r.revision == g.revision for r in remaining)
     # Never below the warm floor (nor lower than it already was).
-    warm_before = sum(g.ready for g in snap.groups)
-    warm_after = sum(g.ready for g in remaining)
+    warm_before = sum(g.warm for g in snap.groups)
+    warm_after = sum(g.warm for g in remaining)
     assert warm_after >= min(floor, warm_before)
-    # Unready groups go before any warm one.
-    if any(snap.group(v).ready for v in victims):
-        assert all(not g.ready or g.id in victims for g in snap.serving if not g.ready)
+    # Groups that are not warm go before any warm one.
+    if any(snap.group(v).warm for v in victims):
+        assert all(g.id in victims for g in snap.serving if not g.warm)
 
 
 def good_observations(**kw: object) -> RecoveryObservations:
