@@ -30,7 +30,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from fleet.protocol import FaultRequest
-from fleet.vocabulary import REVISION_LABEL, FaultKind
+from fleet.vocabulary import LWS_GROUP_KEY_LABEL, REVISION_LABEL, FaultKind
+from sim.serving.supervisor import is_leader
 from sim.serving.telemetry import (
     APPLICATION_XIDS,
     CLOCK_EVENT_HW_THERMAL,
@@ -271,13 +272,26 @@ class FaultInjector:
         self.layer.world.set_container_state(ns, name, "oomkilled", message="OOMKilled")
 
     def _rank_lost(self, key: str, now: float) -> None:
+        """One rank's process dies; the group's leader engine aborts with it (a broken NCCL communicator)."""
         ns, name = key.split("/", 1)
-        engine = self.layer.supervisor.get(key)
-        if engine is not None:
-            engine.kill("NCCL error: a rank of the replica group was lost", now)
-            self.layer.supervisor.mark_exit_reported(key)
+        pod = self.layer.kube.pod(ns, name)
+        group = ((pod or {}).get("metadata", {}).get("labels") or {}).get(LWS_GROUP_KEY_LABEL)
+        leaders = [key]
+        if group is not None:
+            leaders = [
+                f"{ns}/{p['metadata']['name']}"
+                for p in self.layer.kube.pods()
+                if p["metadata"]["namespace"] == ns
+                and (p["metadata"].get("labels") or {}).get(LWS_GROUP_KEY_LABEL) == group
+                and is_leader(p)
+            ]
+        for leader in leaders:
+            engine = self.layer.supervisor.get(leader)
+            if engine is not None:
+                engine.kill(f"NCCL error: rank {name} of the replica group was lost", now)
+                if leader == key:
+                    self.layer.supervisor.mark_exit_reported(key)
         self.layer.world.set_container_state(ns, name, "crashed", message="rank lost: NCCL watchdog timeout")
-        self.layer.supervisor.reconcile(now, force=True)
 
     def _bad_rollout(self, target: str, params: dict[str, Any]) -> None:
         plural, ns, name = self._workload(target)

@@ -53,16 +53,23 @@ class ReadinessProber:
         )
 
     def tick(self, now: float) -> None:
-        live: set[str] = set()
+        existing: set[str] = set()
         for pod in self.kube.pods():
-            if MODEL_LABEL not in pod_labels(pod) or not is_leader(pod) or pod_is_terminating(pod):
-                continue
-            running, _, _ = container_identity(pod)
-            node = (pod.get("spec") or {}).get("nodeName")
-            if not running or (node and self.world.is_node_lost(node)):
+            if MODEL_LABEL not in pod_labels(pod) or not is_leader(pod):
                 continue
             key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
-            live.add(key)
+            existing.add(key)
+            running, _, _ = container_identity(pod)
+            node = (pod.get("spec") or {}).get("nodeName")
+            engine = self.supervisor.get(key)
+            # Probes run only against a started engine process, and only while its kubelet is alive.
+            if (
+                engine is None
+                or not running
+                or pod_is_terminating(pod)
+                or (node and self.world.is_node_lost(node))
+            ):
+                continue
             settings = self.settings_for(pod)
             state = self._state.get(key)
             if state is None:
@@ -71,9 +78,7 @@ class ReadinessProber:
             if now < state.next_at:
                 continue
             state.next_at = now + settings.period_s
-            engine = self.supervisor.get(key)
-            healthy = engine is not None and engine.health_status() == 200
-            if healthy:
+            if engine.health_status() == 200:
                 state.failures = 0
                 if state.marked_unready:
                     state.marked_unready = False
@@ -85,7 +90,7 @@ class ReadinessProber:
                 log.info("readiness probe failed %d times for %s: marking not ready", state.failures, key)
                 self._set_ready(key, False)
         for key in list(self._state):
-            if key not in live:
+            if key not in existing:
                 del self._state[key]
 
     def _set_ready(self, key: str, ready: bool | None) -> None:

@@ -250,6 +250,10 @@ class Router:
         service = key.partition("/")[2]
         out: list[RoutedEndpoint] = []
         seen: set[str] = set()
+        # An endpoint the weights do not name (e.g. a replacement that just turned Ready) gets the
+        # mean of the named ones: an equal share, on the same scale as the operator's weights.
+        named = list(pool.state.weights.values())
+        default_weight = sum(named) / len(named) if named else 1.0
         for eps in self.kube.endpoint_slices(namespace, service):
             for ep in eps.get("endpoints") or []:
                 cond = ep.get("conditions") or {}
@@ -268,7 +272,7 @@ class Router:
                 ):
                     continue
                 seen.add(name)
-                weight = pool.state.weights.get(name, 1.0)
+                weight = pool.state.weights.get(name, default_weight)
                 addresses = ep.get("addresses") or [""]
                 out.append(
                     RoutedEndpoint(pod=name, address=addresses[0], node=ep.get("nodeName"), weight=weight)

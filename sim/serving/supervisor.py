@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fleet.vocabulary import LWS_GROUP_KEY_LABEL, LWS_WORKER_INDEX_LABEL, MODEL_LABEL
+from sim.clock import parse_timestamp
 from sim.serving.engine import Engine, EngineSpec, EngineState
 from sim.serving.kubeview import KubeView, pod_is_terminating, pod_labels
 
@@ -64,6 +65,19 @@ def container_identity(pod: Obj) -> tuple[bool, int, str]:
     return running is not None, int(st.get("restartCount", 0)), (running or {}).get("startedAt", "")
 
 
+def started_at(pod: Obj) -> float:
+    """When the main container's current incarnation started (sim epoch seconds)."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    stamp = ((statuses[0].get("state") or {}).get("running") or {}).get("startedAt") if statuses else None
+    return parse_timestamp(stamp) if stamp else 0.0
+
+
+def load_seconds(model: Any) -> float:
+    """Weight load (+ distributed init for multi-node groups) after the container starts."""
+    init = model.distributed_init_s if getattr(model, "pods_per_replica", 1) > 1 else 0.0
+    return float(model.weight_load_s) + float(init)
+
+
 def is_leader(pod: Obj) -> bool:
     index = pod_labels(pod).get(LWS_WORKER_INDEX_LABEL)
     return index is None or index == "0"
@@ -95,6 +109,7 @@ class EngineSupervisor:
         self.start_blocker: Callable[[Obj], str | None] = lambda pod: None
         self.node_factor: Callable[[str | None], float] = lambda node: 1.0
         self._seen_generation = -1
+        self._loading = False
 
     def get(self, replica: str) -> Engine | None:
         tracked = self._tracked.get(replica)
@@ -104,10 +119,13 @@ class EngineSupervisor:
         return {k: t.engine for k, t in self._tracked.items()}
 
     def reconcile(self, now: float, force: bool = False) -> None:
-        if not force and self.kube.generation == self._seen_generation:
+        # Re-read the pods when the cluster changed, or while an engine is due to finish loading
+        # (a time-based transition that writes nothing to the store).
+        if not force and self.kube.generation == self._seen_generation and not self._loading:
             self._exit_dead(now)
             return
         self._seen_generation = self.kube.generation
+        self._loading = False
         pods = {f"{p['metadata']['namespace']}/{p['metadata']['name']}": p for p in self.kube.pods()}
         for key in list(self._tracked):
             if key not in pods:
@@ -153,6 +171,9 @@ class EngineSupervisor:
             model = self.world.model_for_pod(pod)
             if model is None:
                 return
+            if now < started_at(pod) + load_seconds(model):
+                self._loading = True
+                return  # the API server answers only once the weights are loaded
             revision = self.world.revision_for_pod(pod)
             spec = engine_spec_for(model, revision, self.engine_overrides)
             engine = Engine(replica=key, spec=spec, model_name=model.name, started_at=now, node=node)
@@ -168,6 +189,11 @@ class EngineSupervisor:
             log.debug("engine started for %s on %s", key, node)
             return
         engine = tracked.engine
+        if not running and engine.alive:
+            # The kubelet saw the container exit (a start-up defect, or killed from outside).
+            engine.kill("container exited", now)
+            tracked.exit_reported = True
+            return
         if node and self.world.is_node_lost(node):
             engine.kill(f"node {node} lost", now)
             tracked.exit_reported = True  # nobody is left to report the exit

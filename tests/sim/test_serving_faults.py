@@ -1,0 +1,280 @@
+"""Each injected fault leaves the Kubernetes, engine-metrics and DCGM signals a real one would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from sim.serving.telemetry import gpu_assignment
+from tests.sim.serving_fixtures import NAMESPACE, POOL, RunningServing, running_serving, scenario
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+async def families(sim: RunningServing, path: str) -> dict[str, Any]:
+    r = await sim.http.get(path)
+    r.raise_for_status()
+    return {f.name: f for f in text_string_to_metric_families(r.text)}
+
+
+def samples(family: Any, **labels: str) -> list[Any]:
+    return [s for s in family.samples if all(s.labels.get(k) == v for k, v in labels.items())]
+
+
+async def ksm_value(sim: RunningServing, name: str, **labels: str) -> float:
+    fams = await families(sim, "/metrics")
+    if name not in fams:
+        return 0.0
+    return sum(s.value for s in samples(fams[name], **labels))
+
+
+def pod_node_and_gpu(sim: RunningServing, pod: str) -> tuple[str, int]:
+    obj = sim.layer.kube.pod(NAMESPACE, pod)
+    assert obj is not None
+    node = obj["spec"]["nodeName"]
+    gpu = next(i for i, p in gpu_assignment(sim.layer.kube, node).items() if p["metadata"]["name"] == pod)
+    return node, gpu
+
+
+async def test_gpu_xid_79_kills_the_replica_on_that_gpu_shows_in_dcgm_and_fails_qualification() -> None:
+    async with running_serving(scenario(), speed=40) as sim:
+        victim, _ = await sim.wait_serving(2)
+        node, gpu = pod_node_and_gpu(sim, victim)
+        other_node = next(
+            n["metadata"]["name"] for n in sim.layer.kube.nodes() if n["metadata"]["name"] != node
+        )
+        assert (await sim.fault("gpu-xid", node, code=79, gpu=gpu)).status_code == 202
+        # DCGM: the last Xid on that GPU, with its code and message.
+        dcgm = await families(sim, f"/nodes/{node}/metrics")
+        (xid,) = samples(dcgm["DCGM_FI_DEV_XID_ERRORS"], gpu=str(gpu))
+        assert xid.value == 79 and xid.labels["err_code"] == "79"
+        assert xid.labels["err_msg"] == "GPU has fallen off the bus" and xid.labels["pod"] == victim
+        # The engine is dead: /health 503 while the API server lingers, then the container exits.
+        assert (await sim.http.get(f"/pods/{NAMESPACE}/{victim}/health")).status_code == 503
+        restarts = {"namespace": NAMESPACE, "pod": victim}
+        await sim.wait_for(
+            lambda: ksm_value(sim, "kube_pod_container_status_restarts", **restarts), 60, "a restart"
+        )
+        # The GPU stays broken: each restart crashes again.
+        await sim.wait_for(
+            lambda: ksm_value(
+                sim, "kube_pod_container_status_waiting_reason", reason="CrashLoopBackOff", pod=victim
+            ),
+            60,
+            "CrashLoopBackOff",
+        )
+        assert await ksm_value(
+            sim, "kube_pod_container_status_last_terminated_reason", reason="Error", pod=victim
+        )
+        # Qualification: diagnostics take time, then fail on the broken node and pass on the healthy one.
+        started = await sim.http.post(f"/nodes/{node}/qualification")
+        assert started.status_code == 202 and started.json()["state"] == "running"
+        await sim.http.post(f"/nodes/{other_node}/qualification")
+
+        async def finished(on: str = node) -> bool:
+            return (await sim.http.get(f"/nodes/{on}/qualification")).json()["state"] != "running"
+
+        await sim.wait_for(finished, 60, "diagnostics")
+        await sim.wait_for(lambda: finished(other_node), 60, "diagnostics")
+        verdict = (await sim.http.get(f"/nodes/{node}/qualification")).json()
+        assert verdict["state"] == "failed" and "Xid 79" in verdict["detail"]
+        assert verdict["finished_at"] - verdict["started_at"] == sim.layer.settings.qualification_s
+        other = (await sim.http.get(f"/nodes/{other_node}/qualification")).json()
+        assert other["state"] == "passed"
+        # A repair (GPU reset / RMA) clears it; the replica comes back and qualification passes.
+        assert (await sim.fault("gpu-xid", node, clear=True)).status_code == 202
+        await sim.wait_for(lambda: victim in sim.serving_pods(), 120, "the replica to come back")
+        await sim.http.post(f"/nodes/{node}/qualification")
+        await sim.wait_for(finished, 60, "diagnostics")
+        assert (await sim.http.get(f"/nodes/{node}/qualification")).json()["state"] == "passed"
+
+
+async def test_oom_killed_pod_shows_the_reason_restarts_and_its_engine_counters_reset() -> None:
+    async with running_serving(scenario(), speed=20) as sim:
+        pod, other = await sim.wait_serving(2)
+        await sim.set_state("weights", "weights", {pod: 1.0, other: 0.0})
+        for _ in range(3):
+            r = await sim.http.post("/v1/completions", json={"model": MODEL, "max_tokens": 8})
+            assert r.status_code == 200
+        before = await sim.metrics(pod)
+        assert sum(s.value for s in before["vllm:request_success"].samples if s.name.endswith("_total")) == 3
+        assert (await sim.fault("pod-oomkilled", f"{NAMESPACE}/{pod}")).status_code == 202
+        reason = {"pod": pod, "reason": "OOMKilled"}
+        await sim.wait_for(
+            lambda: ksm_value(sim, "kube_pod_container_status_last_terminated_reason", **reason),
+            10,
+            "OOMKilled",
+        )
+        await sim.wait_for(lambda: pod in sim.serving_pods(), 60, "restart")
+        after = await sim.metrics(pod)
+        assert sum(s.value for s in after["vllm:request_success"].samples if s.name.endswith("_total")) == 0
+        assert await ksm_value(sim, "kube_pod_container_status_restarts", pod=pod) == 1
+        obj = sim.layer.kube.pod(NAMESPACE, pod)
+        assert obj is not None
+        terminated = obj["status"]["containerStatuses"][0]["lastState"]["terminated"]
+        assert terminated["reason"] == "OOMKilled" and terminated["exitCode"] == 137
+
+
+async def test_node_lost_silences_its_exporters_then_kubernetes_marks_it_unknown_and_taints_it() -> None:
+    async with running_serving(scenario(), speed=40) as sim:
+        pod, _ = await sim.wait_serving(2)
+        node, _ = pod_node_and_gpu(sim, pod)
+        assert (await sim.fault("node-lost", node)).status_code == 202
+        assert (await sim.http.get(f"/nodes/{node}/metrics")).status_code == 503
+        assert (await sim.http.get(f"/pods/{NAMESPACE}/{pod}/health")).status_code == 503
+        unknown = {"node": node, "condition": "Ready", "status": "unknown"}
+        await sim.wait_for(
+            lambda: ksm_value(sim, "kube_node_status_condition", **unknown), 120, "Ready=Unknown"
+        )
+        taint = {"node": node, "key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}
+        await sim.wait_for(lambda: ksm_value(sim, "kube_node_spec_taint", **taint), 60, "unreachable taint")
+
+        async def derouted() -> bool:
+            ep = (await sim.http.get(f"/router/v1/pools/{POOL}/routing-set")).json()["endpoints"]
+            return pod not in {e["pod"] for e in ep}
+
+        await sim.wait_for(derouted, 60, "the lost pod to leave the routing set")
+        assert await ksm_value(sim, "kube_pod_status_ready", pod=pod, condition="false") == 1
+
+
+async def test_slow_wedged_thermal_and_nvlink_faults_show_their_signals() -> None:
+    async with running_serving(scenario(load={"engine": {"max_tokens_per_seq_s": 10.0}}), speed=20) as sim:
+        slow, wedged = await sim.wait_serving(2)
+        slow_engine = sim.layer.supervisor.get(f"{NAMESPACE}/{slow}")
+        wedged_engine = sim.layer.supervisor.get(f"{NAMESPACE}/{wedged}")
+        assert slow_engine is not None and wedged_engine is not None
+        healthy_rate = slow_engine.rate(sim.world.clock.now())
+        assert (await sim.fault("slow-replica", f"{NAMESPACE}/{slow}", factor=0.25)).status_code == 202
+        assert (await sim.fault("wedged-engine", f"{NAMESPACE}/{wedged}")).status_code == 202
+        assert slow_engine.rate(sim.world.clock.now()) < 0.3 * healthy_rate
+        # The wedged engine takes requests and never answers; /health stays 200 (a progress check must catch it).
+        sim.layer.router.config.default_deadline_s = dict.fromkeys(
+            sim.layer.router.config.default_deadline_s, 60.0
+        )
+        await sim.set_state("weights", "weights", {wedged: 1.0, slow: 0.0})
+        import asyncio
+
+        pending = [
+            asyncio.create_task(sim.http.post("/v1/completions", json={"model": MODEL, "max_tokens": 4}))
+            for _ in range(3)
+        ]
+        await sim.wait_for(lambda: wedged_engine.num_waiting + wedged_engine.num_running == 3, 30, "queued")
+        tokens_before = await sim.metrics(wedged)
+        await sim.sim_sleep(5.0)
+        tokens_after = await sim.metrics(wedged)
+        gen = "vllm:generation_tokens"
+        assert tokens_before[gen].samples[0].value == tokens_after[gen].samples[0].value == 0
+        waiting = tokens_after["vllm:num_requests_waiting"].samples[0].value
+        running = tokens_after["vllm:num_requests_running"].samples[0].value
+        assert waiting + running == 3
+        assert (await sim.http.get(f"/pods/{NAMESPACE}/{wedged}/health")).status_code == 200
+        assert await ksm_value(sim, "kube_pod_status_ready", pod=wedged, condition="true") == 1
+        for task in pending:
+            task.cancel()
+        # Thermal: hot GPUs with thermal clock-event reasons; engines there slow down.
+        node, _ = pod_node_and_gpu(sim, slow)
+        assert (await sim.fault("thermal", node, temp_c=95, factor=0.5)).status_code == 202
+        dcgm = await families(sim, f"/nodes/{node}/metrics")
+        assert all(s.value == 95 for s in dcgm["DCGM_FI_DEV_GPU_TEMP"].samples)
+        assert all(int(s.value) & 0x40 for s in dcgm["DCGM_FI_DEV_CLOCK_THROTTLE_REASONS"].samples)
+        assert slow_engine.rate(sim.world.clock.now()) < 0.15 * healthy_rate
+        # NVLink: Xid 74 and NVLink error counters; the TP=4 replica on that GPU dies.
+        node, gpu = pod_node_and_gpu(sim, wedged)
+        assert (await sim.fault("nvlink-error", node, gpu=gpu)).status_code == 202
+        dcgm = await families(sim, f"/nodes/{node}/metrics")
+        (xid,) = samples(dcgm["DCGM_FI_DEV_XID_ERRORS"], gpu=str(gpu))
+        assert xid.value == 74 and xid.labels["err_msg"] == "NVLink Error"
+        (crc,) = samples(dcgm["DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"], gpu=str(gpu))
+        assert crc.value > 0
+        assert not wedged_engine.alive and "NVLink" in wedged_engine.death_reason
+
+
+async def test_bad_rollout_pods_crash_loop_and_faults_with_bad_targets_are_refused() -> None:
+    async with running_serving(scenario(), speed=40) as sim:
+        await sim.wait_serving(2)
+        missing = await sim.fault("gpu-xid", "gpu-node-9", code=79)
+        assert missing.status_code == 404 and "known nodes" in missing.json()["detail"]
+        bad_code = await sim.fault("gpu-xid", "gpu-node-0", code="seventy-nine")
+        assert bad_code.status_code == 422 and "params.code" in missing.text + bad_code.text
+        assert (
+            await sim.http.post("/sim/v1/faults", json={"kind": "meteor", "target": "x"})
+        ).status_code == 422
+        assert (await sim.fault("bad-rollout", f"{NAMESPACE}/llama")).status_code == 202
+
+        def new_revision_pods() -> list[dict[str, Any]]:
+            return [
+                p
+                for p in sim.layer.kube.pods()
+                if (p["metadata"].get("labels") or {}).get("fleetmend.io/revision") == "r1-bad"
+            ]
+
+        async def crash_looping() -> bool:
+            pods = new_revision_pods()
+            if not pods:
+                return False
+            name = pods[0]["metadata"]["name"]
+            return (
+                await ksm_value(
+                    sim, "kube_pod_container_status_waiting_reason", pod=name, reason="CrashLoopBackOff"
+                )
+                == 1
+            )
+
+        await sim.wait_for(crash_looping, 120, "the new revision to crash-loop")
+        name = new_revision_pods()[0]["metadata"]["name"]
+        await sim.wait_for(
+            lambda: (
+                (
+                    sim.layer.kube.pod(NAMESPACE, name)
+                    or {"status": {"containerStatuses": [{"restartCount": 0}]}}
+                )["status"]["containerStatuses"][0]["restartCount"]
+                >= 2
+            ),
+            120,
+            "restarts to climb",
+        )
+        assert all(
+            k.split("/", 1)[1] != name or not e.alive for k, e in sim.layer.supervisor.engines().items()
+        )
+
+
+async def test_losing_one_rank_of_a_multi_node_group_takes_the_whole_group_down_and_it_is_recreated() -> None:
+    scn = scenario(
+        model={"gpus_per_pod": 8, "pods_per_replica": 2, "distributed_init_s": 1},
+        workloads=[
+            {
+                "name": "llama",
+                "model": "llama-8b",
+                "kind": "LeaderWorkerSet",
+                "replicas": 1,
+                "topology_key": "topology.kubernetes.io/zone",
+            }
+        ],
+    )
+    async with running_serving(scn, speed=40) as sim:
+        (leader,) = await sim.wait_serving(1)
+        leader_obj = sim.layer.kube.pod(NAMESPACE, leader)
+        assert leader_obj is not None
+        leader_uid = leader_obj["metadata"]["uid"]
+        group = leader_obj["metadata"]["labels"]["leaderworkerset.sigs.k8s.io/group-key"]
+        (worker,) = [
+            p["metadata"]["name"]
+            for p in sim.layer.kube.pods()
+            if p["metadata"]["labels"].get("leaderworkerset.sigs.k8s.io/group-key") == group
+            and p["metadata"]["name"] != leader
+        ]
+        engine = sim.layer.supervisor.get(f"{NAMESPACE}/{leader}")
+        assert engine is not None and engine.alive
+        assert (await sim.fault("rank-lost", f"{NAMESPACE}/{worker}")).status_code == 202
+        # The leader's engine aborts at once (NCCL), so the group stops serving...
+        assert not engine.alive and "rank" in engine.death_reason
+        assert (await sim.http.get(f"/pods/{NAMESPACE}/{leader}/health")).status_code == 503
+
+        # ...and the LeaderWorkerSet recreates the whole group (a new leader pod), which serves again.
+        def recreated() -> bool:
+            pod = sim.layer.kube.pod(NAMESPACE, leader)
+            new = sim.layer.supervisor.get(f"{NAMESPACE}/{leader}")
+            return pod is not None and pod["metadata"]["uid"] != leader_uid and new is not None and new.alive
+
+        await sim.wait_for(recreated, 300, "the group to be recreated")
