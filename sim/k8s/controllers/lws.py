@@ -86,10 +86,18 @@ def _template(lws: Obj, leader: bool) -> Obj:
     return copy.deepcopy(lwt.get("workerTemplate") or {})
 
 
-def _group_failed(pods: list[Obj]) -> Obj | None:
+def _group_failed(pods: list[Obj], size: int) -> Obj | str | None:
+    """The pod (or the name of the deleted pod) that makes the group restart, if any."""
     for pod in pods:
         if o.is_terminating(pod) or o.restart_count(pod) > 0 or o.pod_phase(pod) == "Failed":
             return pod
+    # A group is created whole in one pass, so a live leader with a missing worker means
+    # that worker was deleted outright (e.g. force-deleted): the group restarts too.
+    names = {o.name_of(p) for p in pods}
+    leaders = [p for p in pods if o.labels(p).get(LWS_WORKER_INDEX_LABEL) == "0"]
+    if leaders and len(pods) < size:
+        leader = o.name_of(leaders[0])
+        return next(f"{leader}-{w}" for w in range(1, size) if f"{leader}-{w}" not in names)
     return None
 
 
@@ -114,7 +122,7 @@ def _sync(cp: ControlPlane, lws: Obj) -> None:
     for index in range(replicas):
         group_pods = by_group.get(index, [])
         leader_name = f"{name}-{index}"
-        failed = _group_failed(group_pods) if policy in RECREATING_POLICIES else None
+        failed = _group_failed(group_pods, size) if policy in RECREATING_POLICIES else None
         if (
             failed is not None
             and policy == "RecreateGroupAfterStart"
@@ -127,7 +135,8 @@ def _sync(cp: ControlPlane, lws: Obj) -> None:
                 cp.events.record(
                     lws,
                     "RecreateGroup",
-                    f"Worker pod {o.name_of(failed)} failed, deleted leader pod {leader_name} to recreate group {index}",
+                    f"Worker pod {failed if isinstance(failed, str) else o.name_of(failed)} failed, "
+                    f"deleted leader pod {leader_name} to recreate group {index}",
                     component=COMPONENT,
                 )
                 for pod in alive:

@@ -1,0 +1,190 @@
+"""Node loss, LeaderWorkerSet group recreation and fragmentation, on the scaled clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from kubernetes.client.exceptions import NotFoundException
+
+from fleet.vocabulary import GPU_RESOURCE, LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL, NVLINK_DOMAIN_LABEL
+from sim.clock import parse_timestamp
+from tests.sim.conftest import Kube, wait_for
+
+NS = "inference"
+
+
+def conditions(obj: Any) -> dict[str, Any]:
+    return {c.type: c for c in obj.status.conditions or []}
+
+
+def sim_now(kube: Kube) -> float:
+    return float(httpx.get(f"{kube.sim.base_url}/sim/v1/clock").json()["now"])
+
+
+def test_a_lost_node_goes_unknown_then_tainted_then_its_pods_are_deleted(kube: Kube) -> None:
+    victims = {
+        p.metadata.name
+        for p in kube.core.list_namespaced_pod(NS, field_selector="spec.nodeName=gpu-node-0").items
+    }
+    assert len(victims) == 2  # two TP=4 serving replicas live on gpu-node-0
+    lost_at = sim_now(kube)
+    assert httpx.post(f"{kube.sim.base_url}/sim/v1/nodes/gpu-node-0/lose").status_code == 202
+
+    node = wait_for(
+        lambda: (n := kube.core.read_node("gpu-node-0")) and conditions(n)["Ready"].status == "Unknown" and n,
+        what="Ready=Unknown",
+    )
+    unknown_at = sim_now(kube)
+    ready = conditions(node)["Ready"]
+    assert ready.reason == "NodeStatusUnknown" and ready.message == "Kubelet stopped posting node status."
+    assert unknown_at - lost_at >= 40  # node-monitor grace period, in sim seconds
+    taints = {(t.key, t.effect): t for t in node.spec.taints}
+    assert set(taints) == {
+        ("node.kubernetes.io/unreachable", "NoSchedule"),
+        ("node.kubernetes.io/unreachable", "NoExecute"),
+    }
+    # MarkPodsNotReady: Ready=False at once, so the EndpointSlice stops serving them long before eviction.
+    wait_for(
+        lambda: all(
+            conditions(kube.core.read_namespaced_pod(v, NS))["Ready"].status == "False" for v in victims
+        ),
+        what="pods not ready",
+    )
+    (slice_,) = kube.discovery.list_namespaced_endpoint_slice(NS).items
+    for endpoint in slice_.endpoints:
+        if endpoint.target_ref.name in victims:
+            assert (
+                endpoint.conditions.ready,
+                endpoint.conditions.serving,
+                endpoint.conditions.terminating,
+            ) == (False, False, False)
+    assert all(kube.core.read_namespaced_pod(v, NS).metadata.deletion_timestamp is None for v in victims)
+
+    deleted = wait_for(
+        lambda: (
+            all((p := kube.core.read_namespaced_pod(v, NS)).metadata.deletion_timestamp for v in victims)
+            and p
+        ),
+        timeout=8,
+        what="taint-based eviction after the 300 s toleration",
+    )
+    taint_added = parse_timestamp(
+        taints[("node.kubernetes.io/unreachable", "NoExecute")].time_added.isoformat()
+    )
+    grace = deleted.metadata.deletion_grace_period_seconds
+    evicted_at = deleted.metadata.deletion_timestamp.timestamp() - grace
+    assert 300 <= evicted_at - taint_added <= 305
+    assert deleted.status.reason == "NodeLost"
+    assert conditions(deleted)["DisruptionTarget"].reason == "DeletionByTaintManager"
+    # Nobody confirms the deletion on a dead node: the pods stay Terminating...
+    assert len(kube.core.list_namespaced_pod(NS, field_selector="spec.nodeName=gpu-node-0").items) == 2
+    # ...and the ReplicaSet replaces them at once; one fits on gpu-node-3, the other has no 4-GPU slot left.
+    placed = wait_for(
+        lambda: [
+            p
+            for p in kube.core.list_namespaced_pod(NS, label_selector="fleetmend.io/role=serving").items
+            if p.metadata.name not in victims
+            and p.spec.node_name != "gpu-node-0"
+            and p.metadata.creation_timestamp.timestamp() >= lost_at - 1
+        ],
+        what="replacements",
+    )
+    assert len(placed) == 2
+    assert sorted(p.spec.node_name or "" for p in placed) == ["", "gpu-node-3"]
+    # Force deletion (the operator-approved last resort) removes a stuck pod at once.
+    stuck = sorted(victims)[0]
+    kube.core.delete_namespaced_pod(stuck, NS, grace_period_seconds=0)
+    with pytest.raises(NotFoundException):
+        kube.core.read_namespaced_pod(stuck, NS)
+
+
+@pytest.mark.parametrize("sim_server", ["rank-lost"], indirect=True)
+def test_one_lost_rank_recreates_the_whole_leaderworkerset_group(kube: Kube) -> None:
+    group = f"{LWS_NAME_LABEL}=llama-405b,{LWS_GROUP_INDEX_LABEL}=0"
+    before = {p.metadata.name: p for p in kube.core.list_namespaced_pod(NS, label_selector=group).items}
+    assert set(before) == {"llama-405b-0", "llama-405b-0-1"}
+    leader, worker = before["llama-405b-0"], before["llama-405b-0-1"]
+    assert leader.metadata.labels["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    assert worker.metadata.annotations["leaderworkerset.sigs.k8s.io/leader-name"] == "llama-405b-0"
+    domains = {
+        kube.core.read_node(p.spec.node_name).metadata.labels[NVLINK_DOMAIN_LABEL] for p in before.values()
+    }
+    assert len(domains) == 1  # both ranks inside one NVLink domain
+
+    kube.core.delete_namespaced_pod("llama-405b-0-1", NS, grace_period_seconds=0)
+    wait_for(
+        lambda: kube.core.read_namespaced_pod("llama-405b-0", NS).metadata.deletion_timestamp,
+        what="the leader to be deleted too",
+    )
+    events = kube.core.list_namespaced_event(NS, field_selector="reason=RecreateGroup").items
+    assert events and "deleted leader pod llama-405b-0 to recreate group 0" in events[0].message
+
+    def recreated() -> dict[str, Any] | None:
+        pods = {p.metadata.name: p for p in kube.core.list_namespaced_pod(NS, label_selector=group).items}
+        fresh = set(pods) == set(before) and all(pods[n].metadata.uid != before[n].metadata.uid for n in pods)
+        return (
+            pods
+            if fresh
+            and all(
+                conditions(p).get("Ready") and conditions(p)["Ready"].status == "True" for p in pods.values()
+            )
+            else None
+        )
+
+    after = wait_for(
+        recreated, timeout=15, what="the whole group recreated and Ready (330 s grace + 405 s start-up)"
+    )
+    assert after["llama-405b-0-1"].metadata.labels[LWS_GROUP_INDEX_LABEL] == "0"
+    other = kube.core.list_namespaced_pod(
+        NS, label_selector=f"{LWS_NAME_LABEL}=llama-405b,{LWS_GROUP_INDEX_LABEL}=1"
+    ).items
+    assert all(
+        p.metadata.deletion_timestamp is None
+        and p.metadata.creation_timestamp < after["llama-405b-0"].metadata.creation_timestamp
+        for p in other
+    )
+
+
+@pytest.mark.parametrize("sim_server", ["fragmented"], indirect=True)
+def test_fragmentation_leaves_a_replacement_pending_with_the_real_event(kube: Kube) -> None:
+    nodes = kube.core.list_node().items
+    used: dict[str, int] = {}
+    for pod in kube.core.list_pod_for_all_namespaces().items:
+        limits = (pod.spec.containers[0].resources.limits or {}) if pod.spec.containers[0].resources else {}
+        used[pod.spec.node_name] = used.get(pod.spec.node_name, 0) + int(limits.get(GPU_RESOURCE, 0))
+    free = {
+        n.metadata.name: int(n.status.allocatable[GPU_RESOURCE]) - used.get(n.metadata.name, 0) for n in nodes
+    }
+    assert sum(free.values()) == 12 and max(free.values()) == 3  # enough in total, no node with 4
+
+    victim = (
+        kube.core.list_namespaced_pod(NS, label_selector="app.kubernetes.io/name=llama")
+        .items[0]
+        .metadata.name
+    )
+    kube.core.patch_namespaced_pod(victim, NS, {"metadata": {"labels": {"fleetmend.io/role": "quarantined"}}})
+    pending = wait_for(
+        lambda: [
+            p
+            for p in kube.core.list_namespaced_pod(
+                NS, label_selector="app.kubernetes.io/name=llama,fleetmend.io/role=serving"
+            ).items
+            if not p.spec.node_name
+        ],
+        what="the replacement",
+    )[0]
+    message = "0/4 nodes are available: 4 Insufficient nvidia.com/gpu. preemption: 0/4 nodes are available: 4 No preemption victims found for incoming pod."
+    event = wait_for(
+        lambda: (
+            kube.core.list_namespaced_event(
+                NS, field_selector=f"involvedObject.name={pending.metadata.name},reason=FailedScheduling"
+            ).items
+        ),
+        what="the FailedScheduling event",
+    )[0]
+    assert (event.type, event.message, event.source.component) == ("Warning", message, "default-scheduler")
+    scheduled = conditions(kube.core.read_namespaced_pod(pending.metadata.name, NS))["PodScheduled"]
+    assert (scheduled.status, scheduled.reason, scheduled.message) == ("False", "Unschedulable", message)
+    assert kube.core.read_namespaced_pod(pending.metadata.name, NS).status.phase == "Pending"
