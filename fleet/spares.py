@@ -29,7 +29,10 @@ class SparePick(BaseModel):
     unmatched: tuple[str, ...] = Field(
         default=(), description="Lost groups with no warm spare of their revision"
     )
-    rejected: dict[str, str] = Field(default_factory=dict, description="spare id -> why it was not used")
+    rejected: dict[str, str] = Field(
+        default_factory=dict,
+        description="spare id -> why it is not warm capacity (and, when a loss went unmatched, why it did not fit)",
+    )
     reason: str
 
 
@@ -93,15 +96,15 @@ def pick_spares(
         best = min(candidates, key=lambda s: (bool(_domains(s, snapshot, domain_label) & lost_domains), s.id))
         promotions[group.id] = best.id
         taken.add(best.id)
-    for spare in eligible:
-        if spare.id not in taken and spare.id not in rejected:
-            wanted = {(g.model, g.revision) for g in lost}
-            if (spare.model, spare.revision) not in wanted:
+    if unmatched:
+        # Say why the spares that exist could not stand in (e.g. another revision): that is the question
+        # an operator asks when a loss finds "no warm spare".
+        wanted = {(g.model, g.revision) for g in lost}
+        for spare in eligible:
+            if spare.id not in taken and (spare.model, spare.revision) not in wanted:
                 rejected[spare.id] = (
                     f"serves {spare.model}@{spare.revision}, not a lost group's model and revision"
                 )
-            else:
-                rejected[spare.id] = "not needed"
     parts = [f"promote {s} for {g}" for g, s in promotions.items()]
     if unmatched:
         parts.append(

@@ -285,7 +285,7 @@ def triage_node(
     if hint:
         cls, xid = _hint_evidence(hint)
         if xid is not None and not xids:
-            xids["?"] = xid
+            xids["unknown-gpu"] = xid
             xid_evidence("alert", xid)
         elif cls is not None and not any(found[c] for c in _PRECEDENCE if c is not FaultClass.UNKNOWN):
             found[cls].append(f"alert hint {hint!r}")
