@@ -3,6 +3,7 @@ and equal-share routing to it makes requests late where rate-proportional weight
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from fleet.vocabulary import Tier
@@ -42,7 +43,7 @@ async def test_a_cold_replicas_measured_rate_climbs_to_warm_over_its_warm_up_win
     assert early and late, rates
     assert max(early) < 0.6 * WARM_RATE, rates  # cold: a fraction of the warm rate
     assert min(late) > 0.85 * WARM_RATE, rates  # warm once the window has passed
-    assert all(b >= a * 0.9 for (_, a), (_, b) in zip(rates, rates[1:], strict=False)), rates  # it climbs
+    assert all(b >= a * 0.9 for (_, a), (_, b) in itertools.pairwise(rates)), rates  # it climbs
 
 
 async def run_with_one_cold_replica(weighting: str, spec: LoadSpec) -> tuple[LoadReport, dict[str, Any]]:

@@ -1,0 +1,89 @@
+"""Inference-proposed effects carry the request's operation id (also on retry); notify sink and tickets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from tests.sim.serving_fixtures import NAMESPACE, POOL, running_serving, scenario
+from tests.sim.test_serving_streaming import MODEL, SLOW, journal, read_sse
+
+
+@contextlib.asynccontextmanager
+async def effect_recorder() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
+    """A stand-in for fleetmend's ``POST /v1/effects`` (the ledger's endpoint is tested in its own issue)."""
+    calls: list[dict[str, Any]] = []
+    app = FastAPI()
+
+    @app.post("/v1/effects")
+    async def effects(body: dict[str, Any]) -> dict[str, Any]:
+        calls.append(body)
+        return {"operation_id": body["operation_id"], "state": "applied"}
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}/v1/effects", calls
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def test_a_retried_request_proposes_its_effect_again_under_the_same_operation_id() -> None:
+    async with effect_recorder() as (url, calls), running_serving(scenario(load=SLOW), speed=10) as sim:
+        first, second = await sim.wait_serving(2)
+        bad = await sim.http.put("/sim/v1/serving/effects", json={"url": "ftp://x", "share": 1.0})
+        assert bad.status_code == 422
+        ok = await sim.http.put("/sim/v1/serving/effects", json={"url": url, "share": 1.0})
+        assert ok.status_code == 200
+        await sim.set_state("weights", "weights", {first: 1.0, second: 1e-9})
+        assert (await sim.fault("wedged-engine", f"{NAMESPACE}/{first}")).status_code == 202
+        body = {"model": MODEL, "max_tokens": 4, "stream": True, "request_id": "fx-1", "deadline_s": 120}
+
+        async def call() -> tuple[int, list[dict[str, Any]], bool]:
+            async with sim.http.stream("POST", "/v1/completions", json=body) as response:
+                return await read_sse(response)
+
+        task = asyncio.create_task(call())
+        await sim.wait_for(lambda: len(calls) == 1, 30, "the first proposal")
+        assert (await sim.fault("pod-oomkilled", f"{NAMESPACE}/{first}")).status_code == 202
+        tokens, errors, done = await asyncio.wait_for(task, 30)
+        assert done and not errors
+        assert [c["operation_id"] for c in calls] == ["fx-1/0", "fx-1/0"]
+        assert calls[0] == calls[1]  # same parameters: the ledger sees a repeat, not a divergence
+        entries = await journal(sim, pool=POOL, request_id="fx-1")
+        assert [e["effect_operation_ids"] for e in entries] == [["fx-1/0"], ["fx-1/0"]]
+        assert sim.layer.router.effect_answers["fx-1/0"]["body"]["state"] == "applied"
+
+
+async def test_notify_sink_and_tickets_with_idempotency_key() -> None:
+    async with running_serving(scenario(), speed=20) as sim:
+        r = await sim.http.post("/sim/v1/notify", json={"text": "replica lost", "blocks": []})
+        assert r.status_code == 200 and r.text == "ok"
+        assert [m["text"] for m in (await sim.http.get("/sim/v1/notify")).json()] == ["replica lost"]
+        assert (await sim.http.post("/sim/v1/notify", json={"txt": "typo"})).status_code == 422
+
+        ticket = {"title": "node gpu-node-0 quarantined", "body": "Xid 79"}
+        created = await sim.http.post("/sim/v1/tickets", json=ticket, headers={"Idempotency-Key": "op-1"})
+        assert created.status_code == 201 and created.json()["idempotency_key"] == "op-1"
+        replay = await sim.http.post("/sim/v1/tickets", json=ticket, headers={"Idempotency-Key": "op-1"})
+        assert replay.status_code == 200 and replay.json()["id"] == created.json()["id"]
+        assert replay.headers["idempotent-replayed"] == "true"
+        clash = await sim.http.post(
+            "/sim/v1/tickets", json={**ticket, "body": "other"}, headers={"Idempotency-Key": "op-1"}
+        )
+        assert clash.status_code == 422 and "different content" in clash.json()["detail"]
+        probe = await sim.http.get("/sim/v1/tickets", params={"idempotency_key": "op-1"})
+        assert [t["id"] for t in probe.json()] == [created.json()["id"]]
+        assert (await sim.http.get("/sim/v1/tickets", params={"idempotency_key": "op-2"})).json() == []
+        # Every POST reached the world's action log (the independent evidence the ledger is audited against).
+        actions = (await sim.http.get("/sim/v1/actions")).json()
+        assert sum(1 for a in actions if a["path"] == "/sim/v1/tickets" and a["verb"] == "POST") == 3
