@@ -35,5 +35,6 @@ def fingerprint(kind: str, target: str, params: Mapping[str, Any]) -> str:
 
 
 def body_digest(body: bytes) -> str:
-    """The digest an action log records for a request body: sha256 hex of the raw bytes sent."""
-    return hashlib.sha256(body).hexdigest()
+    """The digest an action log records for a request body: ``sha256:`` + hex of the raw bytes sent
+    (the sim's ``ActionLogEntry.body_digest`` format)."""
+    return "sha256:" + hashlib.sha256(body).hexdigest()

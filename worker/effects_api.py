@@ -1,0 +1,191 @@
+"""HTTP face of the effect ledger, mounted in the worker's FastAPI app (``worker/webhook.py``).
+
+* ``POST /v1/effects`` — an inference service proposes an effect ``{operation_id, kind, target,
+  params}`` (op id = ``<request id>/<slot>``, so a re-run of the inference reuses it). The ledger
+  performs it at most once and every call — first or repeat — gets the recorded outcome (200,
+  ``state`` applied / failed / needs_operator / planned). The same op id with other params is
+  409 with the original outcome; an unknown kind or invalid params is 422; a transient problem
+  is 503 with ``Retry-After`` (repeat the same request).
+* ``GET /ledger/effects`` — audit, newest first, filters ``workflow_id target kind state
+  request_id since until``, paginated with ``limit`` and ``cursor`` (``next_cursor``).
+* ``GET /ledger/effects/{op_id}`` — one operation with its divergent requests.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any
+
+import httpx
+from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.params import Depends
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from activities.effects import EffectRegistry, UnknownEffectKind, default_registry
+from ledger.audit import EffectDetail, EffectFilter, EffectPage, InvalidQuery, list_effects, show_effect
+from ledger.effect import EffectContext
+from ledger.errors import (
+    DivergentOperation,
+    InvalidEffectRequest,
+    NonRetryableLedgerError,
+    RetryableLedgerError,
+)
+from ledger.models import MAX_OPERATION_ID_LENGTH, EffectState
+from ledger.outcome import EffectOutcome
+from ledger.store import EffectLedger, make_engine
+from worker.config import Settings
+
+RETRY_AFTER_S = 1
+
+
+class EffectRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    operation_id: str = Field(min_length=1, max_length=MAX_OPERATION_ID_LENGTH, description="<request id>/<slot>")
+    kind: str = Field(min_length=1, max_length=100)
+    target: str = Field(min_length=1, max_length=500)
+    params: dict[str, Any] = Field(default_factory=dict)
+    request_id: str | None = Field(None, max_length=255, description="default: the op id before its last '/'")
+
+
+class DivergentAnswer(BaseModel):
+    detail: str
+    original: EffectOutcome
+
+
+class LedgerUnconfigured(RuntimeError):
+    pass
+
+
+def effects_router(
+    ledger: Callable[[], EffectLedger],
+    registry: EffectRegistry,
+    *,
+    dependencies: Sequence[Depends] | None = None,
+) -> APIRouter:
+    """The effect and audit routes over ``ledger()`` (called per request; build it lazily)."""
+    router = APIRouter(dependencies=list(dependencies or []))
+
+    def get_ledger() -> EffectLedger:
+        try:
+            return ledger()
+        except LedgerUnconfigured as exc:
+            raise HTTPException(503, str(exc)) from exc
+
+    @router.post(
+        "/v1/effects",
+        response_model=EffectOutcome,
+        responses={409: {"model": DivergentAnswer}, 422: {}, 503: {}},
+        tags=["effects"],
+        summary="Perform an inference-proposed effect exactly once per operation id",
+    )
+    def post_effect(body: EffectRequest, request: Request) -> Any:
+        try:
+            kind = registry.resolve(body.kind)
+            params = kind.params_model.model_validate(body.params)
+        except UnknownEffectKind as exc:
+            raise HTTPException(422, str(exc)) from exc
+        except ValidationError as exc:
+            raise HTTPException(
+                422, {
+                    "message": f"invalid params for {kind.name}",
+                    "errors": jsonable_encoder(exc.errors(include_url=False, include_context=False)),
+                }
+            ) from exc
+        client = request.client.host if request.client else "unknown"
+        context = EffectContext(
+            request_id=body.request_id or body.operation_id.rsplit("/", 1)[0],
+            requested_by=f"inference-api:{client}",
+        )
+        try:
+            outcome = get_ledger().perform(
+                body.operation_id,
+                kind.name,
+                body.target,
+                params,
+                kind.build(params),
+                context=context,
+            )
+        except DivergentOperation as exc:
+            answer = DivergentAnswer(detail=exc.message, original=exc.outcome)
+            return JSONResponse(answer.model_dump(mode="json"), status_code=409)
+        except NonRetryableLedgerError as exc:
+            outcome = exc.outcome  # failed / needs_operator: the recorded answer, the same on every repeat
+        except InvalidEffectRequest as exc:
+            raise HTTPException(422, str(exc)) from exc
+        except RetryableLedgerError as exc:
+            return JSONResponse(
+                {"detail": str(exc)}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)}
+            )
+        return outcome
+
+    @router.get("/ledger/effects", response_model=EffectPage, tags=["ledger"], summary="List effects")
+    def get_effects(
+        workflow_id: str | None = None,
+        target: str | None = None,
+        kind: str | None = None,
+        state: EffectState | None = None,
+        request_id: str | None = None,
+        since: datetime | None = Query(None, description="ISO 8601 with zone; created at/after"),
+        until: datetime | None = Query(None, description="ISO 8601 with zone; created before"),
+        limit: int = Query(50, ge=1, le=500),
+        cursor: str | None = None,
+    ) -> EffectPage:
+        try:
+            filters = EffectFilter(
+                workflow_id=workflow_id,
+                target=target,
+                kind=kind,
+                state=state,
+                request_id=request_id,
+                since=since,
+                until=until,
+            )
+            return list_effects(get_ledger().engine, filters, limit=limit, cursor=cursor)
+        except ValidationError as exc:
+            raise HTTPException(
+                422, jsonable_encoder(exc.errors(include_url=False, include_context=False))
+            ) from exc
+        except InvalidQuery as exc:
+            raise HTTPException(422, str(exc)) from exc
+
+    @router.get(
+        "/ledger/effects/{op_id:path}", response_model=EffectDetail, tags=["ledger"], summary="One operation"
+    )
+    def get_effect(op_id: str) -> EffectDetail:
+        detail = show_effect(get_ledger().engine, op_id)
+        if detail is None:
+            raise HTTPException(404, f"no operation {op_id!r} in the ledger (pruned, or never requested)")
+        return detail
+
+    return router
+
+
+def create_router(settings: Settings) -> APIRouter:
+    """The router the webhook app mounts: the ledger at ``FLEETMEND_DATABASE_URL`` (connected on first use),
+    ``ticket.create`` against ``FLEETMEND_TICKETS_URL`` (default: the router admin URL, the sim) and
+    ``notify.post`` to ``FLEETMEND_NOTIFIER_URL`` when set."""
+    http = httpx.Client(timeout=httpx.Timeout(5.0, connect=2.0))
+    registry = default_registry(
+        http, tickets_url=settings.tickets_url or settings.router_admin_url, notifier_url=settings.notifier_url
+    )
+    url = settings.database_url_value()
+    lock = threading.Lock()
+    built: list[EffectLedger] = []
+
+    def ledger() -> EffectLedger:
+        if url is None:
+            raise LedgerUnconfigured("the ledger database is not configured: set FLEETMEND_DATABASE_URL")
+        with lock:
+            if not built:
+                owner = f"webhook:{socket.gethostname()}:{os.getpid()}"
+                built.append(EffectLedger(make_engine(url), owner=owner))
+            return built[0]
+
+    return effects_router(ledger, registry)
