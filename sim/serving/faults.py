@@ -203,6 +203,7 @@ class FaultInjector:
                 self.layer.world.set_container_state(ns, name, "crashed", message=reason)
 
     def _xid(self, node: str, code: int, params: dict[str, Any], now: float) -> None:
+        """``params.keep_alive``: the server runs with VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 (stays up, answers 503)."""
         tel = self.layer.node_telemetry(node)
         gpu = _param_int(params, "gpu", 0, 0, max(0, len(tel.gpus) - 1))
         state = tel.gpus[gpu]
@@ -228,7 +229,11 @@ class FaultInjector:
         reason = f"CUDA error: Xid {code} on GPU {gpu} of {node}"
         if code not in APPLICATION_XIDS:
             state.broken = f"Xid {code}"
-        self._kill_replicas(self._victims(node, gpu), reason, now)
+        victims = self._victims(node, gpu)
+        if params.get("keep_alive"):
+            for key in victims:
+                self.layer.supervisor.sticky.setdefault(key, {})["keep_alive"] = True
+        self._kill_replicas(victims, reason, now)
 
     def _nvlink(self, node: str, params: dict[str, Any], now: float) -> None:
         tel = self.layer.node_telemetry(node)
