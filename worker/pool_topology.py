@@ -23,7 +23,7 @@ from kubernetes.config import ConfigException
 
 from activities.kube import KubeApis, kube_apis
 from fleet.incident import PoolRef
-from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL
+from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL, LWS_WORKER_INDEX_LABEL
 from worker.config import Settings
 
 T = TypeVar("T")
@@ -113,14 +113,16 @@ def pools_of(pod: PodFacts, services: Iterable[ServiceFacts], router_label: str)
     """Pools whose Service selects the pod.
 
     The router-only label is left out of the comparison: a pod fleetmend (or an
-    operator) already derouted still belongs to its pool. Headless Services
-    (e.g. a LeaderWorkerSet's rank discovery) are not serving pools.
+    operator) already derouted still belongs to its pool. So is a LeaderWorkerSet's
+    worker index: the Service selects the leaders, and a worker rank belongs to its
+    leader's replica group. Headless Services (rank discovery) are not serving pools.
     """
+    ignored = {router_label, LWS_WORKER_INDEX_LABEL} if LWS_NAME_LABEL in pod.labels else {router_label}
     pools: list[PoolRef] = []
     for svc in services:
         if svc.headless:
             continue
-        selector = {k: v for k, v in svc.selector.items() if k != router_label}
+        selector = {k: v for k, v in svc.selector.items() if k not in ignored}
         if selector and all(pod.labels.get(k) == v for k, v in selector.items()):
             pools.append(PoolRef(namespace=svc.namespace, service=svc.name))
     return pools

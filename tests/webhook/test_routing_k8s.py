@@ -1,0 +1,185 @@
+"""Routing with the shipped rules: alerts name nodes and pods, incidents are per pool.
+
+The Kubernetes API is the simulated cluster's, spoken to by the official client
+through a kubeconfig, exactly as in production. Each scenario runs in a
+namespace of its own so incident ids never collide with other tests.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+
+from sim.runner import RunningSim, start_sim, write_kubeconfig
+from sim.scenario import load_scenario
+from tests.webhook.conftest import ServedWebhook, report_loss_signals, serve_webhook, webhook_settings
+from worker.alert_examples import example_payload
+from worker.processes import free_port
+from worker.webhook import create_app
+
+SCENARIOS = Path(__file__).resolve().parents[2] / "sim" / "scenarios"
+
+
+def sim_in_own_namespace(name: str) -> RunningSim:
+    scenario = load_scenario(SCENARIOS / f"{name}.yaml")
+    namespace = f"{scenario.namespace}-{secrets.token_hex(3)}"
+    return start_sim(scenario.model_copy(update={"namespace": namespace}), speed=1, serving=False)
+
+
+def pods_by_node(sim: RunningSim) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for pod in sim.world.pods(sim.world.scenario.namespace):
+        out.setdefault(pod["spec"].get("nodeName", ""), []).append(pod["metadata"]["name"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def node_loss_sim() -> Iterator[RunningSim]:
+    with sim_in_own_namespace("gpu-node-loss") as sim:
+        yield sim
+
+
+@pytest.fixture(scope="module")
+def rank_sim() -> Iterator[RunningSim]:
+    with sim_in_own_namespace("rank-lost") as sim:
+        yield sim
+
+
+def served_for(sim: RunningSim, env: WorkflowEnvironment, task_queue: str) -> Iterator[ServedWebhook]:
+    token = secrets.token_hex(16)
+    settings = webhook_settings(env, task_queue, token, kubeconfig=sim.kubeconfig, kube_context="sim")
+    app = create_app(settings)  # the shipped routing rules
+    with serve_webhook(app, settings) as base_url:
+        yield ServedWebhook(app, base_url, token, settings)
+
+
+@pytest.fixture
+def node_loss_webhook(
+    node_loss_sim: RunningSim, temporal_env: WorkflowEnvironment, task_queue: str
+) -> Iterator[ServedWebhook]:
+    yield from served_for(node_loss_sim, temporal_env, task_queue)
+
+
+@pytest.fixture
+def rank_webhook(
+    rank_sim: RunningSim, temporal_env: WorkflowEnvironment, task_queue: str
+) -> Iterator[ServedWebhook]:
+    yield from served_for(rank_sim, temporal_env, task_queue)
+
+
+async def post(served: ServedWebhook, payload: dict[str, Any]) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=30) as http:
+        return await http.post(served.url, content=json.dumps(payload).encode(), headers=served.auth)
+
+
+async def test_node_not_ready_reports_every_replica_group_on_the_node_to_its_pools_incident(
+    node_loss_sim: RunningSim, node_loss_webhook: ServedWebhook, temporal_client: Client
+) -> None:
+    namespace = node_loss_sim.world.scenario.namespace
+    serving_on_node = sorted(p for p in pods_by_node(node_loss_sim)["gpu-node-0"] if "spare" not in p)
+    assert len(serving_on_node) == 2  # the scenario puts two TP=4 replicas on gpu-node-0
+    payload = example_payload("node-not-ready", overrides={"node": "gpu-node-0"})
+    fingerprint = payload["alerts"][0]["fingerprint"]
+
+    response = await post(node_loss_webhook, payload)
+
+    assert response.status_code == 200, response.text
+    body = response.json()
+    workflow_id = f"incident/{namespace}/llama"
+    assert body["incidents"] == [workflow_id]
+    assert sorted(d["replica_group"] for d in body["delivered"]) == serving_on_node
+    signals = await report_loss_signals(temporal_client, workflow_id)
+    assert sorted(s["replica_group"] for s in signals) == serving_on_node
+    assert {s["fingerprint"] for s in signals} == {f"{fingerprint}/{g}" for g in serving_on_node}
+    for s in signals:
+        assert s["node"] == "gpu-node-0"
+        assert s["pod"] == s["replica_group"]  # a Deployment replica is one pod
+        assert s["alert_name"] == "KubeNodeNotReady"
+        assert s["severity"] == "critical"  # the rule overrides the mixin's "warning"
+        assert s["fault_hint"] == "node-lost"
+
+
+async def test_gpu_xid_names_the_node_by_dcgm_hostname_and_carries_the_xid(
+    node_loss_sim: RunningSim, node_loss_webhook: ServedWebhook, temporal_client: Client
+) -> None:
+    node = next(n for n, pods in sorted(pods_by_node(node_loss_sim).items()) if n and n != "gpu-node-0")
+    response = await post(node_loss_webhook, example_payload("gpu-xid", overrides={"Hostname": node}))
+
+    assert response.status_code == 200, response.text
+    [workflow_id] = response.json()["incidents"]
+    signals = [s for s in await report_loss_signals(temporal_client, workflow_id) if s["node"] == node]
+    assert signals and {s["fault_hint"] for s in signals} == {"gpu-xid:79"}
+
+
+async def test_crash_looping_serving_pod_reports_its_replica_group(
+    node_loss_sim: RunningSim, node_loss_webhook: ServedWebhook, temporal_client: Client
+) -> None:
+    namespace = node_loss_sim.world.scenario.namespace
+    pod = sorted(pods_by_node(node_loss_sim)["gpu-node-0"])[0]
+    payload = example_payload("crashloop", overrides={"namespace": namespace, "pod": pod})
+
+    response = await post(node_loss_webhook, payload)
+
+    assert response.status_code == 200, response.text
+    [delivered] = response.json()["delivered"]
+    assert delivered["replica_group"] == pod
+    assert delivered["fingerprint"] == payload["alerts"][0]["fingerprint"]
+    signals = await report_loss_signals(temporal_client, f"incident/{namespace}/llama")
+    assert any(s["pod"] == pod and s["fault_hint"] == "crash-loop:vllm" for s in signals)
+
+
+async def test_lost_worker_rank_reports_the_whole_leaderworkerset_group(
+    rank_sim: RunningSim, rank_webhook: ServedWebhook, temporal_client: Client
+) -> None:
+    namespace = rank_sim.world.scenario.namespace
+    payload = example_payload("rank-lost", overrides={"namespace": namespace, "pod": "llama-405b-0-1"})
+
+    response = await post(rank_webhook, payload)
+
+    assert response.status_code == 200, response.text
+    [delivered] = response.json()["delivered"]
+    assert delivered["workflow_id"] == f"incident/{namespace}/llama-405b"
+    assert (
+        delivered["replica_group"] == "llama-405b-0"
+    )  # the worker's group, though the Service selects leaders
+
+
+async def test_alerts_that_concern_no_serving_pool_are_ignored_with_the_reason(
+    rank_sim: RunningSim, rank_webhook: ServedWebhook
+) -> None:
+    namespace = rank_sim.world.scenario.namespace
+    empty_node = next(f"gpu-node-{i}" for i in range(6) if f"gpu-node-{i}" not in pods_by_node(rank_sim))
+    cases = {
+        "not-serving": example_payload("node-not-ready", overrides={"node": empty_node}),
+        "not-found": example_payload("crashloop", overrides={"namespace": namespace, "pod": "no-such-pod"}),
+        "invalid-entity": example_payload("node-not-ready", overrides={"node": "GPU node 7!"}),
+    }
+    for reason, payload in cases.items():
+        response = await post(rank_webhook, payload)
+        assert response.status_code == 200, response.text
+        assert response.json()["status"] == "ignored"
+        assert response.json()["ignored"][0]["reason"] == reason
+
+
+async def test_unreachable_kubernetes_api_gets_503_so_alertmanager_retries(
+    temporal_env: WorkflowEnvironment, task_queue: str, tmp_path: Path
+) -> None:
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{free_port()}", "token")
+    token = secrets.token_hex(16)
+    settings = webhook_settings(temporal_env, task_queue, token, kubeconfig=kubeconfig, kube_context="sim")
+    app = create_app(settings)
+    with serve_webhook(app, settings) as base_url:
+        served = ServedWebhook(app, base_url, token, settings)
+        response = await post(served, example_payload("node-not-ready"))
+
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "5"
+    assert response.json()["error"] == "kubernetes-unavailable"
