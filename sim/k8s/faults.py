@@ -16,11 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sim.k8s.errors import ApiError, conflict, internal_error, too_many_requests
 
+Verb = Literal["GET", "POST", "PUT", "PATCH", "DELETE"]
+
 
 class ApiFaultRule(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    verbs: list[Literal["GET", "POST", "PUT", "PATCH", "DELETE"]] = Field(default_factory=lambda: ["PATCH"])
+    verbs: list[Verb] = Field(default_factory=lambda: list[Verb](["PATCH"]))
     path_contains: str = Field("", description="only requests whose path contains this text")
     error: Literal["500", "429", "409", "timeout"]
     rate: float = Field(1.0, ge=0.0, le=1.0, description="share of matching requests that fail")

@@ -9,7 +9,7 @@ import pytest
 from kubernetes import client, config
 
 from fleet.vocabulary import ROLE_LABEL, ROUTER_LABEL, SERVING_READY_CONDITION
-from sim.runner import RunningSim, start_sim
+from sim.runner import start_sim
 from sim.scenario import load_scenario, shipped_scenarios
 from tests.sim.conftest import TEST_SPEED, Kube, wait_for
 

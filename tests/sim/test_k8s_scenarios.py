@@ -82,7 +82,9 @@ def test_a_bad_scenario_names_the_field(mutate, field: str) -> None:  # type: ig
 def test_a_multi_node_model_needs_a_leaderworkerset() -> None:
     data = _base()
     data["models"][0]["pods_per_replica"] = 2  # type: ignore[index]
-    with pytest.raises(ScenarioError, match="workloads.0.kind: model 'llama-70b' needs 2 pods per replica"):
+    with pytest.raises(
+        ScenarioError, match=r"workloads\.0\.kind: model 'llama-70b' needs 2 pods per replica"
+    ):
         parse_scenario(data)
 
 

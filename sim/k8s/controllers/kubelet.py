@@ -56,12 +56,11 @@ def run_kubelets(cp: ControlPlane) -> None:
         profile = cp.profile_for(pod) or DEFAULT_PROFILE
         _advance(cp, runtime, profile, now)
         node = nodes[node_name]
-        cp.store.mutate(
-            "pods",
-            o.namespace_of(pod),
-            o.name_of(pod),
-            lambda obj, r=runtime, n=node: _write_status(cp, obj, r, n, now),
-        )
+
+        def write(obj: Obj, runtime: PodRuntime = runtime, node: Obj = node) -> None:
+            _write_status(cp, obj, runtime, node, now)
+
+        cp.store.mutate("pods", o.namespace_of(pod), o.name_of(pod), write)
     for uid in list(cp.runtimes):
         if uid not in live_uids:
             del cp.runtimes[uid]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fleet.vocabulary import POD_DELETION_COST_ANNOTATION
@@ -117,12 +118,7 @@ def _sync_deployment(cp: ControlPlane, deployment: Obj) -> None:
             target = targets.get(o.name_of(rs))
             if target is not None and target != int(rs["spec"].get("replicas", 0)):
                 before = int(rs["spec"].get("replicas", 0))
-                cp.store.mutate(
-                    "replicasets",
-                    namespace,
-                    o.name_of(rs),
-                    lambda obj, t=target: obj["spec"].__setitem__("replicas", t),
-                )
+                cp.store.mutate("replicasets", namespace, o.name_of(rs), _replicas_setter(target))
                 verb = "up" if target > before else "down"
                 cp.events.record(
                     deployment,
@@ -133,6 +129,13 @@ def _sync_deployment(cp: ControlPlane, deployment: Obj) -> None:
     _deployment_status(cp, deployment, new_rs, old)
 
 
+def _replicas_setter(replicas: int) -> Callable[[Obj], None]:
+    def change(obj: Obj) -> None:
+        obj["spec"]["replicas"] = replicas
+
+    return change
+
+
 def _rollout_targets(deployment: Obj, new_rs: Obj, old: list[Obj]) -> dict[str, int]:
     desired = int(deployment["spec"].get("replicas", 1))
     strategy = (deployment["spec"].get("strategy") or {}).get("type", "RollingUpdate")
@@ -140,13 +143,13 @@ def _rollout_targets(deployment: Obj, new_rs: Obj, old: list[Obj]) -> dict[str, 
     active_old = [rs for rs in old if int(rs["spec"].get("replicas", 0)) > 0]
     if not active_old:
         return {new_name: desired}
+    targets: dict[str, int] = {}
     if strategy == "Recreate":
         targets = {o.name_of(rs): 0 for rs in old}
         old_pods = sum(int(rs.get("status", {}).get("replicas", 0)) for rs in old)
         targets[new_name] = desired if old_pods == 0 else 0
         return targets
     surge, max_unavailable = rolling_parameters(deployment)
-    targets: dict[str, int] = {}
     new_replicas = int(new_rs["spec"].get("replicas", 0))
     total = new_replicas + sum(int(rs["spec"].get("replicas", 0)) for rs in old)
     if new_replicas < desired:
