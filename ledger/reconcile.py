@@ -42,6 +42,8 @@ DIVERGENCES = cast(Table, DivergenceRecord.__table__)
 DEFAULT_UNRESOLVED_AFTER = timedelta(minutes=5)
 DEFAULT_WINDOW = timedelta(hours=24)
 # Rows whose action may be in the world: a claimed row may have acted before its worker died.
+# An effect whose body is only known at apply time declares this digest: verb + path must match.
+WILDCARD_DIGEST = "*"
 _MAY_HAVE_ACTED = (EffectState.APPLIED, EffectState.CLAIMED, EffectState.NEEDS_OPERATOR)
 
 
@@ -200,7 +202,11 @@ def _compare_with_world(
             else:
                 report.orphans.append(action)
         else:
-            seen_by_key[action.key()].append(action)
+            key = action.key()
+            if key not in rows_by_key and (wild := (*key[:3], WILDCARD_DIGEST)) in rows_by_key:
+                # The effect could not know its body up front (e.g. a versioned PUT): match verb + path.
+                key = wild
+            seen_by_key[key].append(action)
 
     for op_id, seen in seen_by_op.items():
         if len(seen) > 1:
