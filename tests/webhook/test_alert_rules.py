@@ -1,0 +1,98 @@
+"""The routing rules file: clear errors at start-up, and shipped defaults that match the shipped alerts."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from worker.alert_rules import AlertRulesError, load_alert_rules, parse_alert_rules
+
+REPO = Path(__file__).resolve().parents[2]
+PROMETHEUS_RULES = REPO / "deploy" / "prometheus" / "rules.yml"
+ALERTMANAGER_CONFIG = REPO / "deploy" / "alertmanager" / "alertmanager.yml"
+
+
+def shipped_alert_names() -> set[str]:
+    groups = yaml.safe_load(PROMETHEUS_RULES.read_text())["groups"]
+    return {rule["alert"] for group in groups for rule in group["rules"] if "alert" in rule}
+
+
+def test_every_shipped_prometheus_alert_has_a_routing_rule() -> None:
+    assert shipped_alert_names() == set(load_alert_rules().alert_names)
+
+
+def test_alertmanager_routes_exactly_the_routed_alerts_to_fleetmend() -> None:
+    config = yaml.safe_load(ALERTMANAGER_CONFIG.read_text())
+    [route] = [r for r in config["route"]["routes"] if r["receiver"] == "fleetmend"]
+    [matcher] = route["matchers"]
+    names = re.fullmatch(r'alertname=~"(.*)"', matcher)
+    assert names is not None
+    assert set(names.group(1).split("|")) == shipped_alert_names()
+    [webhook] = next(r for r in config["receivers"] if r["name"] == "fleetmend")["webhook_configs"]
+    assert webhook["url"].endswith("/alerts/alertmanager")
+    assert webhook["http_config"]["authorization"]["type"] == "Bearer"
+    assert "credentials" not in webhook["http_config"]["authorization"]  # the token lives in a file
+
+
+RULE = """
+version: 1
+rules:
+  - alert: A
+    entity: {node: node}
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("version: 1\nrules: [", "not valid YAML"),
+        ("- just a list", "must be a mapping"),
+        (RULE.replace("version: 1", "version: 2"), "version"),
+        (RULE.replace("{node: node}", "{node: node, pod: pod}"), "rules.0.entity (rule for A)"),
+        (RULE.replace("{node: node}", "{namespace: ns}"), "exactly one of 'pod' or 'service'"),
+        (RULE.replace("{node: node}", "{}"), "name the entity"),
+        (RULE + "    fault: cosmic-ray\n", "rules.0.fault (rule for A)"),
+        (RULE + "    action: page-someone\n", "rules.0.action"),
+        (RULE + "    fault_hint: 'xid:{err code}'\n", "plain label name"),
+        (RULE + "    sevrity: critical\n", "rules.0.sevrity"),
+        (RULE + "  - alert: A\n    entity: {node: Hostname}\n", "would never apply"),
+        ("version: 1\nrules: []", "rules"),
+    ],
+)
+def test_a_broken_rules_file_fails_with_a_message_naming_the_rule_and_the_fix(text: str, says: str) -> None:
+    with pytest.raises(AlertRulesError) as err:
+        parse_alert_rules(text, source="my-rules.yaml")
+    message = str(err.value)
+    assert "my-rules.yaml" in message
+    assert says in message
+
+
+def test_a_missing_rules_file_says_how_to_fall_back(tmp_path: Path) -> None:
+    with pytest.raises(AlertRulesError, match="unset it to use the shipped rules"):
+        load_alert_rules(tmp_path / "nope.yaml")
+
+
+def test_match_labels_pick_between_rules_and_hints_fill_from_labels() -> None:
+    rules = parse_alert_rules(
+        """
+version: 1
+rules:
+  - alert: GpuXid
+    match_labels: {err_code: "13"}
+    action: signal-open-incident
+    entity: {node: Hostname}
+  - alert: GpuXid
+    fault: gpu-xid
+    fault_hint: "gpu-xid:{err_code}"
+    entity: {node: Hostname}
+"""
+    )
+    app_error = rules.rule_for({"alertname": "GpuXid", "err_code": "13"})
+    hardware = rules.rule_for({"alertname": "GpuXid", "err_code": "79"})
+    assert app_error is not None and app_error.action == "signal-open-incident"
+    assert hardware is not None and hardware.hint_for({"err_code": "79"}) == "gpu-xid:79"
+    assert hardware.hint_for({}) == "gpu-xid"  # label missing: the fault kind alone
+    assert rules.rule_for({"alertname": "Other"}) is None
