@@ -119,7 +119,9 @@ def assert_nothing_left(config: DevConfig) -> None:
     deadline = time.monotonic() + 10
     while processes_using(config.state_dir) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert processes_using(config.state_dir) == []
+    log = config.state_dir / "logs" / "fleetmend.log"
+    tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+    assert processes_using(config.state_dir) == [], tail
     assert all(port_is_free("127.0.0.1", port) for port in config.ports)
 
 

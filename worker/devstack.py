@@ -307,7 +307,7 @@ class _WebhookPart:
     async def stop(self) -> None:
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
                 await self._task
         self._server = self._task = None
 
@@ -394,7 +394,7 @@ class _WorkerPart:
     async def stop(self) -> None:
         self._stop.set()
         if self._task is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(self._task, timeout=30)
             self._task = None
 
@@ -505,7 +505,7 @@ class DevStack:
             part = self._started.pop()
             try:
                 await part.stop()
-            except Exception:
+            except (Exception, asyncio.CancelledError):  # one stuck part must not strand the others
                 log.exception("part did not stop cleanly", extra={"part": part.name})
         self._client = None
 
