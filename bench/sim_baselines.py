@@ -110,7 +110,8 @@ async def deroute_case(
             "case": label,
             "deroute_s": measured.sim_seconds_to_deroute,
             "failed_requests": len(failed),
-            "probe_floor_s": probe.period_s * probe.failure_threshold,
+            "probe_floor_s": probe.period_s * (probe.failure_threshold - 1),
+            "probe_ceiling_s": probe.period_s * probe.failure_threshold,
             "probe": f"{probe.period_s:g}s x {probe.failure_threshold}",
         }
 
@@ -170,7 +171,8 @@ async def main(speed: float) -> None:
         deroute = row["deroute_s"]
         shown = f"{deroute:6.1f}s" if deroute is not None else "  never"
         print(
-            f"  {label:56s} deroute after {shown} (probe {row['probe']} = {row['probe_floor_s']:g}s floor); "
+            f"  {label:56s} deroute after {shown} (probe {row['probe']}: "
+            f"{row['probe_floor_s']:g}-{row['probe_ceiling_s']:g}s); "
             f"user requests failed on it: {row['failed_requests']}"
         )
     print()

@@ -37,7 +37,9 @@ class EffectsConfig(BaseModel):
     """Where the gateway's "model" proposes external effects, and for which share of requests."""
 
     model_config = ConfigDict(extra="forbid")
-    url: str | None = Field(default=None, description="fleetmend's effect endpoint, e.g. http://host:8088/v1/effects")
+    url: str | None = Field(
+        default=None, description="fleetmend's effect endpoint, e.g. http://host:8088/v1/effects"
+    )
     share: float = Field(default=0.0, ge=0.0, le=1.0)
     kind: str = Field(default="ticket", min_length=1)
     target: str = Field(default="sim-tickets", min_length=1)
@@ -244,14 +246,21 @@ def build_router(layer: ServingLayer) -> APIRouter:
     @api.get("/sim/v1/serving/effects", response_model=EffectsConfig, tags=["sim"])
     async def get_effects() -> EffectsConfig:
         c = router.config
-        return EffectsConfig(url=c.effect_url, share=c.effect_share, kind=c.effect_kind, target=c.effect_target)
+        return EffectsConfig(
+            url=c.effect_url, share=c.effect_share, kind=c.effect_kind, target=c.effect_target
+        )
 
     @api.put("/sim/v1/serving/effects", response_model=EffectsConfig, tags=["sim"])
     async def put_effects(body: EffectsConfig) -> EffectsConfig:
         if body.url is not None and not body.url.startswith(("http://", "https://")):
             raise HTTPException(422, f"url must be an http(s) URL (got {body.url!r})")
         c = router.config
-        c.effect_url, c.effect_share, c.effect_kind, c.effect_target = body.url, body.share, body.kind, body.target
+        c.effect_url, c.effect_share, c.effect_kind, c.effect_target = (
+            body.url,
+            body.share,
+            body.kind,
+            body.target,
+        )
         return body
 
     @api.post("/sim/v1/notify", tags=["sim"])

@@ -175,6 +175,8 @@ class EngineSupervisor:
                 self._loading = True
                 return  # the API server answers only once the weights are loaded
             revision = self.world.revision_for_pod(pod)
+            if getattr(revision, "defect", "none") in ("crash-on-start", "oom-on-start"):
+                return  # this build dies as it finishes loading: its API server never answers
             spec = engine_spec_for(model, revision, self.engine_overrides)
             engine = Engine(replica=key, spec=spec, model_name=model.name, started_at=now, node=node)
             if revision is not None and getattr(revision, "defect", "none") == "slow":

@@ -25,7 +25,9 @@ async def effect_recorder() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
         calls.append(body)
         return {"operation_id": body["operation_id"], "state": "applied"}
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    )
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
@@ -56,7 +58,7 @@ async def test_a_retried_request_proposes_its_effect_again_under_the_same_operat
         await sim.wait_for(lambda: len(calls) == 1, 30, "the first proposal")
         assert (await sim.fault("pod-oomkilled", f"{NAMESPACE}/{first}")).status_code == 202
         tokens, errors, done = await asyncio.wait_for(task, 30)
-        assert done and not errors
+        assert done and not errors and tokens == 4
         assert [c["operation_id"] for c in calls] == ["fx-1/0", "fx-1/0"]
         assert calls[0] == calls[1]  # same parameters: the ledger sees a repeat, not a divergence
         entries = await journal(sim, pool=POOL, request_id="fx-1")

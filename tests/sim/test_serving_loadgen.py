@@ -1,0 +1,99 @@
+"""The load generator over real HTTP, queue-bound admission, scheduled faults and the baseline deroute."""
+
+from __future__ import annotations
+
+from fleet.protocol import FaultRequest
+from fleet.vocabulary import FaultKind, Tier
+from sim.serving.baselines import apply_kubernetes_default_routing, measure_deroute
+from sim.serving.loadgen import LoadSpec, arrivals, start_load
+from sim.serving.telemetry import gpu_assignment
+from tests.sim.serving_fixtures import NAMESPACE, POOL, running_serving, scenario
+
+
+def test_arrivals_are_a_pure_function_of_the_seed() -> None:
+    spec = LoadSpec(rate=5.0, duration_s=30.0, seed=42)
+    assert arrivals(spec) == arrivals(spec)
+    assert arrivals(spec) != arrivals(spec.model_copy(update={"seed": 43}))
+    tiers = {a.tier for a in arrivals(spec)}
+    assert tiers == {Tier.CRITICAL, Tier.STANDARD, Tier.SHEDDABLE}
+    assert 100 < len(arrivals(spec)) < 200  # ~150 at 5/s over 30 s
+
+
+async def test_load_over_http_reports_goodput_shed_and_per_replica_ttft() -> None:
+    async with running_serving(scenario(), speed=20) as sim:
+        pods = await sim.wait_serving(2)
+        await sim.set_state("admission", "admission", {"shed_tiers": ["sheddable"]})
+        spec = LoadSpec(rate=4.0, duration_s=10.0, seed=9)
+        report = await start_load(sim.base_url, spec).wait()
+        expected = arrivals(spec)
+        assert report.sent == report.finished == len(expected)
+        assert report.shed == sum(1 for a in expected if a.tier == Tier.SHEDDABLE)
+        assert report.goodput == report.sent - report.shed
+        assert report.late == report.terminal_errors == report.truncated_streams == 0
+        assert set(report.per_replica) == set(pods)
+        assert all(r.ttft_p50_s is not None and r.ttft_p50_s < 1.0 for r in report.per_replica.values())
+        # The in-process path (same router code) gives the same accounting for the same arrivals.
+        again = await start_load(sim.world, spec).wait()
+        assert (again.sent, again.shed, again.goodput) == (report.sent, report.shed, report.goodput)
+
+
+async def test_queue_bound_rejects_when_every_replica_is_full() -> None:
+    async with running_serving(scenario(), speed=20) as sim:
+        pods = await sim.wait_serving(2)
+        for pod in pods:
+            assert (await sim.fault("wedged-engine", f"{NAMESPACE}/{pod}")).status_code == 202
+            engine = sim.layer.supervisor.get(f"{NAMESPACE}/{pod}")
+            assert engine is not None
+        await sim.set_state("admission", "admission", {"shed_tiers": [], "queue_bound": 0})
+        r = await sim.http.post(
+            "/v1/completions", json={"model": "llama", "max_tokens": 4, "tier": "critical"}
+        )
+        assert r.status_code == 503 and r.json()["error"]["type"] == "rejected"
+        assert "queue bound 0" in r.json()["error"]["message"]
+        entries = (await sim.http.get("/router/v1/journal", params={"outcome": "rejected"})).json()["entries"]
+        assert len(entries) == 1 and entries[0]["pool"] == POOL
+
+
+async def test_a_fault_scheduled_for_later_applies_at_its_sim_time() -> None:
+    async with running_serving(scenario(), speed=20) as sim:
+        pod, _ = await sim.wait_serving(2)
+        at = sim.world.clock.now() + 5.0
+        r = await sim.http.post(
+            "/sim/v1/faults", json={"kind": "wedged-engine", "target": f"{NAMESPACE}/{pod}", "at": at}
+        )
+        assert r.status_code == 202 and r.json()["scheduled_at"] == at
+        engine = sim.layer.supervisor.get(f"{NAMESPACE}/{pod}")
+        assert engine is not None and not engine.wedged
+        await sim.wait_for(lambda: engine.wedged, 30, "the scheduled fault")
+        assert sim.world.clock.now() >= at
+
+
+async def test_kubernetes_default_path_needs_failure_threshold_probes_to_deroute_a_dead_replica() -> None:
+    """The fault lands at a random phase of the probe period, so the deroute comes after the
+    ``failureThreshold``-th failed probe: in ((threshold - 1) x period, threshold x period]."""
+    async with running_serving(scenario(), speed=40) as sim:
+        pod, _ = await sim.wait_serving(2)
+        apply_kubernetes_default_routing(sim.layer, POOL)
+        obj = sim.layer.kube.pod(NAMESPACE, pod)
+        assert obj is not None
+        probe = sim.layer.prober.settings_for(obj)
+        node = obj["spec"]["nodeName"]
+        gpu = next(i for i, p in gpu_assignment(sim.layer.kube, node).items() if p["metadata"]["name"] == pod)
+        fault = FaultRequest(
+            kind=FaultKind.GPU_XID, target=node, params={"code": 79, "gpu": gpu, "keep_alive": True}
+        )
+        measured = await measure_deroute(sim.layer, POOL, pod, fault, timeout_s=120)
+        assert measured.sim_seconds_to_deroute is not None
+        assert measured.sim_seconds_to_deroute > probe.period_s * (probe.failure_threshold - 1)
+        assert measured.sim_seconds_to_deroute <= probe.period_s * probe.failure_threshold + 1.0
+
+
+async def test_prometheus_http_service_discovery_lists_every_replica_and_node() -> None:
+    async with running_serving(scenario(), speed=20) as sim:
+        pods = await sim.wait_serving(2)
+        targets = (await sim.http.get("/sim/v1/prometheus/targets")).json()
+        paths = {t["labels"]["__metrics_path__"] for t in targets}
+        assert {f"/pods/{NAMESPACE}/{p}/metrics" for p in pods} <= paths
+        assert {"/nodes/gpu-node-0/metrics", "/nodes/gpu-node-1/metrics"} <= paths
+        for path in paths:
+            assert (await sim.http.get(path)).status_code == 200
