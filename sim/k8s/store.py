@@ -16,7 +16,6 @@ must be quick; they may read the store, and should schedule (not perform) writes
 
 from __future__ import annotations
 
-import copy
 import threading
 import uuid
 from collections.abc import Callable, Iterable
@@ -40,6 +39,15 @@ class WatchEvent:
 
 
 Watcher = Callable[[WatchEvent], None]
+
+
+def json_copy(value: Any) -> Any:
+    """Deep copy of JSON-shaped data (dicts, lists, scalars): ~10x faster than ``copy.deepcopy``."""
+    if isinstance(value, dict):
+        return {key: json_copy(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [json_copy(item) for item in value]
+    return value
 
 
 def _resource(plural: str) -> Resource:
@@ -85,7 +93,7 @@ class ObjectStore:
         resource = _resource(plural)
         with self._lock:
             obj = self._objects[plural].get((namespace if resource.namespaced else "", name))
-            return copy.deepcopy(obj) if obj is not None else None
+            return json_copy(obj) if obj is not None else None
 
     def get(self, plural: str, namespace: str, name: str) -> Obj:
         """The object, or the apiserver's 404 ``ApiError``."""
@@ -104,11 +112,26 @@ class ObjectStore:
         predicate: Callable[[Obj], bool] | None = None,
     ) -> list[Obj]:
         """Objects sorted by namespace/name, filtered like ``GET .../{plural}?labelSelector=&fieldSelector=``."""
+        return json_copy(self.list_view(plural, namespace, label_selector, field_selector, predicate))
+
+    def list_view(
+        self,
+        plural: str,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        predicate: Callable[[Obj], bool] | None = None,
+    ) -> list[Obj]:
+        """Like ``list`` but returns the stored objects themselves: READ-ONLY, never mutate them.
+
+        The controllers read the whole cluster every tick; skipping the copies keeps a pass cheap.
+        Writes replace stored objects instead of editing them, so a view stays consistent.
+        """
         resource = _resource(plural)
         label_match = parse_label_selector(label_selector)
         field_match = parse_field_selector(field_selector, resource.field_selectors)
         with self._lock:
-            items = [
+            return [
                 obj
                 for (ns, _), obj in sorted(self._objects[plural].items())
                 if (namespace is None or ns == namespace)
@@ -116,13 +139,12 @@ class ObjectStore:
                 and field_match(obj)
                 and (predicate is None or predicate(obj))
             ]
-            return copy.deepcopy(items)
 
     # ---------------------------------------------------------------- writes
     def create(self, plural: str, obj: Obj) -> Obj:
         """Store a new object: uid, resourceVersion, creationTimestamp and generation are assigned."""
         resource = _resource(plural)
-        obj = copy.deepcopy(obj)
+        obj = json_copy(obj)
         meta = obj.setdefault("metadata", {})
         name = meta.get("name")
         if not name:
@@ -152,9 +174,9 @@ class ObjectStore:
             self._created[meta["uid"]] = self._revision
             self._objects[plural][key] = obj
             self._notify("ADDED", plural, obj)
-            return copy.deepcopy(obj)
+            return json_copy(obj)
 
-    def update(self, plural: str, obj: Obj, *, check_version: bool = True) -> Obj:
+    def update(self, plural: str, obj: Obj, *, check_version: bool = True, _owned: bool = False) -> Obj:
         """Replace an object (optimistic concurrency on ``metadata.resourceVersion`` when set).
 
         A stale resourceVersion raises the apiserver's 409 Conflict. Immutable
@@ -162,7 +184,8 @@ class ObjectStore:
         A write that changes nothing is dropped and returns the stored object.
         """
         resource = _resource(plural)
-        obj = copy.deepcopy(obj)
+        if not _owned:
+            obj = json_copy(obj)
         with self._lock:
             key = key_of(obj) if resource.namespaced else ("", obj["metadata"]["name"])
             current = self._objects[plural].get(key)
@@ -189,12 +212,12 @@ class ObjectStore:
                 meta["generation"] += 1
             meta["resourceVersion"] = cur_meta["resourceVersion"]
             if obj == current:
-                return copy.deepcopy(current)
+                return json_copy(current)
             self._revision += 1
             meta["resourceVersion"] = str(self._revision)
             self._objects[plural][key] = obj
             self._notify("MODIFIED", plural, obj)
-            return copy.deepcopy(obj)
+            return json_copy(obj)
 
     def mutate(self, plural: str, namespace: str, name: str, change: Callable[[Obj], None]) -> Obj | None:
         """Atomic read-modify-write for controllers: ``change`` edits the object in place.
@@ -206,7 +229,7 @@ class ObjectStore:
             if obj is None:
                 return None
             change(obj)
-            return self.update(plural, obj, check_version=False)
+            return self.update(plural, obj, check_version=False, _owned=True)
 
     def set_deletion(
         self, plural: str, namespace: str, name: str, timestamp: str, grace_seconds: int
@@ -226,7 +249,7 @@ class ObjectStore:
             meta["resourceVersion"] = str(self._revision)
             self._objects[plural][key] = obj
             self._notify("MODIFIED", plural, obj)
-            return copy.deepcopy(obj)
+            return json_copy(obj)
 
     def remove(self, plural: str, namespace: str, name: str) -> Obj | None:
         """Delete an object from storage for good; returns its last state."""
@@ -239,7 +262,7 @@ class ObjectStore:
             self._revision += 1
             obj["metadata"]["resourceVersion"] = str(self._revision)
             self._notify("DELETED", plural, obj)
-            return copy.deepcopy(obj)
+            return json_copy(obj)
 
     def creation_order(self, uid: str) -> int:
         """Position of the object in creation order (older objects sort first)."""
@@ -262,7 +285,7 @@ class ObjectStore:
     def _notify(self, event_type: EventType, plural: str, obj: Obj) -> None:
         if not self._watchers:
             return
-        event = WatchEvent(event_type, plural, copy.deepcopy(obj))
+        event = WatchEvent(event_type, plural, json_copy(obj))
         for watcher in list(self._watchers):
             watcher(event)
 
@@ -270,7 +293,5 @@ class ObjectStore:
         """Every stored object as (plural, copy) — for dumps and debugging."""
         with self._lock:
             return [
-                (plural, copy.deepcopy(obj))
-                for plural, objs in self._objects.items()
-                for obj in objs.values()
+                (plural, json_copy(obj)) for plural, objs in self._objects.items() for obj in objs.values()
             ]

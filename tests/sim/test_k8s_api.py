@@ -84,12 +84,12 @@ def test_every_returned_object_validates_against_the_kubernetes_openapi_schemas(
 
 def test_label_and_field_selectors(kube: Kube) -> None:
     all_pods = kube.core.list_namespaced_pod(NS).items
-    assert len(all_pods) == 7
-    assert len(serving_pods(kube)) == 6
+    assert len(all_pods) == 6
+    assert len(serving_pods(kube)) == 5
     assert len(serving_pods(kube, "fleetmend.io/role in (spare)")) == 1
-    assert len(serving_pods(kube, "fleetmend.io/role notin (spare),fleetmend.io/model=llama-70b")) == 6
+    assert len(serving_pods(kube, "fleetmend.io/role notin (spare),fleetmend.io/model=llama-70b")) == 5
     assert len(serving_pods(kube, f"!{ROUTER_LABEL}")) == 1
-    assert len(serving_pods(kube, f"{ROUTER_LABEL}")) == 6
+    assert len(serving_pods(kube, f"{ROUTER_LABEL}")) == 5
     assert len(serving_pods(kube, "fleetmend.io/role!=serving")) == 1
     on_node0 = kube.core.list_namespaced_pod(NS, field_selector="spec.nodeName=gpu-node-0").items
     assert on_node0 and all(p.spec.node_name == "gpu-node-0" for p in on_node0)
@@ -222,7 +222,7 @@ def test_eviction_honours_the_pdb_with_the_real_429_status(kube: Kube) -> None:
             "causes": [
                 {
                     "reason": "DisruptionBudget",
-                    "message": "The disruption budget llama needs 5 healthy pods and has 5 currently",
+                    "message": "The disruption budget llama needs 4 healthy pods and has 4 currently",
                 }
             ]
         },
@@ -251,11 +251,11 @@ def test_graceful_delete_sets_deletion_timestamp_then_the_pod_goes(kube: Kube) -
 
 
 def test_deployment_scale_subresource_and_status(kube: Kube) -> None:
-    scale = kube.apps.patch_namespaced_deployment_scale("llama", NS, {"spec": {"replicas": 5}})
-    assert scale.spec.replicas == 5 and "fleetmend.io/role=serving" in scale.status.selector
+    scale = kube.apps.patch_namespaced_deployment_scale("llama", NS, {"spec": {"replicas": 4}})
+    assert scale.spec.replicas == 4 and "fleetmend.io/role=serving" in scale.status.selector
     wait_for(
-        lambda: kube.apps.read_namespaced_deployment("llama", NS).status.ready_replicas == 5,
-        what="5 ready replicas",
+        lambda: kube.apps.read_namespaced_deployment("llama", NS).status.ready_replicas == 4,
+        what="4 ready replicas",
     )
     deployment = kube.apps.read_namespaced_deployment("llama", NS)
     assert deployment.status.observed_generation == deployment.metadata.generation == 2

@@ -53,11 +53,11 @@ def test_relabeling_a_pod_off_the_selector_orphans_it_and_a_replacement_appears(
         ],
         what="a replacement pod",
     )
-    assert len(pods(kube, "fleetmend.io/role=serving")) == 6
+    assert len(pods(kube, "fleetmend.io/role=serving")) == 5
     assert replacement[0].metadata.owner_references[0].name == victim.metadata.owner_references[0].name
     wait_for(
-        lambda: kube.apps.read_namespaced_deployment("llama", NS).status.ready_replicas == 6,
-        what="6 ready replicas again",
+        lambda: kube.apps.read_namespaced_deployment("llama", NS).status.ready_replicas == 5,
+        what="5 ready replicas again",
     )
     events = kube.core.list_namespaced_event(NS, field_selector="reason=SuccessfulCreate").items
     assert any(replacement[0].metadata.name in e.message for e in events)
@@ -91,18 +91,18 @@ def router_only_service() -> Iterator[Kube]:
 
 def test_removing_the_router_only_label_changes_only_the_service_endpoints(router_only_service: Kube) -> None:
     kube = router_only_service
-    assert len(endpoint_conditions(kube)) == 6  # the spare has no router label: not in this Service
+    assert len(endpoint_conditions(kube)) == 5  # the spare has no router label: not in this Service
     before = {p.metadata.name: p.metadata.uid for p in pods(kube)}
     victim = pods(kube, "fleetmend.io/role=serving")[0].metadata.name
     kube.core.patch_namespaced_pod(
         victim, NS, {"metadata": {"labels": {ROUTER_LABEL: None}}}, _content_type=MERGE
     )
     wait_for(lambda: victim not in endpoint_conditions(kube), what="the endpoint to leave the slice")
-    assert len(endpoint_conditions(kube)) == 5
+    assert len(endpoint_conditions(kube)) == 4
     pod = kube.core.read_namespaced_pod(victim, NS)
     assert pod.metadata.owner_references and pod.metadata.owner_references[0].kind == "ReplicaSet"
     assert {p.metadata.name: p.metadata.uid for p in pods(kube)} == before  # no orphan, no replacement
-    assert kube.apps.read_namespaced_deployment("llama", NS).status.ready_replicas == 6
+    assert kube.apps.read_namespaced_deployment("llama", NS).status.ready_replicas == 5
 
 
 @pytest.mark.parametrize("sim_server", ["router-label-selected"], indirect=True)
@@ -136,7 +136,7 @@ def test_endpointslice_conditions_follow_ready_serving_terminating(kube: Kube) -
     assert endpoint_conditions(kube)[terminating] == (False, True, True)
     # The replacement of the terminating pod is listed as soon as it has an IP, not ready while loading.
     conditions = wait_for(
-        lambda: (c := endpoint_conditions(kube)) and len(c) == 8 and c, what="the replacement endpoint"
+        lambda: (c := endpoint_conditions(kube)) and len(c) == 7 and c, what="the replacement endpoint"
     )
     (new,) = set(conditions) - set(serving) - {p.metadata.name for p in pods(kube, "fleetmend.io/role=spare")}
     assert conditions[new] == (False, False, False)

@@ -80,7 +80,7 @@ def test_a_lost_node_goes_unknown_then_tainted_then_its_pods_are_deleted(kube: K
     assert conditions(deleted)["DisruptionTarget"].reason == "DeletionByTaintManager"
     # Nobody confirms the deletion on a dead node: the pods stay Terminating...
     assert len(kube.core.list_namespaced_pod(NS, field_selector="spec.nodeName=gpu-node-0").items) == 2
-    # ...and the ReplicaSet replaces them at once; one fits on gpu-node-3, the other has no 4-GPU slot left.
+    # ...and the ReplicaSet replaces them at once, in the two free 4-GPU slots of the survivors.
     placed = wait_for(
         lambda: [
             p
@@ -92,7 +92,7 @@ def test_a_lost_node_goes_unknown_then_tainted_then_its_pods_are_deleted(kube: K
         what="replacements",
     )
     assert len(placed) == 2
-    assert sorted(p.spec.node_name or "" for p in placed) == ["", "gpu-node-3"]
+    assert sorted(p.spec.node_name or "" for p in placed) == ["gpu-node-2", "gpu-node-3"]
     # Force deletion (the operator-approved last resort) removes a stuck pod at once.
     stuck = sorted(victims)[0]
     kube.core.delete_namespaced_pod(stuck, NS, grace_period_seconds=0)

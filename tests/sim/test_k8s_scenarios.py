@@ -53,7 +53,7 @@ def test_gpu_node_loss_layout_puts_two_serving_replicas_on_the_first_node() -> N
     for pod in world.pods():
         by_node.setdefault(pod["spec"]["nodeName"], []).append(pod["metadata"]["labels"]["fleetmend.io/role"])
     assert sorted(by_node["gpu-node-0"]) == ["serving", "serving"]
-    assert sum(len(roles) for roles in by_node.values()) == 7 and len(by_node.get("gpu-node-3", [])) == 1
+    assert sum(len(roles) for roles in by_node.values()) == 6 and len(by_node.get("gpu-node-3", [])) == 1
 
 
 def _base() -> dict[str, object]:
@@ -130,7 +130,7 @@ def test_fleetmend_sim_prints_the_kubeconfig_and_the_client_lists_the_cluster(tm
         core = client.CoreV1Api(api_client)
         assert [n.metadata.name for n in core.list_node().items] == [f"gpu-node-{i}" for i in range(4)]
         pods = core.list_namespaced_pod("inference").items
-        assert len(pods) == 7 and all(p.status.phase == "Running" for p in pods)
+        assert len(pods) == 6 and all(p.status.phase == "Running" for p in pods)
         api_client.close()
     finally:
         process.send_signal(signal.SIGTERM)

@@ -50,7 +50,9 @@ def budget(cp: ControlPlane, pdb: Obj) -> Obj:
     namespace = o.namespace_of(pdb)
     selector = pdb["spec"].get("selector")
     pods = [
-        p for p in cp.store.list("pods", namespace) if matches_label_selector_object(selector, o.labels(p))
+        p
+        for p in cp.store.list_view("pods", namespace)
+        if matches_label_selector_object(selector, o.labels(p))
     ]
     expected = _expected_pods(cp, pods)
     healthy = sum(1 for p in pods if o.is_pod_ready(p) and not o.is_terminating(p))
@@ -73,7 +75,7 @@ def budget(cp: ControlPlane, pdb: Obj) -> Obj:
 
 def reconcile_pdbs(cp: ControlPlane) -> None:
     stamp = cp.clock.timestamp()
-    for pdb in cp.store.list("poddisruptionbudgets"):
+    for pdb in cp.store.list_view("poddisruptionbudgets"):
         computed = budget(cp, pdb)
 
         def change(obj: Obj, computed: Obj = computed) -> None:
@@ -97,7 +99,7 @@ def check_eviction(cp: ControlPlane, pod: Obj) -> None:
         return
     pdbs = [
         p
-        for p in cp.store.list("poddisruptionbudgets", o.namespace_of(pod))
+        for p in cp.store.list_view("poddisruptionbudgets", o.namespace_of(pod))
         if matches_label_selector_object(p["spec"].get("selector"), o.labels(pod))
     ]
     if not pdbs:

@@ -49,8 +49,8 @@ def _ports(service: Obj, pods: list[Obj]) -> list[Obj]:
 
 
 def reconcile_endpointslices(cp: ControlPlane) -> None:
-    nodes = {o.name_of(n): n for n in cp.store.list("nodes")}
-    for service in cp.store.list("services"):
+    nodes = {o.name_of(n): n for n in cp.store.list_view("nodes")}
+    for service in cp.store.list_view("services"):
         selector = service.get("spec", {}).get("selector")
         if not selector:
             continue
@@ -58,7 +58,7 @@ def reconcile_endpointslices(cp: ControlPlane) -> None:
         publish_not_ready = bool(service["spec"].get("publishNotReadyAddresses"))
         pods = [
             p
-            for p in cp.store.list("pods", namespace)
+            for p in cp.store.list_view("pods", namespace)
             if all(o.labels(p).get(k) == v for k, v in selector.items())
             and not o.is_pod_terminal(p)
             and p.get("status", {}).get("podIP")

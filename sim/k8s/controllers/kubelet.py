@@ -32,9 +32,9 @@ def run_kubelets(cp: ControlPlane) -> None:
     from sim.k8s.controlplane import DEFAULT_PROFILE
 
     now = cp.now()
-    nodes = {o.name_of(n): n for n in cp.store.list("nodes")}
+    nodes = {o.name_of(n): n for n in cp.store.list_view("nodes")}
     live_uids: set[str] = set()
-    for pod in cp.store.list("pods"):
+    for pod in cp.store.list_view("pods"):
         uid = o.uid_of(pod)
         live_uids.add(uid)
         node_name = pod.get("spec", {}).get("nodeName")

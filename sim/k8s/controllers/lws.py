@@ -45,7 +45,7 @@ def group_key(namespace: str, leader_name: str) -> str:
 
 
 def reconcile_leaderworkersets(cp: ControlPlane) -> None:
-    for lws in cp.store.list("leaderworkersets"):
+    for lws in cp.store.list_view("leaderworkersets"):
         if o.is_terminating(lws):
             continue
         _ensure_headless_service(cp, lws)
@@ -109,7 +109,7 @@ def _sync(cp: ControlPlane, lws: Obj) -> None:
     replicas = int(spec.get("replicas", 1))
     policy = lwt.get("restartPolicy", "RecreateGroupOnPodRestart")
     template_hash = o.stable_hash(lwt)
-    pods = cp.store.list("pods", namespace, f"{LWS_NAME_LABEL}={name}")
+    pods = cp.store.list_view("pods", namespace, f"{LWS_NAME_LABEL}={name}")
     by_group: dict[int, list[Obj]] = {}
     for pod in pods:
         by_group.setdefault(int(o.labels(pod).get(LWS_GROUP_INDEX_LABEL, -1)), []).append(pod)
@@ -254,7 +254,7 @@ def _status(cp: ControlPlane, lws: Obj, replicas: int, ready_groups: int, existi
 
 
 def _delete_pods_of_missing_sets(cp: ControlPlane) -> None:
-    live = {(o.namespace_of(lws), o.name_of(lws)) for lws in cp.store.list("leaderworkersets")}
-    for pod in cp.store.list("pods", label_selector=LWS_NAME_LABEL):
+    live = {(o.namespace_of(lws), o.name_of(lws)) for lws in cp.store.list_view("leaderworkersets")}
+    for pod in cp.store.list_view("pods", label_selector=LWS_NAME_LABEL):
         if (o.namespace_of(pod), o.labels(pod)[LWS_NAME_LABEL]) not in live and not o.is_terminating(pod):
             cp.delete("pods", o.namespace_of(pod), o.name_of(pod))

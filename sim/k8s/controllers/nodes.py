@@ -58,7 +58,7 @@ def _desired_taints(cp: ControlPlane, node: Obj, unreachable: bool) -> list[Obj]
 
 def reconcile_nodes(cp: ControlPlane) -> None:
     now = cp.now()
-    for node in cp.store.list("nodes"):
+    for node in cp.store.list_view("nodes"):
         name = o.name_of(node)
         lost_at = cp.lost_nodes.get(name)
         unreachable = lost_at is not None and now - lost_at >= cp.timings.node_monitor_grace_s
@@ -92,7 +92,7 @@ def reconcile_nodes(cp: ControlPlane) -> None:
 
 def _mark_pods_not_ready(cp: ControlPlane, node_name: str) -> None:
     stamp = cp.clock.timestamp()
-    for pod in cp.store.list("pods", field_selector=f"spec.nodeName={node_name}"):
+    for pod in cp.store.list_view("pods", field_selector=f"spec.nodeName={node_name}"):
 
         def change(obj: Obj) -> None:
             if o.condition(obj, "Ready") is not None:
@@ -104,12 +104,12 @@ def _mark_pods_not_ready(cp: ControlPlane, node_name: str) -> None:
 def evict_tainted_pods(cp: ControlPlane) -> None:
     """Taint-eviction controller: delete pods that do not (or no longer) tolerate NoExecute taints."""
     now = cp.now()
-    for node in cp.store.list("nodes"):
+    for node in cp.store.list_view("nodes"):
         taints = [t for t in node.get("spec", {}).get("taints") or [] if t.get("effect") == "NoExecute"]
         if not taints:
             continue
         node_name = o.name_of(node)
-        for pod in cp.store.list("pods", field_selector=f"spec.nodeName={node_name}"):
+        for pod in cp.store.list_view("pods", field_selector=f"spec.nodeName={node_name}"):
             if o.is_terminating(pod):
                 continue
             tolerations = pod.get("spec", {}).get("tolerations") or []
@@ -162,8 +162,8 @@ def collect_garbage(cp: ControlPlane) -> None:
     """Pod GC (pods on vanished or out-of-service nodes) and owner-reference garbage collection."""
     from sim.k8s.controlplane import OUT_OF_SERVICE_TAINT
 
-    nodes = {o.name_of(n): n for n in cp.store.list("nodes")}
-    for pod in cp.store.list("pods"):
+    nodes = {o.name_of(n): n for n in cp.store.list_view("nodes")}
+    for pod in cp.store.list_view("pods"):
         node_name = pod.get("spec", {}).get("nodeName")
         if not node_name:
             continue
@@ -177,11 +177,11 @@ def collect_garbage(cp: ControlPlane) -> None:
     live_uids = {
         o.uid_of(obj)
         for plural in ("deployments", "replicasets", "leaderworkersets", "services")
-        for obj in cp.store.list(plural)
+        for obj in cp.store.list_view(plural)
     }
     owned_kinds = {"Deployment", "ReplicaSet", "LeaderWorkerSet", "Service"}
     for plural in ("replicasets", "pods", "endpointslices", "services"):
-        for obj in cp.store.list(plural):
+        for obj in cp.store.list_view(plural):
             refs = [r for r in obj["metadata"].get("ownerReferences") or [] if r.get("kind") in owned_kinds]
             if refs and all(r.get("uid") not in live_uids for r in refs) and not o.is_terminating(obj):
                 cp.delete(plural, o.namespace_of(obj), o.name_of(obj))

@@ -28,7 +28,7 @@ COMPONENT = "default-scheduler"
 
 def _free_gpus(cp: ControlPlane, nodes: list[Obj]) -> dict[str, int]:
     free = {o.name_of(n): o.node_gpus(n) for n in nodes}
-    for pod in cp.store.list("pods"):
+    for pod in cp.store.list_view("pods"):
         node = pod.get("spec", {}).get("nodeName")
         if node in free and not o.is_pod_terminal(pod):
             free[node] -= o.pod_gpus(pod)
@@ -75,14 +75,14 @@ def _failure_message(total: int, reasons: Counter[str]) -> str:
 def schedule_pending_pods(cp: ControlPlane) -> None:
     pending = [
         p
-        for p in cp.store.list("pods")
+        for p in cp.store.list_view("pods")
         if not p.get("spec", {}).get("nodeName")
         and not o.is_terminating(p)
         and p.get("spec", {}).get("schedulerName", COMPONENT) == COMPONENT
     ]
     if not pending:
         return
-    nodes = cp.store.list("nodes")
+    nodes = cp.store.list_view("nodes")
     free = _free_gpus(cp, nodes)
     pending.sort(key=lambda p: cp.store.creation_order(o.uid_of(p)))
     handled: set[str] = set()
@@ -165,12 +165,12 @@ def _schedule_gang(
     namespace = o.namespace_of(sample)
     node_by_name = {o.name_of(n): n for n in nodes}
     domain_of = {o.name_of(n): o.labels(n).get(topology) for n in nodes}
-    group_pods = cp.store.list("pods", namespace, f"{LWS_GROUP_KEY_LABEL}={key}")
+    group_pods = cp.store.list_view("pods", namespace, f"{LWS_GROUP_KEY_LABEL}={key}")
     bound_domains = {
         domain_of.get(p["spec"].get("nodeName")) for p in group_pods if p.get("spec", {}).get("nodeName")
     }
     taken: set[str | None] = set()
-    for pod in cp.store.list("pods"):
+    for pod in cp.store.list_view("pods"):
         node = pod.get("spec", {}).get("nodeName")
         other_key = o.labels(pod).get(LWS_GROUP_KEY_LABEL)
         if (

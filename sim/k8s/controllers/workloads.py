@@ -51,7 +51,7 @@ def rolling_parameters(deployment: Obj) -> tuple[int, int]:
 
 # ------------------------------------------------------------------ Deployment
 def reconcile_deployments(cp: ControlPlane) -> None:
-    for deployment in cp.store.list("deployments"):
+    for deployment in cp.store.list_view("deployments"):
         if o.is_terminating(deployment):
             continue
         _sync_deployment(cp, deployment)
@@ -61,7 +61,7 @@ def _owned(cp: ControlPlane, plural: str, owner: Obj) -> list[Obj]:
     uid = o.uid_of(owner)
     return [
         obj
-        for obj in cp.store.list(plural, o.namespace_of(owner))
+        for obj in cp.store.list_view(plural, o.namespace_of(owner))
         if (ref := o.controller_ref(obj)) is not None and ref.get("uid") == uid
     ]
 
@@ -258,7 +258,7 @@ def _deployment_status(cp: ControlPlane, deployment: Obj, new_rs: Obj, old: list
 
 # ------------------------------------------------------------------ ReplicaSet
 def reconcile_replicasets(cp: ControlPlane) -> None:
-    for rs in cp.store.list("replicasets"):
+    for rs in cp.store.list_view("replicasets"):
         _sync_replicaset(cp, rs)
 
 
@@ -278,7 +278,7 @@ def _sync_replicaset(cp: ControlPlane, rs: Obj) -> None:
     selector = rs["spec"].get("selector")
     rs_deleting = o.is_terminating(rs)
     owned: list[Obj] = []
-    for pod in cp.store.list("pods", namespace):
+    for pod in cp.store.list_view("pods", namespace):
         ref = o.controller_ref(pod)
         matches = matches_label_selector_object(selector, o.labels(pod))
         if ref is not None and ref.get("uid") == rs_uid:
