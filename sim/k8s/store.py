@@ -28,6 +28,7 @@ from sim.k8s.resources import RESOURCES, Resource
 from sim.k8s.selectors import parse_field_selector, parse_label_selector
 
 Obj = dict[str, Any]
+Objs = list[Obj]  # (the store has a method named "list")
 EventType = Literal["ADDED", "MODIFIED", "DELETED"]
 
 
@@ -121,7 +122,7 @@ class ObjectStore:
         label_selector: str | None = None,
         field_selector: str | None = None,
         predicate: Callable[[Obj], bool] | None = None,
-    ) -> list[Obj]:
+    ) -> Objs:
         """Like ``list`` but returns the stored objects themselves: READ-ONLY, never mutate them.
 
         The controllers read the whole cluster every tick; skipping the copies keeps a pass cheap.
