@@ -188,3 +188,41 @@ def test_fragmentation_leaves_a_replacement_pending_with_the_real_event(kube: Ku
     scheduled = conditions(kube.core.read_namespaced_pod(pending.metadata.name, NS))["PodScheduled"]
     assert (scheduled.status, scheduled.reason, scheduled.message) == ("False", "Unschedulable", message)
     assert kube.core.read_namespaced_pod(pending.metadata.name, NS).status.phase == "Pending"
+
+
+@pytest.mark.parametrize("sim_server", ["rank-lost"], indirect=True)
+def test_a_lost_rank_node_takes_its_group_which_waits_for_the_stuck_pod(kube: Kube) -> None:
+    worker = kube.core.read_namespaced_pod("llama-405b-1-1", NS)
+    lost_node = worker.spec.node_name
+    kube.sim.world.lose_node(lost_node)
+    # After 40 s + 300 s the worker is evicted; the LWS controller then deletes the leader as well.
+    wait_for(
+        lambda: kube.core.read_namespaced_pod("llama-405b-1", NS).metadata.deletion_timestamp,
+        timeout=10,
+        what="leader deletion",
+    )
+    # The leader's node confirms (330 s grace); the worker's node never does: the group cannot come back yet.
+    wait_for(
+        lambda: not [p for p in kube.core.list_namespaced_pod(NS).items if p.metadata.name == "llama-405b-1"],
+        timeout=8,
+        what="leader gone",
+    )
+    stuck = kube.core.read_namespaced_pod("llama-405b-1-1", NS)
+    assert stuck.metadata.uid == worker.metadata.uid and stuck.status.reason == "NodeLost"
+    # An operator force-deletes the stuck rank: the group is recreated in the free NVLink domain.
+    kube.core.delete_namespaced_pod("llama-405b-1-1", NS, grace_period_seconds=0)
+    group = wait_for(
+        lambda: (
+            (
+                pods := kube.core.list_namespaced_pod(
+                    NS, label_selector=f"{LWS_NAME_LABEL}=llama-405b,{LWS_GROUP_INDEX_LABEL}=1"
+                ).items
+            )
+            and len(pods) == 2
+            and all(p.spec.node_name for p in pods)
+            and pods
+        ),
+        what="group 1 recreated and bound",
+    )
+    domains = {kube.core.read_node(p.spec.node_name).metadata.labels[NVLINK_DOMAIN_LABEL] for p in group}
+    assert domains == {"nvl-2"} and lost_node not in {p.spec.node_name for p in group}
