@@ -52,6 +52,17 @@ class NodeHealth(BaseModel):
     annotations: dict[str, str] = Field(default_factory=dict)
 
 
+class DerouteWait(BaseModel):
+    pool: PoolRef
+    pods: list[str]
+    timeout_s: float = Field(gt=0)
+
+
+class DerouteSeen(BaseModel):
+    at: float
+    still_routed: list[str]
+
+
 class ScrapeRequest(BaseModel):
     pool: PoolRef
     pods: list[str]
@@ -230,6 +241,7 @@ class ObserveActivities:
                     nodes=tuple(sorted({pod_nodes[n] for n in names if n in pod_nodes})),
                     leader_pod=kr.name(leader),
                     gpus_per_pod=_gpus_of(leader),
+                    engine_up=all(pod_obs[n].containers_ready and not pod_obs[n].deleting for n in names),
                     ready=all(pod_obs[n].pod_ready and not pod_obs[n].deleting for n in names),
                     routed=(kr.name(leader) in routed)
                     if router_state is not None
@@ -463,6 +475,24 @@ class ObserveActivities:
     @activity.defn(name="routed_pods")
     def routed_pods(self, pool: PoolRef) -> list[str]:
         return [e.pod for e in self.deps.router.routing_set(pool).endpoints]
+
+    @activity.defn(name="await_derouted")
+    def await_derouted(self, req: DerouteWait) -> DerouteSeen:
+        """Poll the router until none of ``pods`` is routable; report when (unix s) that was first seen.
+
+        Polls inside the activity (every 50 ms) rather than with workflow timers,
+        whose granularity is too coarse to measure a sub-second deroute.
+        """
+        deadline = time.monotonic() + req.timeout_s
+        while True:
+            routed = {e.pod for e in self.deps.router.routing_set(req.pool).endpoints}
+            still = sorted(routed & set(req.pods))
+            if not still:
+                return DerouteSeen(at=time.time(), still_routed=[])
+            if time.monotonic() > deadline:
+                return DerouteSeen(at=time.time(), still_routed=still)
+            activity.heartbeat(still)
+            time.sleep(0.05)
 
     @activity.defn(name="read_journal")
     def read_journal(self, req: JournalRequest) -> list[JournalEntry]:

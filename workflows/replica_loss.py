@@ -37,7 +37,13 @@ with workflow.unsafe.imports_passed_through():
         WeightsChangeRequest,
     )
     from activities.audit import AuditActivities, ReconcileRequest
-    from activities.observe import JournalRequest, ObserveActivities, ObserveRequest, ScrapeRequest
+    from activities.observe import (
+        DerouteWait,
+        JournalRequest,
+        ObserveActivities,
+        ObserveRequest,
+        ScrapeRequest,
+    )
     from fleet import live_ramp
     from fleet.capacity import Demand, GroupCapacity, check_capacity
     from fleet.engine_metrics import EngineSnapshot
@@ -90,6 +96,8 @@ _ACT_RETRY = TemporalRetryPolicy(
     maximum_interval=timedelta(seconds=5),
 )
 _ACT_TIMEOUT = timedelta(seconds=30)
+# A Pending replacement is judged unplaceable only after this many looks (the scheduler needs a moment).
+PLACEMENT_LOOKS = 3
 
 
 class Aborted(Exception):
@@ -269,29 +277,21 @@ class ReplicaLossRecovery:
 
     async def _wait_out_of_routing(self, pods: set[str]) -> float:
         inp = self._inp_()
-        deadline = self._now() + inp.timings.deroute_timeout_s
-        while True:
-            routed = set(
-                await workflow.execute_activity_method(
-                    ObserveActivities.routed_pods,
-                    inp.pool,
-                    start_to_close_timeout=_ACT_TIMEOUT,
-                    retry_policy=_ACT_RETRY,
-                    summary="check the router's routing set",
-                )
+        seen = await workflow.execute_activity_method(
+            ObserveActivities.await_derouted,
+            DerouteWait(pool=inp.pool, pods=sorted(pods), timeout_s=inp.timings.deroute_timeout_s),
+            start_to_close_timeout=timedelta(seconds=inp.timings.deroute_timeout_s + 30),
+            heartbeat_timeout=timedelta(seconds=10),
+            retry_policy=_ACT_RETRY,
+            summary="wait until the router no longer routes to them",
+        )
+        if seen.still_routed:
+            raise ApplicationError(
+                f"{seen.still_routed} still routed {inp.timings.deroute_timeout_s:.0f} s after derouting; "
+                "the router is not following the router-only label - check its configuration",
+                non_retryable=True,
             )
-            if not (routed & pods):
-                start = inp.first_signal_at or self._started_at
-                return max(0.0, self._now() - start)
-            if self._now() > deadline:
-                raise ApplicationError(
-                    f"{sorted(routed & pods)} still routed {inp.timings.deroute_timeout_s:.0f} s after derouting; "
-                    "the router is not following the router-only label — check its configuration",
-                    non_retryable=True,
-                )
-            await workflow.sleep(
-                min(0.2, inp.timings.poll_interval_s), summary="wait for the router to drop them"
-            )
+        return max(0.0, seen.at - (inp.first_signal_at or self._started_at))
 
     # ---------------------------------------------------------------- bad rollout
 
@@ -437,18 +437,31 @@ class ReplicaLossRecovery:
     # ---------------------------------------------------------------- step 6
 
     _unmatched: list[str]
-    _replacement_workloads: list[tuple[str, str, int]]
 
     async def rebuild_warm_floor(
         self, obs: PoolObservation, lost: list[ReplicaGroup], promoted: list[ReplicaGroup]
     ) -> None:
+        """Replace what was used, with absolute replica counts (a retried scale cannot compound).
+
+        A Deployment's lost pods still count as replicas until they are deleted, so
+        the serving workload first *retires* them (deletion cost -1000 makes them
+        the ones the ReplicaSet removes), then grows back by the groups no spare
+        covered. The promoted spares carry the other slots; the spare workload grows
+        by as many to restore the warm floor. A LeaderWorkerSet recreates a lost
+        group by itself (RecreateGroupOnPodRestart).
+        """
         inp = self._inp_()
         await self._enter(Phase.REBUILDING, "Rebuilding the warm floor")
-        self._replacement_workloads = []
-        replicas = {(w.kind, w.name): w.replicas for w in obs.workloads}
-        # The lost pods go first when their workload shrinks: a deletion cost the ReplicaSet honours.
-        for g in lost:
+        replicas = {(w.kind, w.name): w.replicas or 0 for w in obs.workloads}
+        lost_serving = [g for g in lost if g.role is GroupRole.SERVING]
+        unmatched = [g for g in lost_serving if g.id in self._unmatched]
+        self._expected_new = len(promoted) + len(unmatched)
+        by_workload: dict[tuple[str, str], list[ReplicaGroup]] = {}
+        for g in lost_serving:
             if g.workload_kind is WorkloadKind.DEPLOYMENT:
+                by_workload.setdefault((g.workload_kind.value, g.workload_name), []).append(g)
+        for (kind, name), groups in by_workload.items():
+            for g in groups:
                 for pod in g.pods:
                     await self._act(
                         ActActivities.patch_pod_metadata,
@@ -462,51 +475,30 @@ class ReplicaLossRecovery:
                         ),
                         f"mark lost {pod} to be removed first",
                     )
-        # Promoted spares replace lost serving slots: shrink the serving workload by as many,
-        # grow the spare workload by as many (the new spares warm up off the critical path).
-        by_workload: dict[tuple[str, str], int] = {}
+            current = replicas.get((kind, name), 0)
+            retired = max(0, current - len(groups))
+            await self._scale(
+                kind, name, retired, "retire-lost", f"{kind} {name} → {retired}: lost pods leave"
+            )
+            regrow = [g for g in groups if g in unmatched]
+            if regrow:
+                target = retired + len(regrow)
+                await self._scale(
+                    kind, name, target, "replace-lost", f"{kind} {name} → {target}: replacements"
+                )
+        spares_used: dict[tuple[str, str], int] = {}
         for spare in promoted:
-            by_workload[(spare.workload_kind.value, spare.workload_name)] = (
-                by_workload.get((spare.workload_kind.value, spare.workload_name), 0) + 1
-            )
-        lost_serving = [g for g in lost if g.role is GroupRole.SERVING]
-        retired = {g.id for g in lost_serving if g.id not in self._unmatched}
-        serving_shrink: dict[tuple[str, str], int] = {}
-        for g in lost_serving:
-            if g.id in retired and g.workload_kind is WorkloadKind.DEPLOYMENT:
-                key = (g.workload_kind.value, g.workload_name)
-                serving_shrink[key] = serving_shrink.get(key, 0) + 1
-        for (kind, name), n in serving_shrink.items():
-            target = max(0, (replicas.get((kind, name)) or 0) - n)
+            key = (spare.workload_kind.value, spare.workload_name)
+            spares_used[key] = spares_used.get(key, 0) + 1
+        for (kind, name), n in spares_used.items():
+            target = replicas.get((kind, name), 0) + n
             await self._scale(
-                kind, name, target, "retire-lost-slots", f"{kind} {name} → {target}: spares took over"
+                kind, name, target, "rebuild-warm-floor", f"{kind} {name} → {target}: new warm spare"
             )
-        for (kind, name), n in by_workload.items():
-            target = (replicas.get((kind, name)) or 0) + n
-            await self._scale(
-                kind, name, target, "rebuild-warm-floor", f"{kind} {name} → {target}: rebuild warm floor"
-            )
-            self._replacement_workloads.append((kind, name, target))
-        # No spare for some lost groups: replacements now (Deployment) — LWS recreates its group itself.
-        unmatched = [obs.snapshot.group(gid) for gid in self._unmatched]
-        grow: dict[tuple[str, str], int] = {}
-        for g in unmatched:
-            if g.workload_kind is WorkloadKind.DEPLOYMENT:
-                key = (g.workload_kind.value, g.workload_name)
-                grow[key] = grow.get(key, 0) + 1
-        for (kind, name), n in grow.items():
-            target = (replicas.get((kind, name)) or 0) + n
-            await self._scale(
-                kind, name, target, "replace-lost", f"{kind} {name} → {target}: replacement capacity"
-            )
-            self._replacement_workloads.append((kind, name, target))
-            self._shrink_after_replacement = (kind, name, target - n)
         if unmatched:
             g0 = unmatched[0]
             estimate = estimate_lead_time(
-                g0.model,
-                needs_new_node=not self._room_for(obs, g0, lost),
-                multi_node=g0.multi_node,
+                g0.model, needs_new_node=not self._room_for(obs, g0, lost), multi_node=g0.multi_node
             )
             self._figure("lead_time_announced_seconds", round(estimate.total_s, 1))
             text = (
@@ -518,7 +510,7 @@ class ReplicaLossRecovery:
         else:
             self._figure("lead_time_announced_seconds", None)
 
-    _shrink_after_replacement: tuple[str, str, int] | None = None
+    _expected_new: int = 0
 
     def _room_for(self, obs: PoolObservation, g: ReplicaGroup, lost: list[ReplicaGroup]) -> bool:
         shape = GroupShape(pods=len(g.pods), gpus_per_pod=max(1, g.gpus_per_pod))
@@ -544,24 +536,34 @@ class ReplicaLossRecovery:
     # ---------------------------------------------------------------- step 7
 
     async def place_replacements(self, lost: list[ReplicaGroup]) -> None:
+        """Wait for the scheduler; a replacement still Pending after a few looks is reported, not awaited.
+
+        The report says *why* it cannot land: no capacity, or fragmentation ("N free
+        GPUs, no admissible group for shape S") from the whole-shape placement check.
+        """
         inp = self._inp_()
         await self._enter(Phase.PLACING, "Placing replacements: whole shape, admissible allocation")
         if inp.dry_run:
             self._decide("dry-run: placement not awaited")
             return
         deadline = self._now() + inp.timings.replacement_timeout_s
-        reported: set[str] = set()
         excluded = {n for g in lost for n in g.nodes}
+        lost_pods = {p for g in lost for p in g.pods}
+        looks: dict[str, int] = {}
+        reported: set[str] = set()
         while True:
             obs = await self._observe(summary="placement: pending pods and free GPUs")
-            pending = {
-                p: m for p, m in obs.pending_pods.items() if p not in {x for g in lost for x in g.pods}
-            }
+            pending = {p: m for p, m in obs.pending_pods.items() if p not in lost_pods}
             if not pending:
                 self._decide("every replacement is scheduled")
                 return
             for pod, message in pending.items():
-                if pod in reported or ("Insufficient" not in message and "didn't" not in message):
+                looks[pod] = looks.get(pod, 0) + 1
+                if (
+                    pod in reported
+                    or looks[pod] < PLACEMENT_LOOKS
+                    or message.startswith("Pending (no scheduling event")
+                ):
                     continue
                 group = obs.snapshot.group_of_pod(pod)
                 shape = GroupShape(
@@ -569,18 +571,22 @@ class ReplicaLossRecovery:
                     gpus_per_pod=max(1, group.gpus_per_pod if group else 1),
                 )
                 result = place_group(shape, obs.snapshot.nodes, exclude=excluded)
+                if result.admissible:
+                    continue  # the scheduler has somewhere to put it: give it time
                 reported.add(pod)
-                text = (
-                    f"[fleetmend] {inp.pool.key}: replacement {pod} is Pending — {result.reason} ({message})"
-                )
-                self._figure("fragmentation", result.reason if result.fragmented else None)
+                text = f"[fleetmend] {inp.pool.key}: replacement {pod} cannot be placed - {result.reason} ({message})"
+                if result.fragmented:
+                    self._figure("fragmentation", result.reason)
                 self._decide(text, {"placement": result.model_dump(mode="json")})
                 await self._notify(f"placement-{pod}", text)
-            if self._now() > deadline or (reported and all(p in reported for p in pending)):
+            if reported and all(p in reported for p in pending):
                 self._decide(
-                    "replacement cannot be placed as a whole group; reported instead of waiting silently — "
+                    "replacement cannot be placed as a whole group; reported instead of waiting silently - "
                     "free a domain or add a node, then the scheduler places it"
                 )
+                return
+            if self._now() > deadline:
+                self._decide(f"replacements still Pending after {inp.timings.replacement_timeout_s:.0f} s")
                 return
             await workflow.sleep(inp.timings.poll_interval_s, summary="wait for the scheduler")
 
@@ -688,7 +694,7 @@ class ReplicaLossRecovery:
                 if g.routed and g.ready and g.leader_pod in obs.routed_pods
             )
             if not new_pods & set(routed_leaders):
-                if self._now() > deadline or not self._replacement_pending(obs):
+                if self._now() > deadline:
                     self._decide("no new replica to ramp (none routed yet, none pending)")
                     return
                 await workflow.sleep(
@@ -728,22 +734,12 @@ class ReplicaLossRecovery:
                 self._decide(
                     f"ramp step {step}: {plan.reason}", {"weights": plan.weights, "rates": plan.rates}
                 )
-                if plan.all_warm or self._now() > deadline:
+                ramped = new_pods & set(routed_leaders)
+                if (plan.all_warm and len(ramped) >= self._expected_new) or self._now() > deadline:
                     self._decide("new replicas warm: ramp complete" if plan.all_warm else "ramp window over")
                     return
             previous = current
             await workflow.sleep(inp.timings.ramp_interval_s, summary=f"ramp interval (step {step})")
-
-    def _replacement_pending(self, obs: PoolObservation) -> bool:
-        initial = self._initial_obs
-        assert initial is not None
-        return (
-            bool(obs.pending_pods)
-            or bool(live_ramp.new_leaders(initial, obs))
-            or (bool(self._replacement_workloads) and any(not g.ready for g in obs.snapshot.groups))
-        )
-
-    # ---------------------------------------------------------------- step 10
 
     async def verify_and_roll_back(self, lost: list[ReplicaGroup]) -> None:
         inp = self._inp_()
@@ -758,17 +754,6 @@ class ReplicaLossRecovery:
             before = await self._observe(summary="verify: first scrape")
             await workflow.sleep(inp.timings.poll_interval_s, summary="verify: interval")
             obs = await self._observe(summary="verify: second scrape")
-            if self._shrink_after_replacement and self._replacements_ready(obs):
-                kind, name, target = self._shrink_after_replacement
-                self._shrink_after_replacement = None
-                await self._scale(
-                    kind,
-                    name,
-                    target,
-                    "retire-lost-slots",
-                    f"{kind} {name} → {target}: replacements ready, lost slots retired",
-                )
-                continue
             reconcile = await workflow.execute_activity_method(
                 AuditActivities.reconcile_workflow,
                 ReconcileRequest(workflow_id=workflow.info().workflow_id),
@@ -826,12 +811,6 @@ class ReplicaLossRecovery:
                 ),
                 non_retryable=True,
             )
-
-    def _replacements_ready(self, obs: PoolObservation) -> bool:
-        initial = self._initial_obs
-        assert initial is not None
-        new = live_ramp.new_leaders(initial, obs)
-        return bool(new) and all(g.ready for g in obs.snapshot.groups if g.leader_pod in new)
 
     def _warm_target(self, obs: PoolObservation) -> int:
         initial = self._initial_obs
@@ -1042,7 +1021,6 @@ class ReplicaLossRecovery:
         self._reports = list(inp.reports)
         self._quarantined = []
         self._unmatched = []
-        self._replacement_workloads = []
         self._baseline = {}
         self._started_at = self._now()
         self._status = ProcedureStatus(

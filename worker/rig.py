@@ -1,0 +1,145 @@
+"""A running fleet to recover: the simulator, a fleetmend worker wired to it, and helpers to drive both.
+
+``FleetRig`` is what ``fleetmend demo`` and the integration tests share: given a
+Temporal client and a migrated ledger database, it serves a scenario, runs a
+real worker (thread-pool activities, the registry's workflows) whose settings
+point every adapter at the simulator over HTTP, and offers the operator's moves
+— start load, inject a fault, deliver an alert — plus the facts an SRE checks
+afterwards (router state, journal, action log vs ledger).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from temporalio.client import Client, WorkflowHandle
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.worker import Worker
+
+from fleet.incident import (
+    FLEET_INCIDENT_WORKFLOW,
+    REPORT_LOSS_SIGNAL,
+    LossReport,
+    PoolRef,
+    incident_workflow_id,
+)
+from fleet.protocol import FaultRequest
+from fleet.recovery import IncidentInput
+from fleet.vocabulary import FaultKind
+from worker.config import Settings, load_settings
+from worker.sim_wiring import settings_for_sim
+from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
+
+
+@dataclass
+class FleetRig:
+    client: Client
+    settings: Settings
+    sim: Any  # sim.runner.RunningSim
+    http: httpx.AsyncClient
+    worker: Worker | None = None
+    _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return str(self.sim.base_url)
+
+    async def start_load(self, rate: float, duration_s: float, seed: int = 1, **options: Any) -> str:
+        body = {"rate": rate, "duration_s": duration_s, "seed": seed, **options}
+        r = await self.http.post("/sim/v1/load", json=body)
+        r.raise_for_status()
+        return str(r.json()["id"])
+
+    async def load_report(self, run_id: str, since_s: float = 0.0) -> dict[str, Any]:
+        r = await self.http.get(f"/sim/v1/load/{run_id}", params={"since_s": since_s})
+        r.raise_for_status()
+        return dict(r.json())
+
+    async def inject(self, kind: FaultKind, target: str, **params: Any) -> dict[str, Any]:
+        fault = FaultRequest(kind=kind, target=target, params=params)
+        r = await self.http.post("/sim/v1/faults", json=fault.model_dump(mode="json"))
+        r.raise_for_status()
+        return dict(r.json()) if r.content else {}
+
+    async def report_loss(self, report: LossReport, config: IncidentInput | None = None) -> WorkflowHandle[Any, Any]:
+        """What the webhook does for a firing alert: signal-with-start into the pool's incident."""
+        args: list[Any] = [report.pool] if config is None else [report.pool, config]
+        return await self.client.start_workflow(
+            FLEET_INCIDENT_WORKFLOW,
+            args=args,
+            id=incident_workflow_id(report.pool),
+            task_queue=self.settings.task_queue,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            start_signal=REPORT_LOSS_SIGNAL,
+            start_signal_args=[report],
+        )
+
+    async def sim_now(self) -> float:
+        r = await self.http.get("/sim/v1/clock")
+        r.raise_for_status()
+        return float(r.json()["now"])
+
+    async def actions(self) -> list[dict[str, Any]]:
+        r = await self.http.get("/sim/v1/actions")
+        r.raise_for_status()
+        return list(r.json())
+
+    async def notifications(self) -> list[dict[str, Any]]:
+        r = await self.http.get("/sim/v1/notify")
+        r.raise_for_status()
+        return list(r.json())
+
+    async def routing_set(self, pool: PoolRef) -> list[str]:
+        r = await self.http.get(f"/router/v1/pools/{pool.namespace}/{pool.service}/routing-set")
+        r.raise_for_status()
+        return [e["pod"] for e in r.json()["endpoints"]]
+
+    async def router_state(self, pool: PoolRef) -> dict[str, Any]:
+        r = await self.http.get(f"/router/v1/pools/{pool.namespace}/{pool.service}/state")
+        r.raise_for_status()
+        return dict(r.json())
+
+
+@contextlib.asynccontextmanager
+async def fleet_rig(
+    client: Client,
+    *,
+    scenario: str | Path,
+    database_url: str,
+    task_queue: str,
+    speed: float = 1.0,
+    run_worker: bool = True,
+    **overrides: Any,
+) -> AsyncIterator[FleetRig]:
+    """Serve ``scenario`` and run a worker wired to it until the block ends."""
+    from sim.runner import start_sim
+
+    sim = await asyncio.to_thread(start_sim, scenario, speed)
+    try:
+        settings = load_settings(
+            temporal_address=client.service_client.config.target_host,
+            temporal_namespace=client.namespace,
+            task_queue=task_queue,
+            database_url=database_url,
+            worker_metrics_port=0,
+            **{**settings_for_sim(sim.base_url, sim.kubeconfig), **overrides},
+        )
+        async with httpx.AsyncClient(base_url=sim.base_url, timeout=10.0) as http:
+            rig = FleetRig(client=client, settings=settings, sim=sim, http=http)
+            if not run_worker:
+                yield rig
+                return
+            with ThreadPoolExecutor(MAX_CONCURRENT_ACTIVITIES, thread_name_prefix="fleetmend-activity") as pool:
+                worker = build_worker(client, settings, activity_executor=pool)
+                async with worker:
+                    rig.worker = worker
+                    yield rig
+    finally:
+        await asyncio.to_thread(sim.stop)
