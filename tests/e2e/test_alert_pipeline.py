@@ -1,0 +1,273 @@
+"""The real alert pipeline, end to end, on loopback:
+
+    simulated cluster --scrape--> Prometheus (Debian package, the repo's rules)
+        --alerts--> Alertmanager (Debian package, the repo's route and receiver)
+        --webhook, bearer token--> fleetmend --signal-with-start--> Temporal
+
+A GPU node is lost in the sim; KubeNodeNotReady (and the pods' unroutable
+alerts) fire; Alertmanager posts them; exactly one FleetIncident exists for
+the pool, with the loss reports signalled into it. The repo's configs are used
+as shipped, templated only for loopback addresses and short ``for:`` / group
+timings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+import yaml
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+
+from sim.runner import RunningSim, start_sim
+from sim.scenario import load_scenario
+from tests.webhook.conftest import (
+    ServedWebhook,
+    report_loss_signals,
+    serve_webhook,
+    webhook_settings,
+    workflow_ids,
+)
+from worker.alert_examples import alertmanager_fingerprint
+from worker.processes import free_port
+from worker.webhook import create_app
+
+REPO = Path(__file__).resolve().parents[2]
+PROMETHEUS = Path("/usr/bin/prometheus")
+ALERTMANAGER = Path("/usr/bin/prometheus-alertmanager")
+LOST_NODE = "gpu-node-0"
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        not (PROMETHEUS.exists() and ALERTMANAGER.exists()),
+        reason="SKIPPED LOUDLY: the real alert pipeline needs the Debian packages `prometheus` and "
+        "`prometheus-alertmanager` (/usr/bin/prometheus, /usr/bin/prometheus-alertmanager); "
+        "`make system-deps` installs them",
+    ),
+]
+
+
+def templated_rules(target: Path) -> Path:
+    """deploy/prometheus/rules.yml with every non-zero ``for:`` cut to 2 s."""
+    rules = yaml.safe_load((REPO / "deploy/prometheus/rules.yml").read_text())
+    for group in rules["groups"]:
+        group["interval"] = "1s"
+        for rule in group["rules"]:
+            if rule.get("for") not in (None, "0m", "0s"):
+                rule["for"] = "2s"
+    target.write_text(yaml.safe_dump(rules, sort_keys=False))
+    return target
+
+
+def templated_prometheus(target: Path, rules: Path, sim: str, alertmanager: str, webhook: str) -> Path:
+    """deploy/prometheus/prometheus.yml pointed at loopback addresses, scraping every second."""
+    text = (REPO / "deploy/prometheus/prometheus.yml").read_text()
+    text = (
+        text.replace("sim:8480", sim)
+        .replace("alertmanager:9093", alertmanager)
+        .replace("webhook:8088", webhook)
+    )
+    config = yaml.safe_load(text)
+    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    config["rule_files"] = [str(rules)]
+    for job in config["scrape_configs"]:
+        for sd in job.get("http_sd_configs", []):
+            sd["refresh_interval"] = "2s"
+        for static in job.get("static_configs", []):
+            static["targets"] = [t for t in static["targets"] if not t.startswith("worker:")]
+    target.write_text(yaml.safe_dump(config, sort_keys=False))
+    return target
+
+
+def templated_alertmanager(target: Path, webhook_url: str, token_file: Path) -> Path:
+    """deploy/alertmanager/alertmanager.yml with the test webhook, its token file and 1-2 s group timings."""
+    config = yaml.safe_load((REPO / "deploy/alertmanager/alertmanager.yml").read_text())
+    [route] = [r for r in config["route"]["routes"] if r["receiver"] == "fleetmend"]
+    route.update(group_wait="1s", group_interval="2s", repeat_interval="1m")
+    [hook] = next(r for r in config["receivers"] if r["name"] == "fleetmend")["webhook_configs"]
+    hook["url"] = webhook_url
+    hook["http_config"]["authorization"]["credentials_file"] = str(token_file)
+    target.write_text(yaml.safe_dump(config, sort_keys=False))
+    return target
+
+
+@contextmanager
+def process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+async def wait_for(what: str, check: Any, timeout_s: float, logs: list[Path]) -> Any:
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = await check()
+            if last:
+                return last
+        except (httpx.HTTPError, ValueError) as err:
+            last = err
+        await asyncio.sleep(0.5)
+    tails = "\n".join(
+        f"--- {p.name} ---\n{p.read_text(errors='replace')[-3000:]}" for p in logs if p.exists()
+    )
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})\n{tails}")
+
+
+@pytest.fixture
+def sim() -> Iterator[RunningSim]:
+    scenario = load_scenario(REPO / "sim/scenarios/gpu-node-loss.yaml")
+    namespace = f"e2e-{secrets.token_hex(3)}"  # incident ids are per pool: never collide with other tests
+    with start_sim(scenario.model_copy(update={"namespace": namespace}), speed=20) as running:
+        yield running
+
+
+@pytest.fixture
+def webhook(sim: RunningSim, temporal_env: WorkflowEnvironment, task_queue: str) -> Iterator[ServedWebhook]:
+    token = secrets.token_urlsafe(32)
+    settings = webhook_settings(
+        temporal_env, task_queue, token, kubeconfig=sim.kubeconfig, kube_context="sim"
+    )
+    app = create_app(settings)  # the shipped routing rules
+    with serve_webhook(app, settings) as base_url:
+        yield ServedWebhook(app, base_url, token, settings)
+
+
+@pytest_asyncio.fixture
+async def pipeline(sim: RunningSim, webhook: ServedWebhook, tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
+    """Prometheus and Alertmanager from the Debian packages with the repo's configs, on free ports."""
+    am_port, prom_port = free_port(), free_port()
+    token_file = tmp_path / "fleetmend-token"
+    token_file.write_text(webhook.token)
+    token_file.chmod(0o600)
+    am_config = templated_alertmanager(tmp_path / "alertmanager.yml", webhook.url, token_file)
+    prom_config = templated_prometheus(
+        tmp_path / "prometheus.yml",
+        templated_rules(tmp_path / "rules.yml"),
+        sim=f"127.0.0.1:{sim.port}",
+        alertmanager=f"127.0.0.1:{am_port}",
+        webhook=webhook.base_url.removeprefix("http://"),
+    )
+    logs = [tmp_path / "alertmanager.log", tmp_path / "prometheus.log"]
+    am_argv = [
+        str(ALERTMANAGER),
+        f"--config.file={am_config}",
+        f"--storage.path={tmp_path / 'am-data'}",
+        f"--web.listen-address=127.0.0.1:{am_port}",
+        "--cluster.listen-address=",  # no HA gossip port (other test runs share this machine)
+    ]
+    prom_argv = [
+        str(PROMETHEUS),
+        f"--config.file={prom_config}",
+        f"--storage.tsdb.path={tmp_path / 'prom-data'}",
+        f"--web.listen-address=127.0.0.1:{prom_port}",
+    ]
+    with process(am_argv, logs[0]), process(prom_argv, logs[1]):
+        async with httpx.AsyncClient(timeout=5) as http:
+            am, prom = f"http://127.0.0.1:{am_port}", f"http://127.0.0.1:{prom_port}"
+
+            async def ready(url: str) -> bool:
+                return (await http.get(url)).status_code == 200
+
+            await wait_for("Alertmanager ready", lambda: ready(am + "/-/ready"), 30, logs)
+            await wait_for("Prometheus ready", lambda: ready(prom + "/-/ready"), 30, logs)
+            yield {"http": http, "alertmanager": am, "prometheus": prom, "logs": logs}
+
+
+async def test_a_lost_node_reaches_exactly_one_incident_through_prometheus_and_alertmanager(
+    sim: RunningSim, webhook: ServedWebhook, pipeline: dict[str, Any], temporal_client: Client
+) -> None:
+    http: httpx.AsyncClient = pipeline["http"]
+    logs: list[Path] = pipeline["logs"]
+    namespace = sim.world.scenario.namespace
+    workflow_id = f"incident/{namespace}/llama"
+
+    async def cluster_state_scraped() -> bool:
+        query = 'kube_node_status_condition{job="kube-state-metrics",condition="Ready",status="true"}'
+        result = (await http.get(pipeline["prometheus"] + "/api/v1/query", params={"query": query})).json()
+        return len(result["data"]["result"]) >= 4
+
+    await wait_for("Prometheus to scrape the sim's kube-state-metrics", cluster_state_scraped, 30, logs)
+    assert await workflow_ids(temporal_client, f'WorkflowId = "{workflow_id}"') == []  # healthy: no incident
+
+    lost_pods = sorted(
+        p["metadata"]["name"] for p in sim.world.pods(namespace) if p["spec"].get("nodeName") == LOST_NODE
+    )
+    (await http.post(sim.base_url + f"/sim/v1/nodes/{LOST_NODE}/lose")).raise_for_status()
+
+    async def node_loss_signalled() -> list[dict[str, Any]]:
+        if not await workflow_ids(temporal_client, f'WorkflowId = "{workflow_id}"', timeout_s=0):
+            return []
+        signals = await report_loss_signals(temporal_client, workflow_id)
+        return [s for s in signals if s["alert_name"] == "KubeNodeNotReady"]
+
+    node_signals = await wait_for("KubeNodeNotReady to reach the incident", node_loss_signalled, 90, logs)
+
+    # Exactly one workflow, a FleetIncident for the lost node's pool, on the configured task queue.
+    assert await workflow_ids(temporal_client, f'TaskQueue = "{webhook.settings.task_queue}"') == [
+        workflow_id
+    ]
+    runs = [wf async for wf in temporal_client.list_workflows(f'WorkflowId = "{workflow_id}"')]
+    assert [r.workflow_type for r in runs] == ["FleetIncident"]
+    # One report per replica group on the node, each naming the pool, the node and its group.
+    assert sorted(s["replica_group"] for s in node_signals) == lost_pods
+    for s in node_signals:
+        assert s["pool"] == {"namespace": namespace, "service": "llama"}
+        assert s["node"] == LOST_NODE
+        assert s["status"] == "firing"
+        # Alertmanager's own fingerprint of the alert's labels (ours agrees with it).
+        assert s["fingerprint"].split("/")[0] == alertmanager_fingerprint(s["labels"])
+    # Alertmanager delivered with the bearer token: nothing was refused.
+    assert webhook.metric("fleetmend_webhook_requests_rejected_total", reason="unauthorized") == 0
+    assert (
+        webhook.metric(
+            "fleetmend_alerts_accepted_total", alertname="KubeNodeNotReady", action="start-incident"
+        )
+        >= 1
+    )
+
+    # Alertmanager keeps re-sending the group (group_interval 2 s) and the pods' own alerts fire too:
+    # still one workflow, every report in it.
+    await asyncio.sleep(6)
+    assert await workflow_ids(temporal_client, f'TaskQueue = "{webhook.settings.task_queue}"') == [
+        workflow_id
+    ]
+    signals = await report_loss_signals(temporal_client, workflow_id)
+    alerts_seen = {s["alert_name"] for s in signals}
+    assert "KubeNodeNotReady" in alerts_seen
+    active = (await http.get(pipeline["alertmanager"] + "/api/v2/alerts")).json()
+    assert any(
+        a["labels"]["alertname"] == "KubeNodeNotReady" and a["labels"]["node"] == LOST_NODE for a in active
+    )
+    print(
+        json.dumps(
+            {
+                "workflow": workflow_id,
+                "signals": len(signals),
+                "alerts": sorted(alerts_seen),
+                "lost_pods": lost_pods,
+            },
+            indent=2,
+        )
+    )
