@@ -34,7 +34,7 @@ from sim.k8s.errors import (
     unauthorized,
 )
 from sim.k8s.faults import ApiFaults, error_for
-from sim.k8s.patch import apply_patch, normalise_content_type
+from sim.k8s.patch import apply_patch
 from sim.k8s.resources import RESOURCES, Resource, resource_for
 
 Obj = dict[str, Any]
@@ -208,7 +208,8 @@ class KubeApi:
             if self.store.find("namespaces", "", meta["namespace"]) is None:
                 raise not_found("namespaces", meta["namespace"])
         self._validate(resource, body, None)
-        body.pop("status", None) if resource.plural not in ("nodes", "events") else None
+        if resource.plural not in ("nodes", "events"):
+            body.pop("status", None)  # status is written by controllers, not on create
         with self.store.lock:
             if resource.plural == "pods":
                 created = self.control.create_pod(body)
@@ -537,7 +538,3 @@ def build_router(api: KubeApi) -> APIRouter:
         return await api.dispatch(request, group, version, rest)
 
     return router
-
-
-def content_type_of(request: Request) -> str:
-    return normalise_content_type(request.headers.get("content-type"))

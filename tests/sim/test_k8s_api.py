@@ -15,20 +15,14 @@ from kubernetes_validate.utils import schema_contents
 from referencing import Registry, Resource
 
 from fleet.vocabulary import GPU_RESOURCE, ROUTER_LABEL, SERVING_READY_CONDITION
-from tests.sim.conftest import Kube, wait_for
+from tests.sim.conftest import K8S_VERSION, Kube, assert_valid_objects, wait_for
 
 NS = "inference"
-K8S_VERSION = "1.33.0"
 LWS = ("leaderworkerset.x-k8s.io", "v1", NS, "leaderworkersets")
 
 
 def _raw(response: Any) -> dict[str, Any]:
     return json.loads(response.data)
-
-
-def _validate(obj: dict[str, Any], kind: str, api_version: str) -> None:
-    obj = dict(obj, kind=kind, apiVersion=api_version)
-    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
 def _validate_status(body: dict[str, Any]) -> None:
@@ -47,39 +41,12 @@ def serving_pods(kube: Kube, selector: str = "fleetmend.io/role=serving") -> lis
 def test_every_returned_object_validates_against_the_kubernetes_openapi_schemas(kube: Kube) -> None:
     node_name = kube.core.list_node().items[0].metadata.name
     kube.core.patch_node(node_name, {"spec": {"unschedulable": True}})  # adds a taint worth validating
-    listings = [
-        (kube.core.list_namespaced_pod(NS, _preload_content=False), "Pod", "v1"),
-        (kube.core.list_node(_preload_content=False), "Node", "v1"),
-        (kube.core.list_namespaced_service(NS, _preload_content=False), "Service", "v1"),
-        (kube.core.list_namespaced_event(NS, _preload_content=False), "Event", "v1"),
-        (kube.core.list_namespace(_preload_content=False), "Namespace", "v1"),
-        (
-            kube.discovery.list_namespaced_endpoint_slice(NS, _preload_content=False),
-            "EndpointSlice",
-            "discovery.k8s.io/v1",
-        ),
-        (kube.apps.list_namespaced_deployment(NS, _preload_content=False), "Deployment", "apps/v1"),
-        (kube.apps.list_namespaced_replica_set(NS, _preload_content=False), "ReplicaSet", "apps/v1"),
-        (
-            kube.policy.list_namespaced_pod_disruption_budget(NS, _preload_content=False),
-            "PodDisruptionBudget",
-            "policy/v1",
-        ),
-    ]
-    counted = 0
-    for response, kind, api_version in listings:
-        body = _raw(response)
-        assert body["kind"] == f"{kind}List" and body["metadata"]["resourceVersion"]
-        assert body["items"], f"expected {kind} objects in the gpu-node-loss scenario"
-        for item in body["items"]:
-            _validate(item, kind, api_version)
-            counted += 1
+    assert assert_valid_objects(kube) > 20
     scale = _raw(kube.apps.read_namespaced_deployment_scale("llama", NS, _preload_content=False))
     kubernetes_validate.validate(scale, K8S_VERSION, strict=True)
     with pytest.raises(NotFoundException) as missing:
         kube.core.read_namespaced_pod("no-such-pod", NS)
     _validate_status(json.loads(missing.value.body))
-    assert counted > 20
 
 
 def test_label_and_field_selectors(kube: Kube) -> None:

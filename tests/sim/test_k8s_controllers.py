@@ -11,7 +11,7 @@ from kubernetes import client, config
 from fleet.vocabulary import ROLE_LABEL, ROUTER_LABEL, SERVING_READY_CONDITION
 from sim.runner import start_sim
 from sim.scenario import load_scenario, shipped_scenarios
-from tests.sim.conftest import TEST_SPEED, Kube, wait_for
+from tests.sim.conftest import TEST_SPEED, Kube, assert_valid_objects, wait_for
 
 NS = "inference"
 MERGE = "application/merge-patch+json"
@@ -145,6 +145,7 @@ def test_endpointslice_conditions_follow_ready_serving_terminating(kube: Kube) -
         lambda: endpoint_conditions(kube)[gated] == (True, False, False), what="publishNotReadyAddresses"
     )
     assert endpoint_conditions(kube)[terminating] == (True, True, True)
+    assert_valid_objects(kube)
 
 
 def test_pods_without_an_ip_are_left_out_of_the_endpointslice(kube: Kube) -> None:

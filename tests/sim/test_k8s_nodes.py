@@ -10,7 +10,7 @@ from kubernetes.client.exceptions import NotFoundException
 
 from fleet.vocabulary import GPU_RESOURCE, LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL, NVLINK_DOMAIN_LABEL
 from sim.clock import parse_timestamp
-from tests.sim.conftest import Kube, wait_for
+from tests.sim.conftest import Kube, assert_valid_objects, wait_for
 
 NS = "inference"
 
@@ -93,6 +93,7 @@ def test_a_lost_node_goes_unknown_then_tainted_then_its_pods_are_deleted(kube: K
     )
     assert len(placed) == 2
     assert sorted(p.spec.node_name or "" for p in placed) == ["gpu-node-2", "gpu-node-3"]
+    assert_valid_objects(kube)  # terminating, NodeLost, Pending and tainted objects are still valid
     # Force deletion (the operator-approved last resort) removes a stuck pod at once.
     stuck = sorted(victims)[0]
     kube.core.delete_namespaced_pod(stuck, NS, grace_period_seconds=0)
@@ -188,6 +189,7 @@ def test_fragmentation_leaves_a_replacement_pending_with_the_real_event(kube: Ku
     scheduled = conditions(kube.core.read_namespaced_pod(pending.metadata.name, NS))["PodScheduled"]
     assert (scheduled.status, scheduled.reason, scheduled.message) == ("False", "Unschedulable", message)
     assert kube.core.read_namespaced_pod(pending.metadata.name, NS).status.phase == "Pending"
+    assert_valid_objects(kube)
 
 
 @pytest.mark.parametrize("sim_server", ["rank-lost"], indirect=True)
@@ -225,4 +227,5 @@ def test_a_lost_rank_node_takes_its_group_which_waits_for_the_stuck_pod(kube: Ku
         what="group 1 recreated and bound",
     )
     domains = {kube.core.read_node(p.spec.node_name).metadata.labels[NVLINK_DOMAIN_LABEL] for p in group}
+    assert_valid_objects(kube)
     assert domains == {"nvl-2"} and lost_node not in {p.spec.node_name for p in group}

@@ -12,7 +12,7 @@ import urllib3
 from kubernetes.client.exceptions import NotFoundException
 
 from sim.k8s.store import WatchEvent
-from tests.sim.conftest import Kube, wait_for
+from tests.sim.conftest import Kube, assert_valid_objects, wait_for
 
 NS = "inference"
 
@@ -37,6 +37,7 @@ def test_an_oom_killed_engine_shows_restart_count_crash_loop_and_comes_back(kube
     )
     assert (status.last_state.terminated.reason, status.last_state.terminated.exit_code) == ("OOMKilled", 137)
     assert kube.core.read_namespaced_pod(name, NS).status.phase == "Running"
+    assert_valid_objects(kube)  # CrashLoopBackOff with lastState.terminated
     # back-off 10 s, then the engine reloads its weights (150 s) before the readiness probe passes
     wait_for(
         lambda: kube.core.read_namespaced_pod(name, NS).status.container_statuses[0].ready,
