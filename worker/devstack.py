@@ -149,7 +149,14 @@ class _PostgresPart:
             try:
                 self.url = await asyncio.to_thread(embedded.start)
             except Exception as err:
-                raise StackError(f"embedded Postgres did not start: {err}".splitlines()[0]) from err
+                log.error(
+                    "embedded Postgres did not start", extra={"detail": str(err)}
+                )  # full server log tail
+                first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+                raise StackError(
+                    f"embedded Postgres did not start ({first_line}); details in {self.directory.parent / 'logs'}, "
+                    "or set FLEETMEND_DATABASE_URL to use another Postgres"
+                ) from err
             self._embedded = embedded
         await self._migrate()
 
