@@ -58,6 +58,14 @@ RESOURCES: dict[str, Resource] = {
         Resource("endpointslices", "EndpointSlice", "discovery.k8s.io", "v1"),
         Resource("deployments", "Deployment", "apps", "v1", subresources=("status", "scale")),
         Resource("replicasets", "ReplicaSet", "apps", "v1", subresources=("status", "scale")),
+        Resource(
+            "statefulsets",
+            "StatefulSet",
+            "apps",
+            "v1",
+            subresources=("status", "scale"),
+            short_names=("sts",),
+        ),
         Resource("poddisruptionbudgets", "PodDisruptionBudget", "policy", "v1", subresources=("status",)),
         Resource(
             "leaderworkersets",

@@ -87,6 +87,7 @@ def assert_valid_objects(kube: Kube, namespace: str = "inference") -> int:
         ),
         (kube.apps.list_namespaced_deployment(namespace, _preload_content=False), "Deployment", "apps/v1"),
         (kube.apps.list_namespaced_replica_set(namespace, _preload_content=False), "ReplicaSet", "apps/v1"),
+        (kube.apps.list_namespaced_stateful_set(namespace, _preload_content=False), "StatefulSet", "apps/v1"),
         (
             kube.policy.list_namespaced_pod_disruption_budget(namespace, _preload_content=False),
             "PodDisruptionBudget",

@@ -138,6 +138,8 @@ def test_one_lost_rank_recreates_the_whole_leaderworkerset_group(kube: Kube) -> 
         recreated, timeout=15, what="the whole group recreated and Ready (330 s grace + 405 s start-up)"
     )
     assert after["llama-405b-0-1"].metadata.labels[LWS_GROUP_INDEX_LABEL] == "0"
+    new_workers = kube.apps.read_namespaced_stateful_set("llama-405b-0", NS)
+    assert new_workers.metadata.owner_references[0].uid == after["llama-405b-0"].metadata.uid
     other = kube.core.list_namespaced_pod(
         NS, label_selector=f"{LWS_NAME_LABEL}=llama-405b,{LWS_GROUP_INDEX_LABEL}=1"
     ).items

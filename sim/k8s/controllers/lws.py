@@ -6,7 +6,10 @@ labels and annotations. Under the default ``RecreateGroupOnPodRestart`` policy
 any pod of a group that restarts (restartCount > 0), fails or is being deleted
 makes the controller delete the whole group (event ``RecreateGroup``); the
 group comes back once the old pods are gone (StatefulSet semantics: a pod name
-is reused only after the old pod disappeared). Scaling adds or removes whole
+is reused only after the old pod disappeared). The StatefulSets are real objects
+as with the real controller: ``<lws>`` owns the leaders (selector ``name`` +
+``worker-index=0``) and ``<lws>-<g>``, owned by leader pod ``<lws>-<g>``, owns
+that group's workers. Scaling adds or removes whole
 groups from the top index. A headless Service ``<lws>`` with
 ``publishNotReadyAddresses: true`` is created as the real controller does.
 With the ``leaderworkerset.sigs.k8s.io/exclusive-topology`` annotation the
@@ -17,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import uuid
 from typing import TYPE_CHECKING, Any
 
 from fleet.vocabulary import (
@@ -119,6 +121,7 @@ def _sync(cp: ControlPlane, lws: Obj) -> None:
                 if not o.is_terminating(pod):
                     cp.delete("pods", namespace, o.name_of(pod))
     ready_groups = 0
+    leader_set = _ensure_leader_statefulset(cp, lws, replicas)
     for index in range(replicas):
         group_pods = by_group.get(index, [])
         leader_name = f"{name}-{index}"
@@ -143,28 +146,132 @@ def _sync(cp: ControlPlane, lws: Obj) -> None:
                     cp.delete("pods", namespace, o.name_of(pod))
             continue
         existing = {o.name_of(p) for p in group_pods}
-        for worker in range(size):
-            pod_name = leader_name if worker == 0 else f"{leader_name}-{worker}"
-            if pod_name in existing or cp.store.find("pods", namespace, pod_name) is not None:
-                continue
-            cp.create_pod(_group_pod(lws, index, worker, size, template_hash))
+        leader = next((p for p in group_pods if o.name_of(p) == leader_name), None)
+        if leader is None and cp.store.find("pods", namespace, leader_name) is None:
+            leader = cp.create_pod(
+                _group_pod(lws, index, 0, size, template_hash, o.owner_reference(leader_set))
+            )
+        if leader is None or size == 1:
+            pass
+        else:
+            worker_set = _ensure_worker_statefulset(cp, lws, leader, index, size)
+            for worker in range(1, size):
+                pod_name = f"{leader_name}-{worker}"
+                if (
+                    worker_set is None
+                    or pod_name in existing
+                    or cp.store.find("pods", namespace, pod_name) is not None
+                ):
+                    continue
+                cp.create_pod(
+                    _group_pod(lws, index, worker, size, template_hash, o.owner_reference(worker_set))
+                )
         if len(group_pods) == size and all(o.is_pod_ready(p) for p in group_pods):
             ready_groups += 1
     _status(cp, lws, replicas, ready_groups, len([g for g in by_group if 0 <= g < replicas]))
+    _statefulset_status(
+        cp,
+        namespace,
+        name,
+        [p for g in by_group.values() for p in g if o.labels(p).get(LWS_WORKER_INDEX_LABEL) == "0"],
+    )
+    for index, group_pods in by_group.items():
+        workers = [p for p in group_pods if o.labels(p).get(LWS_WORKER_INDEX_LABEL) != "0"]
+        _statefulset_status(cp, namespace, f"{name}-{index}", workers)
 
 
-def _statefulset_ref(lws: Obj, set_name: str) -> Obj:
+def _statefulset(
+    name: str,
+    namespace: str,
+    owner: Obj,
+    replicas: int,
+    selector: dict[str, str],
+    template: Obj,
+    service: str,
+) -> Obj:
+    template = copy.deepcopy(template)
+    template.setdefault("metadata", {}).setdefault("labels", {}).update(selector)
     return {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "name": set_name,
-        "uid": str(uuid.uuid5(uuid.UUID(o.uid_of(lws)), set_name)),
-        "controller": True,
-        "blockOwnerDeletion": True,
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": dict(selector),
+            "ownerReferences": [o.owner_reference(owner)],
+        },
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": dict(selector)},
+            "serviceName": service,
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}},
+            "revisionHistoryLimit": 10,
+            "template": template,
+        },
+        "status": {"replicas": 0, "availableReplicas": 0},
     }
 
 
-def _group_pod(lws: Obj, index: int, worker: int, size: int, template_hash: str) -> Obj:
+def _ensure_leader_statefulset(cp: ControlPlane, lws: Obj, replicas: int) -> Obj:
+    namespace, name = o.namespace_of(lws), o.name_of(lws)
+    selector = {LWS_NAME_LABEL: name, LWS_WORKER_INDEX_LABEL: "0"}
+    stored = cp.ensure_exists(
+        "statefulsets",
+        _statefulset(name, namespace, lws, replicas, selector, _template(lws, leader=True), name),
+    )
+    if int(stored["spec"].get("replicas", 0)) != replicas:
+        stored = (
+            cp.store.mutate(
+                "statefulsets", namespace, name, lambda obj: obj["spec"].__setitem__("replicas", replicas)
+            )
+            or stored
+        )
+    return stored
+
+
+def _ensure_worker_statefulset(cp: ControlPlane, lws: Obj, leader: Obj, index: int, size: int) -> Obj | None:
+    """The group's worker StatefulSet, owned by its leader pod; None while a previous group's one is going."""
+    namespace, name = o.namespace_of(lws), o.name_of(lws)
+    set_name = f"{name}-{index}"
+    existing = cp.store.find("statefulsets", namespace, set_name)
+    if existing is not None:
+        ref = o.controller_ref(existing)
+        if ref is not None and ref.get("uid") != o.uid_of(leader):
+            cp.delete("statefulsets", namespace, set_name)  # it belonged to the previous incarnation
+            return None
+        return existing
+    selector = {
+        LWS_NAME_LABEL: name,
+        LWS_GROUP_INDEX_LABEL: str(index),
+        LWS_GROUP_KEY_LABEL: group_key(namespace, set_name),
+    }
+    return cp.store.create(
+        "statefulsets",
+        _statefulset(set_name, namespace, leader, size - 1, selector, _template(lws, leader=False), name),
+    )
+
+
+def _statefulset_status(cp: ControlPlane, namespace: str, name: str, pods: list[Obj]) -> None:
+    live = [p for p in pods if not o.is_terminating(p)]
+    ready = sum(1 for p in live if o.is_pod_ready(p))
+
+    def change(obj: Obj) -> None:
+        revision = f"{name}-{o.stable_hash(obj['spec']['template'], 10)}"
+        obj["status"] = {
+            "observedGeneration": obj["metadata"].get("generation", 1),
+            "replicas": len(live),
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+            "currentReplicas": len(live),
+            "updatedReplicas": len(live),
+            "currentRevision": revision,
+            "updateRevision": revision,
+            "collisionCount": 0,
+        }
+
+    cp.store.mutate("statefulsets", namespace, name, change)
+
+
+def _group_pod(lws: Obj, index: int, worker: int, size: int, template_hash: str, owner: Obj) -> Obj:
     namespace, name = o.namespace_of(lws), o.name_of(lws)
     leader_name = f"{name}-{index}"
     pod_name = leader_name if worker == 0 else f"{leader_name}-{worker}"
@@ -201,14 +308,13 @@ def _group_pod(lws: Obj, index: int, worker: int, size: int, template_hash: str)
         container["env"] = [
             e for e in container.get("env") or [] if e["name"] not in {x["name"] for x in env}
         ] + env
-    set_name = name if worker == 0 else leader_name
     return {
         "metadata": {
             "name": pod_name,
             "namespace": namespace,
             "labels": pod_labels,
             "annotations": annotations,
-            "ownerReferences": [_statefulset_ref(lws, set_name)],
+            "ownerReferences": [owner],
         },
         "spec": spec,
     }

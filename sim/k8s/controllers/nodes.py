@@ -174,14 +174,17 @@ def collect_garbage(cp: ControlPlane) -> None:
         if node is None or (out_of_service and o.is_terminating(pod)):
             cp.delete("pods", o.namespace_of(pod), o.name_of(pod), grace_seconds=0)
     # ownerReference GC for the kinds the sim stores (background propagation).
-    live_uids = {
-        o.uid_of(obj)
-        for plural in ("deployments", "replicasets", "leaderworkersets", "services")
-        for obj in cp.store.list_view(plural)
+    owner_plurals = {
+        "Deployment": "deployments",
+        "ReplicaSet": "replicasets",
+        "StatefulSet": "statefulsets",
+        "LeaderWorkerSet": "leaderworkersets",
+        "Service": "services",
+        "Pod": "pods",
     }
-    owned_kinds = {"Deployment", "ReplicaSet", "LeaderWorkerSet", "Service"}
-    for plural in ("replicasets", "pods", "endpointslices", "services"):
+    live_uids = {o.uid_of(obj) for plural in owner_plurals.values() for obj in cp.store.list_view(plural)}
+    for plural in ("replicasets", "statefulsets", "pods", "endpointslices", "services"):
         for obj in cp.store.list_view(plural):
-            refs = [r for r in obj["metadata"].get("ownerReferences") or [] if r.get("kind") in owned_kinds]
+            refs = [r for r in obj["metadata"].get("ownerReferences") or [] if r.get("kind") in owner_plurals]
             if refs and all(r.get("uid") not in live_uids for r in refs) and not o.is_terminating(obj):
                 cp.delete(plural, o.namespace_of(obj), o.name_of(obj))
