@@ -81,6 +81,10 @@ class NodeQuarantine(_Act):
     taint_value: str
 
 
+class NodeCordon(_Act):
+    node: str
+
+
 class NodeRelease(_Act):
     node: str
     labels: dict[str, str | None] = Field(default_factory=dict)
@@ -191,6 +195,12 @@ class ActActivities:
             taint,
         )
         return [first, second]
+
+    @activity.defn(name="cordon_node")
+    def cordon_node(self, req: NodeCordon) -> EffectReport:
+        """Mark a failed node unschedulable (the first half of quarantine, done early)."""
+        effect = NodePatch(self.deps.kube, req.node, unschedulable=True)
+        return self._perform(req, "k8s.node.cordon", f"node/{req.node}", {"unschedulable": True}, effect)
 
     @activity.defn(name="release_node")
     def release_node(self, req: NodeRelease) -> EffectReport:

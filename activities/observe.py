@@ -236,7 +236,12 @@ class ObserveActivities:
                     id=gid,
                     model=lbl.get(MODEL_LABEL, model or ""),
                     revision=lbl.get(REVISION_LABEL, ""),
-                    role=GroupRole.SPARE if lbl.get(ROLE_LABEL) == ROLE_SPARE else GroupRole.SERVING,
+                    # A pod carrying the router-only label serves, whatever its role label says
+                    # (a promoted spare keeps role=spare: its controller may select on that label).
+                    role=GroupRole.SPARE
+                    if lbl.get(ROLE_LABEL) == ROLE_SPARE
+                    and lbl.get(router_label) != self.deps.settings.router_label_value
+                    else GroupRole.SERVING,
                     pods=names,
                     nodes=tuple(sorted({pod_nodes[n] for n in names if n in pod_nodes})),
                     leader_pod=kr.name(leader),

@@ -27,6 +27,7 @@ with workflow.unsafe.imports_passed_through():
         ActActivities,
         AdmissionChangeRequest,
         EffectReport,
+        NodeCordon,
         NodeQuarantine,
         NotifyRequest,
         PodDeletion,
@@ -84,8 +85,6 @@ with workflow.unsafe.imports_passed_through():
         QUARANTINE_LABEL,
         QUARANTINE_TAINT_KEY,
         REMEDIATED_AT_ANNOTATION,
-        ROLE_LABEL,
-        ROLE_SERVING,
     )
     from workflows import search_attributes as sa
 
@@ -408,6 +407,11 @@ class ReplicaLossRecovery:
         self, obs: PoolObservation, lost: list[ReplicaGroup]
     ) -> list[ReplicaGroup]:
         inp = self._inp_()
+        """Route to warm spares of the same model and revision by adding the router-only label.
+
+        Nothing else about the spare changes: its role label may be what its own
+        controller selects on, and changing it would orphan the pod.
+        """
         await self._enter(Phase.PROMOTING, "Promoting warm spares of the same model and revision")
         failed_nodes = sorted({n for g in lost for n in g.nodes})
         pick = pick_spares(obs.snapshot, [g.id for g in lost if g.role is GroupRole.SERVING], failed_nodes)
@@ -423,7 +427,7 @@ class ReplicaLossRecovery:
                         step="promote",
                         namespace=inp.pool.namespace,
                         pod=pod,
-                        labels={label: self._router_value(), ROLE_LABEL: ROLE_SERVING},
+                        labels={label: self._router_value()},
                         dry_run=inp.dry_run,
                         fingerprints=self._fingerprints(),
                     ),
@@ -452,6 +456,7 @@ class ReplicaLossRecovery:
         """
         inp = self._inp_()
         await self._enter(Phase.REBUILDING, "Rebuilding the warm floor")
+        await self._fence_failed_nodes(obs, lost)
         replicas = {(w.kind, w.name): w.replicas or 0 for w in obs.workloads}
         lost_serving = [g for g in lost if g.role is GroupRole.SERVING]
         unmatched = [g for g in lost_serving if g.id in self._unmatched]
@@ -511,6 +516,29 @@ class ReplicaLossRecovery:
             self._figure("lead_time_announced_seconds", None)
 
     _expected_new: int = 0
+
+    async def _fence_failed_nodes(self, obs: PoolObservation, lost: list[ReplicaGroup]) -> None:
+        """Cordon nodes that failed (not Ready, or a GPU/fabric fault) before anything is scheduled.
+
+        Until the node controller marks a silent node unreachable, the scheduler may
+        still bind a replacement to it; cordoning first keeps replacements off it.
+        Triage adds the taint and label later.
+        """
+        inp = self._inp_()
+        hints = " ".join(r.fault_hint or "" for r in self._reports)
+        hardware_hint = any(k in hints for k in ("xid", "nvlink", "thermal", "ecc"))
+        for node in sorted({n for g in lost for n in g.nodes}):
+            info = obs.snapshot.node(node)
+            failed = info is None or info.ready is not True or hardware_hint
+            reported = any(r.node == node for r in self._reports)
+            if not (failed or reported) or (info is not None and info.unschedulable):
+                continue
+            await self._act(
+                ActActivities.cordon_node,
+                NodeCordon(step="fence", node=node, dry_run=inp.dry_run, fingerprints=self._fingerprints()),
+                f"cordon failed node {node} so no replacement lands on it",
+            )
+            self._decide(f"cordoned {node}: replacements must not land on the failed node")
 
     def _room_for(self, obs: PoolObservation, g: ReplicaGroup, lost: list[ReplicaGroup]) -> bool:
         shape = GroupShape(pods=len(g.pods), gpus_per_pod=max(1, g.gpus_per_pod))
