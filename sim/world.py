@@ -19,6 +19,10 @@ Reading the cluster
     world.revision_for_pod(pod) -> ModelRevision | None
     world.is_node_lost(name) -> bool
     world.store.watch(callback) -> unsubscribe         callback(WatchEvent(type, resource, object))
+    world.store.list_view(plural, ns, label_selector)  the stored objects without copies: READ-ONLY
+    world.control.runtime(ns, pod) -> PodRuntime | None   the kubelet's view (ip, restarts, started_at)
+    world.serving                          the serving layer once ``sim.serving.attach`` ran (else None)
+    world.actions / world.api_faults       action log and API fault knobs (also over HTTP, see sim.app)
 
 Acting on it (what faults do)
     world.lose_node(name)                 kubelet stops reporting: Unknown -> tainted -> pods deleted
