@@ -210,3 +210,11 @@ def test_a_part_that_dies_stops_the_whole_stack(dev_config: DevConfig, cleanup: 
     assert run.proc.wait(timeout=60) == 1
     assert "the Temporal dev server exited" in run.output()
     assert_nothing_left(dev_config)
+
+
+def test_foundation_demo_runs_a_workflow_end_to_end_and_cleans_up(dev_config: DevConfig) -> None:
+    done = subprocess.run([FLEETMEND, "demo"], env=dev_config.env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "workflow completed" in done.stdout
+    assert f"http://127.0.0.1:{dev_config.ui_port}/namespaces/default/workflows/fleetmend-smoke" in done.stdout
+    assert_nothing_left(dev_config)
