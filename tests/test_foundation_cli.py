@@ -103,3 +103,10 @@ def test_worker_without_a_database_url_names_the_fix(tmp_path: Path) -> None:
     )
     line = _one_line_error(result)
     assert "FLEETMEND_DATABASE_URL is not set" in line
+
+
+def test_dev_with_a_non_local_temporal_address_names_the_fix(tmp_path: Path) -> None:
+    env = _env(tmp_path, FLEETMEND_TEMPORAL_ADDRESS="192.0.2.10:7233")  # TEST-NET-1: never local
+    result = subprocess.run([FLEETMEND, "dev"], capture_output=True, text=True, env=env, timeout=60)
+    line = _one_line_error(result)
+    assert "cannot listen on 192.0.2.10:7233" in line and "FLEETMEND_TEMPORAL_ADDRESS" in line

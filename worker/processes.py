@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import signal
 import socket
@@ -39,12 +40,23 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def require_free_port(host: str, port: int, *, what: str, setting: str) -> None:
-    """Fail with the fix when a port the stack needs is taken (before starting anything)."""
-    if port and not port_is_free(host, port):
-        raise PortInUseError(
-            f"{what} port {host}:{port} is already in use: stop the process using it "
-            f"(`ss -ltnp | grep :{port}`) or choose another port with {setting}"
-        )
+    """Fail with the fix when a port the stack needs is taken or not local (before starting anything)."""
+    if not port:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise PortInUseError(
+                    f"{what} port {host}:{port} is already in use: stop the process using it "
+                    f"(`ss -ltnp | grep :{port}`) or choose another port with {setting}"
+                ) from err
+            raise StackError(
+                f"cannot listen on {host}:{port} for the {what} ({err.strerror or err}): the embedded stack "
+                f"runs it on this machine, so set {setting} to a local address such as 127.0.0.1"
+            ) from err
 
 
 def free_port(host: str = "127.0.0.1") -> int:
