@@ -13,7 +13,7 @@ from rich.console import Console
 from worker import jsonlog
 from worker.alert_examples import EXAMPLES, example_payload
 from worker.alert_rules import AlertRulesError, load_alert_rules
-from worker.config import load_settings
+from worker.config import Settings, load_settings
 from worker.webhook import ALERTMANAGER_PATH, WebhookConfigError, create_app, serve
 
 console = Console()
@@ -101,10 +101,11 @@ def _post(file: Path, url: str | None) -> None:
         body = sys.stdin.buffer.read() if str(file) == "-" else file.read_bytes()
     except OSError as err:
         raise _fail(f"cannot read {file}: {err.strerror or err}") from None
-    token = settings.webhook_token.get_secret_value() if settings.webhook_token else ""
+    token = _token(settings)
     if not token:
         raise _fail(
-            "FLEETMEND_WEBHOOK_TOKEN is not set: the webhook accepts only requests with its bearer token"
+            "FLEETMEND_WEBHOOK_TOKEN is not set (and no `fleetmend dev` token file in "
+            f"{settings.state_dir}): the webhook accepts only requests with its bearer token"
         )
     target = url or f"http://{settings.webhook_host}:{settings.webhook_port}{ALERTMANAGER_PATH}"
     try:
@@ -131,6 +132,17 @@ def _post(file: Path, url: str | None) -> None:
     console.print_json(shown) if shown.startswith(("{", "[")) else console.print(shown)
     if not response.is_success:
         raise typer.Exit(1)
+
+
+def _token(settings: Settings) -> str:
+    """The configured token, else the one `fleetmend dev` generated for its embedded webhook."""
+    if settings.webhook_token and settings.webhook_token.get_secret_value():
+        return settings.webhook_token.get_secret_value()
+    dev_file = settings.state_dir / "webhook-token"  # worker.devstack.dev_token_file
+    try:
+        return dev_file.read_text().strip()
+    except OSError:
+        return ""
 
 
 def register(app: typer.Typer) -> None:

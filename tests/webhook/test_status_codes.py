@@ -361,3 +361,35 @@ async def test_alert_cli_posts_an_example_with_the_token(
     )
     assert refused.exit_code == 1
     assert "HTTP 401" in refused.output
+
+
+async def test_alert_cli_uses_the_dev_stacks_token_file_when_no_token_is_configured(
+    served: ServedWebhook, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, service: str
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "webhook-token").write_text(served.token + "\n")
+    monkeypatch.delenv("FLEETMEND_WEBHOOK_TOKEN", raising=False)
+    monkeypatch.setenv("FLEETMEND_STATE_DIR", str(state))
+    path = tmp_path / "alert.json"
+    path.write_text(json.dumps(pool_payload(service)))
+
+    result = await asyncio.to_thread(
+        CliRunner().invoke, cli_app, ["alert", "--file", str(path), "--url", served.url]
+    )
+
+    assert result.exit_code == 0, result.output
+    assert "HTTP 200" in result.output
+
+
+async def test_openapi_documents_the_alertmanager_payload_and_mounts_the_effect_api(
+    served: ServedWebhook,
+) -> None:
+    async with httpx.AsyncClient(timeout=30) as http:
+        spec = (await http.get(served.base_url + "/openapi.json")).json()
+
+    operation = spec["paths"]["/alerts/alertmanager"]["post"]
+    schema = operation["requestBody"]["content"]["application/json"]["schema"]
+    assert {"version", "status", "receiver", "alerts"} <= set(schema["required"])
+    assert {"200", "401", "413", "422", "503"} <= set(operation["responses"])
+    assert "/v1/effects" in spec["paths"]  # the ledger's effect API shares the webhook's server
