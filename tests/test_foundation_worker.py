@@ -6,6 +6,11 @@ import asyncio
 import io
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -173,3 +178,38 @@ async def test_worker_names_the_fix_when_the_ledger_is_unreachable(worker_settin
     url = f"postgresql+psycopg://fm:pw@127.0.0.1:{free_port()}/ledger"
     with pytest.raises(StartupCheckError, match="FLEETMEND_DATABASE_URL points at a reachable Postgres"):
         await connect_checked(worker_settings, runtime=None, database_url=url)
+
+
+def test_fleetmend_worker_command_logs_json_serves_and_stops_on_sigterm(
+    worker_settings: Settings, ledger_url: str
+) -> None:
+    metrics_port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETMEND_")}
+    env.update(
+        {
+            "FLEETMEND_TEMPORAL_ADDRESS": worker_settings.temporal_address,
+            "FLEETMEND_TASK_QUEUE": worker_settings.task_queue,
+            "FLEETMEND_DATABASE_URL": ledger_url,
+            "FLEETMEND_WORKER_METRICS_PORT": str(metrics_port),
+        }
+    )
+    log_file = worker_settings.state_dir.parent / "worker.log"
+    with log_file.open("wb") as sink:
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "fleetmend"), "worker"], stderr=sink, stdout=sink, env=env
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while "worker polling" not in log_file.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_file.read_text()
+            time.sleep(0.2)
+        polling = next(
+            json.loads(line) for line in log_file.read_text().splitlines() if "worker polling" in line
+        )
+        assert polling["task_queue"] == worker_settings.task_queue
+        assert httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
