@@ -95,10 +95,20 @@ def test_a_lost_node_goes_unknown_then_tainted_then_its_pods_are_deleted(kube: K
     assert sorted(p.spec.node_name or "" for p in placed) == ["gpu-node-2", "gpu-node-3"]
     assert_valid_objects(kube)  # terminating, NodeLost, Pending and tainted objects are still valid
     # Force deletion (the operator-approved last resort) removes a stuck pod at once.
-    stuck = sorted(victims)[0]
+    stuck, other = sorted(victims)
     kube.core.delete_namespaced_pod(stuck, NS, grace_period_seconds=0)
     with pytest.raises(NotFoundException):
         kube.core.read_namespaced_pod(stuck, NS)
+    # When the kubelet reports again, the node is Ready, untainted, and confirms the pending deletion.
+    assert httpx.post(f"{kube.sim.base_url}/sim/v1/nodes/gpu-node-0/restore").status_code == 202
+    wait_for(
+        lambda: conditions(kube.core.read_node("gpu-node-0"))["Ready"].status == "True", what="Ready again"
+    )
+    assert not kube.core.read_node("gpu-node-0").spec.taints
+    wait_for(
+        lambda: not kube.core.list_namespaced_pod(NS, field_selector=f"metadata.name={other}").items,
+        what="the stuck pod gone",
+    )
 
 
 @pytest.mark.parametrize("sim_server", ["rank-lost"], indirect=True)
