@@ -7,7 +7,7 @@
 * ``GET  /sim/v1/clock`` -> ``fleet.protocol.SimClock``;
   ``POST /sim/v1/clock/advance`` ``{"seconds": S}`` jumps sim time ahead;
 * ``GET  /sim/v1/actions?since_seq=N`` -> ``list[fleet.protocol.ActionLogEntry]``: every
-  mutating request (POST/PUT/PATCH/DELETE) this server received, on any path;
+  mutating request (POST/PUT/PATCH/DELETE) this server received, on any path but inference;
 * ``GET|PUT /sim/v1/api-faults`` ``{"rules": [ApiFaultRule...]}``: error rates on chosen verbs;
 * ``POST /sim/v1/nodes/{node}/lose`` and ``/restore``: node loss on demand;
 * whatever ``sim.serving.attach(world, app)`` adds (router, engines' metrics, faults, notify),
@@ -45,15 +45,28 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
+# Inference traffic is the data plane, not an action on the world: it stays out of the action log.
+DATA_PLANE_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
 class ActionLogMiddleware:
-    """Records every mutating HTTP request (after it was answered) in ``world.actions``."""
+    """Records every mutating HTTP request (after it was answered) in ``world.actions``.
+
+    Everything except inference requests (``DATA_PLANE_PATHS``): Kubernetes writes, router
+    admin changes, faults, notifications, tickets. Callers may name themselves with an
+    ``X-Fleetmend-Client`` header (e.g. the workflow and step); otherwise the User-Agent is used.
+    """
 
     def __init__(self, app: ASGIApp, world: SimWorld) -> None:
         self.app = app
         self.world = world
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in MUTATING_VERBS:
+        if (
+            scope["type"] != "http"
+            or scope["method"] not in MUTATING_VERBS
+            or scope["path"] in DATA_PLANE_PATHS
+        ):
             await self.app(scope, receive, send)
             return
         chunks: list[bytes] = []

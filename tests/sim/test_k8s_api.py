@@ -296,6 +296,7 @@ def test_action_log_records_every_mutation_with_client_identity(kube: Kube) -> N
     kube.core.read_namespaced_pod(name, NS)  # reads are not actions
     with pytest.raises(NotFoundException):
         kube.core.delete_namespaced_pod("ghost", NS)
+    httpx.post(f"{base}/v1/completions", json={"prompt": "hi"})  # inference is not an action on the world
     entries = httpx.get(f"{base}/sim/v1/actions", params={"since_seq": start}).json()
     assert [(e["verb"], e["status"]) for e in entries] == [("PATCH", 200), ("DELETE", 404)]
     patch = entries[0]
