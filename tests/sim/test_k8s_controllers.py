@@ -188,3 +188,24 @@ def test_a_rollout_to_a_crashing_revision_stalls_with_crash_looping_pods(kube: K
     deployment = kube.apps.read_namespaced_deployment("llama", NS)
     assert deployment.status.ready_replicas == 5 and deployment.status.unavailable_replicas == 1
     assert new_pods[0].spec.containers[0].image.endswith("v0.11.0")
+    progressing = {c.type: c for c in deployment.status.conditions}["Progressing"]
+    assert (progressing.status, progressing.reason) == ("True", "ReplicaSetUpdated")
+    # No progress for progressDeadlineSeconds (600 s): the rollout is reported as failed.
+    kube.sim.world.clock.advance(600)
+    failed = wait_for(
+        lambda: (
+            (
+                c := {c.type: c for c in kube.apps.read_namespaced_deployment("llama", NS).status.conditions}[
+                    "Progressing"
+                ]
+            ).status
+            == "False"
+            and c
+        ),
+        what="ProgressDeadlineExceeded",
+    )
+    assert failed.reason == "ProgressDeadlineExceeded"
+    assert (
+        failed.message
+        == f'ReplicaSet "{new_pods[0].metadata.owner_references[0].name}" has timed out progressing.'
+    )

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fleet.vocabulary import POD_DELETION_COST_ANNOTATION
+from sim.clock import parse_timestamp
 from sim.k8s import objects as o
 from sim.k8s.selectors import matches_label_selector_object, selector_object_to_string
 
@@ -198,6 +199,10 @@ def _deployment_status(cp: ControlPlane, deployment: Obj, new_rs: Obj, old: list
 
     def change(obj: Obj) -> None:
         status = obj.setdefault("status", {})
+        before = tuple(
+            int(status.get(k, 0)) for k in ("updatedReplicas", "readyReplicas", "availableReplicas")
+        )
+        progressed = before != (updated, ready, available)
         status["observedGeneration"] = obj["metadata"].get("generation", 1)
         status["replicas"] = replicas
         status["updatedReplicas"] = updated
@@ -243,17 +248,42 @@ def _deployment_status(cp: ControlPlane, deployment: Obj, new_rs: Obj, old: list
                 style="deployment",
             )
         else:
-            o.set_condition(
-                obj,
-                "Progressing",
-                "True",
-                stamp,
-                "ReplicaSetUpdated",
-                f'ReplicaSet "{new_name}" is progressing.',
-                style="deployment",
-            )
+            _progress_condition(cp, obj, new_name, progressed, stamp)
 
     cp.store.mutate("deployments", o.namespace_of(deployment), o.name_of(deployment), change)
+
+
+def _progress_condition(cp: ControlPlane, obj: Obj, new_name: str, progressed: bool, stamp: str) -> None:
+    """``Progressing`` during a rollout: ``lastUpdateTime`` moves with progress; without any for
+    ``progressDeadlineSeconds`` the condition turns False with reason ``ProgressDeadlineExceeded``."""
+    current = o.condition(obj, "Progressing")
+    deadline = float(obj["spec"].get("progressDeadlineSeconds", 600))
+    if current is None or progressed or current.get("reason") == "NewReplicaSetAvailable":
+        o.set_condition(
+            obj,
+            "Progressing",
+            "True",
+            stamp,
+            "ReplicaSetUpdated",
+            f'ReplicaSet "{new_name}" is progressing.',
+            style="deployment",
+        )
+        for cond in obj["status"]["conditions"]:
+            if cond["type"] == "Progressing":
+                cond["lastUpdateTime"] = stamp
+        return
+    if current.get("reason") == "ProgressDeadlineExceeded":
+        return
+    if cp.now() - parse_timestamp(current.get("lastUpdateTime", stamp)) > deadline:
+        o.set_condition(
+            obj,
+            "Progressing",
+            "False",
+            stamp,
+            "ProgressDeadlineExceeded",
+            f'ReplicaSet "{new_name}" has timed out progressing.',
+            style="deployment",
+        )
 
 
 # ------------------------------------------------------------------ ReplicaSet
