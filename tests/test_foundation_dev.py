@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import kubernetes
 import pytest
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 from ledger.migrate import is_at_head
-from worker.devstack import module_available
 from worker.processes import free_port, port_is_free
 from workflows.smoke import FleetmendSmoke
 
@@ -146,19 +146,15 @@ async def test_dev_starts_answers_stops_clean_and_keeps_history(
         assert (await http.get(f"http://127.0.0.1:{dev_config.ui_port}/")).status_code == 200
         metrics = await http.get(f"http://127.0.0.1:{dev_config.metrics_port}/metrics")
         assert "temporal_worker_task_slots_available" in metrics.text
-        if module_available("worker.webhook"):
-            webhook = f"http://127.0.0.1:{dev_config.env['FLEETMEND_WEBHOOK_PORT']}/healthz"
-            assert (await http.get(webhook)).status_code == 200
+        webhook = f"http://127.0.0.1:{dev_config.env['FLEETMEND_WEBHOOK_PORT']}/healthz"
+        assert (await http.get(webhook)).status_code == 200
 
     # The sim answers the official Kubernetes client through the kubeconfig the stack wrote.
-    if module_available("sim.runner"):
-        import kubernetes
-
-        kubeconfig = dev_config.state_dir / "sim" / "kubeconfig"
-        api = kubernetes.client.CoreV1Api(
-            kubernetes.config.new_client_from_config(config_file=str(kubeconfig), context="sim")
-        )
-        assert api.list_node().items
+    kubeconfig = dev_config.state_dir / "sim" / "kubeconfig"
+    api = kubernetes.client.CoreV1Api(
+        kubernetes.config.new_client_from_config(config_file=str(kubeconfig), context="sim")
+    )
+    assert api.list_node().items
 
     # The ledger database named in the table is migrated.
     match = re.search(r"(postgresql\+psycopg://\S+)", output)
@@ -213,8 +209,12 @@ def test_a_part_that_dies_stops_the_whole_stack(dev_config: DevConfig, cleanup: 
 
 
 def test_foundation_demo_runs_a_workflow_end_to_end_and_cleans_up(dev_config: DevConfig) -> None:
-    done = subprocess.run([FLEETMEND, "demo"], env=dev_config.env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [FLEETMEND, "demo"], env=dev_config.env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "workflow completed" in done.stdout
-    assert f"http://127.0.0.1:{dev_config.ui_port}/namespaces/default/workflows/fleetmend-smoke" in done.stdout
+    assert (
+        f"http://127.0.0.1:{dev_config.ui_port}/namespaces/default/workflows/fleetmend-smoke" in done.stdout
+    )
     assert_nothing_left(dev_config)

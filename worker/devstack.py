@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
-import importlib.util
 import logging
 import os
 import secrets
@@ -47,14 +45,6 @@ class Endpoint:
     part: str
     what: str
     url: str
-
-
-def module_available(name: str) -> bool:
-    """True when a part another issue builds (sim runner, webhook API, ledger migrations) exists."""
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:
-        return False
 
 
 def split_host_port(address: str, default_port: int) -> tuple[str, int]:
@@ -161,9 +151,6 @@ class _PostgresPart:
         await self._migrate()
 
     async def _migrate(self) -> None:
-        if not module_available("ledger.migrate"):
-            log.warning("ledger migrations are not part of this build yet; schema left as is")
-            return
         from ledger.migrate import upgrade_head
 
         assert self.url is not None
@@ -286,9 +273,10 @@ class _WebhookPart:
     async def start(self) -> None:
         import uvicorn
 
-        webhook = importlib.import_module("worker.webhook")
+        from worker.webhook import create_app  # imported on use: FastAPI is not needed by every command
+
         try:
-            app = webhook.create_app(self.settings)
+            app = create_app(self.settings)
         except ValueError as err:  # bad token / routing rules: the webhook's message names the fix
             raise StackError(f"the webhook API cannot start: {err}") from err
         config = uvicorn.Config(
@@ -371,7 +359,7 @@ class _WorkerPart:
     async def start(self) -> None:
         settings = self.stack.settings
         ready = asyncio.Event()
-        ledger_url = settings.database_url_value() if module_available("ledger.migrate") else None
+        ledger_url = settings.database_url_value()
         self._task = asyncio.create_task(
             run_worker(
                 settings,
@@ -417,9 +405,9 @@ class _WorkerPart:
 class DevStack:
     """Start the requested parts of the embedded stack; stop them all on exit.
 
-    ``parts`` names what to run (a subset of ``ALL_PARTS``). Parts whose code is
-    not part of this build yet (sim runner, webhook API) are listed in
-    ``skipped`` rather than failing the stack.
+    ``parts`` names what to run (a subset of ``ALL_PARTS``); ``headless_ui``
+    skips the Temporal Web UI (tests). Without the postgres part and without
+    FLEETMEND_DATABASE_URL the worker serves only what needs no ledger.
     """
 
     def __init__(
@@ -431,7 +419,6 @@ class DevStack:
         self.settings = settings
         self.requested = [p for p in ALL_PARTS if p in parts]
         self.headless_ui = headless_ui
-        self.skipped: dict[str, str] = {}
         self._started: list[_Part] = []
         self._client: Client | None = None
         self._runtime: Any = None
@@ -464,15 +451,9 @@ class DevStack:
             elif name == "postgres":
                 parts.append(_PostgresPart(self.settings))
             elif name == "sim":
-                if module_available("sim.runner"):
-                    parts.append(_SimPart(self))
-                else:
-                    self.skipped["sim"] = "sim.runner is not part of this build yet"
+                parts.append(_SimPart(self))
             elif name == "webhook":
-                if module_available("worker.webhook"):
-                    parts.append(_WebhookPart(self))
-                else:
-                    self.skipped["webhook"] = "worker.webhook is not part of this build yet"
+                parts.append(_WebhookPart(self))
             elif name == "worker":
                 parts.append(_WorkerPart(self))
         return parts
@@ -529,8 +510,6 @@ class DevStack:
         rows: list[Endpoint] = []
         for part in self._started:
             rows += part.endpoints()
-        for name, why in self.skipped.items():
-            rows.append(Endpoint(name, f"{name} (not started)", why))
         rows.append(Endpoint("state", "State and logs (kept)", str(self.settings.state_dir)))
         return rows
 
