@@ -7,6 +7,7 @@ wire the same code to real Postgres, the real Kubernetes client and httpx.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -19,6 +20,8 @@ from ledger.effect import EffectContext
 from ledger.store import EffectLedger
 from worker.config import Settings
 
+log = logging.getLogger("fleetmend.activities")
+
 
 @dataclass
 class ActivityDeps:
@@ -26,6 +29,19 @@ class ActivityDeps:
     ledger: EffectLedger
     identity: str = "fleetmend-worker"
     _http: httpx.Client | None = field(default=None, repr=False)
+
+    def warm_up(self) -> None:
+        """Build the clients now (loading a kubeconfig takes about a second), not in the first incident.
+
+        A cluster that cannot be configured is logged, not fatal: read-only and
+        ledger-only activities still work, and the first Kubernetes activity
+        fails with the client's own error.
+        """
+        try:
+            _ = self.kube
+        except Exception as exc:  # any configuration error: reported here, raised again per activity
+            log.warning("Kubernetes client not configured at start-up: %s", exc)
+        _ = self.router, self.http
 
     @cached_property
     def kube(self) -> KubeApis:

@@ -41,6 +41,13 @@ class ObserveRequest(BaseModel):
     check_progress_of: list[str] = Field(
         default_factory=list, description="Group ids whose engines get two scrapes (wedge detection)"
     )
+    focus_nodes: list[str] = Field(default_factory=list)
+    focus_pods: list[str] = Field(default_factory=list)
+    light: bool = Field(
+        False,
+        description="Only what confirming a loss needs: engines of the focus groups only, no GPU accounting "
+        "or scheduling events (the deroute must not wait for a full survey)",
+    )
 
 
 class NodeHealth(BaseModel):
@@ -177,7 +184,7 @@ class ObserveActivities:
 
         # Nodes, with GPUs allocated by every non-terminated pod on them (all namespaces).
         allocated: dict[str, int] = {}
-        for p in kr.list_all_pods(k):
+        for p in [] if req.light else kr.list_all_pods(k):
             node = p.get("spec", {}).get("nodeName")
             if node and not _terminated(p):
                 allocated[node] = allocated.get(node, 0) + _gpus_of(p)
@@ -259,7 +266,12 @@ class ObserveActivities:
         # Engines: health + one scrape per leader; two scrapes for groups under suspicion.
         engines: dict[str, EngineSnapshot] = {}
         first: dict[str, EngineSnapshot] = {}
+        focus = set(req.focus_pods)
         for g in groups:
+            if req.light and not (
+                focus & set(g.pods) or set(req.focus_nodes) & set(g.nodes) or g.id in req.check_progress_of
+            ):
+                continue
             leader = leaders[g.id]
             health, snap = self._probe_engine(ns, leader)
             pod_obs[g.leader_pod] = pod_obs[g.leader_pod].model_copy(update={"engine_health": health})
@@ -282,7 +294,7 @@ class ObserveActivities:
 
         pending: dict[str, str] = {}
         pending_names = {kr.name(p) for p in pods if p.get("status", {}).get("phase") == "Pending"}
-        if pending_names:
+        if pending_names and not req.light:
             for ev in sorted(kr.list_events(k, ns), key=lambda e: str(e.get("lastTimestamp") or "")):
                 obj = ev.get("involvedObject") or {}
                 if ev.get("reason") == "FailedScheduling" and obj.get("name") in pending_names:

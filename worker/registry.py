@@ -44,6 +44,7 @@ def build_activities(settings: Settings, database_url: str | None = None) -> lis
     if not url:
         return [smoke_probe]
     deps = ActivityDeps(settings=settings, ledger=EffectLedger(url))
+    deps.warm_up()
     return [
         smoke_probe,
         *_methods(ObserveActivities(deps)),

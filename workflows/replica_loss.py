@@ -161,9 +161,10 @@ class ReplicaLossRecovery:
 
     async def confirm_and_size(self) -> tuple[PoolObservation, list[ReplicaGroup]]:
         await self._enter(Phase.CONFIRMING, "Confirming the loss: is the endpoint gone, or merely slow?")
-        obs = await self._observe(check_progress=True, summary="confirm: read pool, endpoints, engines")
+        obs = await self._observe(
+            check_progress=True, light=True, summary="confirm: read pool, endpoints, engines"
+        )
         self._initial_obs = obs
-        self._baseline = {gid: e.waiting for gid, e in obs.engines.items()}
         lost = self._confirm(obs, self._reports)
         if not lost:
             return obs, []
@@ -316,6 +317,8 @@ class ReplicaLossRecovery:
             Phase.PROTECTING, "Protecting the survivors: reading their queues, KV and preemptions"
         )
         before = await self._observe(summary="survivors: first scrape")
+        # Survivors' queues now are the baseline verification compares against.
+        self._baseline = {gid: e.waiting for gid, e in before.engines.items()}
         await workflow.sleep(inp.timings.poll_interval_s, summary="interval between two scrapes")
         obs = await self._observe(summary="survivors: second scrape")
         seconds = max(1e-3, obs.snapshot.observed_at - before.snapshot.observed_at)
@@ -1111,14 +1114,22 @@ class ReplicaLossRecovery:
             if self._abort is not None:
                 raise Aborted()
 
-    async def _observe(self, *, check_progress: bool = False, summary: str) -> PoolObservation:
+    async def _observe(
+        self, *, check_progress: bool = False, light: bool = False, summary: str
+    ) -> PoolObservation:
         inp = self._inp_()
         focus: list[str] = []
         if check_progress:
             focus = sorted({r.replica_group or r.pod or "" for r in self._reports} - {""})
         return await workflow.execute_activity_method(
             ObserveActivities.observe_pool,
-            ObserveRequest(pool=inp.pool, check_progress_of=focus),
+            ObserveRequest(
+                pool=inp.pool,
+                check_progress_of=focus,
+                focus_nodes=sorted({r.node for r in self._reports if r.node}),
+                focus_pods=sorted({r.pod for r in self._reports if r.pod}),
+                light=light,
+            ),
             start_to_close_timeout=_ACT_TIMEOUT,
             retry_policy=_ACT_RETRY,
             summary=summary[:190],
