@@ -218,3 +218,21 @@ def test_foundation_demo_runs_a_workflow_end_to_end_and_cleans_up(dev_config: De
         f"http://127.0.0.1:{dev_config.ui_port}/namespaces/default/workflows/fleetmend-smoke" in done.stdout
     )
     assert_nothing_left(dev_config)
+
+
+def test_a_killed_supervisor_takes_temporal_with_it_and_a_restart_adopts_postgres(
+    dev_config: DevConfig, cleanup: list[DevRun]
+) -> None:
+    run = start_dev(dev_config, "killed")
+    cleanup.append(run)
+    run.proc.kill()  # SIGKILL: no chance to clean up
+    run.proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while processes_using(dev_config.state_dir / "temporal.db") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_using(dev_config.state_dir / "temporal.db") == []  # died with its parent
+    # Postgres runs detached (pg_ctl) and survives; the next start adopts it and stops it.
+    again = start_dev(dev_config, "adopt")
+    cleanup.append(again)
+    assert stop_dev(again) == 0
+    assert_nothing_left(dev_config)
