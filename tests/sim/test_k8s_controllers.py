@@ -209,3 +209,19 @@ def test_a_rollout_to_a_crashing_revision_stalls_with_crash_looping_pods(kube: K
         failed.message
         == f'ReplicaSet "{new_pods[0].metadata.owner_references[0].name}" has timed out progressing.'
     )
+
+
+@pytest.mark.parametrize("sim_server", ["scale-down"], indirect=True)
+def test_scaling_down_removes_the_pod_with_the_lowest_deletion_cost(kube: Kube) -> None:
+    serving = pods(kube, "fleetmend.io/role=serving")
+    assert len(serving) == 8
+    victim = serving[3].metadata.name
+    kube.core.patch_namespaced_pod(
+        victim, NS, {"metadata": {"annotations": {"controller.kubernetes.io/pod-deletion-cost": "-100"}}}
+    )
+    kube.apps.patch_namespaced_deployment_scale("llama", NS, {"spec": {"replicas": 7}})
+    deleted = wait_for(
+        lambda: [p.metadata.name for p in pods(kube) if p.metadata.deletion_timestamp], what="one pod deleted"
+    )
+    assert deleted == [victim]
+    wait_for(lambda: len(pods(kube)) == 7, what="7 pods left")
