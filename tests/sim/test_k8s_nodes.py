@@ -6,6 +6,14 @@ from typing import Any
 
 import httpx
 import pytest
+from kubernetes.client import (
+    V1Container,
+    V1ObjectMeta,
+    V1Pod,
+    V1PodSpec,
+    V1ResourceRequirements,
+    V1Toleration,
+)
 from kubernetes.client.exceptions import NotFoundException
 
 from fleet.vocabulary import GPU_RESOURCE, LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL, NVLINK_DOMAIN_LABEL
@@ -241,3 +249,55 @@ def test_a_lost_rank_node_takes_its_group_which_waits_for_the_stuck_pod(kube: Ku
     domains = {kube.core.read_node(p.spec.node_name).metadata.labels[NVLINK_DOMAIN_LABEL] for p in group}
     assert_valid_objects(kube)
     assert domains == {"nvl-2"} and lost_node not in {p.spec.node_name for p in group}
+
+
+@pytest.mark.parametrize("sim_server", ["fragmented"], indirect=True)
+def test_the_scheduler_respects_node_selectors_taints_and_tolerations(kube: Kube) -> None:
+    from kubernetes.client import (
+        V1Container,
+        V1ObjectMeta,
+        V1Pod,
+        V1PodSpec,
+        V1ResourceRequirements,
+        V1Toleration,
+    )
+
+    kube.core.patch_node(
+        "gpu-node-2",
+        {"spec": {"taints": [{"key": "fleetmend.io/quarantine", "value": "xid-79", "effect": "NoSchedule"}]}},
+    )
+
+    def pod(name: str, selector: dict[str, str], tolerations: list[V1Toleration] | None = None) -> V1Pod:
+        gpus = V1ResourceRequirements(limits={GPU_RESOURCE: "1"}, requests={GPU_RESOURCE: "1"})
+        spec = V1PodSpec(
+            containers=[V1Container(name="probe", image="busybox", resources=gpus)],
+            node_selector=selector,
+            tolerations=tolerations,
+        )
+        return V1Pod(metadata=V1ObjectMeta(name=name), spec=spec)
+
+    kube.core.create_namespaced_pod(NS, pod("pinned", {"kubernetes.io/hostname": "gpu-node-1"}))
+    kube.core.create_namespaced_pod(NS, pod("blocked", {"kubernetes.io/hostname": "gpu-node-2"}))
+    tolerate = [V1Toleration(key="fleetmend.io/quarantine", operator="Exists", effect="NoSchedule")]
+    kube.core.create_namespaced_pod(NS, pod("qualifier", {"kubernetes.io/hostname": "gpu-node-2"}, tolerate))
+    wait_for(
+        lambda: kube.core.read_namespaced_pod("pinned", NS).spec.node_name == "gpu-node-1",
+        what="pinned pod bound",
+    )
+    wait_for(
+        lambda: kube.core.read_namespaced_pod("qualifier", NS).spec.node_name == "gpu-node-2",
+        what="tolerating pod bound",
+    )
+    event = wait_for(
+        lambda: (
+            kube.core.list_namespaced_event(
+                NS, field_selector="involvedObject.name=blocked,reason=FailedScheduling"
+            ).items
+        ),
+        what="FailedScheduling for the blocked pod",
+    )[0]
+    assert event.message.startswith(
+        "0/4 nodes are available: 1 node(s) had untolerated taint {fleetmend.io/quarantine: xid-79}, "
+        "3 node(s) didn't match Pod's node affinity/selector."
+    )
+    assert kube.core.read_namespaced_pod("blocked", NS).spec.node_name is None
