@@ -253,14 +253,6 @@ def test_a_lost_rank_node_takes_its_group_which_waits_for_the_stuck_pod(kube: Ku
 
 @pytest.mark.parametrize("sim_server", ["fragmented"], indirect=True)
 def test_the_scheduler_respects_node_selectors_taints_and_tolerations(kube: Kube) -> None:
-    from kubernetes.client import (
-        V1Container,
-        V1ObjectMeta,
-        V1Pod,
-        V1PodSpec,
-        V1ResourceRequirements,
-        V1Toleration,
-    )
 
     kube.core.patch_node(
         "gpu-node-2",
