@@ -14,12 +14,13 @@ timings.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import secrets
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,13 @@ import httpx
 import pytest
 import pytest_asyncio
 import yaml
+from pydantic import SecretStr
 from temporalio.client import Client
+from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
+from fleet.recovery import Phase, ProcedureStatus, RecoveryTimings
+from fleet.vocabulary import FaultKind
 from sim.runner import RunningSim, start_sim
 from sim.scenario import load_scenario
 from tests.webhook.conftest import (
@@ -41,7 +46,9 @@ from tests.webhook.conftest import (
 )
 from worker.alert_examples import alertmanager_fingerprint
 from worker.processes import free_port
+from worker.rig import fleet_rig
 from worker.webhook import create_app
+from workflows.incident import FleetIncident
 
 REPO = Path(__file__).resolve().parents[2]
 PROMETHEUS = Path("/usr/bin/prometheus")
@@ -154,8 +161,10 @@ def webhook(sim: RunningSim, temporal_env: WorkflowEnvironment, task_queue: str)
         yield ServedWebhook(app, base_url, token, settings)
 
 
-@pytest_asyncio.fixture
-async def pipeline(sim: RunningSim, webhook: ServedWebhook, tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
+@asynccontextmanager
+async def alert_pipeline(
+    sim_port: int, webhook: ServedWebhook, tmp_path: Path
+) -> AsyncIterator[dict[str, Any]]:
     """Prometheus and Alertmanager from the Debian packages with the repo's configs, on free ports."""
     am_port, prom_port = free_port(), free_port()
     token_file = tmp_path / "fleetmend-token"
@@ -165,7 +174,7 @@ async def pipeline(sim: RunningSim, webhook: ServedWebhook, tmp_path: Path) -> A
     prom_config = templated_prometheus(
         tmp_path / "prometheus.yml",
         templated_rules(tmp_path / "rules.yml"),
-        sim=f"127.0.0.1:{sim.port}",
+        sim=f"127.0.0.1:{sim_port}",
         alertmanager=f"127.0.0.1:{am_port}",
         webhook=webhook.base_url.removeprefix("http://"),
     )
@@ -195,6 +204,18 @@ async def pipeline(sim: RunningSim, webhook: ServedWebhook, tmp_path: Path) -> A
             yield {"http": http, "alertmanager": am, "prometheus": prom, "logs": logs}
 
 
+@pytest_asyncio.fixture
+async def pipeline(sim: RunningSim, webhook: ServedWebhook, tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
+    async with alert_pipeline(sim.port, webhook, tmp_path) as running:
+        yield running
+
+
+async def cluster_state_scraped(pipeline: dict[str, Any]) -> bool:
+    query = 'kube_node_status_condition{job="kube-state-metrics",condition="Ready",status="true"}'
+    response = await pipeline["http"].get(pipeline["prometheus"] + "/api/v1/query", params={"query": query})
+    return len(response.json()["data"]["result"]) >= 4
+
+
 async def test_a_lost_node_reaches_exactly_one_incident_through_prometheus_and_alertmanager(
     sim: RunningSim, webhook: ServedWebhook, pipeline: dict[str, Any], temporal_client: Client
 ) -> None:
@@ -203,12 +224,9 @@ async def test_a_lost_node_reaches_exactly_one_incident_through_prometheus_and_a
     namespace = sim.world.scenario.namespace
     workflow_id = f"incident/{namespace}/llama"
 
-    async def cluster_state_scraped() -> bool:
-        query = 'kube_node_status_condition{job="kube-state-metrics",condition="Ready",status="true"}'
-        result = (await http.get(pipeline["prometheus"] + "/api/v1/query", params={"query": query})).json()
-        return len(result["data"]["result"]) >= 4
-
-    await wait_for("Prometheus to scrape the sim's kube-state-metrics", cluster_state_scraped, 30, logs)
+    await wait_for(
+        "Prometheus to scrape the sim's kube-state-metrics", lambda: cluster_state_scraped(pipeline), 30, logs
+    )
     assert await workflow_ids(temporal_client, f'WorkflowId = "{workflow_id}"') == []  # healthy: no incident
 
     lost_pods = sorted(
@@ -271,3 +289,86 @@ async def test_a_lost_node_reaches_exactly_one_incident_through_prometheus_and_a
             indent=2,
         )
     )
+
+
+SHORT_TIMINGS = RecoveryTimings(
+    correlation_window_s=3,
+    poll_interval_s=0.5,
+    deroute_timeout_s=30,
+    replacement_timeout_s=180,
+    ramp_interval_s=1,
+    ramp_max_s=60,
+    qualification_timeout_s=120,
+    approval_timeout_s=120,
+    verify_timeout_s=120,
+    cooldown_s=2,
+)
+
+
+@pytest.mark.slow
+async def test_the_incident_an_alert_opened_recovers_the_pool(
+    temporal_client: Client, task_queue: str, ledger_url: str, tmp_path: Path
+) -> None:
+    """The same pipeline with a real fleetmend worker: the FleetIncident that Alertmanager's
+    webhook opened runs the replica-loss procedure against the sim and restores the pool."""
+    run_params = [p for p in inspect.signature(FleetIncident.run).parameters if p != "self"]
+    if run_params != ["pool"]:
+        # temporalio decodes workflow arguments with the run method's type hints only when the
+        # number of payloads equals the number of parameters; the webhook starts FleetIncident
+        # with exactly one (the PoolRef, fleet/incident.py's contract), so any extra parameter
+        # -- even a defaulted one -- makes `pool` arrive as a dict and the first task fail.
+        pytest.xfail(
+            f"workflows/incident.py: FleetIncident.run takes {run_params}; a one-argument start "
+            "(the webhook's contract) decodes `pool` as a dict -- give run exactly one parameter"
+        )
+    scenario = load_scenario(REPO / "sim/scenarios/gpu-node-loss.yaml")
+    namespace = f"e2e-{secrets.token_hex(3)}"
+    scenario = scenario.model_copy(update={"namespace": namespace})
+    workflow_id = f"incident/{namespace}/llama"
+    async with fleet_rig(
+        temporal_client,
+        scenario=scenario,  # type: ignore[arg-type]  # start_sim takes a Scenario too
+        database_url=ledger_url,
+        task_queue=task_queue,
+        speed=20,
+        recovery_timings=SHORT_TIMINGS,
+    ) as rig:
+        token = secrets.token_urlsafe(32)
+        settings = rig.settings.model_copy(update={"webhook_token": SecretStr(token)})
+        app = create_app(settings)
+        with serve_webhook(app, settings) as base_url:
+            webhook = ServedWebhook(app, base_url, token, settings)
+            async with alert_pipeline(rig.sim.port, webhook, tmp_path) as pipeline:
+                logs: list[Path] = pipeline["logs"]
+                await wait_for(
+                    "Prometheus to scrape the sim", lambda: cluster_state_scraped(pipeline), 30, logs
+                )
+                await rig.inject(FaultKind.NODE_LOST, LOST_NODE)
+
+                async def incident_opened() -> bool:
+                    return bool(
+                        await workflow_ids(temporal_client, f'WorkflowId = "{workflow_id}"', timeout_s=0)
+                    )
+
+                await wait_for("the alert to open the incident", incident_opened, 90, logs)
+                child = temporal_client.get_workflow_handle(
+                    f"{workflow_id}/recovery-1", result_type=ProcedureStatus
+                )
+                result = await wait_for("the recovery child to start", lambda: _described(child), 60, logs)
+                assert result
+                status: ProcedureStatus = await asyncio.wait_for(child.result(), timeout=300)
+
+    assert status.phase == Phase.DONE, status.model_dump_json(indent=2)[-3000:]
+    assert status.verification is not None and status.verification.passed, status.verification
+    runs = await workflow_ids(
+        temporal_client, f'TaskQueue = "{task_queue}" AND WorkflowType = "FleetIncident"'
+    )
+    assert runs == [workflow_id]
+
+
+async def _described(handle: Any) -> bool:
+    try:
+        await handle.describe()
+    except RPCError:
+        return False
+    return True
