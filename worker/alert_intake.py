@@ -130,6 +130,11 @@ class AlertIntake:
         ``KubernetesUnavailable`` when the notification should be retried."""
         for alert in payload.alerts:
             self._metrics.alerts_received.labels(alert.status.value).inc()
+        if payload.truncated_alerts:
+            log.warning(
+                "Alertmanager truncated this notification (max_alerts); the dropped alerts arrive with a later one",
+                extra={"group_key": payload.group_key, "truncated_alerts": payload.truncated_alerts},
+            )
         routed = await asyncio.gather(*(self._router.route(a) for a in payload.alerts))
         result = IntakeResult()
         pending: list[tuple[int, RoutedReport]] = []

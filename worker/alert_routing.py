@@ -14,7 +14,7 @@ from enum import StrEnum
 
 from pydantic import ValidationError
 
-from fleet.incident import AlertStatus, LossReport, PoolRef, Severity, incident_workflow_id
+from fleet.incident import LossReport, PoolRef, Severity, incident_workflow_id
 from worker.alert_rules import AlertRule, AlertRules, RuleAction
 from worker.alertmanager import AlertmanagerAlert
 from worker.pool_topology import AffectedGroup, PodNotFound, PoolTopology, is_namespace_name, is_object_name
@@ -174,7 +174,3 @@ def _severity(label: str | None) -> Severity:
         return Severity(label) if label else Severity.CRITICAL
     except ValueError:
         return Severity.CRITICAL
-
-
-def is_firing(alert: AlertmanagerAlert) -> bool:
-    return alert.status == AlertStatus.FIRING
