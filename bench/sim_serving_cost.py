@@ -38,9 +38,13 @@ async def main(rate: float, speed: float, duration: float) -> None:
     cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
     stop.set()
     await asyncio.wait_for(task, 15)
-    print(f"scenario gpu-node-loss: {routed} routed replicas, load {rate:g} req/s sim for {duration:g} s sim at speed {speed:g}")
+    print(
+        f"scenario gpu-node-loss: {routed} routed replicas, load {rate:g} req/s sim for {duration:g} s sim at speed {speed:g}"
+    )
     print(f"  requests {report.sent}, goodput {report.goodput}, late {report.late}, shed {report.shed}")
-    print(f"  wall {wall:.1f}s, CPU {cpu:.2f}s -> {cpu / wall:.2f} cores busy, {1000 * cpu / max(1, report.sent):.2f} ms CPU/request")
+    print(
+        f"  wall {wall:.1f}s, CPU {cpu:.2f}s -> {cpu / wall:.2f} cores busy, {1000 * cpu / max(1, report.sent):.2f} ms CPU/request"
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 | node-lost       | node          | (world) kubelet silent -> Ready=Unknown -> taint -> eviction at +300 s; |
 |                 |               | its engines die at once, its DCGM exporter stops answering              |
 | gpu-xid         | node (+gpu,   | DCGM_FI_DEV_XID_ERRORS{err_code} = code (ECC counters for 48/63/64/94/95);|
+|                 |  keep_alive)  | a hardware Xid lowers the node's allocatable nvidia.com/gpu (device plugin);|
 |                 |  code)        | the replica holding that GPU dies (503, then container exit, restart);  |
 |                 |               | a hardware Xid leaves the GPU broken: restarts crash-loop until repair  |
 | pod-oomkilled   | ns/pod        | process killed: lastState.terminated.reason=OOMKilled, exit 137,       |
@@ -30,7 +31,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from fleet.protocol import FaultRequest
-from fleet.vocabulary import LWS_GROUP_KEY_LABEL, REVISION_LABEL, FaultKind
+from fleet.vocabulary import GPU_RESOURCE, LWS_GROUP_KEY_LABEL, REVISION_LABEL, FaultKind
 from sim.serving.supervisor import is_leader
 from sim.serving.telemetry import (
     APPLICATION_XIDS,
@@ -229,6 +230,7 @@ class FaultInjector:
         reason = f"CUDA error: Xid {code} on GPU {gpu} of {node}"
         if code not in APPLICATION_XIDS:
             state.broken = f"Xid {code}"
+        self._sync_allocatable(node)
         victims = self._victims(node, gpu)
         if params.get("keep_alive"):
             for key in victims:
@@ -243,6 +245,7 @@ class FaultInjector:
         state.nvlink_crc_errors += 250
         state.nvlink_replay_errors += 40
         state.broken = "Xid 74 (NVLink error)"
+        self._sync_allocatable(node)
         victims = [
             key
             for key in self._victims(node, gpu)
@@ -363,3 +366,16 @@ class FaultInjector:
             g.ecc_sbe_vol = g.ecc_dbe_vol = 0
             g.last_xid = 0
             g.row_remap_failure = 0
+        self._sync_allocatable(node)
+
+    def _sync_allocatable(self, node: str) -> None:
+        """The device plugin reports unhealthy GPUs: allocatable nvidia.com/gpu = capacity - broken."""
+        tel = self.layer.node_telemetry(node)
+        broken = sum(1 for g in tel.gpus if g.broken)
+
+        def change(obj: dict[str, Any]) -> None:
+            status = obj.setdefault("status", {})
+            capacity = int((status.get("capacity") or {}).get(GPU_RESOURCE, len(tel.gpus)))
+            status.setdefault("allocatable", {})[GPU_RESOURCE] = str(max(0, capacity - broken))
+
+        self.layer.world.store.mutate("nodes", "", node, change)

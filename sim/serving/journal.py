@@ -17,7 +17,7 @@ DEFAULT_PAGE = 1000
 
 
 class Journal:
-    def __init__(self, max_entries: int = 500_000) -> None:
+    def __init__(self, max_entries: int = 100_000) -> None:
         self._entries: list[JournalEntry] = []  # sorted by ended_at
         self._ends: list[float] = []
         self._lock = threading.Lock()

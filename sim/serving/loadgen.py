@@ -235,8 +235,10 @@ class LoadRun:
         else:
             self._speed = float(self._layer.clock.speed)
             self._start_sim = float(self._layer.clock.now())
-        self._start_mono = time.monotonic()
         model = self.spec.model or await self._default_model()
+        self._start_mono = time.monotonic()
+        if self._layer is not None:
+            self._start_sim = float(self._layer.clock.now())
         for arrival in arrivals(self.spec):
             await self._sleep_until(arrival.offset_s)
             self.sent += 1
@@ -246,15 +248,21 @@ class LoadRun:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    async def _default_model(self) -> str:
-        if self._layer is not None:
-            served = self._layer.router.served_models()
-        else:
-            assert self._http is not None
-            served = {m["id"]: m["owned_by"] for m in (await self._http.get("/v1/models")).json()["data"]}
-        if not served:
-            raise RuntimeError("the gateway serves no model yet; wait until a pool has pods, or pass model=")
-        return sorted(served)[0]
+    async def _default_model(self, wait_s: float = 900.0) -> str:
+        """The first model the gateway serves, waiting (sim seconds) for a pool to come up."""
+        waited = 0.0
+        while True:
+            if self._layer is not None:
+                served = self._layer.router.served_models()
+            else:
+                assert self._http is not None
+                served = {m["id"]: m["owned_by"] for m in (await self._http.get("/v1/models")).json()["data"]}
+            if served:
+                return sorted(served)[0]
+            if waited >= wait_s:
+                raise RuntimeError("the gateway serves no model; wait until a pool has pods, or pass model=")
+            await asyncio.sleep(1.0 / self._speed)
+            waited += 1.0
 
     def _body(self, arrival: Arrival, model: str) -> dict[str, Any]:
         body: dict[str, Any] = {

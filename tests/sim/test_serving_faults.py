@@ -50,6 +50,9 @@ async def test_gpu_xid_79_kills_the_replica_on_that_gpu_shows_in_dcgm_and_fails_
         (xid,) = samples(dcgm["DCGM_FI_DEV_XID_ERRORS"], gpu=str(gpu))
         assert xid.value == 79 and xid.labels["err_code"] == "79"
         assert xid.labels["err_msg"] == "GPU has fallen off the bus" and xid.labels["pod"] == victim
+        # The device plugin marks the GPU unhealthy: one GPU less is allocatable on that node.
+        node_obj = sim.world.store.find("nodes", "", node)
+        assert node_obj is not None and node_obj["status"]["allocatable"]["nvidia.com/gpu"] == "7"
         # The engine is dead: /health 503 while the API server lingers, then the container exits.
         assert (await sim.http.get(f"/pods/{NAMESPACE}/{victim}/health")).status_code == 503
         restarts = {"namespace": NAMESPACE, "pod": victim}
@@ -84,6 +87,7 @@ async def test_gpu_xid_79_kills_the_replica_on_that_gpu_shows_in_dcgm_and_fails_
         assert other["state"] == "passed"
         # A repair (GPU reset / RMA) clears it; the replica comes back and qualification passes.
         assert (await sim.fault("gpu-xid", node, clear=True)).status_code == 202
+        assert sim.world.store.find("nodes", "", node)["status"]["allocatable"]["nvidia.com/gpu"] == "8"  # type: ignore[index]
         await sim.wait_for(lambda: victim in sim.serving_pods(), 120, "the replica to come back")
         await sim.http.post(f"/nodes/{node}/qualification")
         await sim.wait_for(finished, 60, "diagnostics")

@@ -97,3 +97,14 @@ async def test_prometheus_http_service_discovery_lists_every_replica_and_node() 
         assert {"/nodes/gpu-node-0/metrics", "/nodes/gpu-node-1/metrics"} <= paths
         for path in paths:
             assert (await sim.http.get(path)).status_code == 200
+
+
+async def test_scenario_traffic_starts_with_the_simulator_and_waits_for_the_pool() -> None:
+    async with running_serving(scenario(load={"traffic": {"rate": 5.0, "seed": 2}}), speed=20) as sim:
+        run = sim.layer.background_load
+        assert run is not None
+        await sim.wait_serving(2)
+        await sim.wait_for(lambda: len(run.results) >= 10, 60, "background requests")
+        report = run.report()
+        assert report.goodput + report.shed >= 10 and report.terminal_errors == 0
+        assert len(sim.layer.journal) >= 10
