@@ -1,12 +1,11 @@
 """Shared fixtures: a real Temporal dev server (and a time-skipping one), clients, a worker runner.
 
 Every server binds free loopback ports: other test runs share this machine.
-Postgres fixtures live in ``tests/pg.py`` (loaded below when present).
+Postgres fixtures live in ``tests/pg.py`` (loaded below as a plugin).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -28,8 +27,8 @@ from worker.temporal_dev import find_temporal_cli
 from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
 from workflows.search_attributes import ALL_SEARCH_ATTRIBUTES
 
-if importlib.util.find_spec("tests.pg") is not None:
-    pytest_plugins = ["tests.pg"]
+# Postgres: pg_server (session), pg_url (an empty database per test), ledger_url (migrated).
+pytest_plugins = ["tests.pg"]
 
 # Time-skipping is a dynamic-config switch of the dev server (DESIGN.md §6b).
 TIME_SKIPPING_ARGS = ["--dynamic-config-value", "frontend.WorkflowTimeSkippingEnabled=true"]
