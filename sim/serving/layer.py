@@ -92,6 +92,7 @@ class ServingLayer:
         self.tickets: list[dict[str, Any]] = []
         self._scheduled: list[FaultRequest] = []
         self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self.background_load: Any = None
         self.supervisor.start_blocker = self._start_blocker
@@ -107,7 +108,8 @@ class ServingLayer:
     def start(self) -> asyncio.Task[None]:
         if self._task is None or self._task.done():
             self._stopping = False
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-serving")
+            self._loop = asyncio.get_running_loop()
+            self._task = self._loop.create_task(self._run(), name="sim-serving")
             if self.settings.traffic is not None and self.background_load is None:
                 from sim.serving.loadgen import LoadSpec, start_load
 
@@ -152,10 +154,27 @@ class ServingLayer:
 
     # ---- faults ---------------------------------------------------------------------------
     def _world_fault_handler(self, fault: FaultRequest) -> None:
+        """``world.inject_fault`` for the serving-layer kinds; callable from any thread."""
         try:
-            self.faults.apply(fault)
+            self.faults.validate(fault)
         except FaultError as exc:
             raise KeyError(exc.message) if exc.status == 404 else ValueError(exc.message) from None
+        loop = self._loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is not None and running is not loop and not loop.is_closed():
+            # Engines and streams live on the serving loop: apply the fault there.
+            loop.call_soon_threadsafe(self._apply_logged, fault)
+        else:
+            self.faults.apply(fault)
+
+    def _apply_logged(self, fault: FaultRequest) -> None:
+        try:
+            self.faults.apply(fault)
+        except Exception:
+            log.exception("fault %s on %s failed", fault.kind.value, fault.target)
 
     def submit_fault(self, fault: FaultRequest) -> dict[str, Any]:
         """Validate now; apply now or at ``fault.at`` (sim time). Raises FaultError on bad input."""

@@ -7,12 +7,20 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 
+from sim.serving.engine import EngineRefused, EngineRequest
 from tests.sim.serving_fixtures import NAMESPACE, POOL, RunningServing, running_serving, scenario
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 # Slow sequences (2 tokens/s) so a test can act while a stream is open.
 SLOW = {"engine": {"max_tokens_per_seq_s": 2.0}}
+
+
+class _NullSink:
+    def on_tokens(self, count: int, now: float) -> None: ...
+    def on_finished(self, reason: str, now: float) -> None: ...
+    def on_aborted(self, reason: str, now: float) -> None: ...
 
 
 async def read_sse(response: httpx.Response) -> tuple[int, list[dict[str, Any]], bool]:
@@ -158,3 +166,49 @@ async def test_admin_api_rejects_bad_input_with_a_clear_error_and_changes_nothin
         assert (await sim.http.get(f"/router/v1/pools/{POOL}/state")).json() == before
         unknown = await sim.http.post("/v1/completions", json={"model": "gpt-9", "max_tokens": 4})
         assert unknown.status_code == 404 and "known models" in unknown.json()["error"]["message"]
+
+
+async def test_deleting_a_pod_drains_with_a_shutdown_timeout_and_cuts_streams_without_one() -> None:
+    """``kubectl delete pod`` over the Kubernetes API: vLLM's --shutdown-timeout decides the streams' fate."""
+    for timeout_s, expect_done in ((30.0, True), (0.0, False)):
+        scn = scenario(load=SLOW, model={"shutdown_timeout_s": timeout_s})
+        async with running_serving(scn, speed=10) as sim:
+            await sim.wait_serving(2)
+            body = {"model": MODEL, "max_tokens": 16, "stream": True, "deadline_s": 120}
+            async with sim.http.stream("POST", "/v1/completions", json=body) as response:
+                replica = response.headers["x-fleetmend-replica"]
+                lines = response.aiter_lines()
+                assert " tok" in await anext(lines)
+                deleted = await sim.http.delete(
+                    f"/api/v1/namespaces/{NAMESPACE}/pods/{replica}",
+                    headers={"Authorization": f"Bearer {sim.world.token}"},
+                )
+                assert deleted.status_code == 200, deleted.text
+                engine = sim.layer.supervisor.get(f"{NAMESPACE}/{replica}")
+                assert engine is not None
+                if expect_done:
+                    # Draining: new requests are refused, the running stream goes on.
+                    await sim.wait_for(lambda: engine.state.value == "draining", 10, "drain")  # noqa: B023
+
+                    async def derouted() -> bool:
+                        routed = (await sim.http.get(f"/router/v1/pools/{POOL}/routing-set")).json()[
+                            "endpoints"
+                        ]
+                        return replica not in {e["pod"] for e in routed}  # noqa: B023  (terminating: not ready)
+
+                    await sim.wait_for(derouted, 10, "the terminating pod to leave the routing set")
+                    with pytest.raises(EngineRefused) as refused:
+                        engine.submit(
+                            EngineRequest("late-comer", 10, 4, 4, _NullSink()), sim.world.clock.now()
+                        )
+                    assert refused.value.status == 503
+                rest = [line async for line in lines if line.startswith("data: ")]
+            done = rest[-1] == "data: [DONE]"
+            assert done is expect_done, (timeout_s, rest[-2:])
+            if not expect_done:
+                assert "terminal_stream_error" in rest[-1]
+            await sim.wait_for(
+                lambda: sim.layer.kube.pod(NAMESPACE, replica) is None,  # noqa: B023
+                60,
+                "the pod to go once its engine exited",
+            )

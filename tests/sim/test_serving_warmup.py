@@ -3,7 +3,7 @@ and equal-share routing to it makes requests late where rate-proportional weight
 
 from __future__ import annotations
 
-import itertools
+import statistics
 from typing import Any
 
 from fleet.vocabulary import Tier
@@ -39,11 +39,13 @@ async def test_a_cold_replicas_measured_rate_climbs_to_warm_over_its_warm_up_win
             previous_tokens, previous_at = tokens, at
         await run.stop()
     early = [rate for age, rate in rates if age <= 15]
+    middle = [rate for age, rate in rates if 20 <= age <= 35]
     late = [rate for age, rate in rates if age >= 45]
-    assert early and late, rates
-    assert max(early) < 0.6 * WARM_RATE, rates  # cold: a fraction of the warm rate
-    assert min(late) > 0.85 * WARM_RATE, rates  # warm once the window has passed
-    assert all(b >= a * 0.9 for (_, a), (_, b) in itertools.pairwise(rates)), rates  # it climbs
+    assert early and middle and late, rates
+    mean = statistics.fmean
+    assert mean(early) < 0.6 * WARM_RATE, rates  # cold: a fraction of the warm rate
+    assert mean(early) < mean(middle) < mean(late), rates  # it climbs...
+    assert mean(late) > 0.85 * WARM_RATE, rates  # ...to warm once the window has passed
 
 
 async def run_with_one_cold_replica(weighting: str, spec: LoadSpec) -> tuple[LoadReport, dict[str, Any]]:
