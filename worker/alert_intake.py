@@ -110,6 +110,7 @@ class AlertIntake:
         self._metrics = metrics
         self._rpc_timeout = timedelta(seconds=rpc_timeout_s)
         self._recent = _RecentDeliveries(dedupe_ttl_s)
+        self._inflight: dict[tuple[object, ...], asyncio.Future[Delivery | None]] = {}
 
     async def client(self) -> Client:
         """The Temporal client, connected on first use (and again after a failed connect)."""
@@ -199,12 +200,37 @@ class AlertIntake:
             )
 
     async def _deliver(self, routed: RoutedReport) -> Delivery | None:
-        """Signal one report; ``None`` when a signal-open-incident rule finds no open incident."""
-        report = routed.report
+        """Signal one report once: a repeat that arrives while the first delivery is in flight
+        waits for it, one that arrives after it is answered from memory."""
         key = _RecentDeliveries.key(routed)
         if key in self._recent:
             self._metrics.reports_deduplicated.inc()
             return _delivery(routed, "duplicate")
+        first = self._inflight.get(key)
+        if first is not None:
+            delivered = await asyncio.shield(first)  # the first delivery's failure fails this one too
+            self._metrics.reports_deduplicated.inc()
+            return None if delivered is None else _delivery(routed, "duplicate")
+        future: asyncio.Future[Delivery | None] = asyncio.get_running_loop().create_future()
+        self._inflight[key] = future
+        try:
+            delivered = await self._signal(routed, key)
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except Exception as err:
+            future.set_exception(err)
+            future.exception()  # retrieved: there may be no one waiting
+            raise
+        else:
+            future.set_result(delivered)
+            return delivered
+        finally:
+            del self._inflight[key]
+
+    async def _signal(self, routed: RoutedReport, key: tuple[object, ...]) -> Delivery | None:
+        """Signal (with start) one report; ``None`` when a signal-open-incident rule finds no open incident."""
+        report = routed.report
         client = await self.client()
         try:
             if routed.action == RuleAction.START_INCIDENT:
