@@ -13,10 +13,11 @@ RUN pip install --no-cache-dir --prefix=/install .
 
 FROM python:3.11-slim
 RUN useradd --create-home --uid 10001 fleetmend \
- && mkdir -p /var/lib/fleetmend \
- && chown fleetmend:fleetmend /var/lib/fleetmend
+ && mkdir -p /var/lib/fleetmend/sim \
+ && chown -R fleetmend:fleetmend /var/lib/fleetmend
 COPY --from=build /install /usr/local
 COPY deploy /opt/fleetmend/deploy
+COPY sim/scenarios /opt/fleetmend/scenarios
 ENV PYTHONUNBUFFERED=1 \
     FLEETMEND_STATE_DIR=/var/lib/fleetmend
 USER fleetmend

@@ -142,3 +142,10 @@ async def test_search_attribute_job_makes_the_worker_check_pass(
         assert done.returncode == 0, done.stderr
     assert "already registered" in done.stdout
     await check_search_attributes(temporal_client, namespace)
+
+
+def test_the_sim_service_loads_a_shipped_scenario(services: dict[str, dict[str, Any]]) -> None:
+    script = "\n".join(services["sim"]["entrypoint"])
+    scenario = re.search(r"/opt/fleetmend/scenarios/(\S+\.yaml)", script)
+    assert scenario and (ROOT / "sim" / "scenarios" / scenario.group(1)).is_file()
+    assert "COPY sim/scenarios /opt/fleetmend/scenarios" in (ROOT / "Dockerfile").read_text()
