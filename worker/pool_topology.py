@@ -191,7 +191,11 @@ class PoolTopology:
         self._cache[key] = (now + self._ttl, future)
         try:
             result = await self._call(fetch)
-        except BaseException as err:
+        except asyncio.CancelledError:
+            self._cache.pop(key, None)
+            future.cancel()
+            raise
+        except Exception as err:
             self._cache.pop(key, None)  # failures are never cached
             future.set_exception(err)
             future.exception()  # mark retrieved: concurrent waiters may be none
