@@ -109,7 +109,7 @@ def test_bind_mounts_point_into_the_repository(services: dict[str, dict[str, Any
         "./deploy/alertmanager/alertmanager.yml",
     } <= set(local)
     for mount in local:
-        assert (ROOT / mount).parent.is_dir(), mount
+        assert (ROOT / mount).exists(), mount
     assert (ROOT / "deploy/temporal/dynamicconfig/development-sql.yaml").is_file()
 
 
@@ -149,3 +149,36 @@ def test_the_sim_service_loads_a_shipped_scenario(services: dict[str, dict[str, 
     scenario = re.search(r"/opt/fleetmend/scenarios/(\S+\.yaml)", script)
     assert scenario and (ROOT / "sim" / "scenarios" / scenario.group(1)).is_file()
     assert "COPY sim/scenarios /opt/fleetmend/scenarios" in (ROOT / "Dockerfile").read_text()
+
+
+def test_alertmanager_gets_the_webhook_token_where_its_config_reads_it(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    compose = yaml.safe_load(COMPOSE.read_text())
+    config = yaml.safe_load((ROOT / "deploy/alertmanager/alertmanager.yml").read_text())
+    token_files = {
+        webhook["http_config"]["authorization"]["credentials_file"]
+        for receiver in config["receivers"]
+        for webhook in receiver.get("webhook_configs", [])
+    }
+    mounted = {secret["target"]: secret["source"] for secret in services["alertmanager"]["secrets"]}
+    assert token_files and token_files <= set(mounted)
+    for target in token_files:  # the same token the webhook service checks
+        assert compose["secrets"][mounted[target]]["environment"] == "FLEETMEND_WEBHOOK_TOKEN"
+    assert "FLEETMEND_WEBHOOK_TOKEN" in environment(services["webhook"])
+
+
+def test_prometheus_targets_are_compose_services(services: dict[str, dict[str, Any]]) -> None:
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    targets = [
+        target
+        for section in [*config["scrape_configs"], *config["alerting"]["alertmanagers"]]
+        for static in section.get("static_configs", [])
+        for target in static["targets"]
+    ]
+    assert targets
+    for target in targets:
+        host, port = target.rsplit(":", 1)
+        assert host in services, target
+        published = {str(p).split(":")[-1] for p in services[host].get("ports", [])}
+        assert port in published, target  # the container port the service listens on
