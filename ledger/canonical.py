@@ -21,7 +21,9 @@ def to_json_object(value: Mapping[str, Any] | BaseModel, what: str) -> dict[str,
     try:
         return json.loads(canonical_json(dict(value)))
     except (TypeError, ValueError) as exc:
-        raise InvalidEffectRequest(f"{what} must be JSON-serialisable (no NaN, no custom objects): {exc}") from exc
+        raise InvalidEffectRequest(
+            f"{what} must be JSON-serialisable (no NaN, no custom objects): {exc}"
+        ) from exc
 
 
 def canonical_json(value: Any) -> str:

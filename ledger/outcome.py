@@ -45,7 +45,7 @@ class EffectOutcome(BaseModel):
     replayed: bool = False
 
     @classmethod
-    def from_row(cls, row: Mapping[str, Any], *, replayed: bool = False) -> EffectOutcome:
+    def from_row(cls, row: Mapping[Any, Any], *, replayed: bool = False) -> EffectOutcome:
         fields = {name: row[name] for name in cls.model_fields if name != "replayed" and name in row}
         return cls(**fields, replayed=replayed)
 

@@ -19,7 +19,7 @@ Matching the world to the ledger: every effect kind declares the
 claim time. When the world echoes operation ids (an ``Idempotency-Key``, a
 ``ledger/op-id`` annotation), a log entry carrying one is matched by op id. Otherwise
 entries are matched by signature and *counted*: n log entries against m ledger rows
-with that signature → n − m are findings (orphans when m = 0, else duplicates of those
+with that signature → n - m are findings (orphans when m = 0, else duplicates of those
 rows). Only successful (2xx) log entries count: a refused request changed nothing.
 """
 
@@ -66,7 +66,9 @@ class WorldAction(BaseModel):
         return (self.world, self.verb.upper(), self.path, self.body_digest)
 
 
-def world_actions_from_sim(world: str, entries: Iterable[ActionLogEntry | dict[str, Any]]) -> list[WorldAction]:
+def world_actions_from_sim(
+    world: str, entries: Iterable[ActionLogEntry | dict[str, Any]]
+) -> list[WorldAction]:
     """Convert the sim's ``GET /sim/v1/actions`` entries (it does not echo op ids)."""
     out = []
     for entry in entries:
@@ -177,7 +179,12 @@ def reconcile(
 
 def _signature_key(outcome: EffectOutcome) -> tuple[str, str, str, str]:
     sig = outcome.action_signature or {}
-    return (sig.get("world", ""), str(sig.get("verb", "")).upper(), sig.get("path", ""), sig.get("body_digest", ""))
+    return (
+        sig.get("world", ""),
+        str(sig.get("verb", "")).upper(),
+        sig.get("path", ""),
+        sig.get("body_digest", ""),
+    )
 
 
 def _compare_with_world(

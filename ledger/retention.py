@@ -32,5 +32,7 @@ def prune(engine: Engine, *, older_than: timedelta = DEFAULT_RETENTION, dry_run:
     )
     with engine.begin() as conn:
         if dry_run:
-            return int(conn.execute(func.count().select().select_from(EFFECTS).where(*condition)).scalar_one())
+            return int(
+                conn.execute(func.count().select().select_from(EFFECTS).where(*condition)).scalar_one()
+            )
         return conn.execute(delete(EFFECTS).where(*condition)).rowcount

@@ -31,9 +31,25 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, cast
 
+import psycopg
+from psycopg.types.json import Jsonb
 from pydantic import BaseModel
-from sqlalchemy import Connection, Engine, Table, create_engine, func, or_, select, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Interval,
+    Table,
+    bindparam,
+    create_engine,
+    func,
+    literal_column,
+    null,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
@@ -66,6 +82,48 @@ log = logging.getLogger("fleetmend.ledger")
 EFFECTS = cast(Table, EffectRecord.__table__)
 DIVERGENCES = cast(Table, DivergenceRecord.__table__)
 _C = EFFECTS.c
+
+_CLAIM_COLUMNS = (
+    "op_id kind target params fingerprint delivery state attempts fence lease_owner action_signature "
+    "workflow_id run_id step request_id alert_fingerprints requested_by"
+).split()
+
+
+def _compiled(statement: Any) -> str:
+    """SQL text of a Core statement for the driver. The two statements on every perform's path are
+    compiled once here: building and cache-keying them per call cost more than the round trip."""
+    return str(statement.compile(dialect=psycopg_dialect()))
+
+
+# 1. claim: the row is created already leased to us, fence 1.
+_CLAIM_SQL = _compiled(
+    pg_insert(EFFECTS)
+    .values(
+        {name: bindparam(name) for name in _CLAIM_COLUMNS}
+        | {"lease_expires_at": func.now() + bindparam("lease", type_=Interval)}
+    )
+    .on_conflict_do_nothing(index_elements=["op_id"])
+    .returning(_C.fence)
+)
+# 3. record: only under our fencing token, only while still claimed.
+_RECORD_SQL = _compiled(
+    update(EFFECTS)
+    .where(
+        _C.op_id == bindparam("op_id"),
+        _C.fence == bindparam("fence"),
+        _C.state == literal_column(f"'{EffectState.CLAIMED.value}'"),
+    )
+    .values(
+        state=bindparam("state"),
+        result=bindparam("result"),
+        error=bindparam("error"),
+        lease_owner=null(),
+        lease_expires_at=null(),
+        updated_at=func.now(),
+        resolved_at=func.now(),
+    )
+    .returning(_C.attempts, _C.divergences, _C.created_at, _C.updated_at, _C.resolved_at)
+)
 
 DEFAULT_LEASE_SECONDS = 30.0
 DEFAULT_WAIT_SECONDS = 10.0
@@ -148,13 +206,21 @@ class EffectLedger:
         or :class:`NeedsOperator` (non-retryable, recorded) or a
         :class:`~ledger.errors.RetryableLedgerError` (retry the same call).
         """
-        request = _Request.build(op_id, kind, target, params, effect, context, lease_seconds or self.lease_seconds)
+        request = _Request.build(
+            op_id, kind, target, params, effect, context, lease_seconds or self.lease_seconds
+        )
         try:
             if dry_run:
                 outcome = self._plan(request)
             else:
                 outcome = self._perform(request)
-        except (OperationalError, InterfaceError, PoolTimeoutError) as exc:
+        except (
+            OperationalError,
+            InterfaceError,
+            PoolTimeoutError,
+            psycopg.OperationalError,
+            psycopg.InterfaceError,
+        ) as exc:
             PERFORMS.labels(kind, "ledger_unavailable").inc()
             raise LedgerUnavailable(
                 f"ledger database unavailable while performing {op_id!r}: {exc.__class__.__name__}: {exc}; "
@@ -201,22 +267,21 @@ class EffectLedger:
         deadline = time.monotonic() + self.wait_seconds
         backoff = 0.005
         while True:
-            with self._autocommit.connect() as conn:
-                claimed = conn.execute(
-                    pg_insert(EFFECTS)
-                    .values(
-                        **req.insert_values(state=EffectState.CLAIMED, fence=1, attempts=1, owner=self.owner),
-                        lease_expires_at=func.now() + timedelta(seconds=req.lease_seconds),
-                    )
-                    .on_conflict_do_nothing(index_elements=["op_id"])
-                    .returning(_C.fence)
-                ).first()
-                if claimed is not None:
-                    existing = None
-                else:
-                    existing = self._read(conn, req.op_id)
+            with self._driver_connection() as pg:
+                claimed = pg.execute(
+                    _CLAIM_SQL,
+                    req.driver_values(
+                        state=EffectState.CLAIMED,
+                        fence=1,
+                        attempts=1,
+                        owner=self.owner,
+                        lease=timedelta(seconds=req.lease_seconds),
+                    ),
+                ).fetchone()
             if claimed is not None:
                 return self._drive(req, fence=1, attempt=1, outcome_unknown=False)
+            with self._autocommit.connect() as conn:
+                existing = self._read(conn, req.op_id)
             if existing is None:
                 continue  # pruned in between; claim again
             self._check_same_request(req, existing)
@@ -224,11 +289,15 @@ class EffectLedger:
             if state == EffectState.CLAIMED:
                 taken = self._try_take_over(req, existing)
                 if taken is not None:
-                    return self._drive(req, fence=taken["fence"], attempt=taken["attempts"], outcome_unknown=True)
+                    return self._drive(
+                        req, fence=taken["fence"], attempt=taken["attempts"], outcome_unknown=True
+                    )
             elif state == EffectState.PLANNED:
                 taken = self._promote_planned(req, existing)
                 if taken is not None:
-                    return self._drive(req, fence=taken["fence"], attempt=taken["attempts"], outcome_unknown=False)
+                    return self._drive(
+                        req, fence=taken["fence"], attempt=taken["attempts"], outcome_unknown=False
+                    )
             else:
                 return self._resolved_or_raise(existing, allow_claimed=False)
             if time.monotonic() >= deadline:
@@ -310,25 +379,15 @@ class EffectLedger:
         error: str | None = None,
     ) -> EffectOutcome:
         """Write the outcome under our fencing token; refuse if someone took the lease over."""
-        with self._autocommit.connect() as conn:
-            row = (
-                conn.execute(
-                    update(EFFECTS)
-                    .where(_C.op_id == req.op_id, _C.fence == fence, _C.state == EffectState.CLAIMED)
-                    .values(
-                        state=state,
-                        result=result,
-                        error=error,
-                        lease_owner=None,
-                        lease_expires_at=None,
-                        updated_at=func.now(),
-                        resolved_at=func.now(),
-                    )
-                    .returning(*EFFECTS.c)
-                )
-                .mappings()
-                .first()
-            )
+        values = {
+            "op_id": req.op_id,
+            "fence": fence,
+            "state": state.value,
+            "result": None if result is None else Jsonb(result),
+            "error": error,
+        }
+        with self._driver_connection() as pg:
+            row = pg.execute(_RECORD_SQL, values).fetchone()
         if row is None:
             FENCE_REJECTIONS.labels(req.kind).inc()
             log.warning("op %s: write under fence %d refused, the lease was taken over", req.op_id, fence)
@@ -336,7 +395,59 @@ class EffectLedger:
                 f"operation {req.op_id!r}: this attempt's lease (fence {fence}) was taken over before it could "
                 "record its outcome; retry with the same operation id to read the recorded outcome"
             )
-        return EffectOutcome.from_row(row)
+        attempts, divergences, created_at, updated_at, resolved_at = row
+        # Built from what we know rather than RETURNING every column: this is on every perform's path.
+        return EffectOutcome.model_construct(
+            op_id=req.op_id,
+            kind=req.kind,
+            target=req.target,
+            state=state.value,
+            delivery=req.effect.delivery.value,
+            params=req.params,
+            fingerprint=req.fingerprint,
+            result=result,
+            error=error,
+            attempts=attempts,
+            fence=fence,
+            lease_owner=None,
+            lease_expires_at=None,
+            action_signature=req.signature,
+            workflow_id=req.context.workflow_id,
+            run_id=req.context.run_id,
+            step=req.context.step,
+            request_id=req.context.request_id,
+            alert_fingerprints=list(req.context.alert_fingerprints),
+            requested_by=req.context.requested_by,
+            divergences=divergences,
+            created_at=created_at,
+            updated_at=updated_at,
+            resolved_at=resolved_at,
+            replayed=False,
+        )
+
+    @contextmanager
+    def _driver_connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled psycopg connection in autocommit, for the claim and record statements.
+
+        The fast path skips SQLAlchemy's execution layer (its per-statement bookkeeping cost as much as
+        the database round trip); the pool, the statements (compiled from Core) and the schema stay
+        SQLAlchemy's. A connection broken mid-statement is invalidated, never returned to the pool.
+        """
+        pooled = self.engine.raw_connection()
+        pg = cast(psycopg.Connection[Any], pooled.driver_connection)
+        try:
+            pg.autocommit = True
+            yield pg
+        except (psycopg.OperationalError, psycopg.InterfaceError):
+            pooled.invalidate()
+            raise
+        finally:
+            if not pg.closed:
+                try:
+                    pg.autocommit = False  # the pool's other users expect SQLAlchemy's default
+                except psycopg.Error:
+                    pooled.invalidate()  # interrupted mid-statement: not reusable
+            pooled.close()
 
     def _release(self, req: _Request, fence: int, why: str) -> None:
         """After a transient error, end our lease now so the retry probes at once instead of waiting it out."""
@@ -347,10 +458,10 @@ class EffectLedger:
                     .where(_C.op_id == req.op_id, _C.fence == fence, _C.state == EffectState.CLAIMED)
                     .values(lease_expires_at=func.now(), error=why[:2000], updated_at=func.now())
                 )
-        except (OperationalError, InterfaceError, PoolTimeoutError):
+        except (OperationalError, InterfaceError, PoolTimeoutError, psycopg.Error):
             log.warning("op %s: could not release the lease; it will expire on its own", req.op_id)
 
-    def _try_take_over(self, req: _Request, row: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    def _try_take_over(self, req: _Request, row: Mapping[Any, Any]) -> Mapping[Any, Any] | None:
         expired = row["lease_expired"] is not False
         ours_and_idle = row["lease_owner"] == self.owner and not self._is_driving(req.op_id)
         if not (expired or ours_and_idle):
@@ -383,7 +494,7 @@ class EffectLedger:
                 .first()
             )
 
-    def _promote_planned(self, req: _Request, row: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    def _promote_planned(self, req: _Request, row: Mapping[Any, Any]) -> Mapping[Any, Any] | None:
         """A dry run planned this op earlier; now it is performed for real (never dispatched before)."""
         with self._autocommit.connect() as conn:
             return (
@@ -410,11 +521,11 @@ class EffectLedger:
             return op_id in self._driving
 
     @staticmethod
-    def _read(conn: Connection, op_id: str) -> Mapping[str, Any] | None:
+    def _read(conn: Connection, op_id: str) -> Mapping[Any, Any] | None:
         lease_expired = (func.coalesce(_C.lease_expires_at <= func.now(), True)).label("lease_expired")
         return conn.execute(select(EFFECTS, lease_expired).where(_C.op_id == op_id)).mappings().first()
 
-    def _check_same_request(self, req: _Request, row: Mapping[str, Any]) -> None:
+    def _check_same_request(self, req: _Request, row: Mapping[Any, Any]) -> None:
         if row["fingerprint"] == req.fingerprint:
             return
         self._record_divergence(req)
@@ -455,7 +566,7 @@ class EffectLedger:
             )
 
     @staticmethod
-    def _resolved_or_raise(row: Mapping[str, Any], *, allow_claimed: bool) -> EffectOutcome:
+    def _resolved_or_raise(row: Mapping[Any, Any], *, allow_claimed: bool) -> EffectOutcome:
         outcome = EffectOutcome.from_row(row, replayed=True)
         if outcome.state == EffectState.FAILED:
             raise EffectFailed(f"operation {outcome.op_id!r} failed earlier: {outcome.error}", outcome)
@@ -507,7 +618,9 @@ class _Request:
         lease_seconds: float,
     ) -> _Request:
         if not isinstance(op_id, str) or not op_id.strip():
-            raise InvalidEffectRequest("operation id must be a non-empty string (e.g. '<workflow id>/<step>/<target>')")
+            raise InvalidEffectRequest(
+                "operation id must be a non-empty string (e.g. '<workflow id>/<step>/<target>')"
+            )
         if len(op_id) > MAX_OPERATION_ID_LENGTH:
             raise InvalidEffectRequest(
                 f"operation id is {len(op_id)} characters; at most {MAX_OPERATION_ID_LENGTH} are allowed "
@@ -541,7 +654,35 @@ class _Request:
             signature=signature.model_dump() if signature else None,
         )
 
-    def insert_values(self, *, state: EffectState, fence: int, attempts: int, owner: str | None) -> dict[str, Any]:
+    def driver_values(
+        self, *, state: EffectState, fence: int, attempts: int, owner: str | None, lease: timedelta
+    ) -> dict[str, Any]:
+        """Parameters of the precompiled claim statement (JSON columns wrapped for psycopg)."""
+        ctx = self.context
+        return {
+            "op_id": self.op_id,
+            "kind": self.kind,
+            "target": self.target,
+            "params": Jsonb(self.params),
+            "fingerprint": self.fingerprint,
+            "delivery": self.effect.delivery.value,
+            "state": state.value,
+            "attempts": attempts,
+            "fence": fence,
+            "lease_owner": owner,
+            "lease": lease,
+            "action_signature": None if self.signature is None else Jsonb(self.signature),
+            "workflow_id": ctx.workflow_id,
+            "run_id": ctx.run_id,
+            "step": ctx.step,
+            "request_id": ctx.request_id,
+            "alert_fingerprints": Jsonb(list(ctx.alert_fingerprints)),
+            "requested_by": ctx.requested_by,
+        }
+
+    def insert_values(
+        self, *, state: EffectState, fence: int, attempts: int, owner: str | None
+    ) -> dict[str, Any]:
         ctx = self.context
         return {
             "op_id": self.op_id,

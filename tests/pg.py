@@ -111,7 +111,9 @@ def acquire_server() -> PgServer:
 
         container = PostgresContainer("postgres:16-alpine", driver="psycopg")
         container.start()
-        return PgServer(admin_url=container.get_connection_url(), source="testcontainers", _stop=container.stop)
+        return PgServer(
+            admin_url=container.get_connection_url(), source="testcontainers", _stop=container.stop
+        )
     return start_embedded_server()
 
 

@@ -70,7 +70,9 @@ def ledger_engine(settings: Settings | None = None) -> Iterator[Engine]:
         except Exception as exc:
             fail(f"cannot reach the ledger database ({type(exc).__name__}: {str(exc).splitlines()[0]})")
         if not at_head:
-            fail("the ledger schema is not at the latest migration: run `fleetmend dev` (it migrates) and retry")
+            fail(
+                "the ledger schema is not at the latest migration: run `fleetmend dev` (it migrates) and retry"
+            )
         yield engine
     finally:
         engine.dispose()
@@ -88,7 +90,10 @@ def parse_time(value: str | None, option: str) -> datetime | None:
     try:
         parsed = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
     except ValueError:
-        fail(f"{option} {value!r} is not a time: use ISO 8601 (2026-11-29T10:00:00Z) or an age like 30m, 2h, 7d", 2)
+        fail(
+            f"{option} {value!r} is not a time: use ISO 8601 (2026-11-29T10:00:00Z) or an age like 30m, 2h, 7d",
+            2,
+        )
         raise  # unreachable; keeps type checkers sure ``parsed`` is set
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
@@ -99,7 +104,16 @@ def _when(value: datetime | None) -> str:
 
 def _effects_table(items: list[EffectOutcome], title: str) -> Table:
     table = Table(title=title)
-    for column in ("created (UTC)", "op id", "kind", "target", "state", "delivery", "workflow / step", "tries"):
+    for column in (
+        "created (UTC)",
+        "op id",
+        "kind",
+        "target",
+        "state",
+        "delivery",
+        "workflow / step",
+        "tries",
+    ):
         table.add_column(column, overflow="fold")
     for o in items:
         state = o.state + (f" (+{o.divergences} divergent)" if o.divergences else "")
@@ -113,8 +127,12 @@ def list_command(
     workflow: str | None = typer.Option(None, "--workflow", help="Workflow id that asked."),
     target: str | None = typer.Option(None, "--target", help="Target (node, pod, pool, channel...)."),
     kind: str | None = typer.Option(None, "--kind", help="Effect kind, e.g. ticket.create."),
-    state: EffectState | None = typer.Option(None, "--state", help="Row state; 'divergent' = re-requested differently."),
-    since: str | None = typer.Option(None, "--since", help="Created at/after: ISO time or an age (30m, 2h, 7d)."),
+    state: EffectState | None = typer.Option(
+        None, "--state", help="Row state; 'divergent' = re-requested differently."
+    ),
+    since: str | None = typer.Option(
+        None, "--since", help="Created at/after: ISO time or an age (30m, 2h, 7d)."
+    ),
     until: str | None = typer.Option(None, "--until", help="Created before: ISO time or an age."),
     limit: int = typer.Option(50, "--limit", min=1, max=500, help="Rows per page."),
     cursor: str | None = typer.Option(None, "--cursor", help="next_cursor of the previous page."),
@@ -154,7 +172,9 @@ def show_command(
     with ledger_engine() as engine:
         detail = show_effect(engine, op_id)
     if detail is None:
-        fail(f"no operation {op_id!r} in the ledger (pruned, or never requested); try `fleetmend ledger list`")
+        fail(
+            f"no operation {op_id!r} in the ledger (pruned, or never requested); try `fleetmend ledger list`"
+        )
         return
     if as_json:
         typer.echo(detail.model_dump_json(indent=2))
@@ -209,7 +229,10 @@ def _load_world_actions(
         except (OSError, ValueError) as exc:
             fail(f"could not read {actions_file}: {exc}", 2)
     if not isinstance(raw, list):
-        fail("the action log must be a JSON list of entries (seq, time, verb, path, body_digest, client, status)", 2)
+        fail(
+            "the action log must be a JSON list of entries (seq, time, verb, path, body_digest, client, status)",
+            2,
+        )
     assert world is not None
     try:
         actions = world_actions_from_sim(world, raw)
@@ -237,12 +260,19 @@ def _print_report(report: ReconcileReport) -> None:
             table.add_row(str(a.seq), a.verb, a.path, a.body_digest[:16], a.client or "", str(a.status))
         console.print(table)
     if report.duplicates:
-        table = Table(title=f"duplicates: ledger operations whose action {report.world} logged more than once")
+        table = Table(
+            title=f"duplicates: ledger operations whose action {report.world} logged more than once"
+        )
         for column in ("op ids", "verb", "path", "expected", "observed"):
             table.add_column(column, overflow="fold")
         for d in report.duplicates:
-            table.add_row(", ".join(d.op_ids), d.signature.get("verb", ""), d.signature.get("path", ""),
-                          str(d.expected), str(d.observed))
+            table.add_row(
+                ", ".join(d.op_ids),
+                d.signature.get("verb", ""),
+                d.signature.get("path", ""),
+                str(d.expected),
+                str(d.observed),
+            )
         console.print(table)
     compared = (
         f"; {report.world_actions_compared} actions of {report.world} compared"
@@ -261,11 +291,21 @@ def reconcile_command(
         None, "--actions-url", help="Base URL of a target serving GET /sim/v1/actions (the sim)."
     ),
     actions_file: Path | None = typer.Option(None, "--actions-file", help="JSON list of action log entries."),
-    world: str | None = typer.Option(None, "--world", help="Name of the logged API (default: the URL's host:port)."),
-    client: str | None = typer.Option(None, "--client", help="Only compare log entries from this client identity."),
-    unresolved_after: float = typer.Option(300.0, "--unresolved-after-s", min=0, help="Bound for unresolved intents."),
-    window_hours: float = typer.Option(24.0, "--window-hours", min=0, help="Divergences/missing checked this far back."),
-    check_missing: bool = typer.Option(False, "--check-missing", help="Also report applied rows the log lacks."),
+    world: str | None = typer.Option(
+        None, "--world", help="Name of the logged API (default: the URL's host:port)."
+    ),
+    client: str | None = typer.Option(
+        None, "--client", help="Only compare log entries from this client identity."
+    ),
+    unresolved_after: float = typer.Option(
+        300.0, "--unresolved-after-s", min=0, help="Bound for unresolved intents."
+    ),
+    window_hours: float = typer.Option(
+        24.0, "--window-hours", min=0, help="Divergences/missing checked this far back."
+    ),
+    check_missing: bool = typer.Option(
+        False, "--check-missing", help="Also report applied rows the log lacks."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Report unresolved intents, divergences, orphans and duplicates. Exit status 1 when anything is found."""

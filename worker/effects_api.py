@@ -47,7 +47,9 @@ RETRY_AFTER_S = 1
 class EffectRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    operation_id: str = Field(min_length=1, max_length=MAX_OPERATION_ID_LENGTH, description="<request id>/<slot>")
+    operation_id: str = Field(
+        min_length=1, max_length=MAX_OPERATION_ID_LENGTH, description="<request id>/<slot>"
+    )
     kind: str = Field(min_length=1, max_length=100)
     target: str = Field(min_length=1, max_length=500)
     params: dict[str, Any] = Field(default_factory=dict)
@@ -93,10 +95,11 @@ def effects_router(
             raise HTTPException(422, str(exc)) from exc
         except ValidationError as exc:
             raise HTTPException(
-                422, {
+                422,
+                {
                     "message": f"invalid params for {kind.name}",
                     "errors": jsonable_encoder(exc.errors(include_url=False, include_context=False)),
-                }
+                },
             ) from exc
         client = request.client.host if request.client else "unknown"
         context = EffectContext(
@@ -173,7 +176,9 @@ def create_router(settings: Settings) -> APIRouter:
     ``notify.post`` to ``FLEETMEND_NOTIFIER_URL`` when set."""
     http = httpx.Client(timeout=httpx.Timeout(5.0, connect=2.0))
     registry = default_registry(
-        http, tickets_url=settings.tickets_url or settings.router_admin_url, notifier_url=settings.notifier_url
+        http,
+        tickets_url=settings.tickets_url or settings.router_admin_url,
+        notifier_url=settings.notifier_url,
     )
     url = settings.database_url_value()
     lock = threading.Lock()

@@ -7,14 +7,14 @@ connection; the ``alembic`` CLI works too with ``-x url=postgresql+psycopg://...
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy import create_engine
+from sqlalchemy import Connection, create_engine
 
 from ledger.models import metadata
 
 config = context.config
 
 
-def _run(connection: object) -> None:
+def _run(connection: Connection) -> None:
     context.configure(connection=connection, target_metadata=metadata, version_table="ledger_alembic_version")
     with context.begin_transaction():
         context.run_migrations()
@@ -26,7 +26,9 @@ if connection is not None:
 else:
     url = context.get_x_argument(as_dictionary=True).get("url") or config.get_main_option("sqlalchemy.url")
     if not url:
-        raise SystemExit("no database URL: pass -x url=postgresql+psycopg://... or use ledger.migrate.upgrade_head")
+        raise SystemExit(
+            "no database URL: pass -x url=postgresql+psycopg://... or use ledger.migrate.upgrade_head"
+        )
     engine = create_engine(url)
     with engine.connect() as conn:
         _run(conn)

@@ -36,7 +36,10 @@ class CrashingWorldEffect(WorldEffect):
         if self.point == "mid_apply":
             # The target's write is in flight (its transaction open) when the process dies.
             with self.world.engine.connect() as conn:
-                conn.execute(text("INSERT INTO world_actions (op_id, applied_by) VALUES (:op, 'mid')"), {"op": attempt.op_id})
+                conn.execute(
+                    text("INSERT INTO world_actions (op_id, applied_by) VALUES (:op, 'mid')"),
+                    {"op": attempt.op_id},
+                )
                 die()
         result = super().apply(attempt)
         if self.point == "after_apply":
@@ -48,7 +51,9 @@ def main() -> None:
     url, op_id, point = sys.argv[1:4]
     world = World(url)
     ledger = EffectLedger(url, owner=f"child-{os.getpid()}", lease_seconds=LEASE_SECONDS)
-    ledger.perform(op_id, "ticket.create", "oncall", {"title": "node lost"}, CrashingWorldEffect(world, point))
+    ledger.perform(
+        op_id, "ticket.create", "oncall", {"title": "node lost"}, CrashingWorldEffect(world, point)
+    )
     if point == "after_record":
         die()  # the activity's completion never reaches Temporal
     print("completed without crashing", file=sys.stderr)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -32,7 +32,7 @@ from worker.cli import app
 SIM = "127.0.0.1:8480"
 
 
-def sim_effect(verb: str, path: str, body: dict[str, object]) -> CallableEffect:
+def sim_effect(verb: str, path: str, body: Mapping[str, object]) -> CallableEffect:
     """An effect whose request the sim would log as (verb, path, sha256(body))."""
     raw = json.dumps(body).encode()
     return CallableEffect(
@@ -42,10 +42,15 @@ def sim_effect(verb: str, path: str, body: dict[str, object]) -> CallableEffect:
     )
 
 
-def logged(seq: int, verb: str, path: str, body: dict[str, object], status: int = 200) -> ActionLogEntry:
+def logged(seq: int, verb: str, path: str, body: Mapping[str, object], status: int = 200) -> ActionLogEntry:
     return ActionLogEntry(
-        seq=seq, time=float(seq), verb=verb, path=path, body_digest=body_digest(json.dumps(body).encode()),
-        client="fleetmend", status=status,
+        seq=seq,
+        time=float(seq),
+        verb=verb,
+        path=path,
+        body_digest=body_digest(json.dumps(body).encode()),
+        client="fleetmend",
+        status=status,
     )
 
 
@@ -55,12 +60,38 @@ UNLABEL = {"metadata": {"labels": {"fleetmend.io/serving": None}}}
 
 def plant_ledger(ledger: EffectLedger) -> None:
     ctx = EffectContext(workflow_id="replica-loss/ns/llama", step="quarantine", alert_fingerprints=["fp9"])
-    ledger.perform("wf/cordon/node-1", "k8s.cordon", "node-1", {}, sim_effect("PATCH", "/api/v1/nodes/node-1", CORDON), context=ctx)
-    ledger.perform("wf/cordon/node-2", "k8s.cordon", "node-2", {}, sim_effect("PATCH", "/api/v1/nodes/node-2", CORDON), context=ctx)
-    ledger.perform("wf/unlabel/pod-a", "k8s.label", "pod-a", {}, sim_effect("PATCH", "/api/v1/namespaces/ns/pods/pod-a", UNLABEL))
+    ledger.perform(
+        "wf/cordon/node-1",
+        "k8s.cordon",
+        "node-1",
+        {},
+        sim_effect("PATCH", "/api/v1/nodes/node-1", CORDON),
+        context=ctx,
+    )
+    ledger.perform(
+        "wf/cordon/node-2",
+        "k8s.cordon",
+        "node-2",
+        {},
+        sim_effect("PATCH", "/api/v1/nodes/node-2", CORDON),
+        context=ctx,
+    )
+    ledger.perform(
+        "wf/unlabel/pod-a",
+        "k8s.label",
+        "pod-a",
+        {},
+        sim_effect("PATCH", "/api/v1/namespaces/ns/pods/pod-a", UNLABEL),
+    )
     # Two workflows, a week apart, cordoned node-3: the same request twice, both in the ledger.
     for wf in ("wf-old", "wf-new"):
-        ledger.perform(f"{wf}/cordon/node-3", "k8s.cordon", "node-3", {}, sim_effect("PATCH", "/api/v1/nodes/node-3", CORDON))
+        ledger.perform(
+            f"{wf}/cordon/node-3",
+            "k8s.cordon",
+            "node-3",
+            {},
+            sim_effect("PATCH", "/api/v1/nodes/node-3", CORDON),
+        )
 
 
 def test_reconcile_finds_exactly_the_planted_orphans_and_duplicates(ledger: EffectLedger) -> None:
@@ -69,11 +100,15 @@ def test_reconcile_finds_exactly_the_planted_orphans_and_duplicates(ledger: Effe
         logged(1, "PATCH", "/api/v1/nodes/node-1", CORDON),
         logged(2, "PATCH", "/api/v1/nodes/node-2", CORDON),
         logged(3, "PATCH", "/api/v1/nodes/node-2", CORDON),  # planted duplicate of wf/cordon/node-2
-        logged(4, "PATCH", "/api/v1/namespaces/ns/pods/pod-a", UNLABEL, status=409),  # refused: changed nothing
+        logged(
+            4, "PATCH", "/api/v1/namespaces/ns/pods/pod-a", UNLABEL, status=409
+        ),  # refused: changed nothing
         logged(5, "PATCH", "/api/v1/namespaces/ns/pods/pod-a", UNLABEL),
         logged(6, "PATCH", "/api/v1/nodes/node-3", CORDON),
         logged(7, "PATCH", "/api/v1/nodes/node-3", CORDON),  # two rows, two actions: fine
-        logged(8, "DELETE", "/api/v1/namespaces/ns/pods/pod-b", {}),  # planted orphan: nobody asked the ledger
+        logged(
+            8, "DELETE", "/api/v1/namespaces/ns/pods/pod-b", {}
+        ),  # planted orphan: nobody asked the ledger
         logged(9, "POST", "/sim/v1/faults", {"kind": "node_lost"}, status=500),  # failed, ignored
     ]
     report = reconcile(ledger.engine, world=SIM, actions=world_actions_from_sim(SIM, log))
@@ -93,18 +128,34 @@ def test_reconcile_reports_unresolved_divergent_and_missing(ledger: EffectLedger
     with pytest.raises(SimulatedCrash):
         ledger.perform("wf/stuck", "k", "t", {}, WorldEffect(world, before_land=_crash))
     with ledger.engine.begin() as conn:
-        conn.execute(text("UPDATE ledger_effects SET updated_at = now() - interval '10 minutes' WHERE op_id = 'wf/stuck'"))
+        conn.execute(
+            text(
+                "UPDATE ledger_effects SET updated_at = now() - interval '10 minutes' WHERE op_id = 'wf/stuck'"
+            )
+        )
     with pytest.raises(DivergentOperation):
-        ledger.perform("wf/cordon/node-1", "k8s.cordon", "node-1", {"force": True}, sim_effect("PATCH", "/x", {}))
+        ledger.perform(
+            "wf/cordon/node-1", "k8s.cordon", "node-1", {"force": True}, sim_effect("PATCH", "/x", {})
+        )
 
-    log = [logged(1, "PATCH", "/api/v1/nodes/node-1", CORDON), logged(2, "PATCH", "/api/v1/nodes/node-2", CORDON)]
+    log = [
+        logged(1, "PATCH", "/api/v1/nodes/node-1", CORDON),
+        logged(2, "PATCH", "/api/v1/nodes/node-2", CORDON),
+    ]
     report = reconcile(
-        ledger.engine, world=SIM, actions=world_actions_from_sim(SIM, log), check_missing=True,
+        ledger.engine,
+        world=SIM,
+        actions=world_actions_from_sim(SIM, log),
+        check_missing=True,
         unresolved_after=timedelta(minutes=5),
     )
     assert [o.op_id for o in report.unresolved] == ["wf/stuck"]
     assert [o.op_id for o in report.divergent] == ["wf/cordon/node-1"]
-    assert sorted(o.op_id for o in report.missing) == ["wf-new/cordon/node-3", "wf-old/cordon/node-3", "wf/unlabel/pod-a"]
+    assert sorted(o.op_id for o in report.missing) == [
+        "wf-new/cordon/node-3",
+        "wf-old/cordon/node-3",
+        "wf/unlabel/pod-a",
+    ]
     assert report.orphans == [] and report.duplicates == []
 
 
@@ -117,7 +168,9 @@ def test_reconcile_matches_by_op_id_where_the_world_echoes_it(ledger: EffectLedg
     with world.engine.connect() as conn:
         rows = conn.execute(text("SELECT seq, op_id FROM world_actions ORDER BY seq")).all()
     actions = [
-        WorldAction(world="test-world", verb="INSERT", path="world_actions", body_digest=op, op_id=op, seq=seq)
+        WorldAction(
+            world="test-world", verb="INSERT", path="world_actions", body_digest=op, op_id=op, seq=seq
+        )
         for seq, op in rows
     ]
     report = reconcile(ledger.engine, world="test-world", actions=actions)
@@ -130,13 +183,32 @@ def test_audit_filters_and_pages(make_ledger: Callable[..., EffectLedger], world
     effect = WorldEffect(world)
     for i in range(7):
         ctx = EffectContext(workflow_id=f"wf-{i % 2}", step="deroute", request_id=None)
-        ledger.perform(f"op-{i}", "router.label.remove" if i % 3 else "k8s.cordon", f"target-{i % 3}", {}, effect, context=ctx)
+        ledger.perform(
+            f"op-{i}",
+            "router.label.remove" if i % 3 else "k8s.cordon",
+            f"target-{i % 3}",
+            {},
+            effect,
+            context=ctx,
+        )
     ledger.perform("op-dry", "k8s.cordon", "node-9", {}, effect, dry_run=True)
 
-    assert {o.op_id for o in list_effects(ledger.engine, EffectFilter(workflow_id="wf-1")).items} == {"op-1", "op-3", "op-5"}
-    assert {o.op_id for o in list_effects(ledger.engine, EffectFilter(kind="k8s.cordon", state=EffectState.APPLIED)).items} == {"op-0", "op-3", "op-6"}
-    assert [o.op_id for o in list_effects(ledger.engine, EffectFilter(state=EffectState.PLANNED)).items] == ["op-dry"]
-    assert {o.op_id for o in list_effects(ledger.engine, EffectFilter(target="target-2")).items} == {"op-2", "op-5"}
+    assert {o.op_id for o in list_effects(ledger.engine, EffectFilter(workflow_id="wf-1")).items} == {
+        "op-1",
+        "op-3",
+        "op-5",
+    }
+    assert {
+        o.op_id
+        for o in list_effects(ledger.engine, EffectFilter(kind="k8s.cordon", state=EffectState.APPLIED)).items
+    } == {"op-0", "op-3", "op-6"}
+    assert [o.op_id for o in list_effects(ledger.engine, EffectFilter(state=EffectState.PLANNED)).items] == [
+        "op-dry"
+    ]
+    assert {o.op_id for o in list_effects(ledger.engine, EffectFilter(target="target-2")).items} == {
+        "op-2",
+        "op-5",
+    }
     future = datetime.now(UTC) + timedelta(hours=1)
     assert list_effects(ledger.engine, EffectFilter(since=future)).items == []
 
@@ -160,10 +232,12 @@ def test_prune_deletes_only_old_resolved_rows(ledger: EffectLedger, world: World
     with pytest.raises(SimulatedCrash):
         ledger.perform("old-unresolved", "k", "t", {}, WorldEffect(world, before_land=_crash))
     with ledger.engine.begin() as conn:
-        conn.execute(text(
-            "UPDATE ledger_effects SET resolved_at = now() - interval '40 days', updated_at = now() - interval '40 days' "
-            "WHERE op_id IN ('old-applied', 'old-unresolved')"
-        ))
+        conn.execute(
+            text(
+                "UPDATE ledger_effects SET resolved_at = now() - interval '40 days', updated_at = now() - interval '40 days' "
+                "WHERE op_id IN ('old-applied', 'old-unresolved')"
+            )
+        )
     assert prune(ledger.engine, older_than=timedelta(days=30), dry_run=True) == 1
     assert prune(ledger.engine, older_than=timedelta(days=30)) == 1
     remaining = {o.op_id for o in list_effects(ledger.engine).items}
@@ -198,7 +272,10 @@ def test_cli_list_show_reconcile_prune(
 
     listed = runner.invoke(app, ["ledger", "list", "--workflow", "replica-loss/ns/llama", "--json"])
     assert listed.exit_code == 0, listed.output
-    assert {i["op_id"] for i in json.loads(listed.stdout)["items"]} == {"wf/cordon/node-1", "wf/cordon/node-2"}
+    assert {i["op_id"] for i in json.loads(listed.stdout)["items"]} == {
+        "wf/cordon/node-1",
+        "wf/cordon/node-2",
+    }
     table = runner.invoke(app, ["ledger", "list", "--kind", "k8s.cordon", "--since", "1h"])
     assert table.exit_code == 0 and "ledger effects (4)" in table.output
     bad = runner.invoke(app, ["ledger", "list", "--since", "yesterday-ish"])
@@ -211,9 +288,17 @@ def test_cli_list_show_reconcile_prune(
     assert missing.exit_code == 1 and "no operation 'nope'" in missing.output
 
     log_file = tmp_path / "actions.json"
-    log_file.write_text(json.dumps([logged(1, "PATCH", "/api/v1/nodes/node-1", CORDON).model_dump(),
-                                    logged(2, "DELETE", "/api/v1/namespaces/ns/pods/x", {}).model_dump()]))
-    found = runner.invoke(app, ["ledger", "reconcile", "--actions-file", str(log_file), "--world", SIM, "--json"])
+    log_file.write_text(
+        json.dumps(
+            [
+                logged(1, "PATCH", "/api/v1/nodes/node-1", CORDON).model_dump(),
+                logged(2, "DELETE", "/api/v1/namespaces/ns/pods/x", {}).model_dump(),
+            ]
+        )
+    )
+    found = runner.invoke(
+        app, ["ledger", "reconcile", "--actions-file", str(log_file), "--world", SIM, "--json"]
+    )
     assert found.exit_code == 1
     body = json.loads(found.stdout)
     assert body["findings"] == 1 and [o["seq"] for o in body["orphans"]] == [2]
@@ -231,12 +316,22 @@ def test_show_includes_divergent_requests(ledger: EffectLedger, world: World) ->
     ledger.perform("req-1/0", "ticket.create", "oncall", {"title": "a"}, WorldEffect(world))
     for _ in range(2):
         with pytest.raises(DivergentOperation):
-            ledger.perform("req-1/0", "ticket.create", "oncall", {"title": "b"}, WorldEffect(world),
-                           context=EffectContext(request_id="req-1"))
+            ledger.perform(
+                "req-1/0",
+                "ticket.create",
+                "oncall",
+                {"title": "b"},
+                WorldEffect(world),
+                context=EffectContext(request_id="req-1"),
+            )
     detail = show_effect(ledger.engine, "req-1/0")
     assert detail is not None and detail.effect.divergences == 2
-    assert [(d.params, d.times_seen, d.request_id) for d in detail.divergences] == [({"title": "b"}, 2, "req-1")]
-    assert [o.op_id for o in list_effects(ledger.engine, EffectFilter(state=EffectState.DIVERGENT)).items] == ["req-1/0"]
+    assert [(d.params, d.times_seen, d.request_id) for d in detail.divergences] == [
+        ({"title": "b"}, 2, "req-1")
+    ]
+    assert [
+        o.op_id for o in list_effects(ledger.engine, EffectFilter(state=EffectState.DIVERGENT)).items
+    ] == ["req-1/0"]
 
 
 def _crash(attempt: Attempt) -> None:

@@ -33,7 +33,9 @@ def test_64_concurrent_calls_with_one_op_id_apply_exactly_once(
 
     def call(i: int) -> EffectOutcome:
         start.wait()
-        return ledgers[i % WORKERS].perform("req-42/0", "ticket.create", "oncall", {"title": "GPU 3 Xid 79"}, effect)
+        return ledgers[i % WORKERS].perform(
+            "req-42/0", "ticket.create", "oncall", {"title": "GPU 3 Xid 79"}, effect
+        )
 
     with ThreadPoolExecutor(CALLERS) as pool:
         outcomes = list(pool.map(call, range(CALLERS)))
@@ -45,7 +47,9 @@ def test_64_concurrent_calls_with_one_op_id_apply_exactly_once(
     assert sum(not o.replayed for o in outcomes) == 1  # one caller applied; 63 got its recorded result
 
 
-def test_concurrent_distinct_ops_each_apply_once(make_ledger: Callable[..., EffectLedger], world: World) -> None:
+def test_concurrent_distinct_ops_each_apply_once(
+    make_ledger: Callable[..., EffectLedger], world: World
+) -> None:
     ledger = make_ledger(owner="w", wait_seconds=30)
     effect = WorldEffect(world)
     ops = [f"wf/scale/replica-{i % 16}" for i in range(CALLERS)]  # 16 ops, 4 callers each
@@ -70,7 +74,13 @@ def test_paused_lease_holder_is_fenced_out(make_ledger: Callable[..., EffectLedg
 
     def run_zombie() -> None:
         try:
-            zombie.perform("wf/ramp/pool", "router.weights", "pool", {"w": 50}, WorldEffect(world, after_land=stall_after_landing))
+            zombie.perform(
+                "wf/ramp/pool",
+                "router.weights",
+                "pool",
+                {"w": 50},
+                WorldEffect(world, after_land=stall_after_landing),
+            )
         except BaseException as exc:
             holder_error.append(exc)
 
@@ -80,7 +90,9 @@ def test_paused_lease_holder_is_fenced_out(make_ledger: Callable[..., EffectLedg
     time.sleep(0.4)  # the zombie's lease runs out while it is stalled
 
     successor_effect = WorldEffect(world)
-    successor = make_ledger(owner="successor").perform("wf/ramp/pool", "router.weights", "pool", {"w": 50}, successor_effect)
+    successor = make_ledger(owner="successor").perform(
+        "wf/ramp/pool", "router.weights", "pool", {"w": 50}, successor_effect
+    )
     assert successor.state == "applied" and successor.fence == 2 and successor.replayed
     assert successor_effect.applies == 0 and successor_effect.probes == 1
 

@@ -32,7 +32,9 @@ def run_child_until_killed(url: str, op_id: str, point: str) -> None:
         timeout=60,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
-    assert proc.returncode == -signal.SIGKILL, f"child did not die at {point}: rc={proc.returncode} {proc.stderr}"
+    assert proc.returncode == -signal.SIGKILL, (
+        f"child did not die at {point}: rc={proc.returncode} {proc.stderr}"
+    )
 
 
 @pytest.mark.parametrize(
@@ -76,7 +78,9 @@ def restartable_pg() -> Iterator[PgServer]:
     server.stop()
 
 
-def test_postgres_crash_mid_run_callers_retry_and_nothing_is_duplicated_or_lost(restartable_pg: PgServer) -> None:
+def test_postgres_crash_mid_run_callers_retry_and_nothing_is_duplicated_or_lost(
+    restartable_pg: PgServer,
+) -> None:
     url = restartable_pg.create_database("restart")
     upgrade_head(url)
     world = World(url)

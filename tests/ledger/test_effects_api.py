@@ -67,8 +67,12 @@ def api(sim: RunningSim, ledger: EffectLedger) -> Iterator[httpx.Client]:
     http.close()
 
 
-TICKET = {"operation_id": "req-17/0", "kind": "ticket.create", "target": "sim-tickets",
-          "params": {"title": "inference request req-17", "body": "proposed by req-17"}}
+TICKET = {
+    "operation_id": "req-17/0",
+    "kind": "ticket.create",
+    "target": "sim-tickets",
+    "params": {"title": "inference request req-17", "body": "proposed by req-17"},
+}
 
 
 def tickets(sim_http: httpx.Client, key: str | None = None) -> list[dict[str, Any]]:
@@ -77,10 +81,16 @@ def tickets(sim_http: httpx.Client, key: str | None = None) -> list[dict[str, An
 
 
 def ticket_posts(sim_http: httpx.Client) -> list[dict[str, Any]]:
-    return [a for a in sim_http.get("/sim/v1/actions").json() if a["verb"] == "POST" and a["path"] == "/sim/v1/tickets"]
+    return [
+        a
+        for a in sim_http.get("/sim/v1/actions").json()
+        if a["verb"] == "POST" and a["path"] == "/sim/v1/tickets"
+    ]
 
 
-def test_first_call_and_every_repeat_get_the_same_answer_and_one_ticket(api: httpx.Client, sim_http: httpx.Client) -> None:
+def test_first_call_and_every_repeat_get_the_same_answer_and_one_ticket(
+    api: httpx.Client, sim_http: httpx.Client
+) -> None:
     first = api.post("/v1/effects", json=TICKET)
     assert first.status_code == 200, first.text
     body = first.json()
@@ -98,7 +108,9 @@ def test_first_call_and_every_repeat_get_the_same_answer_and_one_ticket(api: htt
     assert posts[0]["body_digest"] == body["action_signature"]["body_digest"]
 
 
-def test_divergent_params_get_409_with_the_original_outcome(api: httpx.Client, sim_http: httpx.Client) -> None:
+def test_divergent_params_get_409_with_the_original_outcome(
+    api: httpx.Client, sim_http: httpx.Client
+) -> None:
     original = api.post("/v1/effects", json=TICKET).json()
     divergent = api.post("/v1/effects", json={**TICKET, "params": {"title": "a different proposal"}})
     assert divergent.status_code == 409
@@ -109,7 +121,9 @@ def test_divergent_params_get_409_with_the_original_outcome(api: httpx.Client, s
     assert [d["params"] for d in detail["divergences"]] == [{"title": "a different proposal", "body": ""}]
 
 
-def test_unknown_kind_and_bad_params_are_422_and_record_nothing(api: httpx.Client, sim_http: httpx.Client) -> None:
+def test_unknown_kind_and_bad_params_are_422_and_record_nothing(
+    api: httpx.Client, sim_http: httpx.Client
+) -> None:
     unknown = api.post("/v1/effects", json={**TICKET, "kind": "http.get", "operation_id": "req-1/0"})
     assert unknown.status_code == 422 and "registered kinds: notify.post, ticket.create" in unknown.text
     bad = api.post("/v1/effects", json={**TICKET, "params": {"title": ""}, "operation_id": "req-2/0"})
@@ -138,11 +152,22 @@ def test_concurrent_repeats_over_http_create_one_ticket(api: httpx.Client, sim_h
     assert len(tickets(sim_http)) == 1 and len(ticket_posts(sim_http)) == 1
 
 
-def test_notify_is_declared_at_least_once_and_audit_shows_it(api: httpx.Client, sim_http: httpx.Client) -> None:
-    posted = api.post("/v1/effects", json={"operation_id": "req-5/1", "kind": "notify.post", "target": "#incident",
-                                           "params": {"text": "replica lost; replacement ETA 9 min"}})
+def test_notify_is_declared_at_least_once_and_audit_shows_it(
+    api: httpx.Client, sim_http: httpx.Client
+) -> None:
+    posted = api.post(
+        "/v1/effects",
+        json={
+            "operation_id": "req-5/1",
+            "kind": "notify.post",
+            "target": "#incident",
+            "params": {"text": "replica lost; replacement ETA 9 min"},
+        },
+    )
     assert posted.status_code == 200 and posted.json()["delivery"] == "at_least_once"
-    assert [m["text"] for m in sim_http.get("/sim/v1/notify").json()] == ["replica lost; replacement ETA 9 min"]
+    assert [m["text"] for m in sim_http.get("/sim/v1/notify").json()] == [
+        "replica lost; replacement ETA 9 min"
+    ]
     listed = api.get("/ledger/effects", params={"kind": "notify.post"}).json()
     assert [(i["op_id"], i["delivery"]) for i in listed["items"]] == [("req-5/1", "at_least_once")]
 
@@ -174,15 +199,37 @@ def test_ticket_landed_before_a_crash_is_found_by_probe_not_reposted(
     with httpx.Client(timeout=5) as http:
         crashed = make_ledger(owner="crashed", lease_seconds=0.2)
         with pytest.raises(SimulatedCrash):
-            crashed.perform("wf/ticket/gpu-node-2", "ticket.create", "oncall", params, CrashAfterPost(http, sim.base_url, params))
+            crashed.perform(
+                "wf/ticket/gpu-node-2",
+                "ticket.create",
+                "oncall",
+                params,
+                CrashAfterPost(http, sim.base_url, params),
+            )
         time.sleep(0.3)
-        outcome = ledger.perform("wf/ticket/gpu-node-2", "ticket.create", "oncall", params, TicketCreate(http, sim.base_url, params))
+        outcome = ledger.perform(
+            "wf/ticket/gpu-node-2",
+            "ticket.create",
+            "oncall",
+            params,
+            TicketCreate(http, sim.base_url, params),
+        )
     assert outcome.state == "applied" and outcome.replayed and outcome.fence == 2
     assert len(tickets(sim_http, "wf/ticket/gpu-node-2")) == 1 and len(ticket_posts(sim_http)) == 1
 
     # The sim's own action log agrees with the ledger; a ticket opened behind the ledger's back is an orphan.
     world = sim.base_url.split("//", 1)[1]
-    assert reconcile(ledger.engine, world=world, actions=world_actions_from_sim(world, sim_http.get("/sim/v1/actions").json())).clean
+    assert reconcile(
+        ledger.engine,
+        world=world,
+        actions=world_actions_from_sim(world, sim_http.get("/sim/v1/actions").json()),
+    ).clean
     sim_http.post("/sim/v1/tickets", json={"title": "opened by hand"})
-    report = reconcile(ledger.engine, world=world, actions=world_actions_from_sim(world, sim_http.get("/sim/v1/actions").json()))
-    assert [(o.verb, o.path) for o in report.orphans] == [("POST", "/sim/v1/tickets")] and report.duplicates == []
+    report = reconcile(
+        ledger.engine,
+        world=world,
+        actions=world_actions_from_sim(world, sim_http.get("/sim/v1/actions").json()),
+    )
+    assert [(o.verb, o.path) for o in report.orphans] == [
+        ("POST", "/sim/v1/tickets")
+    ] and report.duplicates == []

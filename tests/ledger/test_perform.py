@@ -21,7 +21,7 @@ from ledger import (
     NeedsOperator,
     OperationInProgress,
 )
-from tests.ledger.world import SimulatedCrash, NoProbeWorldEffect, RefusingEffect, World, WorldEffect
+from tests.ledger.world import NoProbeWorldEffect, RefusingEffect, SimulatedCrash, World, WorldEffect
 
 CTX = EffectContext(
     workflow_id="replica-loss/default/llama-70b",
@@ -32,21 +32,33 @@ CTX = EffectContext(
 )
 
 
-def test_first_call_applies_and_every_repeat_returns_the_stored_result(ledger: EffectLedger, world: World) -> None:
+def test_first_call_applies_and_every_repeat_returns_the_stored_result(
+    ledger: EffectLedger, world: World
+) -> None:
     effect = WorldEffect(world)
-    first = ledger.perform("wf/deroute/pod-1", "router.label.remove", "pod-1", {"label": "serving"}, effect, context=CTX)
+    first = ledger.perform(
+        "wf/deroute/pod-1", "router.label.remove", "pod-1", {"label": "serving"}, effect, context=CTX
+    )
     assert first.state == "applied" and not first.replayed
     assert first.result == {"seq": 1}
-    assert (first.workflow_id, first.step, first.alert_fingerprints) == (CTX.workflow_id, "deroute", ["fp-1", "fp-2"])
+    assert (first.workflow_id, first.step, first.alert_fingerprints) == (
+        CTX.workflow_id,
+        "deroute",
+        ["fp-1", "fp-2"],
+    )
 
     for _ in range(3):
-        again = ledger.perform("wf/deroute/pod-1", "router.label.remove", "pod-1", {"label": "serving"}, effect)
+        again = ledger.perform(
+            "wf/deroute/pod-1", "router.label.remove", "pod-1", {"label": "serving"}, effect
+        )
         assert again.replayed and again.result == first.result
     assert effect.applies == 1 and effect.probes == 0
     assert world.count("wf/deroute/pod-1") == 1
 
 
-def test_same_op_id_with_different_params_is_divergent_never_applied(ledger: EffectLedger, world: World) -> None:
+def test_same_op_id_with_different_params_is_divergent_never_applied(
+    ledger: EffectLedger, world: World
+) -> None:
     effect = WorldEffect(world)
     original = ledger.perform("req-7/0", "ticket.create", "oncall", {"title": "GPU lost"}, effect)
 
@@ -63,7 +75,10 @@ def test_same_op_id_with_different_params_is_divergent_never_applied(ledger: Eff
     assert row is not None and row.state == "applied" and row.divergences == 2
     with ledger.engine.connect() as conn:
         seen = conn.execute(text("SELECT target, params FROM ledger_divergences ORDER BY id")).all()
-    assert [(t, p) for t, p in seen] == [("oncall", {"title": "GPU lost twice"}), ("other-queue", {"title": "GPU lost"})]
+    assert [(t, p) for t, p in seen] == [
+        ("oncall", {"title": "GPU lost twice"}),
+        ("other-queue", {"title": "GPU lost"}),
+    ]
 
 
 def test_params_are_compared_canonically(ledger: EffectLedger, world: World) -> None:
@@ -123,7 +138,13 @@ def test_transient_error_before_landing_is_applied_by_the_retry(ledger: EffectLe
         raise ConnectionRefusedError("router admin API down")
 
     with pytest.raises(EffectAttemptError):
-        ledger.perform("wf/admission/pool", "router.admission", "pool", {}, WorldEffect(world, before_land=refuse_connection))
+        ledger.perform(
+            "wf/admission/pool",
+            "router.admission",
+            "pool",
+            {},
+            WorldEffect(world, before_land=refuse_connection),
+        )
     retry_effect = WorldEffect(world)
     outcome = ledger.perform("wf/admission/pool", "router.admission", "pool", {}, retry_effect)
     assert outcome.state == "applied" and not outcome.replayed
@@ -148,11 +169,22 @@ def test_at_most_once_kind_hands_an_unknown_outcome_to_an_operator(
 ) -> None:
     crashing = make_ledger(owner="w1", lease_seconds=0.2)
     with pytest.raises(SimulatedCrash):
-        crashing.perform("notify/1", "notify.post", "#incident", {"text": "hi"},
-                         NoProbeWorldEffect(world, Delivery.AT_MOST_ONCE, after_land=_crash))
+        crashing.perform(
+            "notify/1",
+            "notify.post",
+            "#incident",
+            {"text": "hi"},
+            NoProbeWorldEffect(world, Delivery.AT_MOST_ONCE, after_land=_crash),
+        )
     retry = make_ledger(owner="w2")
     with pytest.raises(NeedsOperator) as caught:
-        retry.perform("notify/1", "notify.post", "#incident", {"text": "hi"}, NoProbeWorldEffect(world, Delivery.AT_MOST_ONCE))
+        retry.perform(
+            "notify/1",
+            "notify.post",
+            "#incident",
+            {"text": "hi"},
+            NoProbeWorldEffect(world, Delivery.AT_MOST_ONCE),
+        )
     assert caught.value.outcome.state == "needs_operator" and caught.value.outcome.delivery == "at_most_once"
     assert world.count("notify/1") == 1  # never repeated
 
@@ -162,10 +194,19 @@ def test_at_least_once_kind_repeats_an_unknown_outcome_and_says_so(
 ) -> None:
     crashing = make_ledger(owner="w1", lease_seconds=0.2)
     with pytest.raises(SimulatedCrash):
-        crashing.perform("notify/2", "notify.post", "#incident", {"text": "hi"},
-                         NoProbeWorldEffect(world, Delivery.AT_LEAST_ONCE, after_land=_crash))
+        crashing.perform(
+            "notify/2",
+            "notify.post",
+            "#incident",
+            {"text": "hi"},
+            NoProbeWorldEffect(world, Delivery.AT_LEAST_ONCE, after_land=_crash),
+        )
     outcome = make_ledger(owner="w2").perform(
-        "notify/2", "notify.post", "#incident", {"text": "hi"}, NoProbeWorldEffect(world, Delivery.AT_LEAST_ONCE)
+        "notify/2",
+        "notify.post",
+        "#incident",
+        {"text": "hi"},
+        NoProbeWorldEffect(world, Delivery.AT_LEAST_ONCE),
     )
     assert outcome.state == "applied" and outcome.delivery == "at_least_once" and outcome.attempts == 2
     assert world.count("notify/2") == 2  # the declared trade-off: a duplicate chat message, never a lost one

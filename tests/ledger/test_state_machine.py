@@ -29,7 +29,7 @@ from ledger import (
     RetryableLedgerError,
 )
 from ledger.store import make_engine
-from tests.ledger.world import NoProbeWorldEffect, SimulatedCrash, World, WorldEffect
+from tests.ledger.world import SimulatedCrash, World, WorldEffect
 
 OPS = {"a": Delivery.EXACTLY_ONCE, "b": Delivery.EXACTLY_ONCE, "c": Delivery.AT_MOST_ONCE}
 FAULTS = [
@@ -104,9 +104,14 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def row(self, name: str) -> dict[str, Any] | None:
         with self.engine.connect() as conn:
-            found = conn.execute(
-                text("SELECT state, fence, params FROM ledger_effects WHERE op_id = :op"), {"op": self.op_id(name)}
-            ).mappings().first()
+            found = (
+                conn.execute(
+                    text("SELECT state, fence, params FROM ledger_effects WHERE op_id = :op"),
+                    {"op": self.op_id(name)},
+                )
+                .mappings()
+                .first()
+            )
         return dict(found) if found else None
 
     @rule(name=st.sampled_from(sorted(OPS)), fault=st.sampled_from(FAULTS), divergent=st.booleans())
@@ -124,7 +129,9 @@ class LedgerMachine(RuleBasedStateMachine):
     def dry_run(self, name: str) -> None:
         before = self.world.count(self.op_id(name))
         try:
-            self.new_worker().perform(self.op_id(name), "k8s.patch", name, {"v": 1}, self.effect(name, "none"), dry_run=True)
+            self.new_worker().perform(
+                self.op_id(name), "k8s.patch", name, {"v": 1}, self.effect(name, "none"), dry_run=True
+            )
         except (DivergentOperation, EffectFailed, NeedsOperator):
             pass
         assert self.world.count(self.op_id(name)) == before
@@ -163,7 +170,9 @@ class LedgerMachine(RuleBasedStateMachine):
             if row is None:
                 continue
             try:
-                self.new_worker().perform(self.op_id(name), "k8s.patch", name, row["params"], self.effect(name, "none"))
+                self.new_worker().perform(
+                    self.op_id(name), "k8s.patch", name, row["params"], self.effect(name, "none")
+                )
             except (EffectFailed, NeedsOperator):
                 pass
             final = self.row(name)
@@ -184,6 +193,7 @@ def test_ledger_state_machine(ledger_url: str) -> None:
             LedgerMachine,
             settings=settings(
                 max_examples=60,
+                derandomize=True,  # the same interleavings every run: CI stays reproducible
                 stateful_step_count=25,
                 deadline=None,
                 suppress_health_check=list(HealthCheck),

@@ -56,7 +56,9 @@ class World:
     def count(self, op_id: str) -> int:
         with self.engine.connect() as conn:
             return int(
-                conn.execute(text("SELECT count(*) FROM world_actions WHERE op_id = :op"), {"op": op_id}).scalar_one()
+                conn.execute(
+                    text("SELECT count(*) FROM world_actions WHERE op_id = :op"), {"op": op_id}
+                ).scalar_one()
             )
 
     def counts(self) -> dict[str, int]:
@@ -98,7 +100,9 @@ class WorldEffect(Effect):
         return self.world.find(attempt.op_id)
 
     def action_signature(self, attempt: Attempt) -> ActionSignature | None:
-        return ActionSignature(world="test-world", verb="INSERT", path="world_actions", body_digest=attempt.op_id)
+        return ActionSignature(
+            world="test-world", verb="INSERT", path="world_actions", body_digest=attempt.op_id
+        )
 
 
 class NoProbeWorldEffect(WorldEffect):
