@@ -7,6 +7,7 @@ namespace of its own so incident ids never collide with other tests.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from collections.abc import Iterator
@@ -184,3 +185,36 @@ async def test_unreachable_kubernetes_api_gets_503_so_alertmanager_retries(
     assert response.status_code == 503
     assert response.headers["retry-after"] == "5"
     assert response.json()["error"] == "kubernetes-unavailable"
+
+
+async def test_a_storm_about_one_node_reaches_one_incident_through_the_kubernetes_api(
+    node_loss_sim: RunningSim, node_loss_webhook: ServedWebhook, temporal_client: Client
+) -> None:
+    """300 concurrent notifications (distinct DCGM series of one node, each sent twice):
+    node -> pods -> pool resolution under load, one incident, one signal per distinct alert and group."""
+    namespace = node_loss_sim.world.scenario.namespace
+    node = "gpu-node-1"
+    groups = sorted(pods_by_node(node_loss_sim)[node])
+    payloads = [
+        example_payload(
+            "gpu-xid", overrides={"Hostname": node, "gpu": str(i % 8), "instance": f"10.9.0.{i}:9400"}
+        )
+        for i in range(150)
+    ]
+    limits = httpx.Limits(max_connections=32)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as http:
+        bodies = [json.dumps(p).encode() for p in payloads * 2]
+        responses = await asyncio.gather(
+            *(http.post(node_loss_webhook.url, content=b, headers=node_loss_webhook.auth) for b in bodies)
+        )
+
+    assert {r.status_code for r in responses} == {200}
+    assert {wf for r in responses for wf in r.json()["incidents"]} == {f"incident/{namespace}/llama"}
+    fingerprints = {p["alerts"][0]["fingerprint"] for p in payloads}
+    signals = [
+        s
+        for s in await report_loss_signals(temporal_client, f"incident/{namespace}/llama")
+        if s["fingerprint"].split("/")[0] in fingerprints
+    ]
+    assert len(signals) == len(payloads) * len(groups)
+    assert {s["replica_group"] for s in signals} == set(groups)
