@@ -217,7 +217,7 @@ class FaultInjector:
             state.ecc_dbe_agg += 1
             state.remapped_uncorrectable += 1
         elif code == 63:
-            state.remapped_uncorrectable += 1
+            state.remapped_correctable += 1
         elif code == 64:
             state.row_remap_failure = 1
         elif code == 92:
@@ -243,7 +243,9 @@ class FaultInjector:
         state = tel.gpus[gpu]
         state.last_xid = 74
         state.nvlink_crc_errors += 250
+        state.nvlink_crc_data_errors += 60
         state.nvlink_replay_errors += 40
+        state.nvlink_recovery_errors += 3
         state.broken = "Xid 74 (NVLink error)"
         self._sync_allocatable(node)
         victims = [
@@ -261,6 +263,9 @@ class FaultInjector:
         for g in gpus:
             g.temp_c = temp
             g.clock_events = 0 if clear else CLOCK_EVENT_SW_THERMAL | CLOCK_EVENT_HW_THERMAL
+            if g.thermal_since is not None:
+                g.thermal_violation_us += (now - g.thermal_since) * 1e6
+            g.thermal_since = None if clear else now
         if clear:
             self.layer.thermal_nodes.pop(node, None)
         else:

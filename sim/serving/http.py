@@ -175,7 +175,9 @@ def build_router(layer: ServingLayer) -> APIRouter:
             return PlainTextResponse(f"dcgm-exporter on {node} is not answering\n", status_code=503)
         from sim.serving.telemetry import gpu_assignment, render_dcgm
 
-        text = render_dcgm(tel, gpu_assignment(layer.kube, node), layer.gpu_utilisation(node))
+        text = render_dcgm(
+            tel, gpu_assignment(layer.kube, node), layer.gpu_utilisation(node), layer.clock.now()
+        )
         return Response(text, media_type=PROMETHEUS_TEXT)
 
     @api.post("/nodes/{node}/qualification", response_model=Qualification, status_code=202, tags=["nodes"])

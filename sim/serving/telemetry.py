@@ -82,6 +82,11 @@ class GpuState:
     row_remap_failure: int = 0
     temp_c: float = 38.0
     clock_events: int = 0
+    thermal_violation_us: float = 0.0  # accumulated while throttled (up to thermal_since)
+    thermal_since: float | None = None
+    remapped_correctable: int = 0
+    nvlink_crc_data_errors: int = 0
+    nvlink_recovery_errors: int = 0
     broken: str | None = None  # hardware fault that survives a process restart
 
 
@@ -163,8 +168,15 @@ def _labels(pairs: dict[str, str]) -> str:
     return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in pairs.items()) + "}"
 
 
-def render_dcgm(tel: NodeTelemetry, holders: dict[int, Obj], utilisation: dict[int, float]) -> bytes:
+def render_dcgm(
+    tel: NodeTelemetry, holders: dict[int, Obj], utilisation: dict[int, float], now: float
+) -> bytes:
     """dcgm-exporter's page for one node, in the Go client's text format."""
+
+    def violation_us(g: GpuState) -> float:
+        running = (now - g.thermal_since) * 1e6 if g.thermal_since is not None else 0.0
+        return g.thermal_violation_us + max(0.0, running)
+
     families: list[tuple[str, str, str, list[tuple[dict[str, str], float]]]] = []
 
     def base(g: GpuState) -> dict[str, str]:
@@ -255,16 +267,40 @@ def render_dcgm(tel: NodeTelemetry, holders: dict[int, Obj], utilisation: dict[i
         lambda g: g.remapped_uncorrectable,
     )
     fam(
+        "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
+        "counter",
+        "Number of remapped rows for correctable errors",
+        lambda g: g.remapped_correctable,
+    )
+    fam(
         "DCGM_FI_DEV_ROW_REMAP_FAILURE",
         "gauge",
         "Whether remapping of rows has failed",
         lambda g: g.row_remap_failure,
     )
     fam(
+        "DCGM_FI_DEV_THERMAL_VIOLATION",
+        "counter",
+        "Throttling duration due to thermal constraints (in us).",
+        violation_us,
+    )
+    fam(
         "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL",
         "counter",
         "Total number of NVLink flow-control CRC errors.",
         lambda g: g.nvlink_crc_errors,
+    )
+    fam(
+        "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL",
+        "counter",
+        "Total number of NVLink data CRC errors.",
+        lambda g: g.nvlink_crc_data_errors,
+    )
+    fam(
+        "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL",
+        "counter",
+        "Total number of NVLink recovery errors.",
+        lambda g: g.nvlink_recovery_errors,
     )
     fam(
         "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL",

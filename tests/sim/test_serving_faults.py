@@ -282,3 +282,30 @@ async def test_losing_one_rank_of_a_multi_node_group_takes_the_whole_group_down_
             return pod is not None and pod["metadata"]["uid"] != leader_uid and new is not None and new.alive
 
         await sim.wait_for(recreated, 300, "the group to be recreated")
+
+
+async def test_fleetmends_own_parsers_read_the_simulators_pages() -> None:
+    """The contract between the world and fleetmend: fleet.engine_metrics reads what the sim serves."""
+    from fleet.engine_metrics import parse_dcgm_metrics, parse_engine_metrics
+
+    async with running_serving(scenario(), speed=20) as sim:
+        pod, _ = await sim.wait_serving(2)
+        await sim.set_state("weights", "weights", {pod: 1.0, _: 0.0})
+        for _i in range(2):
+            assert (
+                await sim.http.post("/v1/completions", json={"model": MODEL, "max_tokens": 8})
+            ).status_code == 200
+        snap = parse_engine_metrics((await sim.http.get(f"/pods/{NAMESPACE}/{pod}/metrics")).text)
+        assert snap.engines == 1 and snap.model_names == (MODEL,)
+        assert snap.request_success_total == 2 and snap.generation_tokens_total == 16
+        assert snap.kv_usage is not None and snap.kv_era.value != "none"
+        node, gpu = pod_node_and_gpu(sim, pod)
+        await sim.fault("thermal", node, temp_c=97)
+        await sim.fault("gpu-xid", node, code=48, gpu=gpu)
+        await sim.sim_sleep(1.0)
+        tel = parse_dcgm_metrics(node, (await sim.http.get(f"/nodes/{node}/metrics")).text)
+        assert tel.xids == {str(gpu): 48}
+        assert len(tel.thermal_throttled) == 8
+        bad = next(g for g in tel.gpus if g.gpu == str(gpu))
+        assert bad.ecc_dbe_volatile == 1 and bad.temperature_c == 97
+        assert bad.thermal_violation_us is not None and bad.thermal_violation_us > 0

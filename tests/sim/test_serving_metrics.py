@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from fleet.engine_metrics import KvMetricEra, parse_engine_metrics
 from sim.serving.vllm_metrics import ITL_BUCKETS, TTFT_BUCKETS, MetricsEra, family_names
 from tests.sim.serving_fixtures import NAMESPACE, running_serving, scenario
 
+KV_ERA = {
+    MetricsEra.LEGACY: KvMetricEra.OLD,
+    MetricsEra.BOTH: KvMetricEra.BOTH,
+    MetricsEra.CURRENT: KvMetricEra.NEW,
+}
 ERA_VERSIONS = {MetricsEra.LEGACY: "0.9.1", MetricsEra.BOTH: "0.10.2", MetricsEra.CURRENT: "0.12.0"}
 ALL_ERA_NAMES = (
     family_names(MetricsEra.BOTH) | family_names(MetricsEra.CURRENT) | family_names(MetricsEra.LEGACY)
@@ -71,6 +77,11 @@ async def test_each_engine_era_exposes_exactly_its_names_and_every_page_parses()
                 "abort",
             }
             assert families["vllm:generation_tokens"].type == "counter"
+            # fleetmend's own reader recognises the era from the names alone.
+            text = (await sim.http.get(f"/pods/{key}/metrics")).text
+            snapshot = parse_engine_metrics(text)
+            assert snapshot.kv_era == KV_ERA[era] and snapshot.kv_usage is not None
+            assert snapshot.request_success_total == 1
             assert families["vllm:num_requests_running"].type == "gauge"
 
         node = await sim.http.get("/nodes/gpu-node-0/metrics")
