@@ -33,7 +33,6 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.protocol import (
-    Admission,
     AdmissionChange,
     JournalEntry,
     Outcome,
@@ -390,8 +389,14 @@ class Router:
                 except EngineRefused as refused:
                     failure = refused.message
             if failure is None:
-                effects = await self._propose_effects(request_id)
-                failure = await self._await_first_token(sink, deadline, ereq, engine)
+                try:
+                    effects = await self._propose_effects(request_id)
+                    failure = await self._await_first_token(sink, deadline, ereq, engine)
+                except asyncio.CancelledError:
+                    # The caller went away before its first token: free the engine's slot.
+                    if engine is not None:
+                        engine.cancel(ereq, self.clock.now())
+                    raise
                 if failure == "deadline":
                     journal(
                         Outcome.LATE,
@@ -630,7 +635,3 @@ class StaleVersion(Exception):
             "read the state again and re-apply your (absolute) change"
         )
         self.current = current
-
-
-def default_admission() -> Admission:
-    return Admission()

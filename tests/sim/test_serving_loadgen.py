@@ -108,3 +108,23 @@ async def test_scenario_traffic_starts_with_the_simulator_and_waits_for_the_pool
         report = run.report()
         assert report.goodput + report.shed >= 10 and report.terminal_errors == 0
         assert len(sim.layer.journal) >= 10
+
+
+async def test_load_control_api_starts_reports_and_stops_a_run() -> None:
+    async with running_serving(scenario(), speed=20) as sim:
+        await sim.wait_serving(2)
+        bad = await sim.http.post("/sim/v1/load", json={"rate": 5, "tiers": {"critical": -1}})
+        assert bad.status_code == 422
+        started = await sim.http.post("/sim/v1/load", json={"rate": 5.0, "duration_s": 600.0, "seed": 4})
+        assert started.status_code == 202
+        run_id = started.json()["id"]
+
+        async def some_done() -> bool:
+            return (await sim.http.get(f"/sim/v1/load/{run_id}")).json()["finished"] >= 5
+
+        await sim.wait_for(some_done, 60, "requests to finish")
+        window = (await sim.http.get(f"/sim/v1/load/{run_id}", params={"since_s": 0, "until_s": 1})).json()
+        assert window["window_s"] == [0.0, 1.0]
+        stopped = await sim.http.delete(f"/sim/v1/load/{run_id}")
+        assert stopped.status_code == 200 and stopped.json()["sent"] >= 5
+        assert (await sim.http.get(f"/sim/v1/load/{run_id}")).status_code == 404
