@@ -80,7 +80,7 @@ def create_app(
         raise WebhookConfigError(
             "FLEETMEND_WEBHOOK_TOKEN is not set: the alert webhook refuses to run without a bearer token. "
             "Generate one (e.g. `openssl rand -hex 32`), set it here and in Alertmanager's "
-            "http_config.authorization.credentials"
+            "http_config.authorization (credentials_file, see deploy/alertmanager/alertmanager.yml)"
         )
     expected_token = token.encode()
     rules = rules or load_alert_rules(settings.alert_rules_file)
@@ -159,7 +159,7 @@ def create_app(
                 "alert notification not delivered; the sender will retry",
                 extra={"reason": reason, "detail": str(err)},
             )
-            response = _error_response(_Rejected(503, reason, f"{err}; retry later (nothing was lost)"))
+            response = _error_response(_Rejected(503, reason, f"{err}; retry later (delivery is idempotent)"))
             response.headers["Retry-After"] = RETRY_AFTER_S
         metrics.request_seconds.labels(str(response.status_code)).observe(time.perf_counter() - started)
         return response
@@ -229,7 +229,7 @@ def _parse_payload(body: bytes) -> AlertmanagerPayload:
             422,
             "unsupported-version",
             f"payload version {shown} is not supported: fleetmend accepts Alertmanager webhook payload "
-            f'version "{SUPPORTED_VERSION}" (every Alertmanager since 0.10 sends it)',
+            f'version "{SUPPORTED_VERSION}"',
         )
     try:
         return AlertmanagerPayload.model_validate(data)
