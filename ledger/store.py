@@ -26,6 +26,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -177,10 +178,12 @@ class EffectLedger:
         self.owner = owner or default_owner()
         self.lease_seconds = lease_seconds
         self.wait_seconds = wait_seconds
-        # Operations this instance is driving right now; a lease of ours that is *not* in here
-        # belongs to an attempt that already ended, so a retry may take it over at once.
-        self._driving: set[str] = set()
-        self._driving_lock = threading.Lock()
+        # perform() calls in flight in this instance, per op id. A lease of ours on an op with no other
+        # call in flight belongs to an attempt that already ended (it raised), so a retry may take it over
+        # at once instead of waiting for the lease to expire. Counted from *before* the claim, so a
+        # concurrent call of the same op in this process never mistakes a fresh claim for an ended one.
+        self._in_flight: Counter[str] = Counter()
+        self._in_flight_lock = threading.Lock()
 
     def close(self) -> None:
         self.engine.dispose()
@@ -209,6 +212,8 @@ class EffectLedger:
         request = _Request.build(
             op_id, kind, target, params, effect, context, lease_seconds or self.lease_seconds
         )
+        with self._in_flight_lock:
+            self._in_flight[op_id] += 1
         try:
             if dry_run:
                 outcome = self._plan(request)
@@ -229,6 +234,11 @@ class EffectLedger:
         except Exception as exc:
             PERFORMS.labels(kind, type(exc).__name__).inc()
             raise
+        finally:
+            with self._in_flight_lock:
+                self._in_flight[op_id] -= 1
+                if not self._in_flight[op_id]:
+                    del self._in_flight[op_id]
         PERFORMS.labels(kind, "replayed" if outcome.replayed else outcome.state).inc()
         return outcome
 
@@ -310,14 +320,7 @@ class EffectLedger:
 
     def _drive(self, req: _Request, *, fence: int, attempt: int, outcome_unknown: bool) -> EffectOutcome:
         """We hold the lease with ``fence``: resolve the operation (probe if needed, apply, record)."""
-        leased_at = time.monotonic()
-        with self._driving_lock:
-            self._driving.add(req.op_id)
-        try:
-            return self._drive_leased(req, fence, attempt, outcome_unknown, leased_at)
-        finally:
-            with self._driving_lock:
-                self._driving.discard(req.op_id)
+        return self._drive_leased(req, fence, attempt, outcome_unknown, time.monotonic())
 
     def _drive_leased(
         self, req: _Request, fence: int, attempt_no: int, outcome_unknown: bool, leased_at: float
@@ -463,7 +466,7 @@ class EffectLedger:
 
     def _try_take_over(self, req: _Request, row: Mapping[Any, Any]) -> Mapping[Any, Any] | None:
         expired = row["lease_expired"] is not False
-        ours_and_idle = row["lease_owner"] == self.owner and not self._is_driving(req.op_id)
+        ours_and_idle = row["lease_owner"] == self.owner and self._only_call_in_flight(req.op_id)
         if not (expired or ours_and_idle):
             return None
         condition = (
@@ -516,9 +519,9 @@ class EffectLedger:
                 .first()
             )
 
-    def _is_driving(self, op_id: str) -> bool:
-        with self._driving_lock:
-            return op_id in self._driving
+    def _only_call_in_flight(self, op_id: str) -> bool:
+        with self._in_flight_lock:
+            return self._in_flight[op_id] == 1
 
     @staticmethod
     def _read(conn: Connection, op_id: str) -> Mapping[Any, Any] | None:

@@ -1,10 +1,13 @@
 """Alembic environment for the ledger schema.
 
 Run through :mod:`ledger.migrate` (``upgrade_head(url)``), which hands over an open
-connection; the ``alembic`` CLI works too with ``-x url=postgresql+psycopg://...``.
+connection. The ``alembic`` CLI works too:
+``alembic -c ledger/alembic.ini -x url=postgresql+psycopg://... upgrade head``.
 """
 
 from __future__ import annotations
+
+import os
 
 from alembic import context
 from sqlalchemy import Connection, create_engine

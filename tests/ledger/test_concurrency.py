@@ -132,3 +132,17 @@ def test_stalled_holder_does_not_apply_after_its_lease_ran_out(
 
 def _crash(attempt: Attempt) -> None:
     raise SimulatedCrash("worker died")
+
+
+def test_retry_in_the_same_worker_resolves_at_once_instead_of_waiting_out_its_own_lease(
+    make_ledger: Callable[..., EffectLedger], world: World
+) -> None:
+    """An activity attempt died after landing (its worker lives on); Temporal retries it on the same worker.
+    The lease is the worker's own and no call of it is in flight, so the retry probes right away."""
+    worker = make_ledger(owner="same-worker", lease_seconds=600, wait_seconds=0.5)
+    with pytest.raises(SimulatedCrash):
+        worker.perform("wf/label/pod-3", "k8s.label", "pod-3", {}, WorldEffect(world, after_land=_crash))
+    retry = WorldEffect(world)
+    outcome = worker.perform("wf/label/pod-3", "k8s.label", "pod-3", {}, retry)
+    assert outcome.state == "applied" and outcome.replayed and (retry.applies, retry.probes) == (0, 1)
+    assert world.count("wf/label/pod-3") == 1
