@@ -26,9 +26,12 @@ from fleet.protocol import (
     RoutingSet,
     WeightsChange,
 )
+from fleet.vocabulary import MODEL_LABEL
 from sim.serving.faults import FaultError
+from sim.serving.kubeview import pod_labels
 from sim.serving.layer import ServingLayer
 from sim.serving.router import Completion, CompletionRequest, GatewayError, StaleVersion
+from sim.serving.supervisor import is_leader
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -209,8 +212,14 @@ def build_router(layer: ServingLayer) -> APIRouter:
         """Prometheus HTTP service discovery: one target per replica's and node's metrics page."""
         host = request.headers.get("host", request.url.netloc)
         out: list[dict[str, Any]] = []
-        for key in sorted(layer.supervisor.engines()):
-            ns, pod = key.split("/", 1)
+        # Every serving pod (leaders of multi-node groups), started or not: a pod whose engine is
+        # loading or crashed scrapes as down, as it would through kubernetes_sd.
+        replicas = sorted(
+            (p["metadata"]["namespace"], p["metadata"]["name"])
+            for p in layer.kube.pods()
+            if MODEL_LABEL in pod_labels(p) and is_leader(p)
+        )
+        for ns, pod in replicas:
             out.append(
                 {
                     "targets": [host],
