@@ -27,10 +27,14 @@ connection = config.attributes.get("connection")
 if connection is not None:
     _run(connection)
 else:
-    url = context.get_x_argument(as_dictionary=True).get("url") or config.get_main_option("sqlalchemy.url")
+    url = (
+        context.get_x_argument(as_dictionary=True).get("url")
+        or config.get_main_option("sqlalchemy.url")
+        or os.environ.get("FLEETMEND_DATABASE_URL")
+    )
     if not url:
         raise SystemExit(
-            "no database URL: pass -x url=postgresql+psycopg://... or use ledger.migrate.upgrade_head"
+            "no database URL: pass -x url=postgresql+psycopg://... or set FLEETMEND_DATABASE_URL"
         )
     engine = create_engine(url)
     with engine.connect() as conn:
