@@ -223,8 +223,11 @@ class LoadRun:
 
     async def _run(self) -> None:
         if self._base_url is not None:
+            # Open loop: never let the client's connection pool queue requests (that would be closed-loop).
             self._http = httpx.AsyncClient(
-                base_url=self._base_url, timeout=httpx.Timeout(300.0, connect=10.0)
+                base_url=self._base_url,
+                timeout=httpx.Timeout(300.0, connect=10.0),
+                limits=httpx.Limits(max_connections=2000, max_keepalive_connections=200),
             )
             reply = await self._http.get("/sim/v1/clock")
             if reply.status_code != 200:

@@ -193,6 +193,7 @@ class Router:
         self._pools: dict[str, PoolRouter] = {}
         self._http: httpx.AsyncClient | None = None
         self.effect_answers: dict[str, dict[str, Any]] = {}
+        self._served_cache: tuple[tuple[int, int], dict[str, str]] | None = None
 
     async def aclose(self) -> None:
         if self._http is not None:
@@ -298,6 +299,15 @@ class Router:
 
     def served_models(self) -> dict[str, str]:
         """Model names (label value and served name) -> pool key, from the pods behind each Service."""
+        generation = (self.kube.generation, len(self._pools))
+        if self._served_cache is not None and self._served_cache[0] == generation:
+            return self._served_cache[1]
+        out = self._scan_served_models()
+        if out:
+            self._served_cache = (generation, out)
+        return out
+
+    def _scan_served_models(self) -> dict[str, str]:
         out: dict[str, str] = {}
         for svc in self.kube.services():
             selector = (svc.get("spec") or {}).get("selector") or {}

@@ -20,7 +20,8 @@ def test_arrivals_are_a_pure_function_of_the_seed() -> None:
 
 
 async def test_load_over_http_reports_goodput_shed_and_per_replica_ttft() -> None:
-    async with running_serving(scenario(), speed=20) as sim:
+    # Over HTTP, latency is measured in wall time x speed: a low speed keeps client-side jitter small.
+    async with running_serving(scenario(), speed=5) as sim:
         pods = await sim.wait_serving(2)
         await sim.set_state("admission", "admission", {"shed_tiers": ["sheddable"]})
         spec = LoadSpec(rate=4.0, duration_s=10.0, seed=9)
@@ -31,7 +32,7 @@ async def test_load_over_http_reports_goodput_shed_and_per_replica_ttft() -> Non
         assert report.goodput == report.sent - report.shed
         assert report.late == report.terminal_errors == report.truncated_streams == 0
         assert set(report.per_replica) == set(pods)
-        assert all(r.ttft_p50_s is not None and r.ttft_p50_s < 1.0 for r in report.per_replica.values())
+        assert all(r.ttft_p50_s is not None and r.ttft_p50_s < 2.0 for r in report.per_replica.values())
         # The in-process path (same router code) gives the same accounting for the same arrivals.
         again = await start_load(sim.world, spec).wait()
         assert (again.sent, again.shed, again.goodput) == (report.sent, report.shed, report.goodput)
