@@ -299,7 +299,8 @@ class Router:
 
     def served_models(self) -> dict[str, str]:
         """Model names (label value and served name) -> pool key, from the pods behind each Service."""
-        generation = (self.kube.generation, len(self._pools))
+        # Engines start without a cluster change: let the cache live at most a wall second.
+        generation = (self.kube.generation, int(time.monotonic()))
         if self._served_cache is not None and self._served_cache[0] == generation:
             return self._served_cache[1]
         out = self._scan_served_models()
