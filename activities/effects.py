@@ -29,8 +29,6 @@ from ledger.effect import ActionSignature, Attempt, Effect
 from ledger.errors import PermanentEffectError
 from ledger.models import Delivery
 
-# Lets an action log attribute the request to fleetmend (the sim records it as the client identity).
-CLIENT_HEADER = {"X-Fleetmend-Client": "fleetmend-ledger"}
 # Status codes that a retry may still turn into success.
 _TRANSIENT = {408, 409, 425, 429}
 
@@ -75,7 +73,7 @@ class TicketCreate(Effect):
         response = self.http.post(
             self.url,
             content=self.body,
-            headers={"Idempotency-Key": attempt.op_id, "Content-Type": "application/json", **CLIENT_HEADER},
+            headers={"Idempotency-Key": attempt.op_id, "Content-Type": "application/json"},
         )
         _raise_for_status(response, f"ticket API refused {attempt.op_id!r}")
         return {"ticket": response.json()}
@@ -104,9 +102,7 @@ class NotifyPost(Effect):
         self.body = _json_bytes({"text": text})
 
     def apply(self, attempt: Attempt) -> dict[str, Any]:
-        response = self.http.post(
-            self.url, content=self.body, headers={"Content-Type": "application/json", **CLIENT_HEADER}
-        )
+        response = self.http.post(self.url, content=self.body, headers={"Content-Type": "application/json"})
         _raise_for_status(response, "incident channel refused the message")
         return {"status": response.status_code}
 

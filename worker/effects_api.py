@@ -174,7 +174,10 @@ def create_router(settings: Settings) -> APIRouter:
     """The router the webhook app mounts: the ledger at ``FLEETMEND_DATABASE_URL`` (connected on first use),
     ``ticket.create`` against ``FLEETMEND_TICKETS_URL`` (default: the router admin URL, the sim) and
     ``notify.post`` to ``FLEETMEND_NOTIFIER_URL`` when set."""
-    http = httpx.Client(timeout=httpx.Timeout(5.0, connect=2.0))
+    # The user agent is how a target's action log (the sim's) attributes these requests to fleetmend.
+    http = httpx.Client(
+        timeout=httpx.Timeout(5.0, connect=2.0), headers={"User-Agent": "fleetmend-effects-api/0.1"}
+    )
     registry = default_registry(
         http,
         tickets_url=settings.tickets_url or settings.router_admin_url,
