@@ -129,3 +129,15 @@ async def test_load_control_api_starts_reports_and_stops_a_run() -> None:
         stopped = await sim.http.delete(f"/sim/v1/load/{run_id}")
         assert stopped.status_code == 200 and stopped.json()["sent"] >= 5
         assert (await sim.http.get(f"/sim/v1/load/{run_id}")).status_code == 404
+
+
+async def test_scenario_timed_faults_reach_the_serving_layer() -> None:
+    faults = [{"kind": "thermal", "target": "gpu-node-1", "at_s": 2.0, "params": {"temp_c": 91}}]
+    async with running_serving(scenario(faults=faults), speed=20) as sim:
+
+        async def hot() -> bool:
+            page = (await sim.http.get("/nodes/gpu-node-1/metrics")).text
+            return 'DCGM_FI_DEV_GPU_TEMP{gpu="0"' in page and "} 91.0" in page
+
+        await sim.wait_for(hot, 30, "the scheduled thermal fault")
+        assert sim.world.clock.now() - sim.world.started_at >= 2.0
