@@ -320,12 +320,14 @@ class EffectLedger:
 
     def _drive(self, req: _Request, *, fence: int, attempt: int, outcome_unknown: bool) -> EffectOutcome:
         """We hold the lease with ``fence``: resolve the operation (probe if needed, apply, record)."""
-        return self._drive_leased(req, fence, attempt, outcome_unknown, time.monotonic())
+        leased_at = time.monotonic()
+        attempt_info = Attempt(req.op_id, req.kind, req.target, req.params, fence, attempt)
+        return self._resolve(req, attempt_info, outcome_unknown, leased_at)
 
-    def _drive_leased(
-        self, req: _Request, fence: int, attempt_no: int, outcome_unknown: bool, leased_at: float
+    def _resolve(
+        self, req: _Request, attempt: Attempt, outcome_unknown: bool, leased_at: float
     ) -> EffectOutcome:
-        attempt = Attempt(req.op_id, req.kind, req.target, req.params, fence, attempt_no)
+        fence = attempt.fence
         effect = req.effect
         if outcome_unknown:
             if effect.delivery == Delivery.EXACTLY_ONCE:
