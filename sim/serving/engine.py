@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sim.serving.vllm_metrics import MetricsEra, VllmMetrics, era_for_version
 
@@ -58,8 +58,18 @@ class EngineSpec(BaseModel):
         default=5.0, ge=0, description="Dead engine: seconds until the API server exits"
     )
 
+    @field_validator("version")
+    @classmethod
+    def _known_version_shape(cls, value: str) -> str:
+        era_for_version(value)  # raises a clear error for e.g. "latest"
+        return value
+
     def era(self) -> MetricsEra:
         return era_for_version(self.version)
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split(".")[:3] if p.isdigit())
 
 
 class EngineState(StrEnum):
@@ -166,8 +176,14 @@ class Engine:
         return min(1.0, used / self.spec.kv_capacity_tokens)
 
     def health_status(self) -> int:
-        """What ``GET /health`` answers: 200 unless the engine is dead (a wedged one says 200)."""
-        return 503 if self.state is EngineState.DEAD else 200
+        """What ``GET /health`` answers: 200 unless the engine is dead (a wedged one says 200).
+
+        A dead engine answers 503 from v0.11 on (vLLM PR #24897); older releases let the
+        EngineDeadError reach the generic handler, which answered 500.
+        """
+        if self.state is not EngineState.DEAD:
+            return 200
+        return 503 if version_tuple(self.spec.version) >= (0, 11) else 500
 
     def render_metrics(self) -> bytes:
         return self.metrics.render(self.num_running, self.num_waiting, self.kv_usage())

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 
 from fleet.engine_metrics import KvMetricEra, parse_engine_metrics
+from sim.serving.engine import Engine, EngineSpec
 from sim.serving.vllm_metrics import ITL_BUCKETS, TTFT_BUCKETS, MetricsEra, family_names
 from tests.sim.serving_fixtures import NAMESPACE, running_serving, scenario
 
@@ -108,3 +111,16 @@ async def test_each_engine_era_exposes_exactly_its_names_and_every_page_parses()
         ]
         assert len(ready) == 3
         assert all(s.labels["namespace"] == NAMESPACE for s in ready)
+
+
+def test_a_dead_engine_answers_health_as_its_release_did() -> None:
+    answers = {}
+    for version in ("0.10.2", "0.11.0", "0.12.0"):
+        engine = Engine("ns/p", EngineSpec(version=version), "m", started_at=0.0)
+        engine.wedged = True
+        assert engine.health_status() == 200  # wedged, still "healthy"
+        engine.kill("Xid 79", 1.0)
+        answers[version] = engine.health_status()
+    assert answers == {"0.10.2": 500, "0.11.0": 503, "0.12.0": 503}
+    with pytest.raises(ValidationError, match=r"MAJOR\.MINOR"):
+        EngineSpec(version="latest")
