@@ -171,9 +171,12 @@ class EngineSupervisor:
             model = self.world.model_for_pod(pod)
             if model is None:
                 return
-            if now < started_at(pod) + load_seconds(model):
+            group = pod_labels(pod).get(LWS_GROUP_KEY_LABEL)
+            if now < started_at(pod) + load_seconds(model) or (
+                group is not None and (ns, group) in groups_broken
+            ):
                 self._loading = True
-                return  # the API server answers only once the weights are loaded
+                return  # the API server answers once the weights are loaded on every rank
             revision = self.world.revision_for_pod(pod)
             if getattr(revision, "defect", "none") in ("crash-on-start", "oom-on-start"):
                 return  # this build dies as it finishes loading: its API server never answers
