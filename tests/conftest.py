@@ -23,7 +23,7 @@ from temporalio.worker import Worker
 
 from worker.config import Settings, load_settings
 from worker.processes import free_port
-from worker.temporal_dev import find_temporal_cli
+from worker.temporal_dev import TemporalDevServer, find_temporal_cli
 from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
 from workflows.search_attributes import ALL_SEARCH_ATTRIBUTES
 
@@ -41,17 +41,25 @@ def temporal_cli() -> Path:
 
 
 @pytest_asyncio.fixture(scope="session")
-async def temporal_env(temporal_cli: Path) -> AsyncIterator[WorkflowEnvironment]:
-    """A real Temporal dev server on free ports with fleetmend's search attributes registered."""
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=str(temporal_cli),
-        search_attributes=ALL_SEARCH_ATTRIBUTES,
-        data_converter=pydantic_data_converter,
-        port=free_port(),
-        dev_server_log_level="error",
+async def temporal_env(
+    temporal_cli: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[WorkflowEnvironment]:
+    """A real Temporal dev server on a free port with fleetmend's search attributes registered.
+
+    Started by ``worker.temporal_dev`` exactly as ``fleetmend dev`` starts it (so the
+    tests exercise that code), headless and in memory; it dies with the test process
+    even when pytest is killed.
+    """
+    logs = tmp_path_factory.mktemp("temporal")
+    server = TemporalDevServer(
+        cli=temporal_cli, db_file=None, log_file=logs / "temporal.log", port=free_port(), headless=True
     )
-    async with env:
-        yield env
+    await server.start()
+    try:
+        client = await Client.connect(server.address, data_converter=pydantic_data_converter)
+        yield WorkflowEnvironment.from_client(client)
+    finally:
+        server.stop()
 
 
 @pytest_asyncio.fixture(scope="session")

@@ -58,12 +58,21 @@ def search_attribute_flags(types: dict[str, str] | None = None) -> list[str]:
     return flags
 
 
+# No version check call home (the stack runs offline); workflow Updates (operator gates) on,
+# as the SDK's own test server sets them.
+DEV_DYNAMIC_CONFIG: tuple[str, ...] = (
+    "frontend.enableServerVersionCheck=false",
+    "frontend.enableUpdateWorkflowExecution=true",
+    "frontend.enableUpdateWorkflowExecutionAsyncAccepted=true",
+)
+
+
 @dataclass
 class TemporalDevServer:
     """One ``temporal server start-dev`` child process, started and stopped by the stack."""
 
     cli: Path
-    db_file: Path
+    db_file: Path | None  # None keeps history in memory only (tests)
     log_file: Path
     host: str = "127.0.0.1"
     port: int = 7233
@@ -90,12 +99,15 @@ class TemporalDevServer:
             str(self.cli), "server", "start-dev",
             "--ip", self.host,
             "--port", str(self.port),
-            "--db-filename", str(self.db_file),
             "--log-level", "warn",
         ]  # fmt: skip
+        if self.db_file is not None:
+            argv += ["--db-filename", str(self.db_file)]
         argv += ["--headless"] if self.headless else ["--ui-port", str(self.ui_port)]
         if self.namespace != "default":
             argv += ["--namespace", self.namespace]
+        for value in DEV_DYNAMIC_CONFIG:
+            argv += ["--dynamic-config-value", value]
         return argv + search_attribute_flags() + list(self.extra_args)
 
     async def start(self, *, timeout_s: float = 60.0) -> None:
@@ -105,7 +117,8 @@ class TemporalDevServer:
             require_free_port(
                 self.host, self.ui_port, what="Temporal Web UI", setting="FLEETMEND_TEMPORAL_UI_PORT"
             )
-        self.db_file.parent.mkdir(parents=True, exist_ok=True)
+        if self.db_file is not None:
+            self.db_file.parent.mkdir(parents=True, exist_ok=True)
         self._proc = spawn(self.command(), log_file=self.log_file)
         try:
             await self._wait_healthy(timeout_s)
