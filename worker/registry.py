@@ -12,16 +12,27 @@ from typing import Any
 
 from activities.act import ActActivities
 from activities.audit import AuditActivities
+from activities.coordination import incident_on_pool
 from activities.deps import ActivityDeps
+from activities.drain import DrainActivities
 from activities.observe import ObserveActivities
+from activities.readiness import ReadinessActivities
 from activities.smoke import smoke_probe
 from ledger.store import EffectLedger
 from worker.config import Settings
 from workflows.incident import FleetIncident
+from workflows.readiness_keeper import ReadinessKeeper
 from workflows.replica_loss import ReplicaLossRecovery
+from workflows.scale_down import PlannedScaleDown
 from workflows.smoke import FleetmendSmoke
 
-WORKFLOWS: list[type] = [FleetmendSmoke, FleetIncident, ReplicaLossRecovery]
+WORKFLOWS: list[type] = [
+    FleetmendSmoke,
+    FleetIncident,
+    ReplicaLossRecovery,
+    PlannedScaleDown,
+    ReadinessKeeper,
+]
 
 
 def _methods(obj: object) -> list[Callable[..., Any]]:
@@ -50,4 +61,7 @@ def build_activities(settings: Settings, database_url: str | None = None) -> lis
         *_methods(ObserveActivities(deps)),
         *_methods(ActActivities(deps)),
         *_methods(AuditActivities(deps)),
+        *_methods(ReadinessActivities(deps)),
+        *_methods(DrainActivities(deps)),
+        incident_on_pool,
     ]

@@ -1,0 +1,48 @@
+"""Procedures on the same pool must not fight: is a replica-loss incident open on it?
+
+A planned scale-down yields while the pool's ``FleetIncident`` runs: the
+incident may be promoting spares, scaling up or cordoning nodes, and taking
+replicas away underneath it would turn a recovery into an outage. The answer
+comes from Temporal itself (describe the incident's well-known workflow id),
+never from a copy of that state.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+from temporalio import activity
+from temporalio.client import WorkflowExecutionStatus
+from temporalio.service import RPCError, RPCStatusCode
+
+from fleet.incident import PoolRef, incident_workflow_id
+
+
+class IncidentState(BaseModel):
+    open: bool
+    workflow_id: str
+    phase: str | None = None
+    reason: str
+
+
+@activity.defn(name="incident_on_pool")
+async def incident_on_pool(pool: PoolRef) -> IncidentState:
+    """Whether the pool's FleetIncident workflow is running now, and in which phase."""
+    wid = incident_workflow_id(pool)
+    try:
+        desc = await activity.client().get_workflow_handle(wid).describe()
+    except RPCError as err:
+        if err.status == RPCStatusCode.NOT_FOUND:
+            return IncidentState(open=False, workflow_id=wid, reason=f"no incident on {pool.key}")
+        raise
+    if desc.status != WorkflowExecutionStatus.RUNNING:
+        state = desc.status.name.lower() if desc.status else "unknown"
+        return IncidentState(open=False, workflow_id=wid, reason=f"incident {wid} is {state}")
+    phase = desc.search_attributes.get("FleetmendPhase")
+    phase_text = str(phase[0]) if phase else None
+    return IncidentState(
+        open=True,
+        workflow_id=wid,
+        phase=phase_text,
+        reason=f"replica-loss incident {wid} is open on {pool.key}"
+        + (f" (phase {phase_text})" if phase_text else ""),
+    )

@@ -1,0 +1,110 @@
+"""ReadinessKeeper: one long-running workflow per pool that keeps the serving-ready gates in sync.
+
+Why a workflow and not a loop inside the worker process:
+
+* **one owner per pool** - the workflow id ``readiness/<namespace>/<service>``
+  is unique, so two workers (a deploy, a scale-out) never both flip the gates;
+* **the hysteresis survives restarts** - each pod's calm streak and write
+  counter live in workflow state (carried across continue-as-new), so a worker
+  restart neither flaps a gate nor repeats a write (the write counter is part
+  of the ledger's operation id);
+* **visible and steerable** - the ``status`` query lists every replica's
+  verdict and the recent gate writes in the Temporal UI; cancelling the
+  workflow stops the keeper.
+
+History grows a few events per sample, so the run continues-as-new every
+``samples_per_run`` samples.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from pydantic import BaseModel, ConfigDict, Field
+from temporalio import workflow
+from temporalio.common import RetryPolicy as TemporalRetryPolicy
+
+with workflow.unsafe.imports_passed_through():
+    from activities.readiness import GateSyncRequest, GateSyncResult, GateWrite, PodGate, ReadinessActivities
+    from fleet.incident import PoolRef
+    from fleet.readiness import ReadinessThresholds
+    from workflows import search_attributes as sa
+
+READINESS_KEEPER_WORKFLOW = "ReadinessKeeper"
+
+
+def readiness_keeper_workflow_id(pool: PoolRef) -> str:
+    return f"readiness/{pool.namespace}/{pool.service}"
+
+
+class KeeperInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    pool: PoolRef
+    thresholds: ReadinessThresholds = Field(default_factory=ReadinessThresholds)
+    interval_s: float = Field(2.0, gt=0, description="Seconds between samples")
+    samples_per_run: int = Field(500, ge=1, description="Continue-as-new after this many samples")
+    dry_run: bool = False
+    gates: dict[str, PodGate] = Field(default_factory=dict, description="Carried across continue-as-new")
+    samples_before: int = Field(0, ge=0)
+    writes_before: int = Field(0, ge=0)
+
+
+class KeeperStatus(BaseModel):
+    pool: PoolRef
+    samples: int = 0
+    writes: int = 0
+    verdicts: dict[str, str] = Field(default_factory=dict)
+    skipped: dict[str, str] = Field(default_factory=dict)
+    recent_writes: list[GateWrite] = Field(default_factory=list)
+    last_error: str | None = None
+
+
+@workflow.defn(name=READINESS_KEEPER_WORKFLOW)
+class ReadinessKeeper:
+    def __init__(self) -> None:
+        self._status: KeeperStatus | None = None
+
+    @workflow.run
+    async def run(self, inp: KeeperInput) -> None:
+        status = KeeperStatus(pool=inp.pool, samples=inp.samples_before, writes=inp.writes_before)
+        self._status = status
+        workflow.upsert_search_attributes(
+            [
+                sa.FLEETMEND_KIND.value_set("readiness-keeper"),
+                sa.FLEETMEND_NAMESPACE.value_set(inp.pool.namespace),
+                sa.FLEETMEND_POOL.value_set(inp.pool.key),
+                sa.FLEETMEND_DRY_RUN.value_set(inp.dry_run),
+            ]
+        )
+        gates = dict(inp.gates)
+        for _ in range(inp.samples_per_run):
+            result: GateSyncResult = await workflow.execute_activity_method(
+                ReadinessActivities.sync_readiness_gates,
+                GateSyncRequest(pool=inp.pool, thresholds=inp.thresholds, gates=gates, dry_run=inp.dry_run),
+                start_to_close_timeout=timedelta(seconds=max(10.0, inp.interval_s * 5)),
+                retry_policy=TemporalRetryPolicy(maximum_interval=timedelta(seconds=10)),
+                summary=f"sample {inp.pool.key}: KV, queue, health -> readiness gates",
+            )
+            gates = result.gates
+            status.samples += 1
+            status.writes += len(result.writes)
+            status.verdicts = result.verdicts
+            status.skipped = result.skipped
+            status.recent_writes = (status.recent_writes + result.writes)[-50:]
+            not_ready = sorted(p for p, v in result.verdicts.items() if not v.startswith("ready"))
+            workflow.set_current_details(
+                f"**{len(result.verdicts) - len(not_ready)} of {len(result.verdicts)}** replicas can take more "
+                f"work" + (f"; not ready: {', '.join(not_ready)}" if not_ready else "")
+            )
+            await workflow.sleep(inp.interval_s, summary="next readiness sample")
+        workflow.continue_as_new(
+            inp.model_copy(
+                update={"gates": gates, "samples_before": status.samples, "writes_before": status.writes}
+            )
+        )
+
+    @workflow.query(name="status", description="Every replica's readiness verdict and the recent gate writes")
+    def status(self) -> KeeperStatus:
+        assert self._status is not None
+        return self._status
