@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from worker import cli_alert, cli_dev, cli_ledger, cli_model, cli_sim, cli_worker
+from worker import cli_alert, cli_dev, cli_ledger, cli_model, cli_schedule, cli_sim, cli_worker
 from worker.config import load_settings
 
 app = typer.Typer(
@@ -30,6 +30,7 @@ cli_dev.register(app)
 cli_sim.register(app)
 cli_worker.register(app)
 cli_alert.register(app)
+cli_schedule.register(app)
 
 
 @app.command("config")
