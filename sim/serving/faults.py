@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from fleet.protocol import FaultRequest
 from fleet.vocabulary import GPU_RESOURCE, LWS_GROUP_KEY_LABEL, REVISION_LABEL, FaultKind
+from sim.scenario import ModelRevision
 from sim.serving.supervisor import is_leader
 from sim.serving.telemetry import (
     APPLICATION_XIDS,
@@ -328,8 +329,6 @@ class FaultInjector:
             try:
                 model.revision(revision)
             except KeyError:
-                from sim.scenario import ModelRevision
-
                 base = model.revisions[0]
                 model.revisions.append(
                     ModelRevision(

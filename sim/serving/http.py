@@ -30,8 +30,10 @@ from fleet.vocabulary import MODEL_LABEL
 from sim.serving.faults import FaultError
 from sim.serving.kubeview import pod_labels
 from sim.serving.layer import ServingLayer
+from sim.serving.loadgen import install_load_routes
 from sim.serving.router import Completion, CompletionRequest, GatewayError, StaleVersion
 from sim.serving.supervisor import is_leader
+from sim.serving.telemetry import gpu_assignment, render_dcgm, render_kube_state
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -176,8 +178,6 @@ def build_router(layer: ServingLayer) -> APIRouter:
             raise HTTPException(404, str(exc.args[0])) from None
         if layer.world.is_node_lost(node):
             return PlainTextResponse(f"dcgm-exporter on {node} is not answering\n", status_code=503)
-        from sim.serving.telemetry import gpu_assignment, render_dcgm
-
         text = render_dcgm(
             tel, gpu_assignment(layer.kube, node), layer.gpu_utilisation(node), layer.clock.now()
         )
@@ -203,8 +203,6 @@ def build_router(layer: ServingLayer) -> APIRouter:
 
     @api.get("/metrics", tags=["cluster"])
     async def kube_state_metrics() -> Response:
-        from sim.serving.telemetry import render_kube_state
-
         return Response(render_kube_state(layer.kube), media_type=PROMETHEUS_TEXT)
 
     @api.get("/sim/v1/prometheus/targets", tags=["sim"])
@@ -298,8 +296,6 @@ def build_router(layer: ServingLayer) -> APIRouter:
         return [
             t for t in layer.tickets if idempotency_key is None or t["idempotency_key"] == idempotency_key
         ]
-
-    from sim.serving.loadgen import install_load_routes
 
     install_load_routes(api, layer)
     return api

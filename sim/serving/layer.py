@@ -22,6 +22,7 @@ from fleet.vocabulary import FaultKind, Tier
 from sim.serving.faults import FaultError, FaultInjector
 from sim.serving.journal import Journal
 from sim.serving.kubeview import KubeView
+from sim.serving.loadgen import LoadSpec, start_load
 from sim.serving.probes import ProbeSettings, ReadinessProber
 from sim.serving.router import Router, RouterConfig
 from sim.serving.supervisor import EngineSupervisor
@@ -111,8 +112,6 @@ class ServingLayer:
             self._loop = asyncio.get_running_loop()
             self._task = self._loop.create_task(self._run(), name="sim-serving")
             if self.settings.traffic is not None and self.background_load is None:
-                from sim.serving.loadgen import LoadSpec, start_load
-
                 t = self.settings.traffic
                 self.background_load = start_load(
                     self,

@@ -28,6 +28,7 @@ from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fleet.vocabulary import Tier
+from sim.serving.router import CompletionRequest, GatewayError
 
 DEFAULT_DEADLINES: dict[Tier, float] = {Tier.CRITICAL: 5.0, Tier.STANDARD: 10.0, Tier.SHEDDABLE: 20.0}
 
@@ -306,8 +307,6 @@ class LoadRun:
         self.results.append(result)
 
     async def _in_process(self, arrival: Arrival, model: str, result: RequestResult) -> None:
-        from sim.serving.router import CompletionRequest, GatewayError
-
         router = self._layer.router
         sent_at = self.sim_now()
         try:
