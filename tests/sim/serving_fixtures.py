@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-from collections.abc import AsyncIterator, Awaitable, Callable
+import inspect
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,16 +80,13 @@ class RunningServing:
         await self.world.clock.sleep(sim_seconds)
 
     async def wait_for(
-        self,
-        check: Callable[[], Awaitable[bool] | bool],
-        timeout_sim_s: float,
-        what: str,
-        poll_sim_s: float = 0.25,
+        self, check: Callable[[], object], timeout_sim_s: float, what: str, poll_sim_s: float = 0.25
     ) -> None:
+        """Poll ``check`` (a plain or async callable) until it returns something truthy."""
         deadline = self.world.clock.now() + timeout_sim_s
         while True:
             result = check()
-            if not isinstance(result, bool):
+            if inspect.isawaitable(result):
                 result = await result
             if result:
                 return

@@ -101,9 +101,9 @@ async def test_a_request_that_streamed_nothing_is_retried_once_on_a_survivor() -
                 )
 
         task = asyncio.create_task(call())
-        await sim.wait_for(
-            lambda: sim.layer.supervisor.get(f"{NAMESPACE}/{first}").num_waiting == 1, 30, "queued"
-        )  # type: ignore[union-attr]
+        wedged = sim.layer.supervisor.get(f"{NAMESPACE}/{first}")
+        assert wedged is not None
+        await sim.wait_for(lambda: wedged.num_waiting == 1, 30, "queued")
         assert (await sim.fault("pod-oomkilled", f"{NAMESPACE}/{first}")).status_code == 202
         status, replica, attempt, (tokens, errors, done) = await asyncio.wait_for(task, 30)
         assert status == 200 and replica == second and attempt == "2"
