@@ -1,0 +1,171 @@
+"""Planned scale-down end to end: real Temporal dev server, real Postgres, the simulated fleet over HTTP
+under streaming load, a real worker. Asserted as an SRE would check it: the users' streams, the routing
+set, the pods, the gateway journal, and the ledger against the world's action log."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+from temporalio.client import Client, WorkflowUpdateFailedError
+
+from fleet.recovery import OperatorAction, Phase
+from tests.scale_down.helpers import (
+    POOL,
+    STREAMING,
+    core_api,
+    cut_streams_on,
+    decisions,
+    finish,
+    reconcile_with_world,
+    scale_down_input,
+    start_scale_down,
+    status_of,
+    vllm_default_scenario,
+    wait_for_phase,
+)
+from worker.rig import fleet_rig
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+async def _naive_baseline(client: Client, task_queue: str, ledger_url: str) -> int:
+    """Delete two streaming pods directly (what `kubectl delete pod` / a plain scale-down does)."""
+    async with fleet_rig(
+        client,
+        scenario=vllm_default_scenario(),
+        database_url=ledger_url,
+        task_queue=task_queue,
+        run_worker=False,
+    ) as rig:
+        load = await rig.start_load(rate=16, duration_s=60, seed=5, **STREAMING)
+        await asyncio.sleep(4)
+        victims = (await rig.routing_set(POOL))[:2]
+        core = core_api(rig)
+        for pod in victims:
+            await asyncio.to_thread(core.delete_namespaced_pod, pod, POOL.namespace)
+        await asyncio.sleep(2)
+        cut = await cut_streams_on(rig, victims)
+        report = await rig.load_report(load)
+        assert report["truncated_streams"] >= cut
+        return cut
+
+
+async def test_8_to_6_under_streaming_load_cuts_nothing_where_the_naive_way_cuts(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    naive_cut = await _naive_baseline(temporal_client, task_queue + "-naive", ledger_url)
+
+    async with fleet_rig(
+        temporal_client, scenario=vllm_default_scenario(), database_url=ledger_url, task_queue=task_queue
+    ) as rig:
+        before = await rig.routing_set(POOL)
+        assert len(before) == 8
+        load = await rig.start_load(rate=16, duration_s=60, seed=5, **STREAMING)
+        await asyncio.sleep(4)
+        handle = await start_scale_down(
+            temporal_client, rig, scale_down_input(), f"sd-{uuid.uuid4().hex[:8]}"
+        )
+        status = await finish(handle)
+        text = decisions(status)
+        victims = status.figures["victims"]
+        report = await rig.load_report(load)
+        fleetmend_cut = await cut_streams_on(rig, victims)
+        print(
+            f"\nscale-down 8 -> 6 under streaming load (16 req/s, 100-300 tokens, shutdown timeout 0): "
+            f"naive pod deletion cut {naive_cut} stream(s); fleetmend cut {fleetmend_cut} "
+            f"({status.figures['victim_requests_completed']} victim requests completed, drain "
+            f"{status.figures['drain_seconds']} s)"
+        )
+
+        assert status.phase == Phase.DONE, text
+        assert status.verification is not None and status.verification.passed, text
+        assert naive_cut > 0, "the baseline must show what fleetmend prevents"
+        assert fleetmend_cut == 0 and status.figures["cut_streams"] == 0, text
+        assert report["truncated_streams"] == 0, report
+        # Every in-flight request of the victims completed on them.
+        assert status.figures["victim_requests_completed"] > 0, text
+        after = await rig.routing_set(POOL)
+        assert len(after) == 6 and not set(victims) & set(after)
+        pods = [
+            p.metadata.name
+            for p in (await asyncio.to_thread(core_api(rig).list_namespaced_pod, POOL.namespace)).items
+        ]
+        assert len(pods) == 6 and not set(victims) & set(pods), pods
+        # Lock the door first: gate false, router label off, deletion cost; then one absolute scale to 6.
+        reconciled = await reconcile_with_world(rig, ledger_url)
+        assert reconciled.duplicates == [] and reconciled.orphans == [], reconciled
+        actions = [a for a in await rig.actions() if "fleetmend-worker" in a["client"]]
+        paths = [a["path"] for a in actions]
+        scale_at = [i for i, p in enumerate(paths) if p.endswith("/deployments/llama/scale")]
+        assert len(scale_at) == 1, paths
+        for pod in victims:
+            gate_at = paths.index(f"/api/v1/namespaces/{POOL.namespace}/pods/{pod}/status")
+            assert gate_at < scale_at[0], "the readiness gate goes false before anything is terminated"
+
+
+async def test_drain_past_deadline_waits_for_the_operator_extend_then_accept_cut(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    async with fleet_rig(
+        temporal_client, scenario=vllm_default_scenario(), database_url=ledger_url, task_queue=task_queue
+    ) as rig:
+        # Long generations (40-50 s each) cannot drain within a 1.5 s deadline.
+        await rig.start_load(
+            rate=6, duration_s=60, seed=7, tiers={"standard": 1.0}, output_tokens=[1600, 2000]
+        )
+        await asyncio.sleep(4)
+        inp = scale_down_input(target_groups=7, drain_deadline_s=1.5, operator_timeout_s=2.0)
+        handle = await start_scale_down(temporal_client, rig, inp, f"sd-{uuid.uuid4().hex[:8]}")
+
+        # Nothing to extend or cut before the deadline.
+        await wait_for_phase(handle, Phase.DRAINING, 30)
+        with pytest.raises(WorkflowUpdateFailedError):
+            await handle.execute_update("accept_cut", OperatorAction(operator="sre", reason="too early"))
+
+        status = await wait_for_phase(handle, Phase.AWAITING_OPERATOR, 30)
+        assert status.awaiting and "in flight" in status.awaiting, status.awaiting
+        in_flight = status.figures["in_flight_at_deadline"]
+        assert in_flight > 0
+
+        # No answer within the operator timeout: it extends once by itself, then asks again and keeps waiting.
+        t0 = time.monotonic()
+        await wait_for_phase(handle, Phase.DRAINING, 10)
+        await wait_for_phase(handle, Phase.AWAITING_OPERATOR, 10)
+        status = await status_of(handle)
+        assert "extending the drain once" in decisions(status), decisions(status)
+        assert time.monotonic() - t0 >= 1.0
+
+        # extend: the drain goes on for the extra time, then asks again.
+        await handle.execute_update(
+            "extend", OperatorAction(operator="sre", reason="let them finish", extend_s=3)
+        )
+        t1 = time.monotonic()
+        await wait_for_phase(handle, Phase.DRAINING, 10)
+        await asyncio.sleep(0.5)
+        # A cut needs a reason, and only at the deadline.
+        with pytest.raises(WorkflowUpdateFailedError):
+            await handle.execute_update("accept_cut", OperatorAction(operator="sre", reason="x"))
+        status = await wait_for_phase(handle, Phase.AWAITING_OPERATOR, 20)
+        assert time.monotonic() - t1 >= 2.5, "extend must wait the extra time"
+        assert "drain extended by 3 s by sre" in decisions(status)
+        with pytest.raises(WorkflowUpdateFailedError):
+            await handle.execute_update("accept_cut", OperatorAction(operator="sre", reason=""))
+
+        # accept_cut: terminate now; the cut streams are recorded in the report.
+        await handle.execute_update(
+            "accept_cut", OperatorAction(operator="sre", reason="maintenance window closes")
+        )
+        status = await finish(handle)
+        text = decisions(status)
+        assert status.phase == Phase.DONE, text
+        assert "cut accepted by sre (maintenance window closes)" in text
+        cut = await cut_streams_on(rig, status.figures["victims"])
+        assert cut > 0 and status.figures["cut_streams"] == cut, (cut, status.figures)
+        assert len(status.figures["cut_request_ids"]) == min(cut, 50)
+        assert status.verification is not None and status.verification.passed
+        no_cut = next(c for c in status.verification.checks if c.name == "no cut stream")
+        assert no_cut.observed == cut and "operator accepted" in str(no_cut.expected)
+        assert len(await rig.routing_set(POOL)) == 7
