@@ -33,7 +33,6 @@ from datetime import timedelta
 from typing import Any, cast
 
 import psycopg
-from psycopg.types.json import Jsonb
 from pydantic import BaseModel
 from sqlalchemy import (
     Connection,
@@ -54,8 +53,7 @@ from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from ledger.canonical import fingerprint as compute_fingerprint
-from ledger.canonical import to_json_object
+from ledger.canonical import canonical_json, canonical_object, fingerprint_of_canonical, to_json_object
 from ledger.effect import Attempt, Effect, EffectContext
 from ledger.errors import (
     DivergentOperation,
@@ -133,7 +131,8 @@ _LEASE_SAFETY = 0.8
 
 
 def make_engine(url: str, *, pool_size: int = 10, max_overflow: int = 20) -> Engine:
-    """An engine fit for the ledger: READ COMMITTED, synchronous commit forced on, a shared pool.
+    """An engine fit for the ledger: autocommit READ COMMITTED statements, synchronous commit forced on,
+    a shared pool.
 
     No pre-ping (it would double the round trips of every perform); a connection broken
     by a database restart is discarded on first use and the caller's retry gets a fresh one.
@@ -143,12 +142,17 @@ def make_engine(url: str, *, pool_size: int = 10, max_overflow: int = 20) -> Eng
         pool_size=pool_size,
         max_overflow=max_overflow,
         pool_timeout=30,
-        isolation_level="READ COMMITTED",
+        # Most recently used first: a quiet worker keeps reusing one warm connection (and its prepared
+        # statements) instead of cycling through the whole pool.
+        pool_use_lifo=True,
+        # Every ledger write is one conditional statement, so each runs as its own READ COMMITTED
+        # transaction (one round trip, durable on return); multi-statement work asks for a transaction.
+        isolation_level="AUTOCOMMIT",
         connect_args={
             "connect_timeout": 10,
             "application_name": "fleetmend-ledger",
             # The intent must be durable before the external call (Postgres docs on async commit).
-            "options": "-c synchronous_commit=on",
+            "options": r"-c synchronous_commit=on -c default_transaction_isolation=read\ committed",
         },
     )
 
@@ -174,7 +178,9 @@ class EffectLedger:
     ) -> None:
         self.engine = make_engine(engine) if isinstance(engine, str) else engine
         # Single-statement transactions run in autocommit: one round trip each, durable on return.
+        # Engines from make_engine are autocommit already; a caller's own engine is switched per use.
         self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._transactional = self.engine.execution_options(isolation_level="READ COMMITTED")
         self.owner = owner or default_owner()
         self.lease_seconds = lease_seconds
         self.wait_seconds = wait_seconds
@@ -388,7 +394,7 @@ class EffectLedger:
             "op_id": req.op_id,
             "fence": fence,
             "state": state.value,
-            "result": None if result is None else Jsonb(result),
+            "result": None if result is None else canonical_json(result),
             "error": error,
         }
         with self._driver_connection() as pg:
@@ -440,16 +446,18 @@ class EffectLedger:
         """
         pooled = self.engine.raw_connection()
         pg = cast(psycopg.Connection[Any], pooled.driver_connection)
+        switched = not pg.autocommit  # only for a caller-supplied, non-autocommit engine
         try:
-            pg.autocommit = True
+            if switched:
+                pg.autocommit = True
             yield pg
         except (psycopg.OperationalError, psycopg.InterfaceError):
             pooled.invalidate()
             raise
         finally:
-            if not pg.closed:
+            if switched and not pg.closed:
                 try:
-                    pg.autocommit = False  # the pool's other users expect SQLAlchemy's default
+                    pg.autocommit = False  # the pool's other users expect their engine's default
                 except psycopg.Error:
                     pooled.invalidate()  # interrupted mid-statement: not reusable
             pooled.close()
@@ -545,7 +553,7 @@ class EffectLedger:
 
     def _record_divergence(self, req: _Request) -> None:
         ctx = req.context
-        with self.engine.begin() as conn:
+        with self._transactional.begin() as conn:
             insert = pg_insert(DIVERGENCES).values(
                 op_id=req.op_id,
                 fingerprint=req.fingerprint,
@@ -593,6 +601,7 @@ class _Request:
         "lease_seconds",
         "op_id",
         "params",
+        "params_json",
         "signature",
         "target",
     )
@@ -605,6 +614,7 @@ class _Request:
     kind: str
     target: str
     params: dict[str, Any]
+    params_json: str
     effect: Effect
     context: EffectContext
     lease_seconds: float
@@ -643,7 +653,7 @@ class _Request:
             )
         if lease_seconds <= 0:
             raise InvalidEffectRequest("lease_seconds must be positive")
-        params_obj = to_json_object(params, "params")
+        params_obj, params_json = canonical_object(params, "params")
         ctx = context or EffectContext()
         attempt = Attempt(op_id, kind, target, params_obj, fence=1, attempt=1)
         signature = effect.action_signature(attempt)
@@ -655,7 +665,8 @@ class _Request:
             effect=effect,
             context=ctx,
             lease_seconds=lease_seconds,
-            fingerprint=compute_fingerprint(kind, target, params_obj),
+            params_json=params_json,
+            fingerprint=fingerprint_of_canonical(kind, target, params_json),
             signature=signature.model_dump() if signature else None,
         )
 
@@ -668,7 +679,7 @@ class _Request:
             "op_id": self.op_id,
             "kind": self.kind,
             "target": self.target,
-            "params": Jsonb(self.params),
+            "params": self.params_json,  # JSON text, cast to jsonb by the statement
             "fingerprint": self.fingerprint,
             "delivery": self.effect.delivery.value,
             "state": state.value,
@@ -676,12 +687,12 @@ class _Request:
             "fence": fence,
             "lease_owner": owner,
             "lease": lease,
-            "action_signature": None if self.signature is None else Jsonb(self.signature),
+            "action_signature": None if self.signature is None else canonical_json(self.signature),
             "workflow_id": ctx.workflow_id,
             "run_id": ctx.run_id,
             "step": ctx.step,
             "request_id": ctx.request_id,
-            "alert_fingerprints": Jsonb(list(ctx.alert_fingerprints)),
+            "alert_fingerprints": canonical_json(ctx.alert_fingerprints),
             "requested_by": ctx.requested_by,
         }
 
