@@ -68,7 +68,7 @@ def test_paused_lease_holder_is_fenced_out(make_ledger: Callable[..., EffectLedg
         paused.set()
         resume.wait(10)
 
-    zombie = make_ledger(owner="zombie", lease_seconds=0.3)
+    zombie = make_ledger(owner="zombie", lease_seconds=1.0)
     rejections_before = FENCE_REJECTIONS.labels("router.weights")._value.get()
     holder_error: list[BaseException] = []
 
@@ -87,7 +87,7 @@ def test_paused_lease_holder_is_fenced_out(make_ledger: Callable[..., EffectLedg
     thread = threading.Thread(target=run_zombie)
     thread.start()
     assert paused.wait(10)
-    time.sleep(0.4)  # the zombie's lease runs out while it is stalled
+    time.sleep(1.2)  # the zombie's lease runs out while it is stalled
 
     successor_effect = WorldEffect(world)
     successor = make_ledger(owner="successor").perform(
