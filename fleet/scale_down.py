@@ -46,7 +46,7 @@ class ScaleDownInput(BaseModel):
     operator_timeout_s: float = Field(
         900.0, gt=0, description="How long to wait for extend/accept_cut before extending once by itself"
     )
-    incident_poll_s: float = Field(15.0, gt=0, description="Re-check interval while yielding to an incident")
+    incident_poll_s: float = Field(5.0, gt=0, description="Re-check interval while yielding to an incident")
     incident_yield_max_s: float = Field(
         3600.0, gt=0, description="Give up (abort, with the reason) after yielding this long"
     )

@@ -1,0 +1,96 @@
+"""Readiness is "can take more work", not "the process is up": the ReadinessKeeper against the simulated
+fleet under load. A replica whose KV cache crosses the ceiling loses its serving-ready gate, Kubernetes
+drops it from the EndpointSlice, the gateway sends it nothing new, and it comes back once it has headroom;
+its liveness is never touched."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+from temporalio.client import Client
+
+from fleet.readiness import ReadinessThresholds
+from fleet.vocabulary import SERVING_READY_CONDITION, FaultKind
+from tests.scale_down.helpers import POOL, core_api, vllm_default_scenario
+from worker.rig import FleetRig, fleet_rig
+from workflows.readiness_keeper import KeeperInput, KeeperStatus, readiness_keeper_workflow_id
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+
+
+async def _gate(rig: FleetRig, pod: str) -> dict[str, str]:
+    obj = await asyncio.to_thread(core_api(rig).read_namespaced_pod, pod, POOL.namespace)
+    return {c.type: c.status for c in obj.status.conditions or []} | {
+        "restarts": str(sum(cs.restart_count for cs in obj.status.container_statuses or []))
+    }
+
+
+async def _wait_gate(rig: FleetRig, pod: str, value: str, timeout_s: float) -> float:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (await _gate(rig, pod)).get(SERVING_READY_CONDITION) == value:
+            return await rig.sim_now()
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{SERVING_READY_CONDITION} of {pod} did not become {value} within {timeout_s} s")
+
+
+async def test_kv_over_the_ceiling_loses_readiness_gets_no_new_requests_and_recovers(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    # A small KV cache so a replica that decodes slowly fills it within seconds of load.
+    scenario = vllm_default_scenario(kv_capacity_tokens=40_000)
+    async with fleet_rig(
+        temporal_client, scenario=scenario, database_url=ledger_url, task_queue=task_queue
+    ) as rig:
+        keeper = await temporal_client.start_workflow(
+            "ReadinessKeeper",
+            KeeperInput(
+                pool=POOL, interval_s=0.3, thresholds=ReadinessThresholds(queue_bound=50, queue_release=10)
+            ),
+            id=f"{readiness_keeper_workflow_id(POOL)}-{uuid.uuid4().hex[:6]}",
+            task_queue=task_queue,
+        )
+        await rig.start_load(
+            rate=24, duration_s=90, seed=3, tiers={"standard": 1.0}, output_tokens=[100, 300]
+        )
+        await asyncio.sleep(2)
+        pods = await rig.routing_set(POOL)
+        assert len(pods) == 8
+        hot = pods[0]
+        await rig.inject(FaultKind.SLOW_REPLICA, f"{POOL.namespace}/{hot}", factor=0.03)
+
+        went_false = await _wait_gate(rig, hot, "False", 40)
+        status = await keeper.query("status", result_type=KeeperStatus)
+        assert "KV" in status.verdicts[hot] and "ceiling" in status.verdicts[hot], status.verdicts
+        conditions = await _gate(rig, hot)
+        # Not ready, yet live: the container is ready, nothing restarted, /health answers.
+        assert conditions["Ready"] == "False" and conditions["ContainersReady"] == "True", conditions
+        assert conditions["restarts"] == "0"
+        assert (await rig.http.get(f"/pods/{POOL.namespace}/{hot}/health")).status_code == 200
+        await asyncio.sleep(0.5)
+        assert hot not in await rig.routing_set(POOL)
+
+        # While the gate is false the gateway sends it nothing new.
+        await asyncio.sleep(3)
+        r = await rig.http.get(
+            "/router/v1/journal", params={"pool": POOL.key, "replica": hot, "limit": 10000}
+        )
+        late_starts = [e for e in r.json()["entries"] if e["started_at"] > went_false + 0.5]
+        assert late_starts == [], late_starts
+        metrics = (await rig.http.get(f"/pods/{POOL.namespace}/{hot}/metrics")).text
+        assert "num_requests_running" in metrics
+
+        # It recovers: the slowdown clears, its queue drains, the gate turns true after the hysteresis.
+        await rig.inject(FaultKind.SLOW_REPLICA, f"{POOL.namespace}/{hot}", clear=True)
+        await _wait_gate(rig, hot, "True", 30)
+        await asyncio.sleep(0.5)
+        assert hot in await rig.routing_set(POOL)
+        status = await keeper.query("status", result_type=KeeperStatus)
+        hot_writes = [(w.ready, w.reason) for w in status.recent_writes if w.pod == hot]
+        assert hot_writes == [(False, "Saturated"), (True, "HasHeadroom")], status.recent_writes
+        # Nobody else flapped.
+        assert all(w.pod == hot for w in status.recent_writes), status.recent_writes
+        await keeper.cancel()
