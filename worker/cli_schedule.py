@@ -103,7 +103,8 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> 
         return
     table = Table(title="fleetmend scale-down schedules")
     for column in ("id", "pool", "to", "cron", "tz", "state", "next run", "note"):
-        table.add_column(column)
+        # Ids and crons are copied into other commands: fold them, never cut them with an ellipsis.
+        table.add_column(column, overflow="fold" if column in ("id", "pool", "cron") else "ellipsis")
     for v in views:
         table.add_row(
             v.id,

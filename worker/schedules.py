@@ -196,9 +196,7 @@ async def list_schedules(client: Client) -> list[ScheduleView]:
         view = ScheduleView(id=entry.id, **_view_fields(memo))
         if entry.schedule is not None:
             spec = entry.schedule.spec
-            view.cron = list(spec.cron_expressions) or [
-                str(c) for c in spec.calendars
-            ]  # the server may normalise cron into calendars
+            view.cron = _cron_of(spec, memo)
             view.paused = entry.schedule.state.paused
             view.note = entry.schedule.state.note or ""
         if entry.info is not None:
@@ -208,6 +206,15 @@ async def list_schedules(client: Client) -> list[ScheduleView]:
             ][-5:]
         out.append(view)
     return sorted(out, key=lambda v: v.id)
+
+
+def _cron_of(spec: ScheduleSpec, memo: dict[str, object]) -> list[str]:
+    """The cron as written: the server normalises cron expressions into calendar specs."""
+    if spec.cron_expressions:
+        return list(spec.cron_expressions)
+    if isinstance(memo.get("cron"), str):
+        return [str(memo["cron"])]
+    return [f"{len(spec.calendars)} calendar spec(s)"] if spec.calendars else []
 
 
 def _view_fields(memo: dict[str, object]) -> dict[str, object]:
@@ -232,7 +239,7 @@ async def describe_schedule(client: Client, schedule_id: str) -> ScheduleView:
     return ScheduleView(
         id=schedule_id,
         **_view_fields(memo),
-        cron=list(spec.cron_expressions) or [str(c) for c in spec.calendars],
+        cron=_cron_of(spec, memo),
         paused=desc.schedule.state.paused,
         note=desc.schedule.state.note or "",
         next_runs=list(desc.info.next_action_times)[:5],
