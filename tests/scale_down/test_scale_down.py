@@ -9,7 +9,8 @@ import time
 import uuid
 
 import pytest
-from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowFailureError, WorkflowUpdateFailedError
+from temporalio.service import RPCError
 
 from fleet.recovery import OperatorAction, Phase
 from tests.scale_down.helpers import (
@@ -27,6 +28,8 @@ from tests.scale_down.helpers import (
     wait_for_phase,
 )
 from worker.rig import fleet_rig
+from workflows.readiness_keeper import KeeperInput, KeeperStatus
+from workflows.search_attributes import FLEETMEND_KIND, FLEETMEND_PHASE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -63,12 +66,21 @@ async def test_8_to_6_under_streaming_load_cuts_nothing_where_the_naive_way_cuts
     ) as rig:
         before = await rig.routing_set(POOL)
         assert len(before) == 8
+        # The readiness keeper runs alongside: it must leave the victims' gates alone once they are claimed.
+        keeper = await temporal_client.start_workflow(
+            "ReadinessKeeper",
+            KeeperInput(pool=POOL, interval_s=0.3),
+            id=f"readiness-{uuid.uuid4().hex[:8]}",
+            task_queue=task_queue,
+        )
         load = await rig.start_load(rate=16, duration_s=60, seed=5, **STREAMING)
         await asyncio.sleep(4)
         handle = await start_scale_down(
             temporal_client, rig, scale_down_input(), f"sd-{uuid.uuid4().hex[:8]}"
         )
         status = await finish(handle)
+        kept = await keeper.query("status", result_type=KeeperStatus)
+        await keeper.cancel()
         text = decisions(status)
         victims = status.figures["victims"]
         report = await rig.load_report(load)
@@ -104,6 +116,11 @@ async def test_8_to_6_under_streaming_load_cuts_nothing_where_the_naive_way_cuts
         for pod in victims:
             gate_at = paths.index(f"/api/v1/namespaces/{POOL.namespace}/pods/{pod}/status")
             assert gate_at < scale_at[0], "the readiness gate goes false before anything is terminated"
+        assert not [w for w in kept.recent_writes if w.pod in victims and w.ready], kept.recent_writes
+        assert status.figures["stop_routing_seconds"] < 5
+        described = await handle.describe()
+        assert described.typed_search_attributes.get(FLEETMEND_PHASE) == Phase.DONE.value
+        assert described.typed_search_attributes.get(FLEETMEND_KIND) == "scale-down"
 
 
 async def test_drain_past_deadline_waits_for_the_operator_extend_then_accept_cut(
@@ -169,3 +186,52 @@ async def test_drain_past_deadline_waits_for_the_operator_extend_then_accept_cut
         no_cut = next(c for c in status.verification.checks if c.name == "no cut stream")
         assert no_cut.observed == cut and "operator accepted" in str(no_cut.expected)
         assert len(await rig.routing_set(POOL)) == 7
+
+
+async def test_dry_run_plans_everything_and_touches_nothing_and_operators_steer_it(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    async with fleet_rig(
+        temporal_client, scenario=vllm_default_scenario(), database_url=ledger_url, task_queue=task_queue
+    ) as rig:
+        # Bad input is refused before anything happens, with what to do.
+        with pytest.raises(ValueError, match="not both"):
+            scale_down_input(victims=["llama-x"])
+        bad = await start_scale_down(
+            temporal_client,
+            rig,
+            scale_down_input(target_groups=None, victims=["no-such-pod"]),
+            f"sd-{uuid.uuid4().hex[:8]}",
+        )
+        with pytest.raises(WorkflowFailureError) as failed:
+            await bad.result()
+        assert "neither a replica group nor a pod" in str(failed.value.cause)
+
+        # An explicit victim, in dry-run: every effect recorded as planned, none performed.
+        victim = (await rig.routing_set(POOL))[3]
+        inp = scale_down_input(target_groups=None, victims=[victim], dry_run=True)
+        handle = await start_scale_down(temporal_client, rig, inp, f"sd-{uuid.uuid4().hex[:8]}")
+        status = await finish(handle)
+        assert status.phase == Phase.DONE and status.dry_run, decisions(status)
+        assert status.figures["victims"] == [victim]
+        assert status.figures.get("effects_planned", 0) >= 4, status.figures
+        assert not status.figures.get("effects_applied"), status.figures
+        assert [a for a in await rig.actions() if "fleetmend-worker" in a["client"]] == []
+        assert len(await rig.routing_set(POOL)) == 8
+
+        # pause / abort: validated, recorded, honoured at the next step boundary; nothing removed.
+        handle = await start_scale_down(
+            temporal_client, rig, scale_down_input(target_groups=7), f"sd-{uuid.uuid4().hex[:8]}"
+        )
+        await handle.execute_update("pause", OperatorAction(operator="sre", reason="hold on"))
+        with pytest.raises(WorkflowUpdateFailedError):
+            await handle.execute_update("pause", OperatorAction(operator="sre", reason="again"))
+        with pytest.raises(WorkflowUpdateFailedError):
+            await handle.execute_update("abort", OperatorAction(operator="sre", reason=""))
+        await handle.execute_update("abort", OperatorAction(operator="sre", reason="change freeze"))
+        status = await finish(handle)
+        assert status.phase == Phase.ABORTED, decisions(status)
+        assert "abort requested by sre: change freeze" in decisions(status)
+        with pytest.raises(RPCError, match="already completed"):
+            await handle.execute_update("resume", OperatorAction(operator="sre", reason="too late"))
+        assert len(await rig.routing_set(POOL)) == 8
