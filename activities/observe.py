@@ -20,7 +20,7 @@ from fleet.incident import PoolRef
 from fleet.loss import EndpointConditions, EngineHealth, PodObservation
 from fleet.observation import PoolObservation, WorkloadSelector
 from fleet.pool import GroupRole, NodeInfo, PoolSnapshot, ReplicaGroup, Taint, WorkloadKind
-from fleet.protocol import JournalEntry
+from fleet.protocol import JournalEntry, Qualification
 from fleet.recovery import IncidentInput
 from fleet.vocabulary import (
     GPU_RESOURCE,
@@ -488,6 +488,13 @@ class ObserveActivities:
         )
 
     # ------------------------------------------------------------ router
+
+    @activity.defn(name="read_qualification")
+    def read_qualification(self, node: str) -> Qualification:
+        url = self.deps.settings.qualification_url_template.format(node=node)
+        r = self.deps.http.get(url)
+        r.raise_for_status()
+        return Qualification.model_validate(r.json())
 
     @activity.defn(name="routed_pods")
     def routed_pods(self, pool: PoolRef) -> list[str]:

@@ -364,6 +364,8 @@ class StartQualification(Effect):
 
     def apply(self, attempt: Attempt) -> dict[str, Any]:
         r = self.http.post(self.url, headers={"Idempotency-Key": attempt.op_id})
+        if r.status_code == 503:  # the node cannot run diagnostics now (unreachable): not started
+            raise PermanentEffectError(f"qualification of {self.node} cannot start: {r.text}")
         if 400 <= r.status_code < 500:
             raise PermanentEffectError(f"qualification of {self.node} refused: {r.status_code} {r.text}")
         r.raise_for_status()

@@ -38,6 +38,9 @@ PREEMPTIONS = "vllm:num_preemptions_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 REQUEST_SUCCESS = "vllm:request_success_total"
+# Prefix-cache counters (tokens): the new names from v0.10, the gpu_ ones before; both in between.
+PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
+PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 TTFT = "vllm:time_to_first_token_seconds"
 E2E = "vllm:e2e_request_latency_seconds"
 QUEUE_TIME = "vllm:request_queue_time_seconds"
@@ -127,6 +130,10 @@ class EngineSnapshot(BaseModel):
     generation_tokens_total: float = 0.0
     prompt_tokens_total: float = 0.0
     request_success_total: float = 0.0
+    prefix_queries_total: float = Field(
+        default=0.0, description="Prompt tokens looked up in the prefix cache"
+    )
+    prefix_hits_total: float = Field(default=0.0, description="Of those, tokens found cached")
     ttft: Histogram = Field(default_factory=Histogram)
     e2e: Histogram = Field(default_factory=Histogram, description="End-to-end request latency")
     queue_time: Histogram = Field(
@@ -201,6 +208,7 @@ def parse_engine_metrics(text: str) -> EngineSnapshot:
     sums: dict[str, float] = defaultdict(float)
     kv: dict[str, dict[str, float]] = {KV_USAGE_NEW: {}, KV_USAGE_OLD: {}}
     engines: set[str] = set()
+    prefix: dict[str, dict[str, float]] = {n: {} for n in (*PREFIX_QUERIES, *PREFIX_HITS)}
     models: set[str] = set()
     hist_buckets: dict[str, dict[float, float]] = {h: defaultdict(float) for h in _HISTOGRAMS}
     hist_sum: dict[str, float] = dict.fromkeys(_HISTOGRAMS, 0.0)
@@ -215,6 +223,8 @@ def parse_engine_metrics(text: str) -> EngineSnapshot:
                 models.add(labels["model_name"])
             if name in (RUNNING, WAITING, PREEMPTIONS, GENERATION_TOKENS, PROMPT_TOKENS, REQUEST_SUCCESS):
                 sums[name] += value
+            elif name in PREFIX_QUERIES or name in PREFIX_HITS:
+                prefix[name][engine] = value
                 engines.add(engine)
             elif name in kv:
                 kv[name][engine] = value
@@ -250,6 +260,9 @@ def parse_engine_metrics(text: str) -> EngineSnapshot:
         generation_tokens_total=sums[GENERATION_TOKENS],
         prompt_tokens_total=sums[PROMPT_TOKENS],
         request_success_total=sums[REQUEST_SUCCESS],
+        # When an engine exports both names they count the same tokens: prefer the new one.
+        prefix_queries_total=sum((prefix[PREFIX_QUERIES[0]] or prefix[PREFIX_QUERIES[1]]).values()),
+        prefix_hits_total=sum((prefix[PREFIX_HITS[0]] or prefix[PREFIX_HITS[1]]).values()),
         **{
             field: Histogram(
                 buckets=tuple(

@@ -1,19 +1,24 @@
 """Live measurements for the replica-loss procedure: survivors' load, arrivals, and the ramp-back plan.
 
-Pure functions over engine scrapes (``EngineSnapshot`` pairs taken ``seconds``
+Pure functions over engine scrapes (``EngineSnapshot`` pairs taken an interval
 apart) and the request journal. The ramp uses the same ``rate_weights`` as the
 what-if model in ``fleet.ramp``.
 
-**Measured service rate.** vLLM exports no "requests per second I could serve"
-gauge, and throughput alone is no measure (a lightly loaded replica serves what
-it is sent). What it does export is each request's end-to-end latency and the
-part of it spent queued; their difference is the time the engine spent *serving*
-the request (prefill + decode). A replica with a cold prefix cache spends longer
-on prefill, a slow or throttled one longer on decode, so ``1 / mean service
-time`` over the interval is a per-replica speed that tracks warmth whatever the
-load. Weights proportional to it are the runbook's "weight each replica by its
-measured service rate"; a replica is **warm** when its speed reaches
-``warm_fraction`` of the established replicas' median.
+**Measured service rate.** vLLM exports no "tokens per second I could serve"
+gauge, so each replica's rate is estimated from two things it does export:
+
+* its generation throughput over the interval - what it demonstrably served,
+  a hard lower bound of its rate;
+* its prefix-cache hit ratio over the interval (hits / queries), against the
+  established replicas' ratio - how warm its cache is. A replacement starts at
+  zero hits and climbs as its cache fills, which is exactly the cold start the
+  runbook warns about ("ready before it is fast").
+
+``rate = max(throughput, established median throughput x warmth)``. An
+unmeasured replica still gets a small floor share (it needs traffic to warm).
+A replica is **warm** once its hit ratio reaches ``warm_fraction`` of the
+established replicas'. Engines that export no prefix-cache counters fall back
+to throughput alone.
 """
 
 from __future__ import annotations
@@ -87,17 +92,6 @@ def per_group_capacity(
     return best, f"no configured group capacity; busiest group served {best:.1f} req/s (a lower bound)"
 
 
-def service_speed(before: EngineSnapshot | None, after: EngineSnapshot) -> float | None:
-    """1 / mean service time (end-to-end minus queueing) of the requests finished between two scrapes."""
-    e2e, queue = after.e2e, after.queue_time
-    if before is not None:
-        e2e, queue = e2e.minus(before.e2e), queue.minus(before.queue_time)
-    if e2e.count <= 0:
-        return None
-    mean_service = (e2e.sum - queue.sum) / e2e.count
-    return 1.0 / mean_service if mean_service > 1e-6 else None
-
-
 def window_ttft_p99(before: EngineSnapshot | None, after: EngineSnapshot) -> float | None:
     window = after.ttft.minus(before.ttft) if before is not None else after.ttft
     return window.quantile(0.99) if window.count > 0 else None
@@ -107,15 +101,25 @@ class RampPlan(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     weights: dict[str, float]
-    rates: dict[str, float | None]
+    rates: dict[str, float]
     all_warm: bool
     backoff: dict[str, float] = Field(default_factory=dict)
     reason: str
 
 
+def hit_ratio(before: EngineSnapshot | None, after: EngineSnapshot) -> float | None:
+    """Prefix-cache hits / queries between two scrapes (None when nothing was looked up)."""
+    queries = after.prefix_queries_total - (before.prefix_queries_total if before else 0.0)
+    hits = after.prefix_hits_total - (before.prefix_hits_total if before else 0.0)
+    if queries <= 0 or hits < 0:
+        return None
+    return hits / queries
+
+
 def plan_weights(
     before: Mapping[str, EngineSnapshot],
     after: Mapping[str, EngineSnapshot],
+    seconds: float,
     new_pods: Sequence[str],
     *,
     ttft_slo_s: float,
@@ -124,39 +128,52 @@ def plan_weights(
 ) -> RampPlan:
     """Weights for the routed replicas (keyed by leader pod) from one measurement interval.
 
-    Established replicas with no measurement this interval get the median speed;
-    a new replica with none gets the minimum share (it still needs traffic to
-    warm its cache). A new replica whose own TTFT p99 exceeds the SLO is backed
-    off; once every new replica is warm, weights return to equal (plain routing).
+    A new replica whose own TTFT p99 exceeds the SLO is backed off (its rate is
+    multiplied down) until it recovers; once every new replica is warm, weights
+    return to equal (plain routing).
     """
     pods = sorted(after)
-    speeds = {p: service_speed(before.get(p), after[p]) for p in pods}
-    established = [s for p, s in speeds.items() if p not in new_pods and s is not None]
-    ref = median(established) if established else None
+    throughput = {
+        p: max(0.0, after[p].generation_tokens_total - before[p].generation_tokens_total) / seconds
+        if p in before and seconds > 0
+        else 0.0
+        for p in pods
+    }
+    hits = {p: hit_ratio(before.get(p), after[p]) for p in pods}
+    established = [p for p in pods if p not in new_pods]
+    ref_tokens = median([throughput[p] for p in established]) if established else 0.0
+    ref_hits = [h for p in established if (h := hits[p]) is not None]
+    ref_hit = median(ref_hits) if ref_hits else None
     mult = dict(backoff or {})
     notes: list[str] = []
     warm: dict[str, bool] = {}
     rates: dict[str, float] = {}
     for p in pods:
-        s = speeds[p]
-        if p in new_pods:
-            warm[p] = s is not None and ref is not None and s >= warm_fraction * ref
-            ttft = window_ttft_p99(before.get(p), after[p])
-            m = mult.get(p, 1.0)
-            if ttft is not None and ttft > ttft_slo_s:
-                m *= BACKOFF_FACTOR
-                warm[p] = False
-                notes.append(f"{p} TTFT p99 {ttft:.2f}s > SLO {ttft_slo_s:g}s: backing off (x{m:.2f})")
-            else:
-                m = min(1.0, m * RECOVERY_FACTOR)
-            mult[p] = m
-            base = s if s is not None else (ref or 0.0) * MIN_SHARE
-            rates[p] = base * m
-            rel = f"{s / ref:.0%} of warm" if s is not None and ref else "not measured yet"
-            notes.append(f"{p} speed {rel}{' (warm)' if warm[p] else ''}")
+        if p not in new_pods:
+            rates[p] = throughput[p] or ref_tokens or 1.0
+            continue
+        h = hits[p]
+        if ref_hit and h is not None:
+            warmth = min(1.0, h / ref_hit)
+            warm[p] = warmth >= warm_fraction
+        else:  # no prefix-cache counters: judge by throughput alone
+            warmth = min(1.0, throughput[p] / ref_tokens) if ref_tokens else 0.0
+            warm[p] = warmth >= warm_fraction
+        ttft = window_ttft_p99(before.get(p), after[p])
+        m = mult.get(p, 1.0)
+        if ttft is not None and ttft > ttft_slo_s:
+            m *= BACKOFF_FACTOR
+            warm[p] = False
+            notes.append(f"{p} TTFT p99 {ttft:.2f}s > SLO {ttft_slo_s:g}s: backing off (x{m:.2f})")
         else:
-            rates[p] = s if s is not None else (ref or 1.0)
-    all_warm = bool(new_pods) and all(warm.get(p, False) for p in new_pods if p in after)
+            m = min(1.0, m * RECOVERY_FACTOR)
+        mult[p] = m
+        rates[p] = max(throughput[p], ref_tokens * warmth) * m
+        notes.append(
+            f"{p} cache {warmth:.0%} warm, serving {throughput[p]:.0f} tok/s vs {ref_tokens:.0f} established"
+            + (" (warm)" if warm[p] else "")
+        )
+    all_warm = bool(warm) and all(warm.values())
     if all_warm:
         weights = dict.fromkeys(pods, 1.0)
         notes.append("every new replica is warm: equal weights")
@@ -165,7 +182,7 @@ def plan_weights(
         weights = {p: round(w, 4) for p, w in rate_weights(rates, floor=floor).items()}
     return RampPlan(
         weights=weights,
-        rates={p: (round(v, 4) if v is not None else None) for p, v in speeds.items()},
+        rates={p: round(v, 2) for p, v in rates.items()},
         all_warm=all_warm,
         backoff=mult,
         reason="; ".join(notes) or "no new replica measured",

@@ -111,14 +111,14 @@ class FleetRig:
 async def fleet_rig(
     client: Client,
     *,
-    scenario: str | Path,
+    scenario: Any,
     database_url: str,
     task_queue: str,
     speed: float = 1.0,
     run_worker: bool = True,
     **overrides: Any,
 ) -> AsyncIterator[FleetRig]:
-    """Serve ``scenario`` and run a worker wired to it until the block ends."""
+    """Serve ``scenario`` (a path or a ``sim.scenario.Scenario``) and run a worker wired to it."""
     from sim.runner import start_sim
 
     sim = await asyncio.to_thread(start_sim, scenario, speed)
@@ -143,3 +143,46 @@ async def fleet_rig(
                     yield rig
     finally:
         await asyncio.to_thread(sim.stop)
+
+
+def compressed_scenario(
+    name_or_path: str | Path,
+    *,
+    startup_s: float = 6.0,
+    warm_up_s: float = 15.0,
+    warm_rate_tokens_per_s: float | None = 400.0,
+    rollout_at_s: float | None = 5.0,
+) -> Any:
+    """A shipped scenario with its slow parts shortened, so a whole recovery runs in tens of seconds.
+
+    The simulator then runs at real speed (speed factor 1): fleetmend measures
+    rates and durations in wall-clock seconds, exactly as in production, and the
+    world's seconds are the same seconds. Image pull + weight load + init take
+    ``startup_s`` in total, the prefix cache warms in ``warm_up_s``, and the
+    per-replica rate is lowered so a loaded demo fleet fits a 2-core machine.
+    """
+    from sim.scenario import SCENARIO_DIR, load_scenario
+
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = SCENARIO_DIR / f"{name_or_path}.yaml"
+    scenario = load_scenario(path)
+    models = []
+    for m in scenario.models:
+        total = m.image_pull_s + m.weight_load_s + m.distributed_init_s or 1.0
+        share = startup_s / total
+        update: dict[str, Any] = {
+            "image_pull_s": round(m.image_pull_s * share, 2),
+            "weight_load_s": round(m.weight_load_s * share, 2),
+            "distributed_init_s": round(m.distributed_init_s * share, 2),
+            "warm_up_s": warm_up_s,
+        }
+        if warm_rate_tokens_per_s is not None:
+            update["warm_rate_tokens_per_s"] = warm_rate_tokens_per_s
+        models.append(m.model_copy(update=update))
+    workloads = []
+    for w in scenario.workloads:
+        if w.rollout is not None and rollout_at_s is not None:
+            w = w.model_copy(update={"rollout": w.rollout.model_copy(update={"at_s": rollout_at_s})})
+        workloads.append(w)
+    return scenario.model_copy(update={"models": models, "workloads": workloads})

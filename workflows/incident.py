@@ -89,6 +89,10 @@ class FleetIncident:
 
     @workflow.run
     async def run(self, pool: PoolRef, config: IncidentInput | None = None) -> ProcedureStatus:
+        # Temporal applies type hints only when the argument count matches the parameters: the
+        # webhook starts with the pool alone, so convert it here.
+        pool = PoolRef.model_validate(pool)
+        config = IncidentInput.model_validate(config) if isinstance(config, dict) else config
         info = workflow.info()
         self._status = ProcedureStatus(workflow=info.workflow_id, pool=pool, phase=Phase.CORRELATING)
         if config is None:

@@ -29,6 +29,7 @@ with workflow.unsafe.imports_passed_through():
         EffectReport,
         NodeCordon,
         NodeQuarantine,
+        NodeRelease,
         NotifyRequest,
         PodDeletion,
         PodLabelsChange,
@@ -54,7 +55,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.observation import PoolObservation
     from fleet.placement import GroupShape, place_group
     from fleet.pool import GroupRole, ReplicaGroup, WorkloadKind
-    from fleet.protocol import Admission
+    from fleet.protocol import Admission, QualificationState
     from fleet.recovery import (
         CheckResult,
         Decision,
@@ -685,7 +686,7 @@ class ReplicaLossRecovery:
                     "returns it"
                 )
                 continue
-            if health.node is None or health.node.ready is not True:
+            if health.node is None or health.node.ready is not True or health.telemetry is None:
                 self._decide(
                     f"{node} is not reachable: qualification runs when it is back; it stays quarantined"
                 )
@@ -698,8 +699,51 @@ class ReplicaLossRecovery:
                 f"start qualification diagnostics on {node}",
             )
             self._decide(f"qualification started on {node}; it returns to the pool only if it passes")
+            await self._await_qualification(node, result.fault_class.value)
 
     _quarantined: list[str]
+
+    async def _await_qualification(self, node: str, fault_class: str) -> None:
+        """Return the node only when its qualification passes; otherwise it stays quarantined."""
+        inp = self._inp_()
+        deadline = self._now() + inp.timings.qualification_timeout_s
+        while True:
+            q = await workflow.execute_activity_method(
+                ObserveActivities.read_qualification,
+                node,
+                start_to_close_timeout=_ACT_TIMEOUT,
+                retry_policy=_ACT_RETRY,
+                summary=f"qualification of {node}",
+            )
+            if q.state == QualificationState.PASSED:
+                await self._act(
+                    ActActivities.release_node,
+                    NodeRelease(
+                        step="return-node",
+                        node=node,
+                        labels={QUARANTINE_LABEL: None},
+                        dry_run=inp.dry_run,
+                        fingerprints=self._fingerprints(),
+                    ),
+                    f"return {node} to the pool: qualification passed",
+                )
+                self._quarantined.remove(node)
+                self._decide(f"{node} passed qualification ({q.detail}); uncordoned and returned to the pool")
+                return
+            if q.state == QualificationState.FAILED:
+                self._decide(
+                    f"{node} failed qualification ({q.detail}): it stays quarantined for the {fault_class} follow-up"
+                )
+                return
+            if self._now() > deadline:
+                self._decide(
+                    f"{node} qualification still running after {inp.timings.qualification_timeout_s:.0f} s; "
+                    "it stays quarantined until it passes"
+                )
+                return
+            await workflow.sleep(
+                max(inp.timings.poll_interval_s, 1.0), summary=f"qualification of {node} running"
+            )
 
     # ---------------------------------------------------------------- step 9
 
@@ -714,6 +758,7 @@ class ReplicaLossRecovery:
         new_pods = {g.leader_pod for g in promoted}
         deadline = self._now() + inp.timings.ramp_max_s
         previous: dict[str, EngineSnapshot] | None = None
+        previous_at = 0.0
         step = 0
         backoff: dict[str, float] = {}
         while True:
@@ -743,6 +788,7 @@ class ReplicaLossRecovery:
                 plan = live_ramp.plan_weights(
                     previous,
                     current,
+                    max(1e-3, self._now() - previous_at),
                     sorted(new_pods & set(routed_leaders)),
                     ttft_slo_s=inp.objectives.ttft_p99_slo_s,
                     warm_fraction=inp.timings.warm_fraction,
@@ -769,7 +815,7 @@ class ReplicaLossRecovery:
                 if (plan.all_warm and len(ramped) >= self._expected_new) or self._now() > deadline:
                     self._decide("new replicas warm: ramp complete" if plan.all_warm else "ramp window over")
                     return
-            previous = current
+            previous, previous_at = current, self._now()
             await workflow.sleep(inp.timings.ramp_interval_s, summary=f"ramp interval (step {step})")
 
     async def verify_and_roll_back(self, lost: list[ReplicaGroup]) -> None:
@@ -781,6 +827,7 @@ class ReplicaLossRecovery:
         deadline = self._now() + inp.timings.verify_timeout_s
         lost_ids = {g.id for g in lost}
         report: VerificationReport | None = None
+        last_failing = ""
         while True:
             before = await self._observe(summary="verify: first scrape")
             await workflow.sleep(inp.timings.poll_interval_s, summary="verify: interval")
@@ -797,6 +844,16 @@ class ReplicaLossRecovery:
             if report.passed or self._now() > deadline:
                 break
             failing = ", ".join(c.name for c in report.checks if not c.passed)
+            if failing != last_failing:
+                last_failing = failing
+                self._decide(
+                    "verification waiting on: "
+                    + "; ".join(
+                        f"{c.name} (observed {c.observed}, expected {c.expected})"
+                        for c in report.checks
+                        if not c.passed
+                    )
+                )
             self._set_details(f"**Verifying** — waiting on: {failing}")
             await workflow.sleep(inp.timings.poll_interval_s, summary=f"verify: waiting on {failing}"[:190])
         assert report is not None
