@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -61,7 +63,20 @@ class DevConfig:
 
 
 @pytest.fixture
-def dev_config(tmp_path: Path) -> DevConfig:
+def dev_root() -> Iterator[Path]:
+    """A scratch dir outside pytest's numbered temp dirs.
+
+    Concurrent pytest sessions on one machine prune each other's old numbered dirs;
+    a stack living for tens of seconds must not have its state deleted under it.
+    """
+    root = Path(tempfile.mkdtemp(prefix="fleetmend-dev-test-"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def dev_config(dev_root: Path) -> DevConfig:
+    tmp_path = dev_root
     grpc, ui, metrics = free_port(), free_port(), free_port()
     task_queue = f"dev-{uuid.uuid4().hex[:8]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETMEND_")}
