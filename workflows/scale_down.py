@@ -41,11 +41,8 @@ with workflow.unsafe.imports_passed_through():
     from fleet.observation import PoolObservation
     from fleet.pool import ReplicaGroup, WorkloadKind
     from fleet.recovery import (
-        TERMINAL_PHASES,
-        Decision,
         OperatorAction,
         Phase,
-        PhaseSpan,
         ProcedureStatus,
     )
     from fleet.scale_down import (
@@ -59,6 +56,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.victims import GroupLoad, choose_victims
     from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, POD_DELETION_COST_ANNOTATION
     from workflows import search_attributes as sa
+    from workflows.procedure import Aborted, Procedure
 
 _ACT_RETRY = TemporalRetryPolicy(
     initial_interval=timedelta(milliseconds=200),
@@ -70,19 +68,11 @@ _ACT_TIMEOUT = timedelta(seconds=30)
 _LOOK_TIMEOUT = timedelta(seconds=10)
 
 
-class Aborted(Exception):
-    """An operator aborted the procedure, or it gave up yielding to an incident."""
-
-
 @workflow.defn(name=PLANNED_SCALE_DOWN_WORKFLOW)
-class PlannedScaleDown:
+class PlannedScaleDown(Procedure):
     def __init__(self) -> None:
+        super().__init__()
         self._inp: ScaleDownInput | None = None
-        self._status: ProcedureStatus | None = None
-        self._paused = False
-        self._abort: OperatorAction | None = None
-        self._awaiting: str | None = None
-        self._approval: OperatorAction | None = None
         self._at_deadline = False
         self._extension: OperatorAction | None = None
         self._cut_accepted: OperatorAction | None = None
@@ -535,63 +525,6 @@ class PlannedScaleDown:
 
     # ================================================================ operator steering
 
-    @workflow.query(name="status", description="Phase, decisions and figures of this scale-down")
-    def status(self) -> ProcedureStatus:
-        return self._status_()
-
-    @workflow.update(name="pause", description="Hold the procedure at the next step boundary")
-    def pause(self, action: OperatorAction) -> ProcedureStatus:
-        self._paused = True
-        self._status_().paused = True
-        self._decide(f"paused by {action.operator}: {action.reason}")
-        return self._status_()
-
-    @pause.validator
-    def _validate_pause(self, action: OperatorAction) -> None:
-        self._require_running()
-        if self._paused:
-            raise ValueError("already paused; use resume")
-
-    @workflow.update(name="resume", description="Continue a paused procedure")
-    def resume(self, action: OperatorAction) -> ProcedureStatus:
-        self._paused = False
-        self._status_().paused = False
-        self._decide(f"resumed by {action.operator}: {action.reason}")
-        return self._status_()
-
-    @resume.validator
-    def _validate_resume(self, action: OperatorAction) -> None:
-        self._require_running()
-        if not self._paused:
-            raise ValueError("not paused")
-
-    @workflow.update(
-        name="abort",
-        description="Stop at the next step boundary; drained victims stay out of routing (re-add the router "
-        "label and gate to return them)",
-    )
-    def abort(self, action: OperatorAction) -> ProcedureStatus:
-        self._abort = action
-        self._decide(f"abort requested by {action.operator}: {action.reason}")
-        return self._status_()
-
-    @abort.validator
-    def _validate_abort(self, action: OperatorAction) -> None:
-        self._require_running()
-        if not action.reason:
-            raise ValueError("an abort needs a reason (it goes into the record)")
-
-    @workflow.update(name="approve", description="Approve the step the procedure waits for (status.awaiting)")
-    def approve(self, action: OperatorAction) -> ProcedureStatus:
-        self._approval = action
-        return self._status_()
-
-    @approve.validator
-    def _validate_approve(self, action: OperatorAction) -> None:
-        self._require_running()
-        if self._awaiting is None:
-            raise ValueError("nothing is awaiting approval right now (see the status query's 'awaiting')")
-
     @workflow.update(
         name="extend", description="Give the drain more time (extend_s, default the drain deadline)"
     )
@@ -628,12 +561,6 @@ class PlannedScaleDown:
             raise ValueError(
                 "accepting a cut needs a reason (it goes into the record next to the cut streams)"
             )
-
-    def _require_running(self) -> None:
-        if self._status is None:
-            raise ValueError("the procedure has not started yet")
-        if self._status.phase in TERMINAL_PHASES:
-            raise ValueError(f"the procedure has ended (phase {self._status.phase.value})")
 
     async def _ask_operator(self, what: str) -> OperatorAction:
         self._awaiting = what
@@ -686,37 +613,6 @@ class PlannedScaleDown:
             ]
         )
 
-    def _finish(self, phase: Phase) -> ProcedureStatus:
-        status = self._status_()
-        now = self._now()
-        if status.phases and status.phases[-1].end is None:
-            status.phases[-1].end = now
-        status.phase = phase
-        status.phases.append(PhaseSpan(name=phase, start=now, end=now))
-        workflow.upsert_search_attributes([sa.FLEETMEND_PHASE.value_set(phase.value)])
-        self._set_details(f"**{phase.value}** — {status.decisions[-1].summary if status.decisions else ''}")
-        return status
-
-    async def _enter(self, phase: Phase, details: str) -> None:
-        await self._checkpoint()
-        status = self._status_()
-        now = self._now()
-        if status.phases and status.phases[-1].end is None:
-            status.phases[-1].end = now
-        status.phases.append(PhaseSpan(name=phase, start=now))
-        status.phase = phase
-        workflow.upsert_search_attributes([sa.FLEETMEND_PHASE.value_set(phase.value)])
-        self._set_details(f"**Phase:** {phase.value}\n\n{details}")
-
-    async def _checkpoint(self) -> None:
-        if self._abort is not None:
-            raise Aborted()
-        if self._paused:
-            self._set_details("**Paused** by an operator — use the `resume` Update")
-            await workflow.wait_condition(lambda: not self._paused or self._abort is not None)
-            if self._abort is not None:
-                raise Aborted()
-
     async def _observe(self, summary: str) -> PoolObservation:
         return await workflow.execute_activity_method(
             ObserveActivities.observe_pool,
@@ -766,28 +662,9 @@ class PlannedScaleDown:
     def _victim_pods(self) -> list[str]:
         return [p for g in self._victims for p in g.pods]
 
-    def _decide(self, summary: str, figures: dict[str, Any] | None = None) -> None:
-        status = self._status_()
-        status.decisions.append(
-            Decision(phase=status.phase, summary=summary, figures=figures or {}, at=self._now())
-        )
-
-    def _figure(self, key: str, value: Any) -> None:
-        self._status_().figures[key] = value
-
-    def _set_details(self, text: str) -> None:
-        workflow.set_current_details(text)
-
-    def _now(self) -> float:
-        return workflow.now().timestamp()
-
     def _inp_(self) -> ScaleDownInput:
         assert self._inp is not None
         return self._inp
-
-    def _status_(self) -> ProcedureStatus:
-        assert self._status is not None
-        return self._status
 
 
 __all__ = ["PlannedScaleDown", "ScaleDownInput"]
