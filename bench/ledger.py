@@ -1,6 +1,6 @@
 """How fast is exactly-once? ``perform`` calls/s next to the bare protocol floor on the same Postgres.
 
-    .venv/bin/python -m bench.ledger [--seconds 5] [--rounds 5] [--database-url URL] [--json]
+    .venv/bin/python -m bench.ledger [--seconds 10] [--rounds 10] [--database-url URL] [--json]
 
 Measured in one run, on one database, durable commits (synchronous_commit=on):
 
@@ -178,11 +178,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--seconds", type=float, default=5.0, help="duration of each measurement")
+    parser.add_argument("--seconds", type=float, default=10.0, help="duration of each measurement")
     parser.add_argument(
         "--database-url", help="an empty Postgres database (default: a throwaway embedded one)"
     )
-    parser.add_argument("--rounds", type=int, default=5, help="alternate the workloads in this many slices")
+    parser.add_argument("--rounds", type=int, default=10, help="alternate the workloads in this many slices")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args()
 
