@@ -91,6 +91,8 @@ def start_embedded_server() -> PgServer:
 
     base = Path(tempfile.mkdtemp(prefix="fleetmend-test-pg-"))
     base.chmod(0o755)
+    # A session killed before its teardown leaves the server running; this says whose it was.
+    (base / "owner.pid").write_text(f"{os.getpid()}\n")
     pg = EmbeddedPostgres(base / "pg")
     url = pg.start()
 
