@@ -58,11 +58,9 @@ with workflow.unsafe.imports_passed_through():
     from fleet.protocol import Admission, QualificationState
     from fleet.recovery import (
         CheckResult,
-        Decision,
         IncidentCause,
         OperatorAction,
         Phase,
-        PhaseSpan,
         ProcedureStatus,
         RecoveryInput,
         VerificationReport,
@@ -88,6 +86,7 @@ with workflow.unsafe.imports_passed_through():
         REMEDIATED_AT_ANNOTATION,
     )
     from workflows import search_attributes as sa
+    from workflows.procedure import Aborted, Procedure
 
 # Kubernetes and router calls are quick; a retry storm must not hammer a sick API server.
 _ACT_RETRY = TemporalRetryPolicy(
@@ -100,19 +99,13 @@ _ACT_TIMEOUT = timedelta(seconds=30)
 PLACEMENT_LOOKS = 3
 
 
-class Aborted(Exception):
-    """An operator aborted the procedure (the ``abort`` Update)."""
-
-
 @workflow.defn(name="ReplicaLossRecovery")
-class ReplicaLossRecovery:
+class ReplicaLossRecovery(Procedure):
     def __init__(self) -> None:
-        self._status: ProcedureStatus | None = None
+        super().__init__()
         self._inp: RecoveryInput | None = None
         self._reports: list[LossReport] = []
         self._new_reports: list[LossReport] = []
-        self._paused = False
-        self._abort: OperatorAction | None = None
         self._awaiting: str | None = None
         self._approval: OperatorAction | None = None
         self._phase_started: dict[str, float] = {}
@@ -417,6 +410,7 @@ class ReplicaLossRecovery:
         controller selects on, and changing it would orphan the pod.
         """
         await self._enter(Phase.PROMOTING, "Promoting warm spares of the same model and revision")
+        obs = self._with_lost(obs, lost)
         failed_nodes = sorted({n for g in lost for n in g.nodes})
         pick = pick_spares(obs.snapshot, [g.id for g in lost if g.role is GroupRole.SERVING], failed_nodes)
         self._decide(pick.reason, {"promotions": pick.promotions, "rejected": pick.rejected})
@@ -460,6 +454,7 @@ class ReplicaLossRecovery:
         """
         inp = self._inp_()
         await self._enter(Phase.REBUILDING, "Rebuilding the warm floor")
+        obs = self._with_lost(obs, lost)
         await self._fence_failed_nodes(obs, lost)
         replicas = {(w.kind, w.name): w.replicas or 0 for w in obs.workloads}
         lost_serving = [g for g in lost if g.role is GroupRole.SERVING]
@@ -520,6 +515,17 @@ class ReplicaLossRecovery:
             self._figure("lead_time_announced_seconds", None)
 
     _expected_new: int = 0
+
+    @staticmethod
+    def _with_lost(obs: PoolObservation, lost: list[ReplicaGroup]) -> PoolObservation:
+        """The observation with the lost groups as confirmed (a deleted pod no longer shows up)."""
+        present = {g.id for g in obs.snapshot.groups}
+        missing = tuple(g for g in lost if g.id not in present)
+        if not missing:
+            return obs
+        return obs.model_copy(
+            update={"snapshot": obs.snapshot.model_copy(update={"groups": obs.snapshot.groups + missing})}
+        )
 
     async def _fence_failed_nodes(self, obs: PoolObservation, lost: list[ReplicaGroup]) -> None:
         """Cordon nodes that failed (not Ready, or a GPU/fabric fault) before anything is scheduled.
@@ -966,77 +972,6 @@ class ReplicaLossRecovery:
     def add_losses(self, reports: list[LossReport]) -> None:
         self._new_reports.extend(reports)
 
-    @workflow.query(name="status", description="Phase, decisions and figures of this recovery")
-    def status(self) -> ProcedureStatus:
-        return self._status_()
-
-    @workflow.update(name="pause", description="Hold the procedure at the next step boundary")
-    def pause(self, action: OperatorAction) -> ProcedureStatus:
-        self._paused = True
-        self._status_().paused = True
-        self._decide(f"paused by {action.operator}: {action.reason}")
-        return self._status_()
-
-    @pause.validator
-    def _validate_pause(self, action: OperatorAction) -> None:
-        self._require_running()
-        if self._paused:
-            raise ValueError("already paused; use resume")
-
-    @workflow.update(name="resume", description="Continue a paused procedure")
-    def resume(self, action: OperatorAction) -> ProcedureStatus:
-        self._paused = False
-        self._status_().paused = False
-        self._decide(f"resumed by {action.operator}: {action.reason}")
-        return self._status_()
-
-    @resume.validator
-    def _validate_resume(self, action: OperatorAction) -> None:
-        self._require_running()
-        if not self._paused:
-            raise ValueError("not paused")
-
-    @workflow.update(
-        name="abort",
-        description="Stop the procedure at the next step boundary (effects already "
-        "applied stay applied and recorded)",
-    )
-    def abort(self, action: OperatorAction) -> ProcedureStatus:
-        self._abort = action
-        self._decide(f"abort requested by {action.operator}: {action.reason}")
-        return self._status_()
-
-    @abort.validator
-    def _validate_abort(self, action: OperatorAction) -> None:
-        self._require_running()
-        if not action.reason:
-            raise ValueError("an abort needs a reason (it goes into the incident record)")
-
-    @workflow.update(
-        name="approve", description="Approve the step the procedure is waiting for (see status.awaiting)"
-    )
-    def approve(self, action: OperatorAction) -> ProcedureStatus:
-        self._approval = action
-        return self._status_()
-
-    @approve.validator
-    def _validate_approve(self, action: OperatorAction) -> None:
-        self._require_running()
-        if self._awaiting is None:
-            raise ValueError("nothing is awaiting approval right now (see the status query's 'awaiting')")
-
-    def _require_running(self) -> None:
-        if self._status is None:
-            raise ValueError("the procedure has not started yet")
-        if self._status.phase in (
-            Phase.DONE,
-            Phase.ABORTED,
-            Phase.FAILED,
-            Phase.NOT_A_LOSS,
-            Phase.BAD_ROLLOUT,
-        ):
-            raise ValueError(f"the procedure has ended (phase {self._status.phase.value})")
-
     async def _ask_operator(self, what: str) -> OperatorAction:
         inp = self._inp_()
         self._awaiting = what
@@ -1125,27 +1060,7 @@ class ReplicaLossRecovery:
             ]
         )
 
-    def _finish(self, phase: Phase) -> ProcedureStatus:
-        status = self._status_()
-        now = self._now()
-        if status.phases and status.phases[-1].end is None:
-            status.phases[-1].end = now
-        status.phase = phase
-        status.phases.append(PhaseSpan(name=phase, start=now, end=now))
-        workflow.upsert_search_attributes([sa.FLEETMEND_PHASE.value_set(phase.value)])
-        self._set_details(f"**{phase.value}** — {status.decisions[-1].summary if status.decisions else ''}")
-        return status
-
-    async def _enter(self, phase: Phase, details: str) -> None:
-        await self._checkpoint()
-        status = self._status_()
-        now = self._now()
-        if status.phases and status.phases[-1].end is None:
-            status.phases[-1].end = now
-        status.phases.append(PhaseSpan(name=phase, start=now))
-        status.phase = phase
-        workflow.upsert_search_attributes([sa.FLEETMEND_PHASE.value_set(phase.value)])
-        self._set_details(f"**Phase:** {phase.value}\n\n{details}")
+    async def _on_phase_entered(self, phase: Phase) -> None:
         # Losses reported meanwhile (same correlation window) are derouted at the next boundary.
         if self._new_reports and phase not in (Phase.CONFIRMING, Phase.AWAITING_OPERATOR):
             await self._absorb_new_losses()
@@ -1161,15 +1076,6 @@ class ReplicaLossRecovery:
                 f"{', '.join(g.id for g in more)}; derouting them now"
             )
             await self.deroute(obs, more)
-
-    async def _checkpoint(self) -> None:
-        if self._abort is not None:
-            raise Aborted()
-        if self._paused:
-            self._set_details("**Paused** by an operator — use the `resume` Update")
-            await workflow.wait_condition(lambda: not self._paused or self._abort is not None)
-            if self._abort is not None:
-                raise Aborted()
 
     async def _observe(
         self, *, check_progress: bool = False, light: bool = False, summary: str
@@ -1222,18 +1128,6 @@ class ReplicaLossRecovery:
             f"incident channel: {topic}",
         )
 
-    def _decide(self, summary: str, figures: dict[str, Any] | None = None) -> None:
-        status = self._status_()
-        status.decisions.append(
-            Decision(phase=status.phase, summary=summary, figures=figures or {}, at=self._now())
-        )
-
-    def _figure(self, key: str, value: Any) -> None:
-        self._status_().figures[key] = value
-
-    def _set_details(self, text: str) -> None:
-        workflow.set_current_details(text)
-
     def _fingerprints(self) -> list[str]:
         return sorted({r.fingerprint for r in self._reports})[:20]
 
@@ -1244,16 +1138,9 @@ class ReplicaLossRecovery:
         assert self._initial_obs is not None
         return self._initial_obs.router_label_value
 
-    def _now(self) -> float:
-        return workflow.now().timestamp()
-
     def _inp_(self) -> RecoveryInput:
         assert self._inp is not None
         return self._inp
-
-    def _status_(self) -> ProcedureStatus:
-        assert self._status is not None
-        return self._status
 
 
 __all__ = ["CheckResult", "IncidentCause", "ReplicaLossRecovery"]

@@ -169,7 +169,11 @@ async def test_router_label_is_a_selector_so_force_delete_needs_approval(
     ) as rig:
         await asyncio.sleep(8)
         pod = (await _serving_pods(rig))[0]
+        await rig.start_load(rate=30, duration_s=90, seed=6)
+        await asyncio.sleep(2)
+        # A wedged engine: /health still answers 200 and the kubelet keeps it Ready, so it stays routed.
         await rig.inject(FaultKind.WEDGED_ENGINE, f"inference/{pod}")
+        await asyncio.sleep(1)
         incident = await rig.report_loss(pod_report(pod, "fp-wedged"), incident_config())
         child = await wait_for_child(temporal_client, incident)
         waiting = await wait_for_phase(child, Phase.AWAITING_OPERATOR)
