@@ -12,7 +12,18 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from worker import cli_alert, cli_dev, cli_ledger, cli_model, cli_schedule, cli_sim, cli_worker
+from worker import (
+    cli_alert,
+    cli_demo,
+    cli_dev,
+    cli_ledger,
+    cli_model,
+    cli_operate,
+    cli_readiness,
+    cli_schedule,
+    cli_sim,
+    cli_worker,
+)
 from worker.config import load_settings
 
 app = typer.Typer(
@@ -27,10 +38,13 @@ console = Console()
 app.add_typer(cli_ledger.app, name="ledger", help="Audit and reconcile the effect ledger.")
 app.add_typer(cli_model.app, name="model", help="Capacity what-if models (ramp-back planning).")
 cli_dev.register(app)
+cli_demo.register(app)
+cli_operate.register(app)
 cli_sim.register(app)
 cli_worker.register(app)
 cli_alert.register(app)
 cli_schedule.register(app)
+cli_readiness.register(app)
 
 
 @app.command("config")

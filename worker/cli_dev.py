@@ -1,11 +1,9 @@
-"""``fleetmend dev`` (the embedded stack in the foreground) and the foundation's ``fleetmend demo``."""
+"""``fleetmend dev``: the embedded stack in the foreground (``fleetmend demo`` lives in ``worker/cli_demo.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
-import time
-from datetime import timedelta
 from urllib.parse import quote
 
 import typer
@@ -86,48 +84,6 @@ def dev() -> None:
     _run(_serve(settings))
 
 
-async def _smoke_demo(settings: Settings, keep_running: bool) -> None:
-    from workflows.smoke import FleetmendSmoke
-
-    stop = asyncio.Event()
-    _stop_on_signals(stop)
-    async with DevStack(settings) as stack:
-        console.print(_endpoint_table(stack))
-        workflow_id = f"fleetmend-smoke/{time.strftime('%Y%m%dT%H%M%S')}"
-        console.print(f"running workflow [bold]{workflow_id}[/] through the worker ...")
-        result = await stack.client.execute_workflow(
-            FleetmendSmoke.run,
-            "hello from fleetmend demo",
-            id=workflow_id,
-            task_queue=stack.settings.task_queue,
-            execution_timeout=timedelta(minutes=1),
-            static_summary="Foundation smoke run: worker -> activity -> result",
-        )
-        reply = result.reply
-        console.print(
-            f"[green]workflow completed:[/] activity echoed {reply.echo!r} on {reply.worker_host} "
-            f"(pid {reply.worker_pid}, thread {reply.thread})"
-        )
-        console.print(
-            f"see it in the Temporal UI: {workflow_ui_url(stack.settings, workflow_id)}", soft_wrap=True
-        )
-        if keep_running:
-            console.print("--keep-running: Ctrl-C stops the stack.")
-            await stop.wait()
-
-
-def demo(
-    keep_running: bool = typer.Option(False, "--keep-running", help="Leave the stack up after the run."),
-) -> None:
-    """Start the embedded stack and run a smoke workflow end to end through the worker.
-
-    This is the foundation's demo; the guided GPU-node-loss incident replaces it."""
-    settings = load_settings()
-    jsonlog.configure(file=settings.state_dir / "logs" / "fleetmend.log")
-    _run(_smoke_demo(settings, keep_running))
-
-
 def register(app: typer.Typer) -> None:
     """Attach this module's commands to the root app."""
     app.command("dev")(dev)
-    app.command("demo")(demo)

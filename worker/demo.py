@@ -1,0 +1,661 @@
+"""``fleetmend demo``: stage one incident on the embedded stack and show fleetmend handling it.
+
+The run starts the same stack as ``fleetmend dev`` (Temporal + Web UI, Postgres,
+the sim, the webhook, the worker) in a fresh state directory, loads the
+scenario's fleet, puts user load on it, causes the fault and lets the real
+alert path open the incident: Prometheus scrapes the sim, Alertmanager posts to
+the webhook (when both are installed; otherwise an Alertmanager-format payload
+is posted directly, and the demo says so). A live view shows the procedure's
+phases and decisions as they happen and the users' figures ticking. The run
+ends with a summary table, an optional JSON report and a verdict: the
+workflow's own verification plus the world's action log checked against the
+ledger (no duplicate action, no orphaned pod).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+from temporalio.client import Client, WorkflowHandle
+from temporalio.service import RPCError
+
+from fleet.incident import PoolRef, incident_workflow_id, scale_down_workflow_id
+from fleet.protocol import FaultRequest
+from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, RecoveryTimings, ServingObjectives
+from fleet.vocabulary import LWS_WORKER_INDEX_LABEL, REVISION_LABEL
+from worker.alert_examples import example_payload
+from worker.alert_pipeline import RunningPipeline, alert_pipeline, pipeline_binaries
+from worker.config import Settings
+from worker.demo_scenarios import GROUP_CAPACITY_RPS, DemoScenario, Verdict
+from worker.devstack import DevStack
+from worker.processes import StackError
+from worker.rig import compressed_scenario
+from worker.webhook import ALERTMANAGER_PATH
+
+# The procedure's waits for a demo (the values tests/recovery/helpers.py uses): the sim runs at
+# real speed with a compressed start-up, so a whole recovery takes tens of seconds.
+DEMO_TIMINGS = RecoveryTimings(
+    correlation_window_s=5,
+    poll_interval_s=0.5,
+    deroute_timeout_s=10,
+    replacement_timeout_s=60,
+    ramp_interval_s=2,
+    ramp_max_s=60,
+    verify_timeout_s=60,
+    approval_timeout_s=120,
+    cooldown_s=1,
+    qualification_timeout_s=20,
+)
+NODE_GRACE_S = 5.0
+FLEET_UP_TIMEOUT_S = 60.0
+ALERT_TIMEOUT_S = 45.0
+PROCEDURE_TIMEOUT_S = 150.0
+LOAD_DURATION_S = 240.0
+WORKER_CLIENT_MARK = "fleetmend-worker"  # how the worker's requests are named in the world's log
+
+
+class DemoError(Exception):
+    """The demo could not stage its incident (not a verdict on fleetmend): one actionable line."""
+
+
+@dataclass
+class DemoRun:
+    """What the live view and the report read: the procedure, the users' load, the alert path."""
+
+    scenario: DemoScenario
+    ui_url: str
+    t0: float = 0.0
+    workflow_id: str | None = None
+    status: ProcedureStatus | None = None
+    load: dict[str, Any] = field(default_factory=dict)
+    alert_path: str = "none"
+    notices: list[str] = field(default_factory=list)
+
+    def workflow_url(self) -> str | None:
+        if self.workflow_id is None:
+            return None
+        from urllib.parse import quote
+
+        return f"{self.ui_url.rstrip('/')}/namespaces/default/workflows/{quote(self.workflow_id, safe='')}"
+
+
+def demo_settings(base: Settings, scenario: DemoScenario) -> Settings:
+    """Settings for a demo run: a fresh state dir, the compressed scenario, short procedure timings."""
+    state = base.state_dir / "demo"
+    shutil.rmtree(state, ignore_errors=True)  # a new world per run: no history from earlier runs
+    state.mkdir(parents=True)
+    if scenario.compressed:
+        sim = compressed_scenario(scenario.sim_scenario)
+        # Kubernetes notices a dead kubelet after the node-monitor grace period (40 s by default);
+        # compressed like the rest of the scenario, so the alert path takes seconds.
+        sim = sim.model_copy(
+            update={"timings": sim.timings.model_copy(update={"node_monitor_grace_s": NODE_GRACE_S})}
+        )
+    else:
+        from sim.scenario import SCENARIO_DIR, load_scenario
+
+        sim = load_scenario(SCENARIO_DIR / f"{scenario.sim_scenario}.yaml")
+    scenario_file = state / f"{scenario.sim_scenario}.yaml"
+    scenario_file.write_text(yaml.safe_dump(sim.model_dump(mode="json", exclude_none=True), sort_keys=False))
+    return base.model_copy(
+        update={
+            "state_dir": state,
+            "sim_scenario": scenario_file,
+            "recovery_timings": DEMO_TIMINGS,
+            "serving_objectives": ServingObjectives(group_capacity_rps=GROUP_CAPACITY_RPS),
+        }
+    )
+
+
+# ============================================================================ the world
+
+
+class World:
+    """The sim's HTTP API and Kubernetes API, as the demo uses them."""
+
+    def __init__(self, http: httpx.AsyncClient, kubeconfig: Path) -> None:
+        from kubernetes import client as kc
+        from kubernetes import config as kconfig
+
+        self.http = http
+        self.core = kc.CoreV1Api(kconfig.new_client_from_config(config_file=str(kubeconfig)))
+
+    async def routed(self, pool: PoolRef) -> list[str]:
+        r = await self.http.get(f"/router/v1/pools/{pool.namespace}/{pool.service}/routing-set")
+        r.raise_for_status()
+        return [e["pod"] for e in r.json()["endpoints"]]
+
+    async def pods(self, namespace: str) -> list[Any]:
+        result = await asyncio.to_thread(self.core.list_namespaced_pod, namespace)
+        return list(result.items)
+
+    async def start_load(self, body: dict[str, Any]) -> str:
+        r = await self.http.post("/sim/v1/load", json=body)
+        r.raise_for_status()
+        return str(r.json()["id"])
+
+    async def load_report(self, run_id: str) -> dict[str, Any]:
+        r = await self.http.get(f"/sim/v1/load/{run_id}")
+        r.raise_for_status()
+        return dict(r.json())
+
+    async def inject(self, fault: FaultRequest) -> None:
+        r = await self.http.post("/sim/v1/faults", json=fault.model_dump(mode="json"))
+        r.raise_for_status()
+
+    async def fleetmend_actions(self) -> list[dict[str, Any]]:
+        r = await self.http.get("/sim/v1/actions")
+        r.raise_for_status()
+        return [a for a in r.json() if WORKER_CLIENT_MARK in (a.get("client") or "")]
+
+
+async def _until(what: str, check: Callable[[], Any], timeout_s: float, interval_s: float = 0.3) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = await check()
+        if value:
+            return value
+        await asyncio.sleep(interval_s)
+    raise DemoError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+async def choose_pod(world: World, scenario: DemoScenario, chooser: str) -> str:
+    """The pod a pod-level fault or alert is about (``pod:serving|rank|r2``)."""
+    ns = scenario.pool.namespace
+    if chooser == "pod:serving":
+        return sorted(await world.routed(scenario.pool))[0]
+
+    async def matching() -> str | None:
+        pods = await world.pods(ns)
+        labels = [(p.metadata.name, p.metadata.labels or {}) for p in pods]
+        if chooser == "pod:rank":
+            names = sorted(n for n, lab in labels if lab.get(LWS_WORKER_INDEX_LABEL) == "1")
+        else:  # pod:r2 -- the first pod of the new revision (the sim's rollout)
+            names = sorted(n for n, lab in labels if lab.get(REVISION_LABEL) == "r2")
+        return names[0] if names else None
+
+    return str(await _until(f"a pod for {chooser}", matching, 40))
+
+
+async def orphan_pods(world: World, namespace: str) -> list[str]:
+    """Pods no controller owns any more (a relabel that broke a selector orphans its pod)."""
+    return sorted(p.metadata.name for p in await world.pods(namespace) if not p.metadata.owner_references)
+
+
+# ============================================================================ the alert path
+
+
+async def _incident_opened(client: Client, workflow_id: str) -> bool:
+    try:
+        await client.get_workflow_handle(workflow_id).describe()
+    except RPCError:
+        return False
+    return True
+
+
+async def post_alert(settings: Settings, payload: dict[str, Any]) -> None:
+    """What Alertmanager would do: POST the notification with the bearer token."""
+    token = settings.webhook_token.get_secret_value() if settings.webhook_token else ""
+    url = f"http://{settings.webhook_host}:{settings.webhook_port}{ALERTMANAGER_PATH}"
+    async with httpx.AsyncClient(timeout=10) as http:
+        r = await http.post(url, json=payload, headers={"Authorization": f"Bearer {token}"})
+    if r.status_code >= 300:
+        raise DemoError(f"the webhook refused the alert: HTTP {r.status_code} {r.text[:200]}")
+
+
+@contextlib.asynccontextmanager
+async def maybe_pipeline(stack: DevStack, run: DemoRun) -> AsyncIterator[RunningPipeline | None]:
+    binaries = pipeline_binaries()
+    alert = run.scenario.alert
+    if alert is None:
+        yield None
+        return
+    if binaries is None or not alert.rule_fires:
+        run.notices.append(
+            "Prometheus/Alertmanager not installed (`make system-deps`): the alert is posted directly "
+            "in Alertmanager's format"
+            if binaries is None
+            else f"no shipped Prometheus rule fires for this symptom: the {alert.example!r} alert is "
+            "posted directly in Alertmanager's format"
+        )
+        yield None
+        return
+    s = stack.settings
+    token = s.webhook_token.get_secret_value() if s.webhook_token else ""
+    metrics = f"{s.worker_metrics_host}:{s.worker_metrics_port}" if s.worker_metrics_port else None
+    async with alert_pipeline(
+        s.state_dir / "alerting",
+        binaries=binaries,
+        sim_address=s.router_admin_url.removeprefix("http://").rstrip("/"),
+        webhook_address=f"{s.webhook_host}:{s.webhook_port}",
+        webhook_token=token,
+        worker_metrics_address=metrics,
+    ) as pipeline:
+        yield pipeline
+
+
+async def deliver_alert(
+    stack: DevStack, run: DemoRun, pipeline: RunningPipeline | None, pod: str | None
+) -> None:
+    """Wait for Alertmanager to open the incident; post the alert directly when there is no pipeline."""
+    alert = run.scenario.alert
+    assert alert is not None
+    incident_id = incident_workflow_id(run.scenario.pool)
+    labels = {k: v.format(pod=pod or "") for k, v in alert.labels.items()}
+    if pipeline is not None:
+        run.alert_path = "prometheus -> alertmanager -> webhook"
+        try:
+            await _until(
+                "Alertmanager to open the incident",
+                lambda: _incident_opened(stack.client, incident_id),
+                ALERT_TIMEOUT_S,
+                0.5,
+            )
+            return
+        except DemoError:
+            run.notices.append(
+                f"no alert reached the webhook through Alertmanager within {ALERT_TIMEOUT_S:.0f} s "
+                f"(logs: {', '.join(str(p) for p in pipeline.logs)}); posting it directly"
+            )
+    run.alert_path = "direct Alertmanager-format post -> webhook"
+    await post_alert(stack.settings, example_payload(alert.example, overrides=labels))
+    await _until("the webhook to open the incident", lambda: _incident_opened(stack.client, incident_id), 20)
+
+
+async def procedure_handle(client: Client, run: DemoRun) -> WorkflowHandle[Any, Any]:
+    """The replica-loss recovery the incident started (its first child)."""
+    incident = client.get_workflow_handle(incident_workflow_id(run.scenario.pool))
+
+    async def first_child() -> str | None:
+        status = await incident.query("status", result_type=ProcedureStatus)
+        return status.children[0] if status.children else None
+
+    child = await _until("the incident to start a recovery", first_child, 30)
+    return client.get_workflow_handle(child)
+
+
+async def start_scale_down(stack: DevStack, run: DemoRun) -> WorkflowHandle[Any, Any]:
+    """A planned scale-down as ``fleetmend schedule trigger`` starts it: 8 -> 6, streaming load on."""
+    from fleet.scale_down import ScaleDownInput
+
+    inp = ScaleDownInput(
+        pool=run.scenario.pool,
+        target_groups=run.scenario.serving_groups - 2,
+        drain_deadline_s=60.0,
+        poll_interval_s=0.3,
+        incident_poll_s=1.0,
+        group_capacity_tokens_per_s=2400.0,  # the scale-down scenario's warm decode rate
+        requested_by="fleetmend demo",
+    )
+    run.alert_path = "planned (no alert): started like `fleetmend schedule trigger`"
+    return await stack.client.start_workflow(
+        "PlannedScaleDown",
+        inp,
+        id=scale_down_workflow_id(run.scenario.pool),
+        task_queue=stack.settings.task_queue,
+        static_summary=f"Demo: planned scale-down of {run.scenario.pool.key} to {inp.target_groups}",
+    )
+
+
+# ============================================================================ the view
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    if isinstance(value, list):
+        return ", ".join(str(v) for v in value) or "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items())
+    return "-" if value is None else str(value)
+
+
+def timeline(run: DemoRun) -> Table:
+    table = Table(title=f"fleetmend demo: {run.scenario.name}", title_justify="left", expand=True)
+    table.add_column("t (s)", justify="right", no_wrap=True)
+    table.add_column("phase", style="bold cyan", no_wrap=True)
+    table.add_column("took", justify="right", no_wrap=True)
+    table.add_column("decisions (why)", overflow="fold")
+    status = run.status
+    if status is None:
+        table.add_row("", "waiting", "", "the alert is on its way ...")
+        return table
+    for span in status.phases:
+        took = f"{span.end - span.start:.1f}s" if span.end is not None else "…"
+        said = [d.summary for d in status.decisions if d.phase == span.name and span.start <= d.at + 1e-6]
+        said = [d for d in said if d] or [""]
+        table.add_row(f"{span.start - run.t0:+.1f}", span.name.value, took, "\n".join(said[-4:]))
+    return table
+
+
+def load_line(run: DemoRun) -> Text:
+    r = run.load
+    if not r:
+        return Text("users: load starting ...")
+    return Text.assemble(
+        ("users  ", "bold"),
+        f"sent {r.get('sent', 0)}  ",
+        ("goodput ", "green"),
+        f"{r.get('goodput', 0)}  ",
+        ("late ", "yellow"),
+        f"{r.get('late', 0)}  ",
+        ("shed ", "magenta"),
+        f"{r.get('shed', 0)}  ",
+        ("errors ", "red"),
+        f"{r.get('terminal_errors', 0)} (truncated {r.get('truncated_streams', 0)})  ",
+        f"retried {r.get('retried', 0)}",
+    )
+
+
+def live_view(run: DemoRun) -> Group:
+    parts: list[Any] = [timeline(run), load_line(run)]
+    url = run.workflow_url()
+    if url:
+        parts.append(Text(f"Temporal UI: {url}", style="cyan"))
+    if run.status is not None and run.status.awaiting:
+        parts.append(Text(f"awaiting operator: {run.status.awaiting}", style="bold yellow"))
+    for notice in run.notices:
+        parts.append(Text(f"note: {notice}", style="yellow"))
+    return Group(*parts)
+
+
+async def follow(
+    handle: WorkflowHandle[Any, Any], world: World, load_id: str, run: DemoRun, console: Console
+) -> ProcedureStatus:
+    """Refresh the live view until the procedure ends (or stops for an operator, when expected)."""
+    deadline = time.monotonic() + PROCEDURE_TIMEOUT_S
+    with Live(live_view(run), console=console, refresh_per_second=4, transient=False) as live:
+        while True:
+            with contextlib.suppress(RPCError):
+                run.status = await handle.query("status", result_type=ProcedureStatus)
+            with contextlib.suppress(httpx.HTTPError):
+                run.load = await world.load_report(load_id)
+            live.update(live_view(run))
+            status = run.status
+            if status is not None and (
+                status.phase in TERMINAL_PHASES or (run.scenario.stops_awaiting_operator and status.awaiting)
+            ):
+                return status
+            if time.monotonic() > deadline:
+                if status is None:
+                    raise DemoError(f"the procedure never answered its status query ({handle.id})")
+                run.notices.append(f"the procedure did not finish within {PROCEDURE_TIMEOUT_S:.0f} s")
+                live.update(live_view(run))
+                return status
+            await asyncio.sleep(0.5)
+
+
+# ============================================================================ the report
+
+
+def reconcile_with_world(database_url: str, sim_url: str, actions: list[dict[str, Any]]) -> Any:
+    from sqlalchemy import create_engine
+
+    from ledger.reconcile import reconcile, world_actions_from_sim
+
+    world = sim_url.split("://", 1)[1].rstrip("/")
+    engine = create_engine(database_url)
+    try:
+        return reconcile(engine, world=world, actions=world_actions_from_sim(world, actions))
+    finally:
+        engine.dispose()
+
+
+def build_report(
+    run: DemoRun,
+    status: ProcedureStatus,
+    verdict: Verdict,
+    *,
+    duplicates: int,
+    orphans: list[str],
+    divergent: int,
+    unledgered: int,
+    mutations: int,
+    elapsed_s: float,
+) -> dict[str, Any]:
+    f = status.figures
+    load = run.load
+    in_flight = f.get("in_flight") or {}
+    return {
+        "scenario": run.scenario.name,
+        "verdict": "passed" if verdict.passed else "failed",
+        "verdict_reason": verdict.reason,
+        "passed_when": run.scenario.passed_when,
+        "workflow_id": status.workflow,
+        "temporal_ui": run.workflow_url(),
+        "alert_path": run.alert_path,
+        "final_phase": status.phase.value,
+        "awaiting": status.awaiting,
+        "phases": [
+            {
+                "name": p.name.value,
+                "start": round(p.start - run.t0, 2),
+                "end": None if p.end is None else round(p.end - run.t0, 2),
+            }
+            for p in status.phases
+        ],
+        # Fault -> the lost endpoints out of routing (Kubernetes' grace + the alert path + fleetmend),
+        # then the part that is fleetmend's: first signal -> derouted.
+        "deroute_seconds": _deroute_after_fault(run, status),
+        "alert_seconds": round(status.phases[0].start - run.t0, 2) if status.phases else None,
+        "fleetmend_deroute_seconds": f.get("deroute_seconds"),
+        "requests": {
+            "total": load.get("sent", 0),
+            "completed": load.get("goodput", 0) + load.get("late", 0),
+            "late": load.get("late", 0),
+            "retried": load.get("retried", 0),
+            "terminal_errors": load.get("terminal_errors", 0),
+            "shed": load.get("shed", 0),
+            "truncated": load.get("truncated_streams", 0),
+        },
+        "lost_replicas_requests": in_flight or None,
+        "effects": {
+            "applied": f.get("effects_applied", 0),
+            "deduplicated": f.get("effects_deduplicated", 0),
+            "divergent": divergent,
+        },
+        "duplicate_actions": duplicates,
+        "orphan_pods": len(orphans),
+        "orphan_pod_names": orphans,
+        "unledgered_actions": unledgered,
+        "mutating_requests": mutations,
+        "lead_time_announced_seconds": f.get("lead_time_announced_seconds"),
+        "shed_tiers": f.get("shed_tiers"),
+        "shedding_lifted": f.get("shedding_lifted"),
+        "promoted": f.get("promoted"),
+        "fault_class": f.get("fault_class"),
+        "ramp_weights": f.get("ramp_weights"),
+        "verification": status.verification.model_dump(mode="json") if status.verification else None,
+        "decisions": [
+            {"t": round(d.at - run.t0, 2), "phase": d.phase.value, "summary": d.summary}
+            for d in status.decisions
+        ],
+        "notices": run.notices,
+        "duration_seconds": round(elapsed_s, 1),
+    }
+
+
+def _deroute_after_fault(run: DemoRun, status: ProcedureStatus) -> float | None:
+    ends = [p.end for p in status.phases if p.name == Phase.DEROUTING and p.end is not None]
+    return round(max(ends) - run.t0, 2) if ends else None
+
+
+SUMMARY_KEYS = (
+    "scenario",
+    "verdict",
+    "verdict_reason",
+    "alert_path",
+    "alert_seconds",
+    "deroute_seconds",
+    "fleetmend_deroute_seconds",
+    "requests",
+    "effects",
+    "duplicate_actions",
+    "orphan_pods",
+    "lead_time_announced_seconds",
+    "shed_tiers",
+    "promoted",
+    "fault_class",
+    "ramp_weights",
+    "final_phase",
+    "duration_seconds",
+)
+
+
+def summary_table(report: dict[str, Any]) -> Table:
+    table = Table(title="fleetmend demo summary", title_justify="left", show_header=False)
+    table.add_column("", style="bold", no_wrap=True)
+    table.add_column("", overflow="fold")
+    for key in SUMMARY_KEYS:
+        value = report.get(key)
+        style = ""
+        if key == "verdict":
+            style = "bold green" if value == "passed" else "bold red"
+        table.add_row(key, Text(_fmt(value), style=style))
+    phases = " -> ".join(
+        f"{p['name']} {(p['end'] or p['start']) - p['start']:.1f}s" for p in report.get("phases", [])
+    )
+    table.add_row("phases", phases or "-")
+    table.add_row("temporal_ui", report.get("temporal_ui") or "-")
+    return table
+
+
+def final_verdict(
+    scenario: DemoScenario, status: ProcedureStatus, *, duplicates: int, orphans: list[str], mutations: int
+) -> Verdict:
+    """The workflow's own verdict, then what the world says: no duplicate, no orphan, no stray mutation."""
+    verdict = scenario.verdict(status)
+    if not verdict.passed:
+        return verdict
+    if duplicates:
+        return Verdict(False, f"{duplicates} action(s) reached the world more than once")
+    if orphans:
+        return Verdict(False, f"orphaned pod(s): {', '.join(orphans)}")
+    if not scenario.mutates and mutations:
+        return Verdict(False, f"fleetmend made {mutations} mutating request(s) where none was allowed")
+    return verdict
+
+
+# ============================================================================ the run
+
+
+async def run_demo(
+    settings: Settings,
+    scenario: DemoScenario,
+    *,
+    console: Console,
+    keep_running: bool = False,
+    stop: asyncio.Event | None = None,
+) -> dict[str, Any]:
+    """Stage ``scenario`` on a fresh embedded stack and return the report (see ``build_report``)."""
+    started = time.monotonic()
+    settings = demo_settings(settings, scenario)
+    console.print(f"[bold]fleetmend demo[/] {scenario.name}: {scenario.summary}")
+    console.print(f"starting the embedded stack under {settings.state_dir} ...")
+    async with DevStack(settings) as stack:
+        s = stack.settings
+        run = DemoRun(scenario=scenario, ui_url=s.temporal_ui_url)
+        console.print(f"Temporal UI: [cyan]{s.temporal_ui_url}[/]   sim: {s.router_admin_url}")
+        assert s.kubeconfig is not None
+        async with httpx.AsyncClient(base_url=s.router_admin_url, timeout=10) as http:
+            world = World(http, s.kubeconfig)
+            pool = scenario.pool
+
+            async def fleet_up() -> bool:
+                return len(await world.routed(pool)) >= scenario.serving_groups
+
+            console.print(f"waiting for {scenario.serving_groups} replicas of {pool.key} to serve ...")
+            await _until(
+                f"{scenario.serving_groups} routed replicas of {pool.key}", fleet_up, FLEET_UP_TIMEOUT_S
+            )
+            load_body = {"rate": scenario.load_rate, "duration_s": LOAD_DURATION_S, "seed": 3}
+            load_body.update(scenario.load)
+            load_id = await world.start_load(load_body)
+            console.print(f"users: {load_body['rate']} requests/s on {pool.key} (~70 % of its capacity)")
+            async with maybe_pipeline(stack, run) as pipeline:
+                if pipeline is not None:
+                    console.print(
+                        f"alerting: Prometheus {pipeline.prometheus_url}, "
+                        f"Alertmanager {pipeline.alertmanager_url}"
+                    )
+                await asyncio.sleep(3)  # a few seconds of healthy serving (and scrapes) before the fault
+                handle = await _cause(stack, world, run, pipeline, console)
+                status = await follow(handle, world, load_id, run, console)
+            actions = await world.fleetmend_actions()
+            mutations = sum(1 for a in actions if a.get("verb", "").upper() != "GET")
+            assert s.database_url_value() is not None
+            rec = await asyncio.to_thread(
+                reconcile_with_world, s.database_url_value() or "", s.router_admin_url, actions
+            )
+            orphans = await orphan_pods(world, pool.namespace)
+            verdict = final_verdict(
+                scenario, status, duplicates=len(rec.duplicates), orphans=orphans, mutations=mutations
+            )
+            report = build_report(
+                run,
+                status,
+                verdict,
+                duplicates=len(rec.duplicates),
+                orphans=orphans,
+                divergent=len(rec.divergent),
+                unledgered=len(rec.orphans),
+                mutations=mutations,
+                elapsed_s=time.monotonic() - started,
+            )
+            console.print(summary_table(report))
+            if keep_running:
+                console.print(
+                    "--keep-running: the stack stays up. Try `fleetmend status`; Ctrl-C stops everything."
+                )
+                await (stop or asyncio.Event()).wait()
+    return report
+
+
+async def _cause(
+    stack: DevStack, world: World, run: DemoRun, pipeline: RunningPipeline | None, console: Console
+) -> WorkflowHandle[Any, Any]:
+    """Cause the scenario's fault and get the procedure that answers it."""
+    scenario = run.scenario
+    run.t0 = time.time()
+    if scenario.kind == "scale-down":
+        handle = await start_scale_down(stack, run)
+        run.workflow_id = handle.id
+        return handle
+    pod: str | None = None
+    fault = scenario.fault
+    if fault.target.startswith("pod:"):
+        pod = await choose_pod(world, scenario, fault.target)
+    if fault.kind is not None:
+        target = f"{scenario.pool.namespace}/{pod}" if pod else fault.target
+        await world.inject(FaultRequest(kind=fault.kind, target=target, params=fault.params))
+        run.t0 = time.time()
+        console.print(f"[bold red]fault:[/] {fault.kind.value} on {target}")
+    else:
+        console.print(f"[bold red]fault:[/] {scenario.summary} (first failing pod {pod})")
+    await deliver_alert(stack, run, pipeline, pod)
+    console.print(f"alert delivered via {run.alert_path}")
+    handle = await procedure_handle(stack.client, run)
+    run.workflow_id = handle.id
+    return handle
+
+
+def write_report(report: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+__all__ = ["DemoError", "StackError", "demo_settings", "run_demo", "summary_table", "write_report"]

@@ -1,0 +1,203 @@
+"""The incidents ``fleetmend demo`` can stage, and what "passed" means for each.
+
+A scenario names the simulated fleet it loads (a shipped sim scenario with its
+slow parts shortened, see ``worker.rig.compressed_scenario``), the user load,
+how the fault is caused, which alert a monitoring stack would raise for it, and
+the verdict rule applied to the procedure's final status. The demo itself
+(``worker.demo``) is the same for every scenario.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fleet.incident import PoolRef
+from fleet.recovery import Phase, ProcedureStatus
+from fleet.vocabulary import FaultKind
+
+# ~400 tokens/s per replica in the compressed scenarios: about 15 requests/s of 8-32 tokens
+# (tests/recovery/helpers.py measures the same figure).
+GROUP_CAPACITY_RPS = 15.0
+LOAD_SHARE = 0.7  # the issue's "load at ~70 % of capacity"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    passed: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What goes wrong. ``target`` may name a pod chooser: ``pod:serving``, ``pod:rank``, ``pod:r2``."""
+
+    kind: FaultKind | None
+    target: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AlertToSend:
+    """The Alertmanager alert for the fault: an example from ``worker.alert_examples`` + labels.
+
+    ``rule_fires`` says whether a shipped Prometheus rule raises it from the sim's
+    series; when it does not (or Prometheus is not installed) the demo posts it.
+    """
+
+    example: str
+    labels: dict[str, str]
+    rule_fires: bool = True
+
+
+def _incident_done(status: ProcedureStatus) -> Verdict:
+    checks = status.verification.checks if status.verification else []
+    failed = [c.name for c in checks if not c.passed]
+    if status.phase == Phase.DONE and status.verification is not None and status.verification.passed:
+        return Verdict(True, f"recovered and verified ({len(checks)} checks passed)")
+    return Verdict(False, f"phase {status.phase.value}; failed checks: {failed or 'no verification'}")
+
+
+def _fragmentation_reported(status: ProcedureStatus) -> Verdict:
+    if status.figures.get("fragmentation") and status.awaiting:
+        return Verdict(True, f"fragmentation reported: {status.figures['fragmentation']}")
+    return Verdict(False, f"phase {status.phase.value}; no fragmentation report (awaiting={status.awaiting})")
+
+
+def _not_a_loss(status: ProcedureStatus) -> Verdict:
+    if status.phase == Phase.NOT_A_LOSS:
+        return Verdict(True, "classified slow-but-present: nothing derouted, deleted or replaced")
+    return Verdict(False, f"phase {status.phase.value}; expected not-a-loss")
+
+
+def _bad_rollout(status: ProcedureStatus) -> Verdict:
+    if status.phase == Phase.BAD_ROLLOUT or (
+        status.phase == Phase.DONE and any("rollout" in d.summary for d in status.decisions)
+    ):
+        return Verdict(True, "sent to the revert path: the failing revision was not re-placed")
+    return Verdict(False, f"phase {status.phase.value}; expected the bad-rollout path")
+
+
+def _scaled_down(status: ProcedureStatus) -> Verdict:
+    cut = status.figures.get("cut_streams")
+    if status.phase == Phase.DONE and (status.verification is None or status.verification.passed) and not cut:
+        return Verdict(True, f"scaled down to {status.figures.get('serving_after')} replicas, 0 streams cut")
+    return Verdict(False, f"phase {status.phase.value}; cut streams {cut}")
+
+
+@dataclass(frozen=True)
+class DemoScenario:
+    name: str
+    summary: str
+    passed_when: str
+    sim_scenario: str
+    pool: PoolRef
+    serving_groups: int  # routed replica groups when the fleet is up
+    fault: Fault
+    alert: AlertToSend | None
+    verdict: Callable[[ProcedureStatus], Verdict]
+    kind: Literal["incident", "scale-down"] = "incident"
+    load: dict[str, Any] = field(default_factory=dict)
+    compressed: bool = True
+    # The procedure stops here waiting for an operator; the demo reads its verdict then.
+    stops_awaiting_operator: bool = False
+    # Mutations fleetmend may make: False = the verdict also requires none in the world's log.
+    mutates: bool = True
+
+    @property
+    def load_rate(self) -> float:
+        return round(self.serving_groups * GROUP_CAPACITY_RPS * LOAD_SHARE, 1)
+
+
+LLAMA = PoolRef(namespace="inference", service="llama")
+NODE_DOWN = AlertToSend("node-not-ready", {"node": "gpu-node-0"})
+
+SCENARIOS: dict[str, DemoScenario] = {
+    s.name: s
+    for s in (
+        DemoScenario(
+            name="gpu-node-loss",
+            summary="A GPU node of a loaded 4-node pool dies: two TP=4 replicas go with it; one warm spare.",
+            passed_when="recovery done and its verification passed",
+            sim_scenario="gpu-node-loss",
+            pool=LLAMA,
+            serving_groups=5,
+            fault=Fault(FaultKind.NODE_LOST, "gpu-node-0"),
+            alert=NODE_DOWN,
+            verdict=_incident_done,
+        ),
+        DemoScenario(
+            name="rank-lost",
+            summary="One rank of a 2-pod TP=8xPP=2 replica group (LeaderWorkerSet) dies and takes its group.",
+            passed_when="recovery done and its verification passed",
+            sim_scenario="rank-lost",
+            pool=PoolRef(namespace="inference", service="llama-405b"),
+            serving_groups=2,
+            fault=Fault(FaultKind.RANK_LOST, "pod:rank"),
+            alert=AlertToSend("rank-lost", {"namespace": "inference", "pod": "{pod}"}),
+            verdict=_incident_done,
+        ),
+        DemoScenario(
+            name="no-warm-spare",
+            summary="The GPU node loss in a pool with no warm spare: replacements start cold, lead time announced.",
+            passed_when="recovery done and its verification passed (lead time announced)",
+            sim_scenario="no-warm-spare",
+            pool=LLAMA,
+            serving_groups=6,
+            fault=Fault(FaultKind.NODE_LOST, "gpu-node-0"),
+            alert=NODE_DOWN,
+            verdict=_incident_done,
+        ),
+        DemoScenario(
+            name="fragmented",
+            summary="A node is lost; 12 GPUs are free in total but no node has the 4 a replacement needs.",
+            passed_when="fragmentation reported: the procedure waits for an operator instead of placing",
+            sim_scenario="fragmented",
+            pool=LLAMA,
+            serving_groups=4,
+            fault=Fault(FaultKind.NODE_LOST, "gpu-node-0"),
+            alert=NODE_DOWN,
+            verdict=_fragmentation_reported,
+            stops_awaiting_operator=True,
+        ),
+        DemoScenario(
+            name="slow-replica",
+            summary="A page arrives for a replica that is merely slow (0.3x): not a loss, nothing is touched.",
+            passed_when="classified not-a-loss and no mutating request in the world's action log",
+            sim_scenario="gpu-node-loss",
+            pool=LLAMA,
+            serving_groups=5,
+            fault=Fault(FaultKind.SLOW_REPLICA, "pod:serving", {"factor": 0.3}),
+            alert=AlertToSend("unroutable", {"namespace": "inference", "pod": "{pod}"}, rule_fires=False),
+            verdict=_not_a_loss,
+            mutates=False,
+        ),
+        DemoScenario(
+            name="bad-rollout",
+            summary="A new revision crashes on start during a rolling update: revert, do not replace.",
+            passed_when="the procedure takes the bad-rollout (revert) path",
+            sim_scenario="bad-rollout",
+            pool=LLAMA,
+            serving_groups=5,
+            fault=Fault(None, "pod:r2"),  # the sim's own rollout is the fault
+            alert=AlertToSend("crashloop", {"namespace": "inference", "pod": "{pod}", "container": "vllm"}),
+            verdict=_bad_rollout,
+        ),
+        DemoScenario(
+            name="scale-down",
+            summary="Planned scale-down 8 -> 6 under streaming load: drain first, then delete; no stream cut.",
+            passed_when="scale-down done, verified, 0 streams cut",
+            sim_scenario="scale-down",
+            pool=LLAMA,
+            serving_groups=8,
+            fault=Fault(None),
+            alert=None,
+            verdict=_scaled_down,
+            kind="scale-down",
+            load={"rate": 16, "tiers": {"standard": 1.0}, "output_tokens": [100, 300]},
+            compressed=False,
+        ),
+    )
+}
+DEFAULT_SCENARIO = "gpu-node-loss"
