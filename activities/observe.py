@@ -158,8 +158,14 @@ class ObserveActivities:
         if model:
             pods = kr.list_pods(k, ns, f"{MODEL_LABEL}={model}")
         else:
+            # The Service may select only group leaders (LWS): find the model through the pods it
+            # selects, then take every pod of that model (workers and warm spares included).
             base = {key: v for key, v in selector.items() if key != router_label}
             pods = kr.list_pods(k, ns, ",".join(f"{key}={v}" for key, v in base.items()) or None)
+            models = {m for p in pods if (m := kr.labels(p).get(MODEL_LABEL))}
+            if len(models) == 1:
+                model = models.pop()
+                pods = kr.list_pods(k, ns, f"{MODEL_LABEL}={model}")
 
         endpoints: dict[str, EndpointConditions] = {}
         for sl in kr.list_endpoint_slices(k, ns, svc_name):

@@ -68,7 +68,9 @@ class FleetRig:
         r.raise_for_status()
         return dict(r.json()) if r.content else {}
 
-    async def report_loss(self, report: LossReport, config: IncidentInput | None = None) -> WorkflowHandle[Any, Any]:
+    async def report_loss(
+        self, report: LossReport, config: IncidentInput | None = None
+    ) -> WorkflowHandle[Any, Any]:
         """What the webhook does for a firing alert: signal-with-start into the pool's incident."""
         args: list[Any] = [report.pool] if config is None else [report.pool, config]
         return await self.client.start_workflow(
@@ -136,7 +138,9 @@ async def fleet_rig(
             if not run_worker:
                 yield rig
                 return
-            with ThreadPoolExecutor(MAX_CONCURRENT_ACTIVITIES, thread_name_prefix="fleetmend-activity") as pool:
+            with ThreadPoolExecutor(
+                MAX_CONCURRENT_ACTIVITIES, thread_name_prefix="fleetmend-activity"
+            ) as pool:
                 worker = build_worker(client, settings, activity_executor=pool)
                 async with worker:
                     rig.worker = worker
@@ -176,6 +180,9 @@ def compressed_scenario(
             "weight_load_s": round(m.weight_load_s * share, 2),
             "distributed_init_s": round(m.distributed_init_s * share, 2),
             "warm_up_s": warm_up_s,
+            # vLLM's --shutdown-timeout and the pod's grace period, shortened in the same spirit.
+            "shutdown_timeout_s": min(m.shutdown_timeout_s, 10.0),
+            "termination_grace_s": min(m.termination_grace_s, 15),
         }
         if warm_rate_tokens_per_s is not None:
             update["warm_rate_tokens_per_s"] = warm_rate_tokens_per_s

@@ -618,11 +618,18 @@ class ReplicaLossRecovery(Procedure):
                 self._decide(text, {"placement": result.model_dump(mode="json")})
                 await self._notify(f"placement-{pod}", text)
             if reported and all(p in reported for p in pending):
-                self._decide(
-                    "replacement cannot be placed as a whole group; reported instead of waiting silently - "
-                    "free a domain or add a node, then the scheduler places it"
+                # Not silently Pending: say why, and let an operator decide (free capacity, or abort).
+                approval = await self._ask_operator(
+                    f"replacement(s) {', '.join(sorted(reported))} cannot be placed as a whole group; free a "
+                    "topology domain or add a node, then approve to keep waiting for placement (or abort)"
                 )
-                return
+                self._decide(
+                    f"{approval.operator}: capacity freed ({approval.reason}); waiting for placement again"
+                )
+                reported.clear()
+                looks.clear()
+                deadline = self._now() + inp.timings.replacement_timeout_s
+                continue
             if self._now() > deadline:
                 self._decide(f"replacements still Pending after {inp.timings.replacement_timeout_s:.0f} s")
                 return
@@ -632,8 +639,17 @@ class ReplicaLossRecovery(Procedure):
 
     async def triage_hardware(self, obs: PoolObservation, lost: list[ReplicaGroup]) -> None:
         inp = self._inp_()
-        nodes = sorted({n for g in lost for n in g.nodes})
         hint = next((r.fault_hint for r in self._reports if r.fault_hint), None)
+        nodes = []
+        for node in sorted({n for g in lost for n in g.nodes}):
+            info = obs.snapshot.node(node)
+            if info is None or info.ready is not True or hint or any(r.node == node for r in self._reports):
+                nodes.append(node)
+            else:
+                self._decide(
+                    f"{node} is Ready and no alert points at it: the loss is a pod-level fault, "
+                    "the node stays in service (no quarantine)"
+                )
         for node in nodes:
             health = await workflow.execute_activity_method(
                 ObserveActivities.read_node_health,
@@ -846,7 +862,8 @@ class ReplicaLossRecovery(Procedure):
                 summary="verify: ledger reconciliation for this workflow",
             )
             observations = self._recovery_observations(before, obs, lost_ids, reconcile)
-            report = verify_recovery(observations, inp.objectives)
+            # The warm floor to restore is what the pool had before the loss (serving + spare).
+            report = verify_recovery(observations, inp.objectives, warm_floor=self._warm_target(obs))
             if report.passed or self._now() > deadline:
                 break
             failing = ", ".join(c.name for c in report.checks if not c.passed)
@@ -920,16 +937,14 @@ class ReplicaLossRecovery(Procedure):
         target = len([g for g in initial.snapshot.serving if g.routed or g.id in lost_ids])
         serving_now = [g for g in obs.snapshot.serving if g.id not in lost_ids or g.ready]
         routed_ready = [g for g in serving_now if g.ready and g.routed]
+        # The routed endpoint is the group's leader (a Service may select only leaders).
         endpoint_ok = [
             g
             for g in routed_ready
-            if all(
-                (o := obs.pods.get(p)) is not None
-                and o.endpoint is not None
-                and o.endpoint.serving is not False
-                and o.endpoint.terminating is not True
-                for p in g.pods
-            )
+            if (o := obs.pods.get(g.leader_pod)) is not None
+            and o.endpoint is not None
+            and o.endpoint.serving is not False
+            and o.endpoint.terminating is not True
         ]
         replicas = []
         for g in routed_ready:

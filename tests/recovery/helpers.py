@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from temporalio.client import Client, WorkflowHandle
+from temporalio.service import RPCError
 
 from fleet.incident import LossReport, PoolRef
 from fleet.recovery import IncidentInput, Phase, ProcedureStatus, RecoveryTimings, ServingObjectives
@@ -56,7 +57,12 @@ async def wait_for_child(
     while time.monotonic() < deadline:
         status = await incident.query("status", result_type=ProcedureStatus)
         if status.children:
-            return client.get_workflow_handle(status.children[-1])
+            handle = client.get_workflow_handle(status.children[-1])
+            try:
+                await handle.describe()  # the incident names its child just before starting it
+                return handle
+            except RPCError:
+                pass
         await asyncio.sleep(0.2)
     raise AssertionError(f"no recovery started within {timeout_s} s")
 

@@ -194,3 +194,136 @@ async def test_router_label_is_a_selector_so_force_delete_needs_approval(
         ]
         assert len(deletes) == 1, decisions(status)
         assert status.phase == Phase.DONE, decisions(status)
+
+
+async def test_no_warm_spare_posts_lead_time_and_keeps_shedding_until_capacity_returns(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    async with fleet_rig(
+        temporal_client,
+        scenario=compressed_scenario("no-warm-spare"),
+        database_url=ledger_url,
+        task_queue=task_queue,
+    ) as rig:
+        await asyncio.sleep(8)
+        await rig.start_load(rate=63, duration_s=120, seed=7)  # ~70 % of 6 replicas
+        await asyncio.sleep(3)
+        await rig.inject(FaultKind.NODE_LOST, "gpu-node-0")
+        incident = await rig.report_loss(node_report("gpu-node-0"), incident_config(warm_floor=0))
+        status = await finish(await wait_for_child(temporal_client, incident))
+        text_ = decisions(status)
+        assert status.phase == Phase.DONE, text_
+        lead = status.figures["lead_time_announced_seconds"]
+        assert isinstance(lead, float) and lead > 0
+        posted = [m["text"] for m in await rig.notifications() if "lead time" in m["text"]]
+        assert len(posted) == 1 and f"({lead:.0f} s)" in posted[0], posted
+        assert status.figures["promoted"] == []
+        # Shedding went on at once and was lifted only at the end, after the replacements were warm.
+        assert status.figures["shed_tiers"], text_
+        phases = [p.name for p in status.phases]
+        assert phases.index(Phase.RAMPING) < phases.index(Phase.ROLLING_BACK)
+        assert status.figures.get("shedding_lifted") is True
+        assert len(await _serving_pods(rig)) == 6
+
+
+async def test_one_rank_lost_takes_the_whole_multi_node_group(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    pool = POOL.model_copy(update={"service": "llama-405b"})
+    async with fleet_rig(
+        temporal_client,
+        scenario=compressed_scenario("rank-lost"),
+        database_url=ledger_url,
+        task_queue=task_queue,
+    ) as rig:
+        await asyncio.sleep(10)
+        leaders = await rig.routing_set(pool)
+        assert leaders, "the LWS groups never became ready"
+        worker_pod = f"{leaders[0]}-1"  # rank 1 of group 0's leader
+        await rig.start_load(rate=10, duration_s=90, seed=8, model=None, pool=pool.key)
+        await asyncio.sleep(2)
+        await rig.inject(FaultKind.RANK_LOST, f"inference/{worker_pod}")
+        report = pod_report(worker_pod, "fp-rank", alert="FleetmendRankLost", pool=pool)
+        incident = await rig.report_loss(report, incident_config(pool))
+        status = await finish(await wait_for_child(temporal_client, incident))
+        text_ = decisions(status)
+        assert status.phase == Phase.DONE, text_
+        # The alert named one rank (a worker pod); the procedure acted on its whole group.
+        group = leaders[0]
+        assert f"{group}: lost" in text_ and worker_pod in text_, text_
+        assert status.figures["groups_lost"] == 1
+        # The group came back whole (the LeaderWorkerSet recreated it) and was ramped back in.
+        assert sorted(await rig.routing_set(pool)) == sorted(leaders)
+        report_ = await _reconcile(rig, ledger_url)
+        assert report_.duplicates == [] and report_.orphans == []
+
+
+async def test_fragmented_cluster_is_reported_not_left_pending(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    async with fleet_rig(
+        temporal_client,
+        scenario=compressed_scenario("fragmented"),
+        database_url=ledger_url,
+        task_queue=task_queue,
+    ) as rig:
+        await asyncio.sleep(8)
+        await rig.inject(FaultKind.NODE_LOST, "gpu-node-0")
+        incident = await rig.report_loss(node_report("gpu-node-0"), incident_config(warm_floor=0))
+        child = await wait_for_child(temporal_client, incident)
+        waiting = await wait_for_phase(child, Phase.AWAITING_OPERATOR, timeout_s=90)
+        text_ = decisions(waiting)
+        assert "no admissible group for shape" in text_, text_
+        assert waiting.figures.get("fragmentation"), waiting.figures
+        assert any("no admissible group" in m["text"] for m in await rig.notifications())
+        await child.execute_update("abort", OperatorAction(operator="bob", reason="adding a node tomorrow"))
+        status = await finish(child)
+        assert status.phase == Phase.ABORTED
+
+
+async def test_losses_during_a_new_revision_take_the_bad_rollout_path(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    async with fleet_rig(
+        temporal_client,
+        scenario=compressed_scenario("bad-rollout", rollout_at_s=6.0),
+        database_url=ledger_url,
+        task_queue=task_queue,
+    ) as rig:
+        crashing: list[str] = []
+        for _ in range(60):  # the rollout starts at 6 s; r2 crashes each time it finishes loading
+            await asyncio.sleep(1)
+            pods = await _pods_in_crash_loop(rig)
+            if pods:
+                crashing = pods
+                break
+        assert crashing, "the bad revision never crash-looped"
+        cfg = incident_config()
+        handles = [
+            await rig.report_loss(pod_report(p, f"fp-crash-{i}", alert="KubePodCrashLooping"), cfg)
+            for i, p in enumerate(crashing)
+        ]
+        status = await finish(await wait_for_child(temporal_client, handles[0]))
+        text_ = decisions(status)
+        assert status.phase == Phase.BAD_ROLLOUT, text_
+        assert "bad rollout" in text_
+        scaled = [a for a in await fleetmend_actions(rig) if a["path"].endswith("/scale")]
+        assert scaled == []  # no replacement of the failing revision
+        assert any("Revert the rollout" in m["text"] for m in await rig.notifications())
+        inc = await handles[0].query("status", result_type=ProcedureStatus)
+        assert len(inc.children) == 1
+
+
+async def _pods_in_crash_loop(rig: FleetRig) -> list[str]:
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    config.load_kube_config(config_file=str(rig.sim.kubeconfig), client_configuration=cfg)
+    core = client.CoreV1Api(client.ApiClient(cfg))
+    out = []
+    for pod in (await asyncio.to_thread(core.list_namespaced_pod, "inference")).items:
+        for cs in pod.status.container_statuses or []:
+            waiting = cs.state.waiting if cs.state else None
+            if waiting is not None and waiting.reason == "CrashLoopBackOff":
+                out.append(pod.metadata.name)
+    return out
