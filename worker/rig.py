@@ -72,10 +72,9 @@ class FleetRig:
         self, report: LossReport, config: IncidentInput | None = None
     ) -> WorkflowHandle[Any, Any]:
         """What the webhook does for a firing alert: signal-with-start into the pool's incident."""
-        args: list[Any] = [report.pool] if config is None else [report.pool, config]
         return await self.client.start_workflow(
             FLEET_INCIDENT_WORKFLOW,
-            args=args,
+            report.pool if config is None else config,
             id=incident_workflow_id(report.pool),
             task_queue=self.settings.task_queue,
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,

@@ -88,11 +88,12 @@ class FleetIncident:
         return self._status
 
     @workflow.run
-    async def run(self, pool: PoolRef, config: IncidentInput | None = None) -> ProcedureStatus:
-        # Temporal applies type hints only when the argument count matches the parameters: the
-        # webhook starts with the pool alone, so convert it here.
-        pool = PoolRef.model_validate(pool)
-        config = IncidentInput.model_validate(config) if isinstance(config, dict) else config
+    async def run(self, pool: PoolRef | IncidentInput) -> ProcedureStatus:
+        """``pool`` alone (what the webhook sends: the worker's policy applies) or an ``IncidentInput``
+        naming the pool with its own timings, objectives and dry-run (tests, the demo, operators)."""
+        config: IncidentInput | None = None
+        if isinstance(pool, IncidentInput):
+            config, pool = pool, pool.pool
         info = workflow.info()
         self._status = ProcedureStatus(workflow=info.workflow_id, pool=pool, phase=Phase.CORRELATING)
         if config is None:
