@@ -12,7 +12,7 @@ from rich.table import Table
 
 from worker import jsonlog
 from worker.config import load_settings
-from worker.demo import DemoError, run_demo, write_report
+from worker.demo import DemoError, run_demo
 from worker.demo_scenarios import DEFAULT_SCENARIO, SCENARIOS
 from worker.processes import StackError
 from worker.startup_checks import StartupCheckError
@@ -67,16 +67,15 @@ def demo(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        return await run_demo(settings, chosen, console=console, keep_running=keep_running, stop=stop)
+        return await run_demo(
+            settings, chosen, console=console, keep_running=keep_running, stop=stop, report_path=report
+        )
 
     try:
         result = asyncio.run(main())
     except (StackError, StartupCheckError, DemoError) as err:
         err_console.print(f"[bold red]error:[/] {err}", soft_wrap=True, highlight=False)
         raise typer.Exit(1) from None
-    if report is not None:
-        write_report(result, report)
-        console.print(f"report written to {report}")
     raise typer.Exit(0 if result["verdict"] == "passed" else 1)
 
 

@@ -402,6 +402,25 @@ async def follow(
 # ============================================================================ the report
 
 
+async def fleetmend_metrics(settings: Settings) -> dict[str, float]:
+    """fleetmend's own samples from the worker's Prometheus endpoint (``worker.fleet_metrics``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if not settings.worker_metrics_port:
+        return {}
+    url = f"http://{settings.worker_metrics_host}:{settings.worker_metrics_port}/metrics"
+    async with httpx.AsyncClient(timeout=5) as http:
+        text = (await http.get(url)).text
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.startswith("fleetmend_") or sample.name.endswith("_bucket"):
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "service")
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
 def reconcile_with_world(database_url: str, sim_url: str, actions: list[dict[str, Any]]) -> Any:
     from sqlalchemy import create_engine
 
@@ -560,6 +579,7 @@ async def run_demo(
     console: Console,
     keep_running: bool = False,
     stop: asyncio.Event | None = None,
+    report_path: Path | None = None,
 ) -> dict[str, Any]:
     """Stage ``scenario`` on a fresh embedded stack and return the report (see ``build_report``)."""
     started = time.monotonic()
@@ -585,7 +605,10 @@ async def run_demo(
             load_body = {"rate": scenario.load_rate, "duration_s": LOAD_DURATION_S, "seed": 3}
             load_body.update(scenario.load)
             load_id = await world.start_load(load_body)
-            console.print(f"users: {load_body['rate']} requests/s on {pool.key} (~70 % of its capacity)")
+            share = float(load_body["rate"]) / (scenario.serving_groups * GROUP_CAPACITY_RPS)
+            console.print(
+                f"users: {load_body['rate']} requests/s on {pool.key} (~{share:.0%} of its capacity)"
+            )
             async with maybe_pipeline(stack, run) as pipeline:
                 if pipeline is not None:
                     console.print(
@@ -595,6 +618,10 @@ async def run_demo(
                 await asyncio.sleep(3)  # a few seconds of healthy serving (and scrapes) before the fault
                 handle = await _cause(stack, world, run, pipeline, console)
                 status = await follow(handle, world, load_id, run, console)
+            if status.phase in TERMINAL_PHASES:  # let the run return, so the worker counts it
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(handle.result(), 15)
+            metrics = await fleetmend_metrics(s)
             actions = await world.fleetmend_actions()
             mutations = sum(1 for a in actions if a.get("verb", "").upper() != "GET")
             assert s.database_url_value() is not None
@@ -616,7 +643,11 @@ async def run_demo(
                 mutations=mutations,
                 elapsed_s=time.monotonic() - started,
             )
+            report["worker_metrics"] = metrics
             console.print(summary_table(report))
+            if report_path is not None:  # written before --keep-running blocks, so it can be read meanwhile
+                write_report(report, report_path)
+                console.print(f"report written to {report_path}")
             if keep_running:
                 console.print(
                     "--keep-running: the stack stays up. Try `fleetmend status`; Ctrl-C stops everything."

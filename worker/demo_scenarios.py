@@ -171,6 +171,7 @@ SCENARIOS: dict[str, DemoScenario] = {
             fault=Fault(FaultKind.SLOW_REPLICA, "pod:serving", {"factor": 0.3}),
             alert=AlertToSend("unroutable", {"namespace": "inference", "pod": "{pod}"}, rule_fires=False),
             verdict=_not_a_loss,
+            load={"rate": 30},  # a slow replica under moderate load (tests/recovery use the same)
             mutates=False,
         ),
         DemoScenario(

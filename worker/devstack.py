@@ -235,10 +235,16 @@ class _SimPart:
         return None
 
     def settings_for_clients(self) -> dict[str, Any]:
-        """Point the worker and webhook at the sim: its kubeconfig and its router admin API."""
-        update: dict[str, Any] = {"router_admin_url": self.handle.base_url}
-        if self.settings.kubeconfig is None:
-            update["kubeconfig"] = Path(self.handle.kubeconfig)
+        """Point the worker and webhook at the sim: kubeconfig, router admin API, engine/node metrics, health.
+
+        Without the metric and health URLs the worker would probe ``{pod_ip}:8000``, which the sim
+        does not serve: every engine would look unanswering."""
+        from worker.sim_wiring import settings_for_sim
+
+        update = settings_for_sim(self.handle.base_url, Path(self.handle.kubeconfig))
+        if self.settings.kubeconfig is not None:  # an explicit kubeconfig wins
+            update.pop("kubeconfig")
+            update.pop("kube_context")
         return update
 
     def endpoints(self) -> list[Endpoint]:

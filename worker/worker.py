@@ -2,7 +2,7 @@
 
 Activities run in a thread pool because the official Kubernetes client is
 synchronous; the SDK's Prometheus metrics (slots, schedule-to-start latency, ...)
-are served on ``settings.worker_metrics_port``.
+and fleetmend's own (``worker.fleet_metrics``) are served on ``settings.worker_metrics_port``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from temporalio.worker import Worker
 
 from worker import registry
 from worker.config import Settings
+from worker.fleet_metrics import PHASE_DURATION, PHASE_DURATION_BUCKETS, ProcedureMetricsInterceptor
 from worker.processes import require_free_port
 from worker.startup_checks import StartupCheckError, run_startup_checks, unreachable_message
 from worker.temporal_client import connect
@@ -43,8 +44,10 @@ def metrics_runtime(settings: Settings) -> Runtime | None:
         setting="FLEETMEND_WORKER_METRICS_PORT",
     )
     bind = f"{settings.worker_metrics_host}:{settings.worker_metrics_port}"
+    buckets = {PHASE_DURATION: list(PHASE_DURATION_BUCKETS)}  # fleetmend's own: see worker.fleet_metrics
     telemetry = TelemetryConfig(
-        metrics=PrometheusConfig(bind_address=bind), global_tags={"service": "fleetmend-worker"}
+        metrics=PrometheusConfig(bind_address=bind, histogram_bucket_overrides=buckets),
+        global_tags={"service": "fleetmend-worker"},
     )
     return Runtime(telemetry=telemetry)
 
@@ -66,6 +69,7 @@ def build_worker(
         activities=list(registry.build_activities(settings) if activities is None else activities),
         activity_executor=activity_executor,
         max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES,
+        interceptors=[ProcedureMetricsInterceptor()],
         # Let an in-flight Kubernetes call or drain step finish on deploy instead of cutting it.
         graceful_shutdown_timeout=timedelta(seconds=10),
     )

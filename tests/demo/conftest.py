@@ -1,0 +1,130 @@
+"""One real ``fleetmend demo --keep-running`` run shared by the demo, browser and operator tests.
+
+The demo is a subprocess exactly as ``make demo`` runs it, on free ports and a
+private state directory (other test sessions run on this machine at the same
+time). It writes its report before it blocks, so the tests read the report and
+look at the still-running stack (Temporal UI, worker metrics), then the fixture
+stops it with Ctrl-C and checks it exits cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from worker.processes import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+FLEETMEND = str(REPO / ".venv" / "bin" / "fleetmend")
+DEMO_TIMEOUT_S = 240
+
+
+@dataclass
+class DemoProcess:
+    env: dict[str, str]
+    state_dir: Path
+    report_path: Path
+    log_path: Path
+    ui_url: str
+    metrics_url: str
+    proc: subprocess.Popen[bytes] | None = None
+    report: dict[str, Any] = field(default_factory=dict)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def demo_env(state_dir: Path) -> tuple[dict[str, str], dict[str, int]]:
+    ports = {name: free_port() for name in ("temporal", "ui", "sim", "webhook", "metrics")}
+    env = {
+        **os.environ,
+        "FLEETMEND_TEMPORAL_ADDRESS": f"127.0.0.1:{ports['temporal']}",
+        "FLEETMEND_TEMPORAL_UI_PORT": str(ports["ui"]),
+        "FLEETMEND_SIM_PORT": str(ports["sim"]),
+        "FLEETMEND_WEBHOOK_PORT": str(ports["webhook"]),
+        "FLEETMEND_WORKER_METRICS_PORT": str(ports["metrics"]),
+        "FLEETMEND_STATE_DIR": str(state_dir),
+        "COLUMNS": "120",
+    }
+    env.pop("FLEETMEND_DATABASE_URL", None)  # the demo's own embedded ledger: reconcile sees only this run
+    return env, ports
+
+
+def run_demo_cli(
+    scenario: str, workdir: Path, timeout_s: float = DEMO_TIMEOUT_S
+) -> tuple[int, str, dict[str, Any]]:
+    """``fleetmend demo --scenario NAME --report F`` to the end: exit status, output, report."""
+    env, _ = demo_env(workdir / "state")
+    report = workdir / f"{scenario}.json"
+    done = subprocess.run(
+        [FLEETMEND, "demo", "--scenario", scenario, "--report", str(report)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    output = done.stdout + done.stderr
+    (workdir / f"{scenario}.out").write_text(output)
+    return done.returncode, output, json.loads(report.read_text()) if report.exists() else {}
+
+
+@pytest.fixture(scope="session")
+def output_dir() -> Path:
+    """Artifacts (reports, screenshots) kept after the run: tests/demo/output/ (git-ignored by path)."""
+    path = Path(tempfile.gettempdir()) / "fleetmend-demo-test-output"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def kept_demo(output_dir: Path) -> Iterator[DemoProcess]:
+    """The default scenario, left running after its summary (``--keep-running``)."""
+    state_dir = Path(tempfile.mkdtemp(prefix="fleetmend-demo-"))
+    env, ports = demo_env(state_dir)
+    run = DemoProcess(
+        env=env,
+        state_dir=state_dir,
+        report_path=output_dir / "gpu-node-loss.json",
+        log_path=output_dir / "gpu-node-loss.out",
+        ui_url=f"http://127.0.0.1:{ports['ui']}",
+        metrics_url=f"http://127.0.0.1:{ports['metrics']}/metrics",
+    )
+    run.report_path.unlink(missing_ok=True)
+    with run.log_path.open("wb") as log:
+        run.proc = subprocess.Popen(
+            [FLEETMEND, "demo", "--keep-running", "--report", str(run.report_path)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + DEMO_TIMEOUT_S
+        while not run.report_path.exists():
+            if run.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(
+                    f"the demo ended without a report (exit {run.proc.returncode}):\n{run.output()[-4000:]}"
+                )
+            time.sleep(1)
+        time.sleep(0.5)  # the file is written in one call; let it land
+        run.report = json.loads(run.report_path.read_text())
+        yield run
+    finally:
+        if run.proc.poll() is None:
+            run.proc.send_signal(signal.SIGINT)
+            try:
+                run.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                run.proc.kill()
+                run.proc.wait()
+        shutil.rmtree(state_dir, ignore_errors=True)
