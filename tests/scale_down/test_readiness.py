@@ -7,18 +7,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
+from typing import Any
 
 import pytest
 from temporalio.client import Client
+from typer.testing import CliRunner
 
-from fleet.readiness import ReadinessThresholds
 from fleet.vocabulary import SERVING_READY_CONDITION, FaultKind
 from tests.scale_down.helpers import POOL, core_api, vllm_default_scenario
+from worker.cli import app
 from worker.rig import FleetRig, fleet_rig
-from workflows.readiness_keeper import KeeperInput, KeeperStatus, readiness_keeper_workflow_id
+from workflows.readiness_keeper import KeeperStatus, readiness_keeper_workflow_id
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+
+
+async def _cli(env: dict[str, str], *args: str) -> Any:
+    return await asyncio.to_thread(CliRunner().invoke, app, ["readiness", *args], env=env)
 
 
 async def _gate(rig: FleetRig, pod: str) -> dict[str, str]:
@@ -45,14 +50,17 @@ async def test_kv_over_the_ceiling_loses_readiness_gets_no_new_requests_and_reco
     async with fleet_rig(
         temporal_client, scenario=scenario, database_url=ledger_url, task_queue=task_queue
     ) as rig:
-        keeper = await temporal_client.start_workflow(
-            "ReadinessKeeper",
-            KeeperInput(
-                pool=POOL, interval_s=0.3, thresholds=ReadinessThresholds(queue_bound=50, queue_release=10)
-            ),
-            id=f"{readiness_keeper_workflow_id(POOL)}-{uuid.uuid4().hex[:6]}",
-            task_queue=task_queue,
-        )
+        env = {
+            "FLEETMEND_TEMPORAL_ADDRESS": temporal_client.service_client.config.target_host,
+            "FLEETMEND_TEMPORAL_NAMESPACE": temporal_client.namespace,
+            "FLEETMEND_TASK_QUEUE": task_queue,
+        }
+        args = ["--pool", POOL.key, "--interval", "0.3s", "--queue-bound", "50", "--queue-release", "10"]
+        started = await _cli(env, "start", *args)
+        assert started.exit_code == 0, started.output
+        again = await _cli(env, "start", *args)
+        assert again.exit_code == 2 and "already runs" in again.output, again.output
+        keeper = temporal_client.get_workflow_handle(readiness_keeper_workflow_id(POOL))
         await rig.start_load(
             rate=24, duration_s=90, seed=3, tiers={"standard": 1.0}, output_tokens=[100, 300]
         )
@@ -63,7 +71,12 @@ async def test_kv_over_the_ceiling_loses_readiness_gets_no_new_requests_and_reco
         await rig.inject(FaultKind.SLOW_REPLICA, f"{POOL.namespace}/{hot}", factor=0.03)
 
         went_false = await _wait_gate(rig, hot, "False", 40)
-        status = await keeper.query("status", result_type=KeeperStatus)
+        # The gate is written inside the keeper's sample; its status shows the verdict once the sample returned.
+        for _ in range(50):
+            status = await keeper.query("status", result_type=KeeperStatus)
+            if status.verdicts[hot].startswith("not ready"):
+                break
+            await asyncio.sleep(0.1)
         assert "KV" in status.verdicts[hot] and "ceiling" in status.verdicts[hot], status.verdicts
         conditions = await _gate(rig, hot)
         # Not ready, yet live: the container is ready, nothing restarted, /health answers.
@@ -93,4 +106,6 @@ async def test_kv_over_the_ceiling_loses_readiness_gets_no_new_requests_and_reco
         assert hot_writes == [(False, "Saturated"), (True, "HasHeadroom")], status.recent_writes
         # Nobody else flapped.
         assert all(w.pod == hot for w in status.recent_writes), status.recent_writes
-        await keeper.cancel()
+        shown = await _cli(env, "status", "--pool", POOL.key, "--json")
+        assert KeeperStatus.model_validate_json(shown.output).verdicts[hot].startswith("ready")
+        assert (await _cli(env, "stop", "--pool", POOL.key)).exit_code == 0
