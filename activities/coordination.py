@@ -12,9 +12,13 @@ from __future__ import annotations
 from pydantic import BaseModel
 from temporalio import activity
 from temporalio.client import WorkflowExecutionStatus
+from temporalio.common import SearchAttributeKey
 from temporalio.service import RPCError, RPCStatusCode
 
 from fleet.incident import PoolRef, incident_workflow_id
+
+# The incident's phase as it upserts it (workflows.search_attributes; activities do not import workflows).
+_PHASE = SearchAttributeKey.for_keyword("FleetmendPhase")
 
 
 class IncidentState(BaseModel):
@@ -37,8 +41,7 @@ async def incident_on_pool(pool: PoolRef) -> IncidentState:
     if desc.status != WorkflowExecutionStatus.RUNNING:
         state = desc.status.name.lower() if desc.status else "unknown"
         return IncidentState(open=False, workflow_id=wid, reason=f"incident {wid} is {state}")
-    phase = desc.search_attributes.get("FleetmendPhase")
-    phase_text = str(phase[0]) if phase else None
+    phase_text = desc.typed_search_attributes.get(_PHASE)
     return IncidentState(
         open=True,
         workflow_id=wid,

@@ -28,9 +28,10 @@ async def _cli(env: dict[str, str], *args: str) -> Any:
 
 async def _gate(rig: FleetRig, pod: str) -> dict[str, str]:
     obj = await asyncio.to_thread(core_api(rig).read_namespaced_pod, pod, POOL.namespace)
-    return {c.type: c.status for c in obj.status.conditions or []} | {
-        "restarts": str(sum(cs.restart_count for cs in obj.status.container_statuses or []))
-    }
+    status = obj.status
+    assert status is not None
+    restarts = sum(int(cs.restart_count or 0) for cs in status.container_statuses or [])
+    return {c.type: c.status for c in status.conditions or []} | {"restarts": str(restarts)}
 
 
 async def _wait_gate(rig: FleetRig, pod: str, value: str, timeout_s: float) -> float:

@@ -102,7 +102,7 @@ async def test_8_to_6_under_streaming_load_cuts_nothing_where_the_naive_way_cuts
         after = await rig.routing_set(POOL)
         assert len(after) == 6 and not set(victims) & set(after)
         pods = [
-            p.metadata.name
+            p.metadata.name if p.metadata else ""
             for p in (await asyncio.to_thread(core_api(rig).list_namespaced_pod, POOL.namespace)).items
         ]
         assert len(pods) == 6 and not set(victims) & set(pods), pods
