@@ -226,17 +226,6 @@ def test_a_part_that_dies_stops_the_whole_stack(
     assert_nothing_left(dev_config)
 
 
-def test_foundation_demo_runs_a_workflow_end_to_end_and_cleans_up(dev_config: DevConfig, pg_url: str) -> None:
-    env = {**dev_config.env, "FLEETMEND_DATABASE_URL": pg_url}  # an external ledger: no initdb, faster
-    done = subprocess.run([FLEETMEND, "demo"], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "workflow completed" in done.stdout
-    assert (
-        f"http://127.0.0.1:{dev_config.ui_port}/namespaces/default/workflows/fleetmend-smoke" in done.stdout
-    )
-    assert_nothing_left(dev_config)
-
-
 def test_a_killed_supervisor_takes_temporal_with_it_and_a_restart_adopts_postgres(
     dev_config: DevConfig, cleanup: list[DevRun]
 ) -> None:

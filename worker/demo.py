@@ -56,7 +56,7 @@ DEMO_TIMINGS = RecoveryTimings(
     ramp_interval_s=2,
     ramp_max_s=60,
     verify_timeout_s=60,
-    approval_timeout_s=120,
+    approval_timeout_s=600,  # --keep-running leaves time to try `fleetmend approve`
     cooldown_s=1,
     qualification_timeout_s=20,
 )

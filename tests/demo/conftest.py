@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,29 +82,29 @@ def run_demo_cli(
 
 @pytest.fixture(scope="session")
 def output_dir() -> Path:
-    """Artifacts (reports, screenshots) kept after the run: tests/demo/output/ (git-ignored by path)."""
+    """Artifacts kept after the run (reports, outputs, screenshots): $TMPDIR/fleetmend-demo-test-output."""
     path = Path(tempfile.gettempdir()) / "fleetmend-demo-test-output"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-@pytest.fixture(scope="session")
-def kept_demo(output_dir: Path) -> Iterator[DemoProcess]:
-    """The default scenario, left running after its summary (``--keep-running``)."""
+@contextmanager
+def keep_running_demo(scenario: str, output_dir: Path) -> Iterator[DemoProcess]:
+    """``fleetmend demo --scenario NAME --keep-running --report F``: yields once the report is written."""
     state_dir = Path(tempfile.mkdtemp(prefix="fleetmend-demo-"))
     env, ports = demo_env(state_dir)
     run = DemoProcess(
         env=env,
         state_dir=state_dir,
-        report_path=output_dir / "gpu-node-loss.json",
-        log_path=output_dir / "gpu-node-loss.out",
+        report_path=output_dir / f"{scenario}.json",
+        log_path=output_dir / f"{scenario}.out",
         ui_url=f"http://127.0.0.1:{ports['ui']}",
         metrics_url=f"http://127.0.0.1:{ports['metrics']}/metrics",
     )
     run.report_path.unlink(missing_ok=True)
     with run.log_path.open("wb") as log:
         run.proc = subprocess.Popen(
-            [FLEETMEND, "demo", "--keep-running", "--report", str(run.report_path)],
+            [FLEETMEND, "demo", "--scenario", scenario, "--keep-running", "--report", str(run.report_path)],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -121,10 +122,24 @@ def kept_demo(output_dir: Path) -> Iterator[DemoProcess]:
         yield run
     finally:
         if run.proc.poll() is None:
-            run.proc.send_signal(signal.SIGINT)
+            run.proc.send_signal(signal.SIGINT)  # what Ctrl-C does: the demo stops every part
             try:
                 run.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 run.proc.kill()
                 run.proc.wait()
         shutil.rmtree(state_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def kept_demo(output_dir: Path) -> Iterator[DemoProcess]:
+    """The default scenario (what ``make demo`` runs), left running after its summary."""
+    with keep_running_demo("gpu-node-loss", output_dir) as run:
+        yield run
+
+
+@pytest.fixture(scope="session")
+def kept_fragmented(output_dir: Path) -> Iterator[DemoProcess]:
+    """The fragmented scenario: its recovery stays open, awaiting an operator (a live workflow for the UI)."""
+    with keep_running_demo("fragmented", output_dir) as run:
+        yield run
