@@ -20,6 +20,7 @@ from worker import (
     cli_model,
     cli_operate,
     cli_readiness,
+    cli_scale_down,
     cli_schedule,
     cli_sim,
     cli_worker,
@@ -45,6 +46,7 @@ cli_worker.register(app)
 cli_alert.register(app)
 cli_schedule.register(app)
 cli_readiness.register(app)
+cli_scale_down.register(app)
 
 
 @app.command("config")

@@ -89,6 +89,25 @@ def decisions(status: ProcedureStatus) -> str:
     return "\n".join(f"  [{d.phase.value}] {d.summary}" for d in status.decisions)
 
 
+def cli_env(client: Client, task_queue: str) -> dict[str, str]:
+    """The environment a ``fleetmend`` command needs to reach this test's Temporal and worker."""
+    return {
+        "FLEETMEND_TEMPORAL_ADDRESS": client.service_client.config.target_host,
+        "FLEETMEND_TEMPORAL_NAMESPACE": client.namespace,
+        "FLEETMEND_TASK_QUEUE": task_queue,
+        "COLUMNS": "200",
+    }
+
+
+async def run_cli(env: dict[str, str], *args: str) -> Any:
+    """``fleetmend ARGS`` in-process (typer's runner) on a thread: the commands run their own event loop."""
+    from typer.testing import CliRunner
+
+    from worker.cli import app
+
+    return await asyncio.to_thread(CliRunner().invoke, app, list(args), env=env)
+
+
 def core_api(rig: FleetRig) -> kc.CoreV1Api:
     cfg = kc.Configuration()
     kconfig.load_kube_config(config_file=str(rig.sim.kubeconfig), client_configuration=cfg)

@@ -12,15 +12,18 @@ import pytest
 from temporalio.client import Client, WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
+from fleet.incident import scale_down_workflow_id
 from fleet.recovery import OperatorAction, Phase
 from tests.scale_down.helpers import (
     POOL,
     STREAMING,
+    cli_env,
     core_api,
     cut_streams_on,
     decisions,
     finish,
     reconcile_with_world,
+    run_cli,
     scale_down_input,
     start_scale_down,
     status_of,
@@ -156,9 +159,11 @@ async def test_drain_past_deadline_waits_for_the_operator_extend_then_accept_cut
         assert time.monotonic() - t0 >= 1.0
 
         # extend: the drain goes on for the extra time, then asks again.
-        await handle.execute_update(
-            "extend", OperatorAction(operator="sre", reason="let them finish", extend_s=3)
+        env = cli_env(temporal_client, task_queue)
+        extended = await run_cli(
+            env, "scale-down", "extend", handle.id, "--by", "3s", "--reason", "let them finish"
         )
+        assert extended.exit_code == 0, extended.output
         t1 = time.monotonic()
         await wait_for_phase(handle, Phase.DRAINING, 10)
         await asyncio.sleep(0.5)
@@ -167,18 +172,19 @@ async def test_drain_past_deadline_waits_for_the_operator_extend_then_accept_cut
             await handle.execute_update("accept_cut", OperatorAction(operator="sre", reason="x"))
         status = await wait_for_phase(handle, Phase.AWAITING_OPERATOR, 20)
         assert time.monotonic() - t1 >= 2.5, "extend must wait the extra time"
-        assert "drain extended by 3 s by sre" in decisions(status)
-        with pytest.raises(WorkflowUpdateFailedError):
-            await handle.execute_update("accept_cut", OperatorAction(operator="sre", reason=""))
+        assert "drain extended by 3 s by" in decisions(status)
+        refused = await run_cli(env, "scale-down", "accept-cut", handle.id, "--reason", "")
+        assert refused.exit_code == 2 and "needs a reason" in refused.output, refused.output
 
-        # accept_cut: terminate now; the cut streams are recorded in the report.
-        await handle.execute_update(
-            "accept_cut", OperatorAction(operator="sre", reason="maintenance window closes")
+        # accept-cut: terminate now; the cut streams are recorded in the report.
+        accepted = await run_cli(
+            env, "scale-down", "accept-cut", handle.id, "--reason", "maintenance window closes"
         )
+        assert accepted.exit_code == 0, accepted.output
         status = await finish(handle)
         text = decisions(status)
         assert status.phase == Phase.DONE, text
-        assert "cut accepted by sre (maintenance window closes)" in text
+        assert "(maintenance window closes): terminating with" in text
         cut = await cut_streams_on(rig, status.figures["victims"])
         assert cut > 0 and status.figures["cut_streams"] == cut, (cut, status.figures)
         assert len(status.figures["cut_request_ids"]) == min(cut, 50)
@@ -209,8 +215,21 @@ async def test_dry_run_plans_everything_and_touches_nothing_and_operators_steer_
 
         # An explicit victim, in dry-run: every effect recorded as planned, none performed.
         victim = (await rig.routing_set(POOL))[3]
-        inp = scale_down_input(target_groups=None, victims=[victim], dry_run=True)
-        handle = await start_scale_down(temporal_client, rig, inp, f"sd-{uuid.uuid4().hex[:8]}")
+        env = cli_env(temporal_client, task_queue)
+        started = await run_cli(
+            env,
+            "scale-down",
+            "start",
+            "--pool",
+            POOL.key,
+            "--victim",
+            victim,
+            "--dry-run",
+            "--drain-deadline",
+            "30s",
+        )
+        assert started.exit_code == 0, started.output
+        handle = temporal_client.get_workflow_handle(scale_down_workflow_id(POOL))
         status = await finish(handle)
         assert status.phase == Phase.DONE and status.dry_run, decisions(status)
         assert status.figures["victims"] == [victim]
