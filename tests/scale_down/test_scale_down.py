@@ -10,7 +10,9 @@ import uuid
 
 import pytest
 from temporalio.client import Client, WorkflowFailureError, WorkflowUpdateFailedError
+from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError
+from temporalio.worker import Replayer
 
 from fleet.incident import scale_down_workflow_id
 from fleet.recovery import OperatorAction, Phase
@@ -31,7 +33,8 @@ from tests.scale_down.helpers import (
     wait_for_phase,
 )
 from worker.rig import fleet_rig
-from workflows.readiness_keeper import KeeperInput, KeeperStatus
+from workflows.readiness_keeper import KeeperInput, KeeperStatus, ReadinessKeeper
+from workflows.scale_down import PlannedScaleDown
 from workflows.search_attributes import FLEETMEND_KIND, FLEETMEND_PHASE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -84,6 +87,10 @@ async def test_8_to_6_under_streaming_load_cuts_nothing_where_the_naive_way_cuts
         status = await finish(handle)
         kept = await keeper.query("status", result_type=KeeperStatus)
         await keeper.cancel()
+        replayer = Replayer(
+            workflows=[PlannedScaleDown, ReadinessKeeper], data_converter=pydantic_data_converter
+        )
+        await replayer.replay_workflow(await handle.fetch_history())
         text = decisions(status)
         victims = status.figures["victims"]
         report = await rig.load_report(load)
@@ -192,6 +199,9 @@ async def test_drain_past_deadline_waits_for_the_operator_extend_then_accept_cut
         no_cut = next(c for c in status.verification.checks if c.name == "no cut stream")
         assert no_cut.observed == cut and "operator accepted" in str(no_cut.expected)
         assert len(await rig.routing_set(POOL)) == 7
+        # The history (timeouts, Updates, extensions) replays deterministically: what a worker restart relies on.
+        replayer = Replayer(workflows=[PlannedScaleDown], data_converter=pydantic_data_converter)
+        await replayer.replay_workflow(await handle.fetch_history())
 
 
 async def test_dry_run_plans_everything_and_touches_nothing_and_operators_steer_it(
