@@ -57,6 +57,7 @@ def demo(
             f"[bold red]error:[/] unknown scenario {scenario!r}; choose one of: {', '.join(SCENARIOS)} "
             "(fleetmend demo --list describes them)",
             highlight=False,
+            soft_wrap=True,
         )
         raise typer.Exit(2)
     settings = load_settings()

@@ -128,7 +128,16 @@ class Page:
         self.call("Page.navigate", url=url)
 
     def text(self) -> str:
-        result = self.call("Runtime.evaluate", expression="document.body ? document.body.innerText : ''")
+        """Visible text, including same-origin iframes (the UI renders Markdown in ``/render`` iframes)."""
+        script = """(() => {
+            let text = document.body ? document.body.innerText : '';
+            for (const frame of document.querySelectorAll('iframe')) {
+                try { text += '\\n[' + frame.id + '] ' + (frame.contentDocument?.body?.innerText || ''); }
+                catch (e) {}
+            }
+            return text;
+        })()"""
+        result = self.call("Runtime.evaluate", expression=script)
         return str(result.get("result", {}).get("value", ""))
 
     def wait_for_text(self, *needles: str, timeout_s: float = 30) -> str:

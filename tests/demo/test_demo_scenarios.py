@@ -112,24 +112,25 @@ def test_default_demo_saves_the_fleet_and_reports_it(kept_demo: DemoProcess) -> 
 @pytest.mark.slow
 def test_worker_exposes_sdk_and_fleetmend_metrics(kept_demo: DemoProcess) -> None:
     text = httpx.get(kept_demo.metrics_url, timeout=10).text
-    samples = {
-        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "service"))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-    names = {name for name, _ in samples}
-    assert any(n.startswith("temporal_") for n in names)  # the SDK's own (slots, latencies)
-    done = ("fleetmend_procedures_total", (("outcome", "done"), ("workflow_type", "ReplicaLossRecovery")))
-    assert samples.get(done) == 1, sorted(n for n in names if n.startswith("fleetmend"))
-    applied = ("fleetmend_effects_total", (("result", "applied"), ("workflow_type", "ReplicaLossRecovery")))
-    assert samples.get(applied) == kept_demo.report["effects"]["applied"]
-    assert any(n == "fleetmend_phase_duration_seconds_count" for n in names)
-    deroute = [
-        v
-        for (n, labels), v in samples.items()
-        if n == "fleetmend_phase_duration_seconds_count" and ("phase", "derouting") in labels
-    ]
-    assert deroute and deroute[0] >= 1
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+    def value(name: str, **labels: str) -> float | None:
+        found = [s.value for s in samples if s.name == name and labels.items() <= s.labels.items()]
+        return sum(found) if found else None
+
+    assert any(s.name.startswith("temporal_") for s in samples)  # the SDK's own (slots, latencies)
+    recovery = {"workflow_type": "ReplicaLossRecovery"}
+    assert value("fleetmend_procedures_total", outcome="done", **recovery) == 1
+    assert value("fleetmend_procedures_verified_total", passed="true", **recovery) == 1
+    assert (
+        value("fleetmend_effects_total", result="applied", **recovery)
+        == kept_demo.report["effects"]["applied"]
+    )
+    phases = {p["name"] for p in kept_demo.report["phases"]}
+    for phase in phases:  # one duration observation per phase the recovery went through
+        count = value("fleetmend_phase_duration_seconds_count", phase=phase, **recovery)
+        assert count is not None and count >= 1, phase
+    assert value("fleetmend_phase_duration_seconds_bucket", phase="derouting", le="+Inf", **recovery)
 
 
 ALL = os.environ.get("FLEETMEND_DEMO_ALL") == "1"

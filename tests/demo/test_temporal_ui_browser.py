@@ -78,7 +78,9 @@ def test_list_filters_by_phase_and_the_workflow_page_shows_details_and_summaries
         # The workflow page: current details (the procedure's Markdown status line) ...
         base = f"{demo.ui_url}/namespaces/default/workflows/{wf}/{run_id}"
         page.goto(f"{base}/user-metadata")
-        details = page.wait_for_text("Current Details", "Phase: awaiting-operator", "Awaiting operator")
+        details = page.wait_for_text(
+            "Current Details", "[user-metadata-current-details] Phase: awaiting-operator", "Awaiting operator"
+        )
         assert "approve" in details
         shot = page.screenshot(output_dir / "temporal-ui-current-details.png")
         # ... and the activity summaries in the event history.
