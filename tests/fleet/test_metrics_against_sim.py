@@ -45,7 +45,7 @@ def test_sim_dcgm_page_drives_triage() -> None:
     tel = NodeTelemetry.for_node("gpu-1", 4, "NVIDIA H100 80GB HBM3")
     tel.gpus[2].last_xid = 79
     tel.gpus[3].ecc_dbe_vol = 2
-    parsed = parse_dcgm_metrics("gpu-1", render_dcgm(tel, {}, {}).decode())
+    parsed = parse_dcgm_metrics("gpu-1", render_dcgm(tel, {}, {}, now=0.0).decode())
     assert parsed.xids == {"2": 79}
     assert parsed.gpus[3].ecc_dbe_volatile == 2
     assert triage_node("gpu-1", now=0, telemetry=parsed).fault_class is FaultClass.XID_ECC
@@ -53,6 +53,6 @@ def test_sim_dcgm_page_drives_triage() -> None:
     hot = NodeTelemetry.for_node("gpu-2", 2, "NVIDIA H100 80GB HBM3")
     hot.gpus[0].clock_events = CLOCK_EVENT_HW_THERMAL
     hot.gpus[0].temp_c = 80.0  # under the temperature limit: the clock-event reason tells
-    parsed = parse_dcgm_metrics("gpu-2", render_dcgm(hot, {}, {}).decode())
+    parsed = parse_dcgm_metrics("gpu-2", render_dcgm(hot, {}, {}, now=0.0).decode())
     assert parsed.thermal_throttled == ["0"]
     assert triage_node("gpu-2", now=0, telemetry=parsed).fault_class is FaultClass.THERMAL

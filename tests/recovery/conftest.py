@@ -1,4 +1,5 @@
-"""Each recovery test leaves no workflow running: the pool's incident id is shared across tests."""
+"""Recovery tests share the pool's incident id with every other test of the session: each starts and
+ends with no workflow running, so a signal-with-start always reaches a run this test's worker serves."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ import pytest_asyncio
 from temporalio.client import Client
 
 
+async def _terminate_running(client: Client) -> None:
+    async for wf in client.list_workflows('ExecutionStatus="Running"'):
+        await client.get_workflow_handle(wf.id, run_id=wf.run_id).terminate("isolating a recovery test")
+
+
 @pytest_asyncio.fixture(autouse=True)
-async def terminate_leftover_workflows(temporal_client: Client) -> AsyncIterator[None]:
+async def no_workflow_left_running(temporal_client: Client) -> AsyncIterator[None]:
+    await _terminate_running(temporal_client)
     yield
-    async for wf in temporal_client.list_workflows('ExecutionStatus="Running"'):
-        await temporal_client.get_workflow_handle(wf.id, run_id=wf.run_id).terminate("test finished")
+    await _terminate_running(temporal_client)

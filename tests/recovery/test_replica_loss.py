@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, text
 from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer
 
 from fleet.protocol import Admission
 from fleet.recovery import OperatorAction, Phase, ProcedureStatus
@@ -27,6 +29,8 @@ from tests.recovery.helpers import (
     wait_for_phase,
 )
 from worker.rig import FleetRig, compressed_scenario, fleet_rig
+from workflows.incident import FleetIncident
+from workflows.replica_loss import ReplicaLossRecovery
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -108,6 +112,12 @@ async def test_gpu_node_lost_under_load_alert_storm_one_recovery(
         report = await _reconcile(rig, ledger_url)
         assert report.duplicates == [] and report.orphans == [], report
         assert _ledger_states(ledger_url).get("applied", 0) == status.figures["effects_applied"]
+        # The recorded history replays deterministically (what a worker restart or upgrade relies on).
+        replayer = Replayer(
+            workflows=[FleetIncident, ReplicaLossRecovery], data_converter=pydantic_data_converter
+        )
+        for handle in (child, incident):
+            await replayer.replay_workflow(await handle.fetch_history())
         # Users: streams that had started on the lost replicas ended with a terminal error, never replayed.
         users = await rig.load_report(load)
         assert users["goodput"] > 0.8 * users["sent"] - users["shed"], users
