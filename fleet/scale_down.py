@@ -44,7 +44,10 @@ class ScaleDownInput(BaseModel):
     capacity_headroom: float = Field(1.1, ge=1.0, description="Remaining capacity must exceed demand by this")
     poll_interval_s: float = Field(2.0, gt=0, description="Drain and termination polling interval")
     operator_timeout_s: float = Field(
-        900.0, gt=0, description="How long to wait for extend/accept_cut before extending once by itself"
+        900.0,
+        gt=0,
+        description="How long to wait for an operator: at the drain deadline (then extend once by itself), "
+        "and for an approval before anything was removed (then end, removing nothing)",
     )
     incident_poll_s: float = Field(5.0, gt=0, description="Re-check interval while yielding to an incident")
     incident_yield_max_s: float = Field(

@@ -70,9 +70,17 @@ _LOOK_TIMEOUT = timedelta(seconds=10)
 
 @workflow.defn(name=PLANNED_SCALE_DOWN_WORKFLOW)
 class PlannedScaleDown(Procedure):
-    def __init__(self) -> None:
+    @workflow.init
+    def __init__(self, inp: ScaleDownInput) -> None:
         super().__init__()
-        self._inp: ScaleDownInput | None = None
+        # Status exists before the run starts: an Update delivered with the first task sees a running procedure.
+        self._inp: ScaleDownInput | None = inp
+        self._status = ProcedureStatus(
+            workflow=workflow.info().workflow_id,
+            pool=inp.pool,
+            phase=Phase.CHOOSING_VICTIMS,
+            dry_run=inp.dry_run,
+        )
         self._at_deadline = False
         self._extension: OperatorAction | None = None
         self._cut_accepted: OperatorAction | None = None
@@ -574,8 +582,20 @@ class PlannedScaleDown(Procedure):
         await self._notify(
             f"approval-{len(status.decisions)}", f"[fleetmend] {self._inp_().pool.key}: {what}"
         )
+        inp = self._inp_()
         try:
-            await workflow.wait_condition(lambda: self._approval is not None or self._abort is not None)
+            await workflow.wait_condition(
+                lambda: self._approval is not None or self._abort is not None,
+                timeout=timedelta(seconds=inp.operator_timeout_s),
+                timeout_summary="operator approval",
+            )
+        except TimeoutError:
+            # Nothing was removed yet: give up cleanly rather than block the schedule's next runs (overlap skip).
+            self._decide(
+                f"nobody approved within {inp.operator_timeout_s:g} s: {what}; nothing was removed - "
+                "the scale-down ends here"
+            )
+            raise Aborted() from None
         finally:
             self._awaiting = None
             status.awaiting = None
@@ -589,14 +609,7 @@ class PlannedScaleDown(Procedure):
     # ================================================================ plumbing
 
     def _begin(self, inp: ScaleDownInput) -> None:
-        self._inp = inp
-        self._status = ProcedureStatus(
-            workflow=workflow.info().workflow_id,
-            pool=inp.pool,
-            phase=Phase.CHOOSING_VICTIMS,
-            dry_run=inp.dry_run,
-        )
-        self._status.figures.update(
+        self._status_().figures.update(
             {
                 "requested_by": inp.requested_by,
                 "target_groups": inp.target_groups,

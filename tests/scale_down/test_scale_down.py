@@ -264,3 +264,16 @@ async def test_dry_run_plans_everything_and_touches_nothing_and_operators_steer_
         with pytest.raises(RPCError, match="already completed"):
             await handle.execute_update("resume", OperatorAction(operator="sre", reason="too late"))
         assert len(await rig.routing_set(POOL)) == 8
+
+        # The capacity guard: the remaining groups could not carry today's demand -> stop and ask, with the
+        # reason; nobody approves in time -> the scale-down ends having removed nothing.
+        await rig.start_load(rate=8, duration_s=30, seed=9, **STREAMING)
+        await asyncio.sleep(2)
+        tight = scale_down_input(target_groups=4, group_capacity_tokens_per_s=1.0, operator_timeout_s=2.0)
+        handle = await start_scale_down(temporal_client, rig, tight, f"sd-{uuid.uuid4().hex[:8]}")
+        asking = await wait_for_phase(handle, Phase.AWAITING_OPERATOR, 30)
+        assert asking.awaiting and asking.awaiting.startswith("refuse scale-down"), asking.awaiting
+        assert "tokens/s < demand" in asking.awaiting
+        status = await finish(handle)
+        assert status.phase == Phase.ABORTED and "nothing was removed" in decisions(status), decisions(status)
+        assert len(await rig.routing_set(POOL)) == 8
