@@ -67,7 +67,9 @@ def start(
     pool: str = typer.Option(..., "--pool", help="NAMESPACE/SERVICE of the serving pool."),
     to: int | None = typer.Option(None, "--to", help="Serving replica groups to keep (absolute)."),
     victim: list[str] = typer.Option([], "--victim", help="Explicit victim group or pod (repeatable)."),
-    drain_deadline: str = typer.Option("10m", "--drain-deadline", help="How long a victim may drain."),
+    drain_deadline: str | None = typer.Option(
+        None, "--drain-deadline", help="How long a victim may drain (default FLEETMEND_DRAIN_DEADLINE_S)."
+    ),
     group_capacity_tokens: float | None = typer.Option(
         None, "--group-capacity-tokens", help="Tokens/s one warm group sustains (for the capacity guard)."
     ),
@@ -80,7 +82,9 @@ def start(
             pool=ref,
             target_groups=to,
             victims=list(victim) or None,
-            drain_deadline_s=parse_duration(drain_deadline),
+            drain_deadline_s=parse_duration(drain_deadline)
+            if drain_deadline
+            else load_settings().drain_deadline_s,
             dry_run=dry_run,
             group_capacity_tokens_per_s=group_capacity_tokens,
             requested_by=getpass.getuser(),

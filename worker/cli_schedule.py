@@ -53,7 +53,9 @@ def create(
     cron: str = typer.Option(..., "--cron", help="Cron spec, e.g. '0 2 * * *' (02:00 daily)."),
     timezone: str = typer.Option("UTC", "--timezone", help="IANA time zone of the cron spec."),
     jitter: str = typer.Option("0", "--jitter", help="Random delay up to this (30s, 5m, 1h)."),
-    drain_deadline: str = typer.Option("10m", "--drain-deadline", help="How long a victim may drain."),
+    drain_deadline: str | None = typer.Option(
+        None, "--drain-deadline", help="How long a victim may drain (default FLEETMEND_DRAIN_DEADLINE_S)."
+    ),
     group_capacity_tokens: float | None = typer.Option(
         None, "--group-capacity-tokens", help="Tokens/s one warm group sustains (for the capacity guard)."
     ),
@@ -72,7 +74,9 @@ def create(
             cron=cron,
             timezone=timezone,
             jitter_s=schedules.parse_duration(jitter),
-            drain_deadline_s=schedules.parse_duration(drain_deadline),
+            drain_deadline_s=schedules.parse_duration(drain_deadline)
+            if drain_deadline
+            else load_settings().drain_deadline_s,
             dry_run=dry_run,
             group_capacity_tokens_per_s=group_capacity_tokens,
             note=note,
