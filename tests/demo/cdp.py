@@ -141,11 +141,11 @@ class Page:
         return str(result.get("result", {}).get("value", ""))
 
     def wait_for_text(self, *needles: str, timeout_s: float = 30) -> str:
-        """The page's visible text once every needle is on it (else an AssertionError with the text)."""
+        """The page's visible text (whitespace collapsed) once every needle is on it, else an AssertionError."""
         deadline = time.monotonic() + timeout_s
         text = ""
         while time.monotonic() < deadline:
-            text = self.text()
+            text = " ".join(self.text().split())  # layout whitespace is not what a reader sees
             if all(n in text for n in needles):
                 return text
             time.sleep(0.5)
