@@ -18,13 +18,24 @@ starts, and may override ``_on_phase_entered`` to do work at every boundary.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
+from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
     from fleet.recovery import TERMINAL_PHASES, Decision, OperatorAction, Phase, PhaseSpan, ProcedureStatus
     from workflows import search_attributes as sa
+
+
+# Kubernetes and router calls are quick; a retry storm must not hammer a sick API server.
+ACTIVITY_RETRY = RetryPolicy(
+    initial_interval=timedelta(milliseconds=200),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=5),
+)
+ACTIVITY_TIMEOUT = timedelta(seconds=30)
 
 
 class Aborted(Exception):

@@ -19,7 +19,6 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy as TemporalRetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
@@ -86,15 +85,10 @@ with workflow.unsafe.imports_passed_through():
         REMEDIATED_AT_ANNOTATION,
     )
     from workflows import search_attributes as sa
-    from workflows.procedure import Aborted, Procedure
+    from workflows.procedure import ACTIVITY_RETRY, ACTIVITY_TIMEOUT, Aborted, Procedure
 
-# Kubernetes and router calls are quick; a retry storm must not hammer a sick API server.
-_ACT_RETRY = TemporalRetryPolicy(
-    initial_interval=timedelta(milliseconds=200),
-    backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=5),
-)
-_ACT_TIMEOUT = timedelta(seconds=30)
+_ACT_RETRY = ACTIVITY_RETRY
+_ACT_TIMEOUT = ACTIVITY_TIMEOUT
 # A Pending replacement is judged unplaceable only after this many looks (the scheduler needs a moment).
 PLACEMENT_LOOKS = 3
 

@@ -26,7 +26,6 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy as TemporalRetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
@@ -56,14 +55,10 @@ with workflow.unsafe.imports_passed_through():
     from fleet.victims import GroupLoad, choose_victims
     from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, POD_DELETION_COST_ANNOTATION
     from workflows import search_attributes as sa
-    from workflows.procedure import Aborted, Procedure
+    from workflows.procedure import ACTIVITY_RETRY, ACTIVITY_TIMEOUT, Aborted, Procedure
 
-_ACT_RETRY = TemporalRetryPolicy(
-    initial_interval=timedelta(milliseconds=200),
-    backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=5),
-)
-_ACT_TIMEOUT = timedelta(seconds=30)
+_ACT_RETRY = ACTIVITY_RETRY
+_ACT_TIMEOUT = ACTIVITY_TIMEOUT
 # A drain look is a few scrapes: a short timeout lets a drain resume quickly on another worker.
 _LOOK_TIMEOUT = timedelta(seconds=10)
 

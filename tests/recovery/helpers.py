@@ -6,11 +6,13 @@ import asyncio
 import time
 from typing import Any
 
+from sqlalchemy import create_engine
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
 from fleet.incident import LossReport, PoolRef
 from fleet.recovery import IncidentInput, Phase, ProcedureStatus, RecoveryTimings, ServingObjectives
+from ledger.reconcile import reconcile, world_actions_from_sim
 from worker.rig import FleetRig
 
 POOL = PoolRef(namespace="inference", service="llama")
@@ -106,3 +108,15 @@ def decisions(status: ProcedureStatus) -> str:
 async def fleetmend_actions(rig: FleetRig) -> list[dict[str, Any]]:
     """The mutating requests fleetmend's worker made, from the world's own log."""
     return [a for a in await rig.actions() if "fleetmend-worker" in a["client"]]
+
+
+async def reconcile_with_world(rig: FleetRig, database_url: str) -> Any:
+    """The ledger reconciled against the simulator's own log of fleetmend's requests."""
+    world = rig.base_url.split("://", 1)[1]
+    engine = create_engine(database_url)
+    try:
+        return reconcile(
+            engine, world=world, actions=world_actions_from_sim(world, await fleetmend_actions(rig))
+        )
+    finally:
+        engine.dispose()

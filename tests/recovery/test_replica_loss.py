@@ -5,7 +5,6 @@ the request journal, the ledger against the world's action log, and the workflow
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -16,7 +15,6 @@ from temporalio.worker import Replayer
 from fleet.protocol import Admission
 from fleet.recovery import OperatorAction, Phase, ProcedureStatus
 from fleet.vocabulary import FaultKind, Tier
-from ledger.reconcile import reconcile, world_actions_from_sim
 from tests.recovery.helpers import (
     POOL,
     decisions,
@@ -25,6 +23,7 @@ from tests.recovery.helpers import (
     incident_config,
     node_report,
     pod_report,
+    reconcile_with_world,
     wait_for_child,
     wait_for_phase,
 )
@@ -41,16 +40,6 @@ def _ledger_states(url: str) -> dict[str, int]:
         with engine.connect() as conn:
             rows = conn.execute(text("SELECT state, count(*) FROM ledger_effects GROUP BY state")).all()
         return {state: n for state, n in rows}
-    finally:
-        engine.dispose()
-
-
-async def _reconcile(rig: FleetRig, url: str) -> Any:
-    actions = await fleetmend_actions(rig)
-    world = rig.base_url.split("://", 1)[1]
-    engine = create_engine(url)
-    try:
-        return reconcile(engine, world=world, actions=world_actions_from_sim(world, actions))
     finally:
         engine.dispose()
 
@@ -109,7 +98,7 @@ async def test_gpu_node_lost_under_load_alert_storm_one_recovery(
         assert len(inc.children) == 1
         assert inc.figures["alerts_absorbed"] >= 199 - 6
         # The world saw every action once: no duplicate, no orphan.
-        report = await _reconcile(rig, ledger_url)
+        report = await reconcile_with_world(rig, ledger_url)
         assert report.duplicates == [] and report.orphans == [], report
         assert _ledger_states(ledger_url).get("applied", 0) == status.figures["effects_applied"]
         # The recorded history replays deterministically (what a worker restart or upgrade relies on).
@@ -265,7 +254,7 @@ async def test_one_rank_lost_takes_the_whole_multi_node_group(
         assert status.figures["groups_lost"] == 1
         # The group came back whole (the LeaderWorkerSet recreated it) and was ramped back in.
         assert sorted(await rig.routing_set(pool)) == sorted(leaders)
-        report_ = await _reconcile(rig, ledger_url)
+        report_ = await reconcile_with_world(rig, ledger_url)
         assert report_.duplicates == [] and report_.orphans == []
 
 

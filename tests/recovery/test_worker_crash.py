@@ -9,21 +9,18 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-from sqlalchemy import create_engine
 from temporalio.client import Client
 
 from fleet.recovery import Phase
 from fleet.vocabulary import FaultKind
-from ledger.reconcile import reconcile, world_actions_from_sim
 from tests.recovery.helpers import (
     decisions,
     finish,
-    fleetmend_actions,
     incident_config,
     node_report,
+    reconcile_with_world,
     wait_for_child,
     wait_for_phase,
 )
@@ -80,21 +77,10 @@ async def test_worker_killed_mid_recovery_resumes_without_duplicate_actions(
             status = await finish(child)
             assert status.phase == Phase.DONE, decisions(status)
             assert status.verification is not None and status.verification.passed
-            report = await _reconcile(rig, ledger_url)
+            report = await reconcile_with_world(rig, ledger_url)
             assert report.duplicates == [] and report.orphans == [] and report.unresolved == [], report
         finally:
             for proc in (first, second):
                 if proc is not None and proc.poll() is None:
                     proc.terminate()
                     proc.wait(10)
-
-
-async def _reconcile(rig: FleetRig, url: str) -> Any:
-    world = rig.base_url.split("://", 1)[1]
-    engine = create_engine(url)
-    try:
-        return reconcile(
-            engine, world=world, actions=world_actions_from_sim(world, await fleetmend_actions(rig))
-        )
-    finally:
-        engine.dispose()
