@@ -30,7 +30,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle, WorkflowQueryFailedError
 from temporalio.service import RPCError
 
 from fleet.incident import PoolRef, incident_workflow_id, scale_down_workflow_id
@@ -380,7 +380,8 @@ async def follow(
     deadline = time.monotonic() + PROCEDURE_TIMEOUT_S
     with Live(live_view(run), console=console, refresh_per_second=4, transient=False) as live:
         while True:
-            with contextlib.suppress(RPCError):
+            # A query can fail while the worker is between tasks; the next refresh asks again.
+            with contextlib.suppress(RPCError, WorkflowQueryFailedError):
                 run.status = await handle.query("status", result_type=ProcedureStatus)
             with contextlib.suppress(httpx.HTTPError):
                 run.load = await world.load_report(load_id)
