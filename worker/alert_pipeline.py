@@ -133,6 +133,8 @@ async def alert_pipeline(
 ) -> AsyncIterator[RunningPipeline]:
     """Run Prometheus and Alertmanager on free loopback ports until the block exits."""
     prometheus, alertmanager = binaries
+    # Absolute: both tools resolve relative paths in a config against the config file's directory.
+    workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     am_port, prom_port = free_port(), free_port()
     token_file = workdir / "fleetmend-token"
