@@ -619,6 +619,7 @@ async def run_demo(
                 await asyncio.sleep(3)  # a few seconds of healthy serving (and scrapes) before the fault
                 handle = await _cause(stack, world, run, pipeline, console)
                 status = await follow(handle, world, load_id, run, console)
+                console.print()  # the live view's last frame ends without a newline
             if status.phase in TERMINAL_PHASES:  # let the run return, so the worker counts it
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(handle.result(), 15)
