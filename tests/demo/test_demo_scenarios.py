@@ -1,8 +1,8 @@
 """``fleetmend demo`` as a user runs it: the real CLI in a subprocess, the embedded stack, the real alert path.
 
 The default scenario runs always (shared with the browser and operator tests,
-see conftest.py). Each demo takes 1-2 minutes on a 2-core machine, so the six
-other scenarios together take ~10 minutes: they run in one parametrised test
+see conftest.py). Each demo takes 20-80 s on a 2-core machine, so the six
+other scenarios together take ~3 minutes more: they run in one parametrised test
 when ``FLEETMEND_DEMO_ALL=1`` is set (CI's nightly job and before a release),
 and are skipped, loudly, otherwise.
 """
@@ -139,7 +139,7 @@ ALL = os.environ.get("FLEETMEND_DEMO_ALL") == "1"
 @pytest.mark.slow
 @pytest.mark.skipif(
     not ALL,
-    reason="SKIPPED LOUDLY: the six other demo scenarios take ~10 min together; set FLEETMEND_DEMO_ALL=1",
+    reason="SKIPPED LOUDLY: the six other demo scenarios take ~3 min more; set FLEETMEND_DEMO_ALL=1 to run them",
 )
 @pytest.mark.parametrize("scenario", [s for s in SCENARIOS if s != DEFAULT_SCENARIO])
 def test_every_other_scenario_passes(scenario: str, output_dir: Path, tmp_path: Path) -> None:
