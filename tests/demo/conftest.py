@@ -1,4 +1,4 @@
-"""One real ``fleetmend demo --keep-running`` run shared by the demo, browser and operator tests.
+"""Real ``fleetmend demo --keep-running`` runs shared by the demo-report, metrics and browser tests.
 
 The demo is a subprocess exactly as ``make demo`` runs it, on free ports and a
 private state directory (other test sessions run on this machine at the same

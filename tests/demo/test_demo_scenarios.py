@@ -1,9 +1,9 @@
 """``fleetmend demo`` as a user runs it: the real CLI in a subprocess, the embedded stack, the real alert path.
 
-The default scenario runs always (shared with the browser and operator tests,
+The default scenario runs always (shared with the metrics test,
 see conftest.py). Each demo takes 20-80 s on a 2-core machine, so the six
 other scenarios together take ~3 minutes more: they run in one parametrised test
-when ``FLEETMEND_DEMO_ALL=1`` is set (CI's nightly job and before a release),
+when ``FLEETMEND_DEMO_ALL=1`` is set (e.g. before a release),
 and are skipped, loudly, otherwise.
 """
 
