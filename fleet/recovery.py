@@ -79,7 +79,9 @@ class ServingObjectives(BaseModel):
     warm_floor: int = Field(1, ge=0, description="Warm spare groups to keep")
     min_serving_groups: int = Field(1, ge=0, description="Capacity floor the guard protects")
     group_capacity_rps: float | None = Field(
-        None, gt=0, description="Requests/s one warm replica group sustains (from load tests); None = estimate"
+        None,
+        gt=0,
+        description="Requests/s one warm replica group sustains (from load tests); None = estimate",
     )
     max_concurrent_destructive: int = Field(1, ge=1, description="Rate limit per pool")
 

@@ -92,7 +92,8 @@ class Settings(BaseSettings):
     # Procedure policy: what the worker's incidents use unless a start names its own.
     dry_run: bool = Field(False, description="Compute and record every effect as planned; perform none")
     recovery_timings: RecoveryTimings = Field(
-        default_factory=RecoveryTimings, description="Procedure waits as JSON (see fleet.recovery.RecoveryTimings)"
+        default_factory=RecoveryTimings,
+        description="Procedure waits as JSON (see fleet.recovery.RecoveryTimings)",
     )
     serving_objectives: ServingObjectives = Field(
         default_factory=ServingObjectives, description="SLO, warm floor, capacity floor as JSON"
