@@ -34,7 +34,7 @@ from temporalio.client import Client, WorkflowHandle, WorkflowQueryFailedError
 from temporalio.service import RPCError
 
 from fleet.incident import PoolRef, incident_workflow_id, scale_down_workflow_id
-from fleet.protocol import FaultRequest
+from fleet.protocol import FaultRequest, JournalPage
 from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, RecoveryTimings, ServingObjectives
 from fleet.vocabulary import LWS_WORKER_INDEX_LABEL, REVISION_LABEL
 from worker.alert_examples import example_payload
@@ -84,6 +84,7 @@ class DemoRun:
     load: dict[str, Any] = field(default_factory=dict)
     alert_path: str = "none"
     notices: list[str] = field(default_factory=list)
+    cut_streams: tuple[int, int] | None = None  # (by the fault, elsewhere) from the gateway journal
 
     def workflow_url(self) -> str | None:
         if self.workflow_id is None:
@@ -152,6 +153,29 @@ class World:
         r = await self.http.get(f"/sim/v1/load/{run_id}")
         r.raise_for_status()
         return dict(r.json())
+
+    async def cut_streams(self, pool: PoolRef, lost_pods: set[str]) -> tuple[int, int]:
+        """Streams that ended after their first token without finishing, from the gateway's journal:
+        (cut on the replicas the fault took - each ended with an explicit terminal error -,
+        cut anywhere else - what fleetmend's own actions must never do)."""
+        by_fault = elsewhere = 0
+        since: float | None = None
+        while True:
+            params: dict[str, Any] = {"pool": pool.key}
+            if since is not None:
+                params["since"] = repr(since)
+            r = await self.http.get("/router/v1/journal", params=params)
+            r.raise_for_status()
+            page = JournalPage.model_validate(r.json())
+            for e in page.entries:
+                if e.truncated and e.tokens_streamed > 0:
+                    if e.replica in lost_pods:
+                        by_fault += 1
+                    else:
+                        elsewhere += 1
+            if page.next_since is None or not page.entries:
+                return by_fault, elsewhere
+            since = page.next_since
 
     async def inject(self, fault: FaultRequest) -> None:
         r = await self.http.post("/sim/v1/faults", json=fault.model_dump(mode="json"))
@@ -480,7 +504,10 @@ def build_report(
             "retried": load.get("retried", 0),
             "terminal_errors": load.get("terminal_errors", 0),
             "shed": load.get("shed", 0),
-            "truncated": load.get("truncated_streams", 0),
+            # Cut by fleetmend's own actions (or anything but the fault): must be 0.
+            "truncated": run.cut_streams[1] if run.cut_streams else load.get("truncated_streams", 0),
+            # Cut mid-stream by the fault itself: each ended with an explicit terminal stream error.
+            "cut_by_fault": run.cut_streams[0] if run.cut_streams else None,
         },
         "lost_replicas_requests": in_flight or None,
         "effects": {
@@ -634,6 +661,8 @@ async def run_demo(
             verdict = final_verdict(
                 scenario, status, duplicates=len(rec.duplicates), orphans=orphans, mutations=mutations
             )
+            with contextlib.suppress(httpx.HTTPError):
+                run.cut_streams = await world.cut_streams(pool, set(status.figures.get("lost_pods") or []))
             report = build_report(
                 run,
                 status,

@@ -159,6 +159,7 @@ class ReplicaLossRecovery(Procedure):
         size = size_loss(obs.snapshot, [g.id for g in lost])
         self._decide(f"loss confirmed: {size.summary}", {"loss": size.model_dump(mode="json")})
         self._figure("groups_lost", size.groups_lost)
+        self._figure("lost_pods", sorted(p for g in lost for p in g.pods))
         events = [LossEvent(group_id=g.id, revision=g.revision, nodes=g.nodes, at=self._now()) for g in lost]
         self._correlation = correlate(events, obs.snapshot, self._inp_().timings.correlation_window_s)
         self._decide(f"cause: {self._correlation.reason}", {"cause": self._correlation.cause.value})

@@ -131,14 +131,16 @@ def keep_running_demo(scenario: str, output_dir: Path) -> Iterator[DemoProcess]:
         shutil.rmtree(state_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
+# Package scope: the kept demos (a loaded fleet each) stop when the demo tests are done, not at the
+# end of the session - they would slow every later test on a 2-core machine.
+@pytest.fixture(scope="package")
 def kept_demo(output_dir: Path) -> Iterator[DemoProcess]:
     """The default scenario (what ``make demo`` runs), left running after its summary."""
     with keep_running_demo("gpu-node-loss", output_dir) as run:
         yield run
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def kept_fragmented(output_dir: Path) -> Iterator[DemoProcess]:
     """The fragmented scenario: its recovery stays open, awaiting an operator (a live workflow for the UI)."""
     with keep_running_demo("fragmented", output_dir) as run:

@@ -86,7 +86,12 @@ def test_default_demo_saves_the_fleet_and_reports_it(kept_demo: DemoProcess) -> 
         "terminal_errors",
         "shed",
         "truncated",
+        "cut_by_fault",
     }
+    # No stream was cut by anything but the fault itself; those the dead node cut ended with an
+    # explicit terminal stream error (counted in terminal_errors), never a silent replay.
+    assert report["requests"]["truncated"] == 0, report["requests"]
+    assert report["requests"]["cut_by_fault"] <= report["requests"]["terminal_errors"]
     assert set(report["effects"]) == {"applied", "deduplicated", "divergent"}
     assert report["effects"]["applied"] > 0 and report["effects"]["divergent"] == 0
     # The users kept being served: most requests completed while a node was down.
