@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -108,15 +109,21 @@ def test_default_demo_saves_the_fleet_and_reports_it(kept_demo: DemoProcess) -> 
         assert report["alert_path"].startswith("prometheus"), report["notices"]
     # What the user saw: the live timeline, the summary, the link to the workflow in the UI.
     assert "fleetmend demo summary" in output and "verdict" in output and "passed" in output
-    assert (
-        f"{kept_demo.ui_url}/namespaces/default/workflows/incident%2Finference%2Fllama%2Frecovery-1"
-        in report["temporal_ui"]
-    )
+    link = report["temporal_ui"]
+    assert link.startswith("http://127.0.0.1:"), link
+    assert link.endswith("/namespaces/default/workflows/incident%2Finference%2Fllama%2Frecovery-1"), link
+    assert link in output  # the user was shown where to look
 
 
 @pytest.mark.slow
 def test_worker_exposes_sdk_and_fleetmend_metrics(kept_demo: DemoProcess) -> None:
-    text = httpx.get(kept_demo.metrics_url, timeout=10).text
+    # The recovery's completion is counted when its last workflow task finishes; on a busy
+    # machine that can trail the demo's report by a few seconds.
+    for _ in range(30):
+        text = httpx.get(kept_demo.metrics_url, timeout=10).text
+        if 'outcome="done"' in text:
+            break
+        time.sleep(1)
     samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
 
     def value(name: str, **labels: str) -> float | None:
