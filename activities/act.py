@@ -53,27 +53,27 @@ class EffectReport(BaseModel):
         return self.state == EffectState.PLANNED
 
 
-class _Act(BaseModel):
+class EffectRequest(BaseModel):
     step: str = Field(min_length=1, max_length=80)
     dry_run: bool = False
     fingerprints: list[str] = Field(default_factory=list)
 
 
-class PodLabelsChange(_Act):
+class PodLabelsChange(EffectRequest):
     namespace: str
     pod: str
     labels: dict[str, str | None] = Field(default_factory=dict)
     annotations: dict[str, str | None] = Field(default_factory=dict)
 
 
-class ScaleChange(_Act):
+class ScaleChange(EffectRequest):
     namespace: str
     kind: str
     name: str
     replicas: int = Field(ge=0)
 
 
-class NodeQuarantine(_Act):
+class NodeQuarantine(EffectRequest):
     node: str
     labels: dict[str, str | None] = Field(default_factory=dict)
     annotations: dict[str, str | None] = Field(default_factory=dict)
@@ -81,45 +81,74 @@ class NodeQuarantine(_Act):
     taint_value: str
 
 
-class NodeCordon(_Act):
+class NodeCordon(EffectRequest):
     node: str
 
 
-class NodeRelease(_Act):
+class NodeRelease(EffectRequest):
     node: str
     labels: dict[str, str | None] = Field(default_factory=dict)
 
 
-class PodDeletion(_Act):
+class PodDeletion(EffectRequest):
     namespace: str
     pod: str
     grace_period_s: int = Field(0, ge=0)
 
 
-class AdmissionChangeRequest(_Act):
+class AdmissionChangeRequest(EffectRequest):
     pool: PoolRef
     admission: Admission
 
 
-class RetryPolicyChangeRequest(_Act):
+class RetryPolicyChangeRequest(EffectRequest):
     pool: PoolRef
     retry: RetryPolicy
 
 
-class WeightsChangeRequest(_Act):
+class WeightsChangeRequest(EffectRequest):
     pool: PoolRef
     weights: dict[str, float]
 
 
-class NotifyRequest(_Act):
+class NotifyRequest(EffectRequest):
     text: str = Field(min_length=1, max_length=4000)
     topic: str = Field(
         "incident", max_length=200, description="Part of the op id: one message per topic per step"
     )
 
 
-class QualificationRequest(_Act):
+class QualificationRequest(EffectRequest):
     node: str
+
+
+def perform_effect(
+    deps: ActivityDeps, req: EffectRequest, kind: str, target: str, params: dict[str, Any], effect: Effect
+) -> EffectReport:
+    """Perform one mutation through the ledger, op id ``workflow id/step/target``; report what it holds."""
+    try:
+        out = deps.ledger.perform(
+            operation_id(req.step, target),
+            kind,
+            target,
+            params,
+            effect,
+            context=effect_context(req.step, req.fingerprints),
+            dry_run=req.dry_run,
+        )
+    except EffectFailed as exc:
+        # Recorded as failed; the workflow decides what a refusal means for the procedure.
+        o = exc.outcome
+        return EffectReport(op_id=o.op_id, kind=o.kind, target=o.target, state=o.state, error=o.error)
+    return EffectReport(
+        op_id=out.op_id,
+        kind=out.kind,
+        target=out.target,
+        state=out.state,
+        replayed=out.replayed,
+        result=out.result,
+        error=out.error,
+    )
 
 
 class ActActivities:
@@ -127,32 +156,9 @@ class ActActivities:
         self.deps = deps
 
     def _perform(
-        self, req: _Act, kind: str, target: str, params: dict[str, Any], effect: Effect
+        self, req: EffectRequest, kind: str, target: str, params: dict[str, Any], effect: Effect
     ) -> EffectReport:
-        op_id = operation_id(req.step, target)
-        try:
-            out = self.deps.ledger.perform(
-                op_id,
-                kind,
-                target,
-                params,
-                effect,
-                context=effect_context(req.step, req.fingerprints),
-                dry_run=req.dry_run,
-            )
-        except EffectFailed as exc:
-            # Recorded as failed; the workflow decides what a refusal means for the procedure.
-            o = exc.outcome
-            return EffectReport(op_id=o.op_id, kind=o.kind, target=o.target, state=o.state, error=o.error)
-        return EffectReport(
-            op_id=out.op_id,
-            kind=out.kind,
-            target=out.target,
-            state=out.state,
-            replayed=out.replayed,
-            result=out.result,
-            error=out.error,
-        )
+        return perform_effect(self.deps, req, kind, target, params, effect)
 
     @activity.defn(name="patch_pod_metadata")
     def patch_pod_metadata(self, req: PodLabelsChange) -> EffectReport:

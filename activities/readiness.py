@@ -26,8 +26,8 @@ from pydantic import BaseModel, Field
 from temporalio import activity
 
 from activities import kube_reads as kr
-from activities.act import EffectReport
-from activities.deps import ActivityDeps, effect_context, operation_id
+from activities.act import EffectReport, EffectRequest, perform_effect
+from activities.deps import ActivityDeps
 from activities.kube import KubeApis
 from activities.world_effects import _digest, _permanent_if_client_error, _world
 from fleet.engine_metrics import parse_engine_metrics
@@ -36,7 +36,7 @@ from fleet.readiness import EngineSample, ReadinessState, ReadinessThresholds, n
 from fleet.scale_down import DRAINING_ANNOTATION
 from fleet.vocabulary import LWS_WORKER_INDEX_LABEL, MODEL_LABEL, SERVING_READY_CONDITION
 from ledger.effect import ActionSignature, Attempt, Effect
-from ledger.errors import EffectFailed, PermanentEffectError
+from ledger.errors import PermanentEffectError
 
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 
@@ -125,14 +125,11 @@ class PodConditionPatch(Effect):
         )
 
 
-class ServingReadyChange(BaseModel):
-    step: str = Field(min_length=1, max_length=80)
+class ServingReadyChange(EffectRequest):
     namespace: str
     pod: str
     ready: bool
     reason: str = Field("ScaleDown", pattern=r"^[A-Z][A-Za-z]*$")
-    dry_run: bool = False
-    fingerprints: list[str] = Field(default_factory=list)
 
 
 class PodGate(BaseModel):
@@ -174,28 +171,7 @@ class ReadinessActivities:
             self.deps.kube, req.namespace, req.pod, SERVING_READY_CONDITION, req.ready, req.reason
         )
         params = {"condition": SERVING_READY_CONDITION, "ready": req.ready, "reason": req.reason}
-        try:
-            out = self.deps.ledger.perform(
-                operation_id(req.step, target),
-                "k8s.pod.readiness-gate",
-                target,
-                params,
-                effect,
-                context=effect_context(req.step, req.fingerprints),
-                dry_run=req.dry_run,
-            )
-        except EffectFailed as exc:
-            o = exc.outcome
-            return EffectReport(op_id=o.op_id, kind=o.kind, target=o.target, state=o.state, error=o.error)
-        return EffectReport(
-            op_id=out.op_id,
-            kind=out.kind,
-            target=out.target,
-            state=out.state,
-            replayed=out.replayed,
-            result=out.result,
-            error=out.error,
-        )
+        return perform_effect(self.deps, req, "k8s.pod.readiness-gate", target, params, effect)
 
     @activity.defn(name="set_serving_ready")
     def set_serving_ready(self, req: ServingReadyChange) -> EffectReport:

@@ -145,6 +145,42 @@ class Procedure:
     async def _on_phase_entered(self, phase: Phase) -> None:
         """Hook run at every step boundary (after the phase is recorded)."""
 
+    async def _announce_awaiting(self, what: str) -> None:
+        """Hook: tell the incident channel an operator is needed (the procedures post through the ledger)."""
+
+    async def _await_operator(self, what: str, timeout_s: float) -> OperatorAction | None:
+        """Stop in ``awaiting-operator`` until the ``approve`` Update answers; back to the previous phase.
+
+        Returns the approval, or None when nobody answered within ``timeout_s`` (each procedure
+        decides what silence means); raises ``Aborted`` when an operator aborted instead.
+        """
+        self._awaiting = what
+        self._approval = None
+        status = self._status_()
+        status.awaiting = what
+        previous = status.phase
+        await self._enter(
+            Phase.AWAITING_OPERATOR, f"**Awaiting operator**: {what} — use the `approve` Update"
+        )
+        await self._announce_awaiting(what)
+        try:
+            await workflow.wait_condition(
+                lambda: self._approval is not None or self._abort is not None,
+                timeout=timedelta(seconds=timeout_s),
+                timeout_summary="operator approval",
+            )
+        except TimeoutError:
+            return None
+        finally:
+            self._awaiting = None
+            status.awaiting = None
+        if self._abort is not None:
+            raise Aborted()
+        approval = self._approval
+        assert approval is not None
+        await self._enter(previous, f"approved: {what}")
+        return approval
+
     async def _checkpoint(self) -> None:
         if self._abort is not None:
             raise Aborted()

@@ -983,37 +983,20 @@ class ReplicaLossRecovery(Procedure):
         self._new_reports.extend(reports)
 
     async def _ask_operator(self, what: str) -> OperatorAction:
-        inp = self._inp_()
-        self._awaiting = what
-        self._approval = None
-        status = self._status_()
-        status.awaiting = what
-        previous = status.phase
-        await self._enter(
-            Phase.AWAITING_OPERATOR, f"**Awaiting operator**: {what} — use the `approve` Update"
-        )
-        await self._notify(
-            f"approval-{len(status.decisions)}", f"[fleetmend] {inp.pool.key}: operator needed — {what}"
-        )
-        try:
-            await workflow.wait_condition(
-                lambda: self._approval is not None or self._abort is not None,
-                timeout=timedelta(seconds=inp.timings.approval_timeout_s),
-                timeout_summary="operator approval",
-            )
-        except TimeoutError as err:
+        timeout_s = self._inp_().timings.approval_timeout_s
+        approval = await self._await_operator(what, timeout_s)
+        if approval is None:
             raise ApplicationError(
-                f"no operator approved within {inp.timings.approval_timeout_s:.0f} s: {what}",
-                non_retryable=True,
-            ) from err
-        finally:
-            self._awaiting = None
-            status.awaiting = None
-        if self._abort is not None:
-            raise Aborted()
-        await self._enter(previous, f"approved: {what}")
-        assert self._approval is not None
-        return self._approval
+                f"no operator approved within {timeout_s:.0f} s: {what}", non_retryable=True
+            )
+        return approval
+
+    async def _announce_awaiting(self, what: str) -> None:
+        status = self._status_()
+        await self._notify(
+            f"approval-{len(status.decisions)}",
+            f"[fleetmend] {self._inp_().pool.key}: operator needed — {what}",
+        )
 
     async def _guard_capacity(self, action: str, removing: list[str]) -> None:
         """Capacity-aware storm protection before a destructive step (DESIGN.md §6a).

@@ -566,40 +566,22 @@ class PlannedScaleDown(Procedure):
             )
 
     async def _ask_operator(self, what: str) -> OperatorAction:
-        self._awaiting = what
-        self._approval = None
+        timeout_s = self._inp_().operator_timeout_s
+        approval = await self._await_operator(what, timeout_s)
+        if approval is None:
+            # Nothing was removed yet: give up cleanly rather than block the schedule's next runs (overlap skip).
+            self._decide(
+                f"nobody approved within {timeout_s:g} s: {what}; nothing was removed - the scale-down ends here"
+            )
+            raise Aborted()
+        self._decide(f"approved by {approval.operator}: {approval.reason}")
+        return approval
+
+    async def _announce_awaiting(self, what: str) -> None:
         status = self._status_()
-        status.awaiting = what
-        previous = status.phase
-        await self._enter(
-            Phase.AWAITING_OPERATOR, f"**Awaiting operator**: {what} — use the `approve` Update"
-        )
         await self._notify(
             f"approval-{len(status.decisions)}", f"[fleetmend] {self._inp_().pool.key}: {what}"
         )
-        inp = self._inp_()
-        try:
-            await workflow.wait_condition(
-                lambda: self._approval is not None or self._abort is not None,
-                timeout=timedelta(seconds=inp.operator_timeout_s),
-                timeout_summary="operator approval",
-            )
-        except TimeoutError:
-            # Nothing was removed yet: give up cleanly rather than block the schedule's next runs (overlap skip).
-            self._decide(
-                f"nobody approved within {inp.operator_timeout_s:g} s: {what}; nothing was removed - "
-                "the scale-down ends here"
-            )
-            raise Aborted() from None
-        finally:
-            self._awaiting = None
-            status.awaiting = None
-        if self._abort is not None:
-            raise Aborted()
-        assert self._approval is not None
-        self._decide(f"approved by {self._approval.operator}: {self._approval.reason}")
-        await self._enter(previous, f"approved: {what}")
-        return self._approval
 
     # ================================================================ plumbing
 
