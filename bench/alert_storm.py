@@ -38,9 +38,9 @@ from fastapi import FastAPI, Request
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from worker.alert_examples import alert, notification
+from worker.devstack.temporal_dev import find_temporal_cli
 from worker.processes import free_port
-from worker.temporal_dev import find_temporal_cli
+from worker.webhook.examples import alert, notification
 from workflows.search_attributes import ALL_SEARCH_ATTRIBUTES
 
 POOL_RULES = """

@@ -18,9 +18,9 @@ import warnings
 from pathlib import Path
 
 from worker.config import Settings, load_settings
-from worker.devstack import DevStack
+from worker.devstack.stack import DevStack
+from worker.devstack.temporal_dev import TemporalDevServer, find_temporal_cli
 from worker.processes import free_port
-from worker.temporal_dev import TemporalDevServer, find_temporal_cli
 
 
 def _settings(state_dir: Path) -> Settings:

@@ -30,9 +30,9 @@ from fleet.scale_down import ScaleDownInput
 from ledger.migrate import upgrade_head
 from sim.scenario import SCENARIO_DIR, Scenario, load_scenario
 from tests.pg import acquire_server
+from worker.devstack.rig import FleetRig, fleet_rig
+from worker.devstack.temporal_dev import find_temporal_cli
 from worker.processes import free_port
-from worker.rig import FleetRig, fleet_rig
-from worker.temporal_dev import find_temporal_cli
 from workflows.search_attributes import ALL_SEARCH_ATTRIBUTES
 
 POOL = PoolRef(namespace="inference", service="llama")

@@ -22,8 +22,8 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from worker.config import Settings, load_settings
+from worker.devstack.temporal_dev import TemporalDevServer, find_temporal_cli
 from worker.processes import free_port
-from worker.temporal_dev import TemporalDevServer, find_temporal_cli
 from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
 from workflows.search_attributes import ALL_SEARCH_ATTRIBUTES
 
@@ -46,7 +46,7 @@ async def temporal_env(
 ) -> AsyncIterator[WorkflowEnvironment]:
     """A real Temporal dev server on a free port with fleetmend's search attributes registered.
 
-    Started by ``worker.temporal_dev`` exactly as ``fleetmend dev`` starts it (so the
+    Started by ``worker.devstack.temporal_dev`` exactly as ``fleetmend dev`` starts it (so the
     tests exercise that code), headless and in memory; it dies with the test process
     even when pytest is killed.
     """

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fleet.ramp import RampParams, RampPolicy, simulate_ramp
-from worker.cli_model import app
+from worker.cli.model import app
 
 runner = CliRunner()
 FIGURES = {"served", "late", "goodput", "peak_wait_new", "final_depth_new"}

@@ -13,7 +13,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from worker.cli import app
+from worker.cli.app import app
 from worker.config import Settings
 
 FLEETMEND = str(Path(sys.executable).parent / "fleetmend")

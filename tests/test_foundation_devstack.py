@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from worker.config import load_settings
-from worker.devstack import DevStack
+from worker.devstack.stack import DevStack
 from worker.processes import StackError, free_port, port_is_free
 from workflows.smoke import FleetmendSmoke
 

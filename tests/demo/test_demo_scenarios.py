@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.demo.conftest import FLEETMEND, DemoProcess, run_demo_cli
-from worker.demo_scenarios import DEFAULT_SCENARIO, SCENARIOS
+from worker.devstack.scenarios import DEFAULT_SCENARIO, SCENARIOS
 
 ISSUE_KEYS = {
     "scenario",

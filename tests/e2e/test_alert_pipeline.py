@@ -44,10 +44,10 @@ from tests.webhook.conftest import (
     webhook_settings,
     workflow_ids,
 )
-from worker.alert_examples import alertmanager_fingerprint
+from worker.devstack.rig import fleet_rig
 from worker.processes import free_port
-from worker.rig import fleet_rig
-from worker.webhook import create_app
+from worker.webhook.app import create_app
+from worker.webhook.examples import alertmanager_fingerprint
 from workflows.incident import FleetIncident
 
 REPO = Path(__file__).resolve().parents[2]

@@ -27,7 +27,7 @@ from ledger.models import EffectState
 from ledger.reconcile import WorldAction, reconcile, world_actions_from_sim
 from ledger.retention import prune
 from tests.ledger.world import SimulatedCrash, World, WorldEffect
-from worker.cli import app
+from worker.cli.app import app
 
 SIM = "127.0.0.1:8480"
 

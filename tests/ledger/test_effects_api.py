@@ -19,7 +19,7 @@ from ledger.reconcile import reconcile, world_actions_from_sim
 from sim.runner import RunningSim, start_sim
 from sim.scenario import shipped_scenarios
 from tests.ledger.world import SimulatedCrash
-from worker.effects_api import effects_router
+from worker.webhook.effects_api import effects_router
 
 
 @pytest.fixture

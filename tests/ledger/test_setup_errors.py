@@ -10,9 +10,9 @@ from fastapi import FastAPI
 from typer.testing import CliRunner
 
 from ledger.embedded_pg import EmbeddedPostgres, EmbeddedPostgresError
-from worker.cli import app
+from worker.cli.app import app
 from worker.config import Settings
-from worker.effects_api import create_router
+from worker.webhook.effects_api import create_router
 
 
 def test_embedded_postgres_under_a_missing_directory_says_what_to_do(tmp_path: Path) -> None:

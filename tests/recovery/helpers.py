@@ -13,7 +13,7 @@ from temporalio.service import RPCError
 from fleet.incident import LossReport, PoolRef
 from fleet.recovery import IncidentInput, Phase, ProcedureStatus, RecoveryTimings, ServingObjectives
 from ledger.reconcile import reconcile, world_actions_from_sim
-from worker.rig import FleetRig
+from worker.devstack.rig import FleetRig
 
 POOL = PoolRef(namespace="inference", service="llama")
 # ~400 tokens/s per replica in the compressed scenarios: about 15 requests/s of 8-32 tokens.

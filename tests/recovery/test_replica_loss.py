@@ -27,7 +27,7 @@ from tests.recovery.helpers import (
     wait_for_child,
     wait_for_phase,
 )
-from worker.rig import FleetRig, compressed_scenario, fleet_rig
+from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
 from workflows.incident import FleetIncident
 from workflows.replica_loss import ReplicaLossRecovery
 

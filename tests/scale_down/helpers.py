@@ -17,7 +17,7 @@ from fleet.scale_down import ScaleDownInput
 from ledger.reconcile import ReconcileReport, reconcile, world_actions_from_sim
 from sim.scenario import SCENARIO_DIR, Scenario, load_scenario
 from tests.recovery.helpers import fleetmend_actions
-from worker.rig import FleetRig
+from worker.devstack.rig import FleetRig
 
 POOL = PoolRef(namespace="inference", service="llama")
 # The scale-down scenario's replicas decode 2400 tokens/s each (its warm rate); the sim runs at speed 1.
@@ -103,7 +103,7 @@ async def run_cli(env: dict[str, str], *args: str) -> Any:
     """``fleetmend ARGS`` in-process (typer's runner) on a thread: the commands run their own event loop."""
     from typer.testing import CliRunner
 
-    from worker.cli import app
+    from worker.cli.app import app
 
     return await asyncio.to_thread(CliRunner().invoke, app, list(args), env=env)
 

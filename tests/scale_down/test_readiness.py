@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from fleet.vocabulary import SERVING_READY_CONDITION, FaultKind
 from tests.scale_down.helpers import POOL, core_api, vllm_default_scenario
-from worker.cli import app
-from worker.rig import FleetRig, fleet_rig
+from worker.cli.app import app
+from worker.devstack.rig import FleetRig, fleet_rig
 from workflows.readiness_keeper import KeeperStatus, readiness_keeper_workflow_id
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]

@@ -32,7 +32,7 @@ from tests.scale_down.helpers import (
     vllm_default_scenario,
     wait_for_phase,
 )
-from worker.rig import fleet_rig
+from worker.devstack.rig import fleet_rig
 from workflows.readiness_keeper import KeeperInput, KeeperStatus, ReadinessKeeper
 from workflows.scale_down import PlannedScaleDown
 from workflows.search_attributes import FLEETMEND_KIND, FLEETMEND_PHASE

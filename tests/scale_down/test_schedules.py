@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 from fleet.incident import LossReport, incident_workflow_id
 from fleet.recovery import IncidentInput, Phase, RecoveryTimings
 from tests.scale_down.helpers import POOL, decisions, finish, status_of, vllm_default_scenario, wait_for_phase
-from worker.cli import app
-from worker.rig import FleetRig, fleet_rig
+from worker.cli.app import app
+from worker.devstack.rig import FleetRig, fleet_rig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 

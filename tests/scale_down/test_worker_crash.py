@@ -1,6 +1,6 @@
 """A worker killed with SIGKILL in the middle of a drain, and another one started: the drain resumes where
 it was, the scale-down completes, and the world saw every action exactly once (its own action log against
-the ledger). The workers are real ``fleetmend worker`` processes (``python -m worker.cli worker``)."""
+the ledger). The workers are real ``fleetmend worker`` processes (``python -m worker.cli.app worker``)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from tests.scale_down.helpers import (
     wait_for_phase,
 )
 from worker.config import Settings
-from worker.rig import fleet_rig
+from worker.devstack.rig import fleet_rig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 REPO = Path(__file__).resolve().parents[2]

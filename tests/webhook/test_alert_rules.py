@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from worker.alert_rules import AlertRulesError, load_alert_rules, parse_alert_rules
+from worker.webhook.rules import AlertRulesError, load_alert_rules, parse_alert_rules
 
 REPO = Path(__file__).resolve().parents[2]
 PROMETHEUS_RULES = REPO / "deploy" / "prometheus" / "rules.yml"

@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from worker.alert_examples import EXAMPLES, alertmanager_fingerprint
-from worker.alertmanager import AlertmanagerPayload
-from worker.cli import app
+from worker.cli.app import app
+from worker.webhook.alertmanager import AlertmanagerPayload
+from worker.webhook.examples import EXAMPLES, alertmanager_fingerprint
 
 runner = CliRunner()
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_every_example_is_a_valid_v4_payload_for_a_routed_alert(name: str) -> None:
-    from worker.alert_rules import load_alert_rules
+    from worker.webhook.rules import load_alert_rules
 
     result = runner.invoke(app, ["alert", "--example", name])
 

@@ -22,9 +22,9 @@ from temporalio.testing import WorkflowEnvironment
 from sim.runner import RunningSim, start_sim, write_kubeconfig
 from sim.scenario import load_scenario
 from tests.webhook.conftest import ServedWebhook, report_loss_signals, serve_webhook, webhook_settings
-from worker.alert_examples import example_payload
 from worker.processes import free_port
-from worker.webhook import create_app
+from worker.webhook.app import create_app
+from worker.webhook.examples import example_payload
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "sim" / "scenarios"
 

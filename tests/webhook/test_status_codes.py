@@ -28,12 +28,12 @@ from tests.webhook.conftest import (
     webhook_settings,
     workflow_ids,
 )
-from worker.alert_examples import alert, example_payload, notification
-from worker.alert_rules import AlertRules
-from worker.cli import app as cli_app
+from worker.cli.app import app as cli_app
 from worker.config import Settings
 from worker.processes import free_port
-from worker.webhook import WebhookConfigError, create_app
+from worker.webhook.app import WebhookConfigError, create_app
+from worker.webhook.examples import alert, example_payload, notification
+from worker.webhook.rules import AlertRules
 
 
 def pool_payload(service: str, namespace: str = "llm", **extra: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import httpx
 from temporalio.client import Client
 
 from tests.webhook.conftest import ServedWebhook, pool_alert_labels, report_loss_signals, workflow_ids
-from worker.alert_examples import alert, notification
+from worker.webhook.examples import alert, notification
 
 STORM = 1000
 CONCURRENCY = 64

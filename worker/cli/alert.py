@@ -11,10 +11,10 @@ import typer
 from rich.console import Console
 
 from worker import jsonlog
-from worker.alert_examples import EXAMPLES, example_payload
-from worker.alert_rules import AlertRulesError, load_alert_rules
 from worker.config import Settings, load_settings
-from worker.webhook import ALERTMANAGER_PATH, WebhookConfigError, create_app, serve
+from worker.webhook.app import ALERTMANAGER_PATH, WebhookConfigError, create_app, serve
+from worker.webhook.examples import EXAMPLES, example_payload
+from worker.webhook.rules import AlertRulesError, load_alert_rules
 
 console = Console()
 err_console = Console(stderr=True)
@@ -138,7 +138,7 @@ def _token(settings: Settings) -> str:
     """The configured token, else the one `fleetmend dev` generated for its embedded webhook."""
     if settings.webhook_token and settings.webhook_token.get_secret_value():
         return settings.webhook_token.get_secret_value()
-    dev_file = settings.state_dir / "webhook-token"  # worker.devstack.dev_token_file
+    dev_file = settings.state_dir / "webhook-token"  # worker.devstack.stack.dev_token_file
     try:
         return dev_file.read_text().strip()
     except OSError:

@@ -1,10 +1,10 @@
 """The incidents ``fleetmend demo`` can stage, and what "passed" means for each.
 
 A scenario names the simulated fleet it loads (a shipped sim scenario with its
-slow parts shortened, see ``worker.rig.compressed_scenario``), the user load,
+slow parts shortened, see ``worker.devstack.rig.compressed_scenario``), the user load,
 how the fault is caused, which alert a monitoring stack would raise for it, and
 the verdict rule applied to the procedure's final status. The demo itself
-(``worker.demo``) is the same for every scenario.
+(``worker.devstack.demo``) is the same for every scenario.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Fault:
 
 @dataclass(frozen=True)
 class AlertToSend:
-    """The Alertmanager alert for the fault: an example from ``worker.alert_examples`` + labels.
+    """The Alertmanager alert for the fault: an example from ``worker.webhook.examples`` + labels.
 
     ``rule_fires`` says whether a shipped Prometheus rule raises it from the sim's
     series; when it does not (or Prometheus is not installed) the demo posts it.

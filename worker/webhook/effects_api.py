@@ -1,4 +1,4 @@
-"""HTTP face of the effect ledger, mounted in the worker's FastAPI app (``worker/webhook.py``).
+"""HTTP face of the effect ledger, mounted in the worker's FastAPI app (``worker/webhook/app.py``).
 
 * ``POST /v1/effects`` — an inference service proposes an effect ``{operation_id, kind, target,
   params}`` (op id = ``<request id>/<slot>``, so a re-run of the inference reuses it). The ledger

@@ -12,8 +12,8 @@ from rich.table import Table
 
 from worker import jsonlog
 from worker.config import load_settings
-from worker.demo import DemoError, run_demo
-from worker.demo_scenarios import DEFAULT_SCENARIO, SCENARIOS
+from worker.devstack.demo import DemoError, run_demo
+from worker.devstack.scenarios import DEFAULT_SCENARIO, SCENARIOS
 from worker.processes import StackError
 from worker.startup_checks import StartupCheckError
 

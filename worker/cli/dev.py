@@ -1,4 +1,4 @@
-"""``fleetmend dev``: the embedded stack in the foreground (``fleetmend demo`` lives in ``worker/cli_demo.py``)."""
+"""``fleetmend dev``: the embedded stack in the foreground (``fleetmend demo`` lives in ``worker/cli/demo.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rich.table import Table
 
 from worker import jsonlog
 from worker.config import Settings, load_settings
-from worker.devstack import DevStack
+from worker.devstack.stack import DevStack
 from worker.processes import StackError
 from worker.startup_checks import StartupCheckError
 

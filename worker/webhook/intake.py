@@ -27,11 +27,11 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
 from fleet.incident import FLEET_INCIDENT_WORKFLOW, REPORT_LOSS_SIGNAL, LossReport
-from worker.alert_routing import AlertRouter, IgnoredAlert, IgnoreReason, RoutedReport
-from worker.alert_rules import RuleAction
-from worker.alertmanager import AlertmanagerAlert, AlertmanagerPayload
 from worker.config import Settings
-from worker.webhook_metrics import WebhookMetrics
+from worker.webhook.alertmanager import AlertmanagerAlert, AlertmanagerPayload
+from worker.webhook.metrics import WebhookMetrics
+from worker.webhook.routing import AlertRouter, IgnoredAlert, IgnoreReason, RoutedReport
+from worker.webhook.rules import RuleAction
 
 log = logging.getLogger("fleetmend.webhook")
 

@@ -35,13 +35,13 @@ from pydantic import ValidationError
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
-from worker.alert_intake import AlertIntake, IntakeResult, TemporalClientFactory, TemporalUnavailable
-from worker.alert_routing import AlertRouter
-from worker.alert_rules import AlertRules, load_alert_rules
-from worker.alertmanager import SUPPORTED_VERSION, AlertmanagerPayload
 from worker.config import Settings
-from worker.pool_topology import KubernetesUnavailable, PoolTopology
-from worker.webhook_metrics import WebhookMetrics
+from worker.webhook.alertmanager import SUPPORTED_VERSION, AlertmanagerPayload
+from worker.webhook.intake import AlertIntake, IntakeResult, TemporalClientFactory, TemporalUnavailable
+from worker.webhook.metrics import WebhookMetrics
+from worker.webhook.routing import AlertRouter
+from worker.webhook.rules import AlertRules, load_alert_rules
+from worker.webhook.topology import KubernetesUnavailable, PoolTopology
 
 log = logging.getLogger("fleetmend.webhook")
 
@@ -319,9 +319,9 @@ def _default_client_factory(settings: Settings) -> TemporalClientFactory:
 
 def _include_effects_api(app: FastAPI, settings: Settings) -> None:
     """Mount the effect-ledger query API when that module is installed."""
-    if importlib.util.find_spec("worker.effects_api") is None:
+    if importlib.util.find_spec("worker.webhook.effects_api") is None:
         return
-    module = importlib.import_module("worker.effects_api")
+    module = importlib.import_module("worker.webhook.effects_api")
     router = module.create_router(settings) if hasattr(module, "create_router") else module.router
     app.include_router(router)
 

@@ -26,10 +26,10 @@ from pydantic import SecretStr
 from temporalio.client import Client
 
 from worker.config import Settings
+from worker.devstack.temporal_dev import TemporalDevServer, find_temporal_cli
 from worker.processes import StackError, require_free_port
 from worker.startup_checks import StartupCheckError
 from worker.temporal_client import connect
-from worker.temporal_dev import TemporalDevServer, find_temporal_cli
 from worker.worker import metrics_runtime, run_worker
 
 log = logging.getLogger("fleetmend.devstack")
@@ -239,7 +239,7 @@ class _SimPart:
 
         Without the metric and health URLs the worker would probe ``{pod_ip}:8000``, which the sim
         does not serve: every engine would look unanswering."""
-        from worker.sim_wiring import settings_for_sim
+        from worker.devstack.sim_wiring import settings_for_sim
 
         update = settings_for_sim(self.handle.base_url, Path(self.handle.kubeconfig))
         if self.settings.kubeconfig is not None:  # an explicit kubeconfig wins
@@ -255,7 +255,7 @@ class _SimPart:
 
 
 class _WebhookPart:
-    """The alert webhook API (``worker.webhook``), served in-process by uvicorn."""
+    """The alert webhook API (``worker.webhook.app``), served in-process by uvicorn."""
 
     name = "webhook"
 
@@ -279,7 +279,7 @@ class _WebhookPart:
     async def start(self) -> None:
         import uvicorn
 
-        from worker.webhook import create_app  # imported on use: FastAPI is not needed by every command
+        from worker.webhook.app import create_app  # imported on use: FastAPI is not needed by every command
 
         try:
             app = create_app(self.settings)

@@ -37,14 +37,14 @@ from fleet.incident import PoolRef, incident_workflow_id, scale_down_workflow_id
 from fleet.protocol import FaultRequest, JournalPage
 from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, RecoveryTimings, ServingObjectives
 from fleet.vocabulary import LWS_WORKER_INDEX_LABEL, REVISION_LABEL
-from worker.alert_examples import example_payload
-from worker.alert_pipeline import RunningPipeline, alert_pipeline, pipeline_binaries
 from worker.config import Settings
-from worker.demo_scenarios import GROUP_CAPACITY_RPS, DemoScenario, Verdict
-from worker.devstack import DevStack
+from worker.devstack.rig import compressed_scenario
+from worker.devstack.scenarios import GROUP_CAPACITY_RPS, DemoScenario, Verdict
+from worker.devstack.stack import DevStack
 from worker.processes import StackError
-from worker.rig import compressed_scenario
-from worker.webhook import ALERTMANAGER_PATH
+from worker.webhook.app import ALERTMANAGER_PATH
+from worker.webhook.examples import example_payload
+from worker.webhook.pipeline import RunningPipeline, alert_pipeline, pipeline_binaries
 
 # The procedure's waits for a demo (the values tests/recovery/helpers.py uses): the sim runs at
 # real speed with a compressed start-up, so a whole recovery takes tens of seconds.

@@ -34,7 +34,7 @@ from fleet.protocol import FaultRequest
 from fleet.recovery import IncidentInput
 from fleet.vocabulary import FaultKind
 from worker.config import Settings, load_settings
-from worker.sim_wiring import settings_for_sim
+from worker.devstack.sim_wiring import settings_for_sim
 from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
 
 

@@ -15,9 +15,15 @@ from enum import StrEnum
 from pydantic import ValidationError
 
 from fleet.incident import LossReport, PoolRef, Severity, incident_workflow_id
-from worker.alert_rules import AlertRule, AlertRules, RuleAction
-from worker.alertmanager import AlertmanagerAlert
-from worker.pool_topology import AffectedGroup, PodNotFound, PoolTopology, is_namespace_name, is_object_name
+from worker.webhook.alertmanager import AlertmanagerAlert
+from worker.webhook.rules import AlertRule, AlertRules, RuleAction
+from worker.webhook.topology import (
+    AffectedGroup,
+    PodNotFound,
+    PoolTopology,
+    is_namespace_name,
+    is_object_name,
+)
 
 # Labels copied into a LossReport are bounded: they end up in workflow history.
 _MAX_REPORT_LABELS = 64

@@ -1,7 +1,7 @@
 """The ``fleetmend`` command line (typer + rich).
 
-Each command group lives in its own module (``worker/cli_*.py``) so a newcomer
-finds the code behind ``fleetmend X`` in ``worker/cli_X.py``.
+Each command group lives in its own module (``worker/cli/*.py``) so a newcomer
+finds the code behind ``fleetmend X`` in ``worker/cli/X.py``.
 """
 
 from __future__ import annotations
@@ -12,18 +12,18 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from worker import (
-    cli_alert,
-    cli_demo,
-    cli_dev,
-    cli_ledger,
-    cli_model,
-    cli_operate,
-    cli_readiness,
-    cli_scale_down,
-    cli_schedule,
-    cli_sim,
-    cli_worker,
+from worker.cli import (
+    alert,
+    demo,
+    dev,
+    ledger,
+    model,
+    operate,
+    readiness,
+    scale_down,
+    schedule,
+    sim,
+    worker,
 )
 from worker.config import load_settings
 
@@ -36,17 +36,17 @@ app = typer.Typer(
 )
 console = Console()
 
-app.add_typer(cli_ledger.app, name="ledger", help="Audit and reconcile the effect ledger.")
-app.add_typer(cli_model.app, name="model", help="Capacity what-if models (ramp-back planning).")
-cli_dev.register(app)
-cli_demo.register(app)
-cli_operate.register(app)
-cli_sim.register(app)
-cli_worker.register(app)
-cli_alert.register(app)
-cli_schedule.register(app)
-cli_readiness.register(app)
-cli_scale_down.register(app)
+app.add_typer(ledger.app, name="ledger", help="Audit and reconcile the effect ledger.")
+app.add_typer(model.app, name="model", help="Capacity what-if models (ramp-back planning).")
+dev.register(app)
+demo.register(app)
+operate.register(app)
+sim.register(app)
+worker.register(app)
+alert.register(app)
+schedule.register(app)
+readiness.register(app)
+scale_down.register(app)
 
 
 @app.command("config")
