@@ -71,3 +71,9 @@ class FaultKind(StrEnum):
     NVLINK_ERROR = "nvlink-error"
     THERMAL = "thermal"
     BAD_ROLLOUT = "bad-rollout"
+
+# Operation ids of fleetmend's own procedures start with this prefix (DESIGN.md §5):
+# ``fleetmend:<workflow id>@<first run id>/<step>/<target>``. The inference effect API
+# (``POST /v1/effects``) refuses to claim any id in this namespace (403), so no caller
+# can pre-claim a future recovery's action.
+PROCEDURE_OPERATION_PREFIX = "fleetmend:"
