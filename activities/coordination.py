@@ -17,7 +17,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from fleet.incident import PoolRef, incident_workflow_id
 
-# The incident's phase as it upserts it (workflows.search_attributes; activities do not import workflows).
+# The incident's phase as it upserts it (fleet.search_attributes; activities do not import workflows).
 _PHASE = SearchAttributeKey.for_keyword("FleetmendPhase")
 
 

@@ -14,18 +14,18 @@ from functools import cached_property
 import httpx
 from temporalio import activity
 
+from activities.config import ActivityConfig
 from activities.kube import USER_AGENT, KubeApis, kube_apis
 from activities.router_client import RouterClient
 from ledger.effect import EffectContext
 from ledger.store import EffectLedger
-from worker.config import Settings
 
 log = logging.getLogger("fleetmend.activities")
 
 
 @dataclass
 class ActivityDeps:
-    settings: Settings
+    settings: ActivityConfig
     ledger: EffectLedger
     identity: str = "fleetmend-worker"
     _http: httpx.Client | None = field(default=None, repr=False)

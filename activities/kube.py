@@ -11,10 +11,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from kubernetes import client, config
-
-from worker.config import Settings
 
 LWS_GROUP = "leaderworkerset.x-k8s.io"
 LWS_VERSION = "v1"
@@ -35,7 +34,17 @@ _lock = threading.Lock()
 _cache: dict[tuple[str | None, str | None], KubeApis] = {}
 
 
-def kube_apis(settings: Settings) -> KubeApis:
+class ClusterAddress(Protocol):
+    """Where the cluster is: the activities' config and the worker's settings both say it."""
+
+    @property
+    def kubeconfig(self) -> Path | None: ...
+
+    @property
+    def kube_context(self) -> str | None: ...
+
+
+def kube_apis(settings: ClusterAddress) -> KubeApis:
     """APIs for the configured cluster: kubeconfig (+context) if set, else in-cluster, else ~/.kube/config."""
     key = (str(settings.kubeconfig) if settings.kubeconfig else None, settings.kube_context)
     with _lock:

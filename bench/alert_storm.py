@@ -38,10 +38,10 @@ from fastapi import FastAPI, Request
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
+from fleet.search_attributes import ALL_SEARCH_ATTRIBUTES
 from worker.devstack.temporal_dev import find_temporal_cli
 from worker.processes import free_port
 from worker.webhook.examples import alert, notification
-from workflows.search_attributes import ALL_SEARCH_ATTRIBUTES
 
 POOL_RULES = """
 version: 1

@@ -21,11 +21,11 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from fleet.search_attributes import ALL_SEARCH_ATTRIBUTES
 from worker.config import Settings, load_settings
 from worker.devstack.temporal_dev import TemporalDevServer, find_temporal_cli
 from worker.processes import free_port
 from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
-from workflows.search_attributes import ALL_SEARCH_ATTRIBUTES
 
 # Postgres: pg_server (session), pg_url (an empty database per test), ledger_url (migrated).
 pytest_plugins = ["tests.pg"]

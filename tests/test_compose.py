@@ -21,9 +21,9 @@ from google.protobuf.duration_pb2 import Duration
 from temporalio.api.workflowservice.v1 import RegisterNamespaceRequest
 from temporalio.client import Client
 
+from fleet.search_attributes import CLI_TYPE_NAMES
 from worker.config import Settings
 from worker.startup_checks import check_search_attributes
-from workflows.search_attributes import CLI_TYPE_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"

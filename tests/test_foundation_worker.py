@@ -25,6 +25,7 @@ from temporalio.api.workflowservice.v1 import RegisterNamespaceRequest
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
+from fleet.search_attributes import CLI_TYPE_NAMES, FLEETMEND_KIND, FLEETMEND_PHASE
 from ledger.migrate import upgrade_head
 from tests.conftest import running_worker
 from tests.foundation_timer_workflow import SixHourWait
@@ -33,7 +34,6 @@ from worker.config import Settings, load_settings
 from worker.processes import free_port
 from worker.startup_checks import StartupCheckError, check_search_attributes, missing_search_attributes
 from worker.worker import connect_checked, metrics_runtime, run_worker
-from workflows.search_attributes import CLI_TYPE_NAMES, FLEETMEND_KIND, FLEETMEND_PHASE
 from workflows.smoke import FleetmendSmoke
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from activities.act import ActActivities
 from activities.audit import AuditActivities
+from activities.config import ActivityConfig
 from activities.coordination import incident_on_pool
 from activities.deps import ActivityDeps
 from activities.drain import DrainActivities
@@ -45,6 +46,13 @@ def _methods(obj: object) -> list[Callable[..., Any]]:
     return out
 
 
+def activity_config(settings: Settings) -> ActivityConfig:
+    """The activities' view of the world, taken from the worker's settings (the one place that maps them)."""
+    return ActivityConfig.model_validate(
+        {name: getattr(settings, name) for name in ActivityConfig.model_fields}
+    )
+
+
 def build_activities(settings: Settings, database_url: str | None = None) -> list[Callable[..., Any]]:
     """The activity callables, bound to the clients ``settings`` describes.
 
@@ -54,7 +62,7 @@ def build_activities(settings: Settings, database_url: str | None = None) -> lis
     url = database_url or settings.database_url_value()
     if not url:
         return [smoke_probe]
-    deps = ActivityDeps(settings=settings, ledger=EffectLedger(url))
+    deps = ActivityDeps(settings=activity_config(settings), ledger=EffectLedger(url))
     deps.warm_up()
     return [
         smoke_probe,

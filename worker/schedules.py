@@ -33,9 +33,9 @@ from temporalio.client import (
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError, RPCStatusCode
 
+from fleet import search_attributes as sa
 from fleet.incident import PLANNED_SCALE_DOWN_WORKFLOW, PoolRef, scale_down_workflow_id
 from fleet.scale_down import ScaleDownInput
-from workflows import search_attributes as sa
 
 SCHEDULE_PREFIX = "scale-down/"
 MEMO_KEY = "scale_down"

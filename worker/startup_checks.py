@@ -17,15 +17,15 @@ from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
+from fleet.search_attributes import CLI_TYPE_NAMES
 from worker.config import Settings
-from workflows.search_attributes import CLI_TYPE_NAMES
 
 
 class StartupCheckError(RuntimeError):
     """The worker must not start; the message says why and how to fix it."""
 
 
-# CLI type names (as in workflows.search_attributes) -> server enum.
+# CLI type names (as in fleet.search_attributes) -> server enum.
 _INDEXED_TYPES: dict[str, int] = {
     "Text": IndexedValueType.INDEXED_VALUE_TYPE_TEXT,
     "Keyword": IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD,

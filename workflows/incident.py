@@ -24,6 +24,7 @@ from temporalio.exceptions import ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
     from activities.observe import ObserveActivities
+    from fleet import search_attributes as sa
     from fleet.incident import AlertStatus, LossReport, PoolRef
     from fleet.recovery import (
         Decision,
@@ -33,7 +34,6 @@ with workflow.unsafe.imports_passed_through():
         ProcedureStatus,
         RecoveryInput,
     )
-    from workflows import search_attributes as sa
     from workflows.replica_loss import ReplicaLossRecovery
 
 

@@ -25,8 +25,8 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
+    from fleet import search_attributes as sa
     from fleet.recovery import TERMINAL_PHASES, Decision, OperatorAction, Phase, PhaseSpan, ProcedureStatus
-    from workflows import search_attributes as sa
 
 
 # Kubernetes and router calls are quick; a retry storm must not hammer a sick API server.

@@ -26,9 +26,9 @@ from temporalio.common import RetryPolicy as TemporalRetryPolicy
 
 with workflow.unsafe.imports_passed_through():
     from activities.readiness import GateSyncRequest, GateSyncResult, GateWrite, PodGate, ReadinessActivities
+    from fleet import search_attributes as sa
     from fleet.incident import PoolRef
     from fleet.readiness import ReadinessThresholds
-    from workflows import search_attributes as sa
 
 READINESS_KEEPER_WORKFLOW = "ReadinessKeeper"
 

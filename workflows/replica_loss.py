@@ -46,6 +46,7 @@ with workflow.unsafe.imports_passed_through():
         ScrapeRequest,
     )
     from fleet import live_ramp
+    from fleet import search_attributes as sa
     from fleet.capacity import Demand, GroupCapacity, check_capacity
     from fleet.engine_metrics import EngineSnapshot
     from fleet.incident import LossReport
@@ -84,7 +85,6 @@ with workflow.unsafe.imports_passed_through():
         QUARANTINE_TAINT_KEY,
         REMEDIATED_AT_ANNOTATION,
     )
-    from workflows import search_attributes as sa
     from workflows.procedure import ACTIVITY_RETRY, ACTIVITY_TIMEOUT, Aborted, Procedure
 
 _ACT_RETRY = ACTIVITY_RETRY

@@ -35,6 +35,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.drain import CutStreams, CutStreamsRequest, DrainActivities, DrainLook
     from activities.observe import DerouteWait, ObserveActivities, ObserveRequest
     from activities.readiness import ReadinessActivities, ServingReadyChange
+    from fleet import search_attributes as sa
     from fleet.capacity import Demand, GroupCapacity, check_capacity
     from fleet.incident import PLANNED_SCALE_DOWN_WORKFLOW
     from fleet.observation import PoolObservation
@@ -54,7 +55,6 @@ with workflow.unsafe.imports_passed_through():
     from fleet.verification import verify_scale_down
     from fleet.victims import GroupLoad, choose_victims
     from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, POD_DELETION_COST_ANNOTATION
-    from workflows import search_attributes as sa
     from workflows.procedure import ACTIVITY_RETRY, ACTIVITY_TIMEOUT, Aborted, Procedure
 
 _ACT_RETRY = ACTIVITY_RETRY

@@ -12,7 +12,7 @@ from datetime import timedelta
 from pydantic import BaseModel
 from temporalio import workflow
 
-from workflows.search_attributes import FLEETMEND_KIND, FLEETMEND_PHASE
+from fleet.search_attributes import FLEETMEND_KIND, FLEETMEND_PHASE
 
 with workflow.unsafe.imports_passed_through():
     from activities.smoke import SmokeReply, SmokeRequest, smoke_probe

@@ -16,6 +16,7 @@ from temporalio.worker import Replayer
 
 from fleet.incident import scale_down_workflow_id
 from fleet.recovery import OperatorAction, Phase
+from fleet.search_attributes import FLEETMEND_KIND, FLEETMEND_PHASE
 from tests.scale_down.helpers import (
     POOL,
     STREAMING,
@@ -35,7 +36,6 @@ from tests.scale_down.helpers import (
 from worker.devstack.rig import fleet_rig
 from workflows.readiness_keeper import KeeperInput, KeeperStatus, ReadinessKeeper
 from workflows.scale_down import PlannedScaleDown
-from workflows.search_attributes import FLEETMEND_KIND, FLEETMEND_PHASE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -107,7 +107,7 @@ async def open_procedures(client: Client) -> list[dict[str, Any]]:
 
 
 def _kind_key() -> Any:
-    from workflows.search_attributes import FLEETMEND_KIND
+    from fleet.search_attributes import FLEETMEND_KIND
 
     return FLEETMEND_KIND
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 from temporalio.client import Client
 
+from fleet.search_attributes import CLI_TYPE_NAMES
 from worker.processes import StackError, log_tail, require_free_port, spawn, terminate
-from workflows.search_attributes import CLI_TYPE_NAMES
 
 
 class TemporalCliNotFoundError(StackError):

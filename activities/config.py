@@ -1,0 +1,38 @@
+"""What the activities need to know about the world, as one small model.
+
+The worker's bootstrap (``worker/registry.py``) builds it from its settings and hands
+it in; nothing in ``activities/`` imports the worker, so importing a workflow (which
+imports activity *references*) never drags the worker's configuration along.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fleet.recovery import RecoveryTimings, ServingObjectives
+from fleet.vocabulary import ROUTER_LABEL, ROUTER_LABEL_VALUE
+
+
+class ActivityConfig(BaseModel):
+    """Addresses and names of the world's interfaces, plus the default procedure policy."""
+
+    model_config = ConfigDict(frozen=True)
+
+    kubeconfig: Path | None = None
+    kube_context: str | None = None
+    router_label: str = ROUTER_LABEL
+    router_label_value: str = ROUTER_LABEL_VALUE
+    router_admin_url: str = "http://127.0.0.1:8480"
+    metrics_url_template: str = "http://{pod_ip}:8000/metrics"
+    health_url_template: str = "http://{pod_ip}:8000/health"
+    node_telemetry_url_template: str = "http://{node}:9400/metrics"
+    qualification_url_template: str = "http://{node}:9401/qualification"
+    action_log_url: str | None = None
+    notifier_url: str | None = None
+    tickets_url: str | None = None
+    # The policy an alert-started incident runs with (no explicit IncidentInput).
+    dry_run: bool = False
+    recovery_timings: RecoveryTimings = Field(default_factory=RecoveryTimings)
+    serving_objectives: ServingObjectives = Field(default_factory=ServingObjectives)
