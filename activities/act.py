@@ -1,9 +1,10 @@
 """Mutating activities: every one goes through the effect ledger.
 
-Each activity names its step; the operation id is ``workflow id/step/target``
-(``activities.deps.operation_id``), so a retried activity, a restarted worker or
-a replayed workflow asks the ledger about the *same* operation and the world
-sees the action once. In dry-run the ledger records the effect as ``planned``
+Each activity names its step; the operation id is ``fleetmend:<scope>/step/target``
+(``activities.deps.operation_id``; the scope is the procedure's workflow id and first
+run id), so a retried activity, a restarted worker or a replayed workflow asks the
+ledger about the *same* operation and the world sees the action once, while the
+pool's next incident never meets this one's rows. In dry-run the ledger records the effect as ``planned``
 and nothing is performed.
 """
 
@@ -57,6 +58,11 @@ class EffectRequest(BaseModel):
     step: str = Field(min_length=1, max_length=80)
     dry_run: bool = False
     fingerprints: list[str] = Field(default_factory=list)
+    scope: str = Field(
+        "",
+        max_length=300,
+        description="Operation-id scope: <workflow id>@<first run id> (set by the toolkit)",
+    )
 
 
 class PodLabelsChange(EffectRequest):
@@ -73,16 +79,18 @@ class ScaleChange(EffectRequest):
     replicas: int = Field(ge=0)
 
 
-class NodeQuarantine(EffectRequest):
+class NodeCordon(EffectRequest):
+    """Cordon a node, optionally labelling/annotating it in the same patch (quarantine's first half)."""
+
     node: str
     labels: dict[str, str | None] = Field(default_factory=dict)
     annotations: dict[str, str | None] = Field(default_factory=dict)
+
+
+class NodeTaint(EffectRequest):
+    node: str
     taint_key: str
     taint_value: str
-
-
-class NodeCordon(EffectRequest):
-    node: str
 
 
 class NodeRelease(EffectRequest):
@@ -125,10 +133,10 @@ class QualificationRequest(EffectRequest):
 def perform_effect(
     deps: ActivityDeps, req: EffectRequest, kind: str, target: str, params: dict[str, Any], effect: Effect
 ) -> EffectReport:
-    """Perform one mutation through the ledger, op id ``workflow id/step/target``; report what it holds."""
+    """Perform one mutation through the ledger, op id ``fleetmend:<scope>/step/target``; report what it holds."""
     try:
         out = deps.ledger.perform(
-            operation_id(req.step, target),
+            operation_id(req.scope, req.step, target),
             kind,
             target,
             params,
@@ -178,35 +186,23 @@ class ActActivities:
             effect,
         )
 
-    @activity.defn(name="quarantine_node")
-    def quarantine_node(self, req: NodeQuarantine) -> list[EffectReport]:
-        """Cordon + label/annotate, then taint: two operations, each exactly once."""
-        cordon = NodePatch(
-            self.deps.kube, req.node, unschedulable=True, labels=req.labels, annotations=req.annotations
-        )
-        first = self._perform(
-            req,
-            "k8s.node.cordon",
-            f"node/{req.node}",
-            {"unschedulable": True, "labels": req.labels, "annotations": req.annotations},
-            cordon,
-        )
-        taint = NodeTaintAdd(self.deps.kube, req.node, req.taint_key, req.taint_value)
-        taint_req = req.model_copy(update={"step": f"{req.step}-taint"})
-        second = self._perform(
-            taint_req,
-            "k8s.node.taint",
-            f"node/{req.node}",
-            {"key": req.taint_key, "value": req.taint_value, "effect": "NoSchedule"},
-            taint,
-        )
-        return [first, second]
-
     @activity.defn(name="cordon_node")
     def cordon_node(self, req: NodeCordon) -> EffectReport:
-        """Mark a failed node unschedulable (the first half of quarantine, done early)."""
-        effect = NodePatch(self.deps.kube, req.node, unschedulable=True)
-        return self._perform(req, "k8s.node.cordon", f"node/{req.node}", {"unschedulable": True}, effect)
+        """Mark a node unschedulable (with the quarantine label/annotations when triage sends them)."""
+        effect = NodePatch(
+            self.deps.kube, req.node, unschedulable=True, labels=req.labels, annotations=req.annotations
+        )
+        params: dict[str, Any] = {"unschedulable": True}
+        if req.labels or req.annotations:
+            params.update(labels=req.labels, annotations=req.annotations)
+        return self._perform(req, "k8s.node.cordon", f"node/{req.node}", params, effect)
+
+    @activity.defn(name="taint_node")
+    def taint_node(self, req: NodeTaint) -> EffectReport:
+        """Add fleetmend's NoSchedule quarantine taint (quarantine's second half)."""
+        effect = NodeTaintAdd(self.deps.kube, req.node, req.taint_key, req.taint_value)
+        params = {"key": req.taint_key, "value": req.taint_value, "effect": "NoSchedule"}
+        return self._perform(req, "k8s.node.taint", f"node/{req.node}", params, effect)
 
     @activity.defn(name="release_node")
     def release_node(self, req: NodeRelease) -> EffectReport:
@@ -269,7 +265,7 @@ class ActActivities:
         url = self.deps.settings.notifier_url
         if not url:
             return EffectReport(
-                op_id=operation_id(req.step, req.topic),
+                op_id=operation_id(req.scope, req.step, req.topic),
                 kind="notify.post",
                 target="incident-channel",
                 state="skipped",

@@ -17,6 +17,7 @@ from temporalio import activity
 from activities.config import ActivityConfig
 from activities.kube import USER_AGENT, KubeApis, kube_apis
 from activities.router_client import RouterClient
+from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX
 from ledger.effect import EffectContext
 from ledger.store import EffectLedger
 
@@ -60,12 +61,20 @@ class ActivityDeps:
         return self._http
 
 
-def operation_id(step: str, target: str) -> str:
-    """The ledger's business key for a workflow step: workflow id + step + target (DESIGN.md §5).
+def operation_id(scope: str, step: str, target: str) -> str:
+    """The ledger's business key for a procedure step (DESIGN.md §5).
 
-    Not the run id nor the activity id: both change on continue-as-new and retries.
+    ``fleetmend:<scope>/<step>/<target>``. The scope is what stays the same for one
+    procedure's whole life and differs between incidents: the procedures pass
+    ``<workflow id>@<first run id>`` (stable across retries, replays, worker restarts and
+    continue-as-new; new for the pool's next incident, whose workflow id is the same).
+    Without one, the current run names it. Never the activity id (it restarts at "1").
+    The ``fleetmend:`` namespace is reserved: the inference effect API cannot claim it.
     """
-    return f"{activity.info().workflow_id}/{step}/{target}"
+    if not scope:
+        info = activity.info()
+        scope = f"{info.workflow_id}@{info.workflow_run_id}"
+    return f"{PROCEDURE_OPERATION_PREFIX}{scope}/{step}/{target}"
 
 
 def effect_context(

@@ -29,8 +29,8 @@ from fleet.recovery import ProcedureStatus
 from fleet.scale_down import ScaleDownInput
 from fleet.search_attributes import ALL_SEARCH_ATTRIBUTES
 from ledger.migrate import upgrade_head
+from ledger.scratch import acquire_server
 from sim.scenario import SCENARIO_DIR, Scenario, load_scenario
-from tests.pg import acquire_server
 from worker.devstack.rig import FleetRig, fleet_rig
 from worker.devstack.temporal_dev import find_temporal_cli
 from worker.processes import free_port

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleet.observation import PoolObservation
+
 
 class GroupCapacity(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -104,3 +106,67 @@ def check_capacity(
         required_requests_per_s=need_requests,
         reason=reason,
     )
+
+
+# ---------------------------------------------------------------- the guard from two observations
+
+
+def measured_token_rates(before: PoolObservation, after: PoolObservation) -> dict[str, float]:
+    """Tokens/s each serving group generated between two observations (0 for a group not ready now)."""
+    seconds = max(1e-3, after.snapshot.observed_at - before.snapshot.observed_at)
+    rates: dict[str, float] = {}
+    for g in after.snapshot.serving:
+        now, then = after.engines.get(g.id), before.engines.get(g.id)
+        rates[g.id] = (
+            max(0.0, now.generation_tokens_total - then.generation_tokens_total) / seconds
+            if now is not None and then is not None and g.ready
+            else 0.0
+        )
+    return rates
+
+
+def recovery_guard(
+    action: str, before: PoolObservation, after: PoolObservation, removing: Iterable[str], min_groups: int
+) -> GuardDecision:
+    """Before a destructive recovery step: each group counts for what it serves now, the demand is
+    what the pool serves now (no headroom: the loss already took some)."""
+    rates = measured_token_rates(before, after)
+    capacity = {gid: GroupCapacity(tokens_per_s=r) for gid, r in rates.items()}
+    gone = [g for g in removing if g in capacity]
+    demand = Demand(tokens_per_s=sum(rates.values()))
+    return check_capacity(action, capacity, gone, demand, min_groups=min_groups, headroom=1.0)
+
+
+def scale_down_guard(
+    before: PoolObservation,
+    after: PoolObservation,
+    removing: Iterable[str],
+    *,
+    min_groups: int,
+    headroom: float,
+    group_capacity_tokens_per_s: float | None,
+) -> tuple[GuardDecision, float]:
+    """Can the groups left after a scale-down carry today's demand x headroom? Returns (decision, demand).
+
+    What a remaining group can carry: the operator's load-test figure, else the busiest
+    group's rate now (a conservative lower bound). An idle pool counts every group as able.
+    """
+    measured = measured_token_rates(before, after)
+    demand = sum(measured.values())
+    per_group = group_capacity_tokens_per_s or max(measured.values(), default=0.0)
+    if demand == 0:
+        capacity = {gid: GroupCapacity(tokens_per_s=per_group or 1.0) for gid in measured}
+    else:
+        capacity = {
+            gid: GroupCapacity(tokens_per_s=per_group if rate > 0 else 0.0) for gid, rate in measured.items()
+        }
+    gone = [g for g in removing if g in capacity]
+    decision = check_capacity(
+        f"scale-down removing {', '.join(gone)}",
+        capacity,
+        gone,
+        Demand(tokens_per_s=demand),
+        min_groups=min_groups,
+        headroom=headroom,
+    )
+    return decision, demand

@@ -50,6 +50,26 @@ class Phase(StrEnum):
 TERMINAL_PHASES = frozenset({Phase.NOT_A_LOSS, Phase.BAD_ROLLOUT, Phase.DONE, Phase.ABORTED, Phase.FAILED})
 
 
+class RetryBudget(BaseModel):
+    """How hard a procedure retries one activity before it stops and asks an operator.
+
+    Bounded in attempts *and* time: a persistent 409, 429 or 5xx from the world
+    ends in an operator escalation (retry / skip / abort), never in a phase that
+    spins silently on a pending activity.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    attempts: int = Field(8, ge=1, description="Attempts of one activity, the first included")
+    budget_s: float = Field(120.0, gt=0, description="Time one activity may take over all its attempts")
+    initial_interval_s: float = Field(0.2, gt=0)
+    max_interval_s: float = Field(5.0, gt=0)
+    call_timeout_s: float = Field(30.0, gt=0, description="One attempt's start-to-close timeout")
+    operator_reminder_s: float = Field(
+        900.0, gt=0, description="While an operator is awaited, the incident channel is reminded this often"
+    )
+
+
 class RecoveryTimings(BaseModel):
     """Every wait of the procedure, in seconds (production defaults; tests pass short ones)."""
 
@@ -68,6 +88,7 @@ class RecoveryTimings(BaseModel):
     cooldown_s: float = Field(300.0, ge=0)
     repeat_fault_window_s: float = Field(7 * 24 * 3600.0, gt=0)
     drain_deadline_s: float = Field(600.0, gt=0)
+    retry: RetryBudget = Field(default_factory=RetryBudget)
 
 
 class ServingObjectives(BaseModel):
@@ -156,11 +177,22 @@ class ProcedureStatus(BaseModel):
     dry_run: bool = False
     paused: bool = False
     awaiting: str | None = Field(None, description="Which operator Update the procedure waits for, and why")
+    refusal: Refusal | None = Field(None, description="The refused effect awaiting retry / skip / abort")
     decisions: list[Decision] = Field(default_factory=list)
     phases: list[PhaseSpan] = Field(default_factory=list)
     figures: dict[str, Any] = Field(default_factory=dict)
     verification: VerificationReport | None = None
     children: list[str] = Field(default_factory=list)
+
+
+class Refusal(BaseModel):
+    """An effect the world refused (or a step whose retry budget is spent), waiting for an operator."""
+
+    step: str
+    what: str = Field(description="The action, as the activity summary names it")
+    error: str = Field(description="The world's own error text")
+    can_skip: bool = True
+    attempt: int = 0
 
 
 class OperatorAction(BaseModel):

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fleet.engine_metrics import EngineSnapshot
 from fleet.incident import PoolRef
+from fleet.recovery import RetryBudget
 
 # Pods a scale-down is draining carry this annotation (value: the workflow id):
 # the readiness keeper leaves their gate alone, so a drained replica never turns ready again.
@@ -55,6 +56,7 @@ class ScaleDownInput(BaseModel):
     )
     terminate_timeout_s: float = Field(600.0, gt=0, description="How long the victims may take to go away")
     requested_by: str = Field("operator", max_length=200, description="Who asked (operator, schedule id)")
+    retry: RetryBudget = Field(default_factory=RetryBudget)
 
     @model_validator(mode="after")
     def _one_way_to_name_victims(self) -> ScaleDownInput:

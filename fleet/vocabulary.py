@@ -72,6 +72,7 @@ class FaultKind(StrEnum):
     THERMAL = "thermal"
     BAD_ROLLOUT = "bad-rollout"
 
+
 # Operation ids of fleetmend's own procedures start with this prefix (DESIGN.md §5):
 # ``fleetmend:<workflow id>@<first run id>/<step>/<target>``. The inference effect API
 # (``POST /v1/effects``) refuses to claim any id in this namespace (403), so no caller

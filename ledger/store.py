@@ -634,7 +634,7 @@ class _Request:
     ) -> _Request:
         if not isinstance(op_id, str) or not op_id.strip():
             raise InvalidEffectRequest(
-                "operation id must be a non-empty string (e.g. '<workflow id>/<step>/<target>')"
+                "operation id must be a non-empty string (e.g. 'fleetmend:<workflow id>@<run>/<step>/<target>')"
             )
         if len(op_id) > MAX_OPERATION_ID_LENGTH:
             raise InvalidEffectRequest(

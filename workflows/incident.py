@@ -12,6 +12,13 @@ workflow. The incident:
    decides whether it has a common cause (bad rollout, failure domain);
 4. after the child finishes, stays open for a cool-down that absorbs late
    repeats, then completes. A loss after the window starts a new child.
+5. a recovery that *failed* (its workflow ended in error) keeps the incident open
+   in ``awaiting-operator`` - status, search attribute, incident channel - until an
+   operator answers with the ``resolve`` Update (new losses still start recoveries).
+
+Each recovery's id carries the incident's first run id
+(``incident/<ns>/<pool>/<run>/recovery-<n>``), and each recovery scopes its ledger
+operation ids by its own first run: the pool's next incident never meets this one's rows.
 """
 
 from __future__ import annotations
@@ -20,9 +27,10 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
-from temporalio.exceptions import ChildWorkflowError
+from temporalio.exceptions import ActivityError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
+    from activities.act import ActActivities, NotifyRequest
     from activities.observe import ObserveActivities
     from fleet import search_attributes as sa
     from fleet.incident import AlertStatus, LossReport, PoolRef
@@ -30,6 +38,7 @@ with workflow.unsafe.imports_passed_through():
         Decision,
         IncidentCause,
         IncidentInput,
+        OperatorAction,
         Phase,
         ProcedureStatus,
         RecoveryInput,
@@ -50,14 +59,19 @@ def entity_key(report: LossReport) -> str:
 
 @workflow.defn(name="FleetIncident")
 class FleetIncident:
-    def __init__(self) -> None:
+    @workflow.init
+    def __init__(self, pool: PoolRef | IncidentInput) -> None:
         self._pending: list[LossReport] = []
         self._fingerprints: set[str] = set()
         self._entities: set[str] = set()
         self._resolved: set[str] = set()
         self._absorbed = 0
-        self._status: ProcedureStatus | None = None
+        ref = pool.pool if isinstance(pool, IncidentInput) else pool
+        self._status = ProcedureStatus(
+            workflow=workflow.info().workflow_id, pool=ref, phase=Phase.CORRELATING
+        )
         self._children: list[str] = []
+        self._failed: dict[str, str] = {}  # failed recovery -> why, until an operator resolves it
 
     @workflow.signal(name="report_loss", description="An alert says a replica of this pool may be lost")
     def report_loss(self, report: LossReport) -> None:
@@ -73,9 +87,31 @@ class FleetIncident:
         self._entities.add(entity_key(report))
         self._pending.append(report)
 
+    @workflow.update(
+        name="resolve",
+        description="Close out failed recoveries (after handling them by hand): the incident can then end",
+    )
+    def resolve(self, action: OperatorAction) -> ProcedureStatus:
+        failed, self._failed = self._failed, {}
+        self._status.decisions.append(
+            Decision(
+                phase=self._status.phase,
+                summary=f"resolved by {action.operator}: {action.reason} (failed: {', '.join(sorted(failed))})",
+                at=workflow.now().timestamp(),
+            )
+        )
+        self._status.awaiting = None
+        return self._status
+
+    @resolve.validator
+    def _validate_resolve(self, action: OperatorAction) -> None:
+        if not self._failed:
+            raise ValueError("no failed recovery is waiting to be resolved (see the status query)")
+        if not action.reason:
+            raise ValueError("resolving needs a reason (what was done about the failed recovery)")
+
     @workflow.query(name="status", description="Phase, children and figures of this incident")
     def status(self) -> ProcedureStatus:
-        assert self._status is not None
         self._status.figures.update(
             {
                 "alerts_seen": len(self._fingerprints) + self._absorbed,
@@ -94,8 +130,6 @@ class FleetIncident:
         config: IncidentInput | None = None
         if isinstance(pool, IncidentInput):
             config, pool = pool, pool.pool
-        info = workflow.info()
-        self._status = ProcedureStatus(workflow=info.workflow_id, pool=pool, phase=Phase.CORRELATING)
         if config is None:
             config = await workflow.execute_activity_method(
                 ObserveActivities.load_incident_config,
@@ -123,7 +157,10 @@ class FleetIncident:
                     timeout_summary="cool-down: absorbing late repeats",
                 )
             except TimeoutError:
-                break
+                if not self._failed:
+                    break
+                await self._await_resolution(pool)
+                continue
             await self._run_recovery(pool, config)
 
         self._status.phase = Phase.DONE
@@ -132,12 +169,52 @@ class FleetIncident:
         await workflow.wait_condition(workflow.all_handlers_finished)
         return self._status
 
+    async def _await_resolution(self, pool: PoolRef) -> None:
+        """A failed recovery keeps the incident open and visible until ``resolve`` (or a new loss)."""
+        what = "; ".join(f"{c}: {why}" for c, why in sorted(self._failed.items()))
+        self._status.phase = Phase.AWAITING_OPERATOR
+        self._status.awaiting = f"failed recovery needs an operator — {what}; answer with `resolve`"
+        workflow.upsert_search_attributes([sa.FLEETMEND_PHASE.value_set(Phase.AWAITING_OPERATOR.value)])
+        self._set_details(f"**Awaiting operator**: {self._status.awaiting}")
+        await self._notify(
+            f"failed-{len(self._children)}",
+            f"[fleetmend] {pool.key}: recovery failed and the incident stays open — {what}. "
+            f"Handle it, then `fleetmend resolve {workflow.info().workflow_id} --reason ...`.",
+        )
+        await workflow.wait_condition(lambda: not self._failed or bool(self._pending))
+        self._status.phase = Phase.CORRELATING
+        workflow.upsert_search_attributes([sa.FLEETMEND_PHASE.value_set(Phase.CORRELATING.value)])
+
+    async def _notify(self, topic: str, text: str) -> None:
+        info = workflow.info()
+        try:
+            await workflow.execute_activity_method(
+                ActActivities.notify,
+                NotifyRequest(
+                    step="notify",
+                    topic=topic,
+                    text=text,
+                    scope=f"{info.workflow_id}@{info.first_execution_run_id}",
+                ),
+                start_to_close_timeout=timedelta(seconds=30),
+                schedule_to_close_timeout=timedelta(seconds=120),
+                summary=f"incident channel: {topic}",
+            )
+        except ActivityError as err:
+            self._status.decisions.append(
+                Decision(
+                    phase=self._status.phase,
+                    summary=f"incident channel unreachable: {err.cause or err}",
+                    at=workflow.now().timestamp(),
+                )
+            )
+
     async def _run_recovery(self, pool: PoolRef, config: IncidentInput) -> None:
-        assert self._status is not None
         first = self._pending.pop(0)
         now = workflow.now().timestamp()
         n = len(self._children) + 1
-        child_id = f"{workflow.info().workflow_id}/recovery-{n}"
+        info = workflow.info()
+        child_id = f"{info.workflow_id}/{info.first_execution_run_id[:8]}/recovery-{n}"
         child_input = RecoveryInput(
             pool=pool,
             incident_id=workflow.info().workflow_id,
@@ -205,6 +282,8 @@ class FleetIncident:
                 break
         try:
             result: ProcedureStatus = await handle
+            if result.phase is Phase.FAILED:
+                self._failed[child_id] = "ended in phase failed"
             self._status.decisions.append(
                 Decision(
                     phase=result.phase,
@@ -216,6 +295,7 @@ class FleetIncident:
                 )
             )
         except ChildWorkflowError as err:
+            self._failed[child_id] = str(err.cause or err)[:500]
             self._status.decisions.append(
                 Decision(
                     phase=Phase.FAILED,

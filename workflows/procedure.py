@@ -1,41 +1,104 @@
-"""What every fleetmend procedure workflow shares: phases, decisions, the status query, operator Updates.
+"""The procedure toolkit: what every fleetmend procedure workflow does the same way.
 
-``Procedure`` is a base class for ``@workflow.defn`` classes (the SDK collects
-handlers from base classes). It keeps the operator-visible state
-(``ProcedureStatus``) and gives each procedure the same steering:
+``Procedure`` is the base class of ``ReplicaLossRecovery`` and ``PlannedScaleDown``
+(the SDK collects handlers from base classes). Their ``run()`` methods read as the
+runbook; each step observes, decides with a pure function from ``fleet/`` and acts
+through this toolkit:
 
-* ``status`` query - phase, decisions, figures, what it awaits;
-* ``pause`` / ``resume`` / ``abort`` / ``approve`` Updates, validated (a
-  rejection is raised in the validator only: an exception in an Update handler
-  other than ``ApplicationError`` would wedge the workflow, DESIGN.md §6b);
-* ``_enter(phase)`` - a step boundary: honours pause/abort, closes the previous
-  phase span, upserts ``FleetmendPhase`` and the current details shown in the UI;
-* ``_decide`` / ``_figure`` - the record an SRE reads afterwards.
+* ``act(activity, request, summary)`` - one ledger-backed effect. It stamps the
+  procedure's operation-id scope, dry-run and alert fingerprints on the request and
+  applies **the one refused-effect policy**: a refused effect (recorded ``failed`` or
+  ``needs_operator``), a divergent one, or an activity whose retry budget is spent
+  stops the step and asks an operator - ``retry`` (the same action again, under a
+  new operation id when the first one was recorded as refused), ``skip`` (with a
+  reason: the operator takes responsibility, the procedure goes on *without* the
+  effect) or ``abort``. The phase, the current details, ``status.refusal``, the
+  incident channel and ``fleetmend status`` all say what was refused and the world's
+  own error text. A procedure never acts on the assumption that a failed effect
+  happened.
+* ``observe(activity, request, summary)`` - a read, retried within the same bounded
+  budget; when the budget is spent the operator is asked (``retry`` or ``abort``).
+* ``deroute(...)`` - remove the router-only label and wait until the router no
+  longer routes to the pods; a router that does not follow is escalated, not ignored.
+* ``await_operator(what)`` - an approval gate (the ``approve`` Update).
+* ``notify(topic, text)`` - the incident channel, through the ledger.
+* ``enter(phase)`` / ``decide`` / ``figure`` - step boundaries and the record an SRE
+  reads afterwards; ``status`` query; ``pause`` / ``resume`` / ``abort`` Updates.
 
-Subclasses call ``super().__init__()``, set ``self._status`` when the run
-starts, and may override ``_on_phase_entered`` to do work at every boundary.
+Rejections live in the Update validators only: an exception other than
+``ApplicationError`` in an Update handler would wedge the workflow (DESIGN.md §6b).
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
+from temporalio.common import RetryPolicy, SearchAttributeUpdate
+from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import TimeoutError as TemporalTimeoutError
 
 with workflow.unsafe.imports_passed_through():
+    from activities.act import ActActivities, EffectReport, EffectRequest, NotifyRequest, PodLabelsChange
+    from activities.observe import DerouteSeen, DerouteWait, ObserveActivities
     from fleet import search_attributes as sa
-    from fleet.recovery import TERMINAL_PHASES, Decision, OperatorAction, Phase, PhaseSpan, ProcedureStatus
+    from fleet.incident import PoolRef
+    from fleet.recovery import (
+        TERMINAL_PHASES,
+        Decision,
+        OperatorAction,
+        Phase,
+        PhaseSpan,
+        ProcedureStatus,
+        Refusal,
+        RetryBudget,
+    )
+
+ReqT = TypeVar("ReqT", bound=EffectRequest)
+ArgT = TypeVar("ArgT")
+ResultT = TypeVar("ResultT")
+
+# States of an effect the procedure may build on.
+_DONE_STATES = frozenset({"applied", "planned", "skipped"})
 
 
-# Kubernetes and router calls are quick; a retry storm must not hammer a sick API server.
-ACTIVITY_RETRY = RetryPolicy(
-    initial_interval=timedelta(milliseconds=200),
-    backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=5),
-)
-ACTIVITY_TIMEOUT = timedelta(seconds=30)
+def activity_retry(budget: RetryBudget) -> RetryPolicy:
+    """The activities' retry policy: exponential backoff, bounded in attempts (time is bounded per call)."""
+    return RetryPolicy(
+        initial_interval=timedelta(seconds=budget.initial_interval_s),
+        backoff_coefficient=2.0,
+        maximum_interval=timedelta(seconds=budget.max_interval_s),
+        maximum_attempts=budget.attempts,
+    )
+
+
+def describe_failure(err: BaseException) -> str:
+    """The world's own error text out of an activity failure (the innermost cause's message)."""
+    parts: list[str] = []
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, TemporalTimeoutError):
+            parts.append(f"timed out ({cause.type.name.lower() if cause.type else 'timeout'})")
+        elif isinstance(cause, ApplicationError):
+            parts.append(cause.message)
+        cause = cause.__cause__
+    retry_state = getattr(err, "retry_state", None)
+    spent = {
+        "MAXIMUM_ATTEMPTS_REACHED": "retry budget spent (attempts)",
+        "TIMEOUT": "retry budget spent (time)",
+    }
+    head = spent.get(retry_state.name, "") if retry_state is not None else ""
+    text = "; ".join(p for p in parts if p) or str(err)
+    return f"{head}: {text}" if head else text
+
+
+def _resolved_by_ledger(err: ActivityError) -> bool:
+    """The ledger resolved the operation for good (needs_operator, divergent): not a spent budget."""
+    cause = err.cause
+    return isinstance(cause, ApplicationError) and cause.non_retryable
 
 
 class Aborted(Exception):
@@ -43,25 +106,37 @@ class Aborted(Exception):
 
 
 class Procedure:
-    def __init__(self) -> None:
-        self._status: ProcedureStatus | None = None
+    """The toolkit; a subclass's ``@workflow.init`` builds its state and calls ``super().__init__``."""
+
+    def __init__(
+        self, status: ProcedureStatus, *, budget: RetryBudget, dry_run: bool, operator_wait_s: float
+    ) -> None:
+        self._status = status
+        self._budget = budget
+        self._dry_run = dry_run
+        self._operator_wait_s = operator_wait_s
         self._paused = False
         self._abort: OperatorAction | None = None
         self._awaiting: str | None = None
         self._approval: OperatorAction | None = None
+        self._answer: tuple[str, OperatorAction] | None = None
+        self._fingerprints: list[str] = []
+        self._refusals = 0
+        # Steps that run side by side (triage beside the ramp) ask one question at a time.
+        self._escalation = asyncio.Lock()
 
     # ================================================================ operator steering
 
     @workflow.query(name="status", description="Phase, decisions and figures of this procedure")
     def status(self) -> ProcedureStatus:
-        return self._status_()
+        return self._status
 
     @workflow.update(name="pause", description="Hold the procedure at the next step boundary")
     def pause(self, action: OperatorAction) -> ProcedureStatus:
         self._paused = True
-        self._status_().paused = True
-        self._decide(f"paused by {action.operator}: {action.reason}")
-        return self._status_()
+        self._status.paused = True
+        self.decide(f"paused by {action.operator}: {action.reason}")
+        return self._status
 
     @pause.validator
     def _validate_pause(self, action: OperatorAction) -> None:
@@ -72,9 +147,9 @@ class Procedure:
     @workflow.update(name="resume", description="Continue a paused procedure")
     def resume(self, action: OperatorAction) -> ProcedureStatus:
         self._paused = False
-        self._status_().paused = False
-        self._decide(f"resumed by {action.operator}: {action.reason}")
-        return self._status_()
+        self._status.paused = False
+        self.decide(f"resumed by {action.operator}: {action.reason}")
+        return self._status
 
     @resume.validator
     def _validate_resume(self, action: OperatorAction) -> None:
@@ -89,8 +164,8 @@ class Procedure:
     )
     def abort(self, action: OperatorAction) -> ProcedureStatus:
         self._abort = action
-        self._decide(f"abort requested by {action.operator}: {action.reason}")
-        return self._status_()
+        self.decide(f"abort requested by {action.operator}: {action.reason}")
+        return self._status
 
     @abort.validator
     def _validate_abort(self, action: OperatorAction) -> None:
@@ -103,108 +178,387 @@ class Procedure:
     )
     def approve(self, action: OperatorAction) -> ProcedureStatus:
         self._approval = action
-        return self._status_()
+        return self._status
 
     @approve.validator
     def _validate_approve(self, action: OperatorAction) -> None:
         self._require_running()
         if self._awaiting is None:
+            if self._status.refusal is not None:
+                raise ValueError(
+                    "the procedure is waiting on a refused effect, not an approval: answer with retry, "
+                    "skip (with a reason) or abort"
+                )
             raise ValueError("nothing is awaiting approval right now (see the status query's 'awaiting')")
 
+    @workflow.update(
+        name="retry", description="Try the refused effect (or the step whose retry budget is spent) again"
+    )
+    def retry(self, action: OperatorAction) -> ProcedureStatus:
+        self._answer = ("retry", action)
+        return self._status
+
+    @retry.validator
+    def _validate_retry(self, action: OperatorAction) -> None:
+        self._require_refusal()
+
+    @workflow.update(
+        name="skip",
+        description="Go on without the refused effect (the operator did it by hand, or it is not needed); "
+        "needs a reason",
+    )
+    def skip(self, action: OperatorAction) -> ProcedureStatus:
+        self._answer = ("skip", action)
+        return self._status
+
+    @skip.validator
+    def _validate_skip(self, action: OperatorAction) -> None:
+        refusal = self._require_refusal()
+        if not refusal.can_skip:
+            raise ValueError(
+                f"{refusal.what} cannot be skipped (the procedure needs its answer): retry or abort"
+            )
+        if not action.reason:
+            raise ValueError("a skip needs a reason (it goes into the incident record next to the refusal)")
+
     def _require_running(self) -> None:
-        if self._status is None:
-            raise ValueError("the procedure has not started yet")
         if self._status.phase in TERMINAL_PHASES:
             raise ValueError(f"the procedure has ended (phase {self._status.phase.value})")
 
+    def _require_refusal(self) -> Refusal:
+        self._require_running()
+        if self._status.refusal is None:
+            raise ValueError("no refused effect is waiting for an answer (see the status query's 'refusal')")
+        return self._status.refusal
+
+    # ================================================================ acting and observing
+
+    @property
+    def scope(self) -> str:
+        """Operation-id scope: one procedure's whole life (retries, replays, continue-as-new), never another's."""
+        info = workflow.info()
+        return f"{info.workflow_id}@{info.first_execution_run_id}"
+
+    def set_fingerprints(self, fingerprints: list[str]) -> None:
+        self._fingerprints = sorted(set(fingerprints))[:20]
+
+    async def act(
+        self, activity: Callable[[Any, ReqT], EffectReport], request: ReqT, summary: str
+    ) -> EffectReport:
+        """Perform one effect through the ledger; a refusal stops here until an operator answers."""
+        attempt = 0
+        while True:
+            await self.checkpoint()
+            step = request.step if attempt == 0 else f"{request.step}~{attempt}"
+            stamped = request.model_copy(
+                update={
+                    "step": step,
+                    "scope": self.scope,
+                    "dry_run": self._dry_run,
+                    "fingerprints": self._fingerprints,
+                }
+            )
+            try:
+                report = await workflow.execute_activity_method(
+                    activity,
+                    stamped,
+                    start_to_close_timeout=timedelta(seconds=self._budget.call_timeout_s),
+                    schedule_to_close_timeout=timedelta(seconds=self._budget.budget_s),
+                    retry_policy=activity_retry(self._budget),
+                    summary=summary[:190],
+                )
+            except ActivityError as err:
+                # Budget spent, divergent, or needs an operator: the ledger row (if any) is unresolved
+                # or flagged; a retry asks about the same operation id again.
+                refusal = Refusal(step=step, what=summary, error=describe_failure(err), attempt=attempt)
+                if await self.escalate(refusal) == "skip":
+                    return EffectReport(op_id="", kind="", target="", state="skipped", error=refusal.error)
+                if _resolved_by_ledger(err):
+                    attempt += 1  # needs_operator / divergent is final for that op id: a retry is a new one
+                continue
+            self._count(report)
+            if report.state in _DONE_STATES:
+                return report
+            refusal = Refusal(step=step, what=summary, error=report.error or report.state, attempt=attempt)
+            if await self.escalate(refusal) == "skip":
+                return report
+            attempt += 1  # the refusal is recorded under its op id; the retry is a new operation
+
+    async def observe(
+        self,
+        activity: Callable[[Any, ArgT], ResultT],
+        arg: ArgT,
+        summary: str,
+        *,
+        timeout_s: float | None = None,
+        heartbeat_s: float | None = None,
+    ) -> ResultT:
+        """A read of the world, with the bounded retry budget; spent, it asks an operator (retry / abort)."""
+        while True:
+            try:
+                return await workflow.execute_activity_method(
+                    activity,
+                    arg,
+                    start_to_close_timeout=timedelta(seconds=timeout_s or self._budget.call_timeout_s),
+                    schedule_to_close_timeout=timedelta(
+                        seconds=max(self._budget.budget_s, 2 * (timeout_s or 0.0))
+                    ),
+                    heartbeat_timeout=timedelta(seconds=heartbeat_s) if heartbeat_s else None,
+                    retry_policy=activity_retry(self._budget),
+                    summary=summary[:190],
+                )
+            except ActivityError as err:
+                await self.escalate(
+                    Refusal(step="observe", what=summary, error=describe_failure(err), can_skip=False)
+                )
+
+    async def call(self, activity: Callable[[ArgT], Any], arg: ArgT, summary: str) -> Any:
+        """A read implemented as a plain function activity (e.g. ``incident_on_pool``), same budget."""
+        while True:
+            try:
+                return await workflow.execute_activity(
+                    activity,
+                    arg,
+                    start_to_close_timeout=timedelta(seconds=self._budget.call_timeout_s),
+                    schedule_to_close_timeout=timedelta(seconds=self._budget.budget_s),
+                    retry_policy=activity_retry(self._budget),
+                    summary=summary[:190],
+                )
+            except ActivityError as err:
+                await self.escalate(
+                    Refusal(step="observe", what=summary, error=describe_failure(err), can_skip=False)
+                )
+
+    async def deroute(
+        self, pool: PoolRef, pods: list[str], label: str, *, step: str, why: str, timeout_s: float
+    ) -> DerouteSeen | None:
+        """Remove the router-only label from ``pods``, then wait until the router no longer routes to them.
+
+        Returns when that was first seen (None in dry-run). A router that keeps routing
+        to them past ``timeout_s`` is escalated (retry the wait, skip, or abort).
+        """
+        for pod in pods:
+            await self.act(
+                ActActivities.patch_pod_metadata,
+                PodLabelsChange(step=step, namespace=pool.namespace, pod=pod, labels={label: None}),
+                f"{why}: remove router-only label {label} from {pod}",
+            )
+        return await self.await_out_of_routing(pool, pods, timeout_s=timeout_s)
+
+    async def await_out_of_routing(
+        self, pool: PoolRef, pods: list[str], *, timeout_s: float
+    ) -> DerouteSeen | None:
+        if self._dry_run or not pods:
+            return None
+        while True:
+            seen = await self.observe(
+                ObserveActivities.await_derouted,
+                DerouteWait(pool=pool, pods=sorted(pods), timeout_s=timeout_s),
+                "wait until the router no longer routes to them",
+                timeout_s=timeout_s + 30,
+                heartbeat_s=10,
+            )
+            if not seen.still_routed:
+                return seen
+            refusal = Refusal(
+                step="await-out-of-routing",
+                what=f"take {', '.join(seen.still_routed)} out of routing",
+                error=f"still routed {timeout_s:.0f} s after derouting: the router follows neither the "
+                "router-only label nor EndpointSlice readiness - check its configuration",
+            )
+            if await self.escalate(refusal) == "skip":
+                return seen
+
+    async def notify(self, topic: str, text: str) -> None:
+        """Post to the incident channel through the ledger. A refused post is recorded, never escalated
+        (the channel is how an operator hears of escalations)."""
+        request = NotifyRequest(
+            step="notify",
+            topic=topic,
+            text=text,
+            scope=self.scope,
+            dry_run=self._dry_run,
+            fingerprints=self._fingerprints,
+        )
+        try:
+            report = await workflow.execute_activity_method(
+                ActActivities.notify,
+                request,
+                start_to_close_timeout=timedelta(seconds=self._budget.call_timeout_s),
+                schedule_to_close_timeout=timedelta(seconds=self._budget.budget_s),
+                retry_policy=activity_retry(self._budget),
+                summary=f"incident channel: {topic}"[:190],
+            )
+        except ActivityError as err:
+            self.decide(f"incident channel unreachable ({describe_failure(err)}); message was: {text}")
+            return
+        self._count(report)
+
+    # ================================================================ asking an operator
+
+    async def escalate(self, refusal: Refusal) -> str:
+        """Stop in ``awaiting-operator`` until ``retry`` / ``skip`` / ``abort``; returns "retry" or "skip"."""
+        async with self._escalation:
+            return await self._escalate(refusal)
+
+    async def _escalate(self, refusal: Refusal) -> str:
+        self._refusals += 1
+        self.figure("refusals", self._refusals)
+        status = self._status
+        status.refusal = refusal
+        answers = "`retry`, `skip` (with a reason) or `abort`" if refusal.can_skip else "`retry` or `abort`"
+        what = f"{refusal.what} failed: {refusal.error}"
+        self.decide(f"stopped: {what}; asking an operator ({answers})", {"refusal": refusal.model_dump()})
+        previous = status.phase
+        status.awaiting = f"{what} — answer with {answers}"
+        self._answer = None
+        await self.enter(Phase.AWAITING_OPERATOR, f"**Refused:** {what}\n\nAnswer with {answers}.")
+        await self.notify(
+            f"refusal-{self._refusals}",
+            f"[fleetmend] {status.pool.key}: {what}. The procedure stopped and waits for an operator: "
+            f"{answers} (`fleetmend retry|skip|abort {status.workflow}`).",
+        )
+        try:
+            await self._wait_for_operator(lambda: self._answer is not None, what)
+        finally:
+            status.awaiting = None
+            status.refusal = None
+        answer = self._answer
+        assert answer is not None
+        choice, action = answer
+        if choice == "skip":
+            self.decide(
+                f"skipped by {action.operator}: {refusal.what} ({action.reason}); going on without it",
+                {"skipped": refusal.model_dump()},
+            )
+        else:
+            self.decide(f"retry requested by {action.operator}: {refusal.what}")
+        await self.enter(previous, f"{choice} by {action.operator}: {refusal.what}")
+        return choice
+
+    async def await_operator(self, what: str, timeout_s: float | None = None) -> OperatorAction | None:
+        """An approval gate: ``awaiting-operator`` until ``approve``; back to the previous phase.
+
+        With ``timeout_s``, returns None when nobody answered in time (the procedure says what
+        silence means); without, it waits as long as it takes, reminding the channel. Raises
+        ``Aborted`` when an operator aborted instead.
+        """
+        self._awaiting = what
+        self._approval = None
+        status = self._status
+        status.awaiting = what
+        previous = status.phase
+        await self.enter(Phase.AWAITING_OPERATOR, f"**Awaiting operator**: {what} — use the `approve` Update")
+        await self.notify(
+            f"approval-{len(status.decisions)}", f"[fleetmend] {status.pool.key}: operator needed — {what}"
+        )
+        try:
+            answered = await self._wait_for_operator(lambda: self._approval is not None, what, timeout_s)
+        finally:
+            self._awaiting = None
+            status.awaiting = None
+        if not answered:
+            return None
+        approval = self._approval
+        assert approval is not None
+        await self.enter(previous, f"approved: {what}")
+        return approval
+
+    async def _wait_for_operator(
+        self, answered: Callable[[], bool], what: str, timeout_s: float | None = None
+    ) -> bool:
+        waited = 0.0
+        while True:
+            chunk = (
+                self._operator_wait_s if timeout_s is None else min(self._operator_wait_s, timeout_s - waited)
+            )
+            try:
+                await workflow.wait_condition(
+                    lambda: answered() or self._abort is not None,
+                    timeout=timedelta(seconds=max(chunk, 0.001)),
+                    timeout_summary=f"operator: {what}"[:190],
+                )
+            except TimeoutError:
+                waited += chunk
+                if timeout_s is not None and waited >= timeout_s:
+                    return False
+                await self.notify(
+                    f"reminder-{len(self._status.decisions)}",
+                    f"[fleetmend] {self._status.pool.key}: still waiting for an operator ({waited:.0f} s): {what}",
+                )
+                self.decide(f"still waiting for an operator after {waited:.0f} s: {what}")
+                continue
+            if self._abort is not None:
+                raise Aborted()
+            return True
+
     # ================================================================ phases and the record
 
-    def _finish(self, phase: Phase) -> ProcedureStatus:
-        status = self._status_()
-        now = self._now()
+    def begin(self, kind: str, pool: PoolRef, **extra: Any) -> None:
+        """Search attributes every procedure carries (the UI's filters); ``extra`` keyword SAs by key name."""
+        pairs: list[SearchAttributeUpdate[Any]] = [
+            sa.FLEETMEND_KIND.value_set(kind),
+            sa.FLEETMEND_NAMESPACE.value_set(pool.namespace),
+            sa.FLEETMEND_POOL.value_set(pool.key),
+            sa.FLEETMEND_PHASE.value_set(self._status.phase.value),
+            sa.FLEETMEND_DRY_RUN.value_set(self._dry_run),
+        ]
+        if "severity" in extra:
+            pairs.append(sa.FLEETMEND_SEVERITY.value_set(str(extra["severity"])))
+        workflow.upsert_search_attributes(pairs)
+
+    def finish(self, phase: Phase) -> ProcedureStatus:
+        status = self._status
+        now = self.now()
         if status.phases and status.phases[-1].end is None:
             status.phases[-1].end = now
         status.phase = phase
         status.phases.append(PhaseSpan(name=phase, start=now, end=now))
         workflow.upsert_search_attributes([sa.FLEETMEND_PHASE.value_set(phase.value)])
-        self._set_details(f"**{phase.value}** — {status.decisions[-1].summary if status.decisions else ''}")
+        self.set_details(f"**{phase.value}** — {status.decisions[-1].summary if status.decisions else ''}")
         return status
 
-    async def _enter(self, phase: Phase, details: str) -> None:
-        await self._checkpoint()
-        status = self._status_()
-        now = self._now()
+    async def enter(self, phase: Phase, details: str) -> None:
+        await self.checkpoint()
+        status = self._status
+        now = self.now()
         if status.phases and status.phases[-1].end is None:
             status.phases[-1].end = now
         status.phases.append(PhaseSpan(name=phase, start=now))
         status.phase = phase
         workflow.upsert_search_attributes([sa.FLEETMEND_PHASE.value_set(phase.value)])
-        self._set_details(f"**Phase:** {phase.value}\n\n{details}")
-        await self._on_phase_entered(phase)
+        self.set_details(f"**Phase:** {phase.value}\n\n{details}")
+        await self.on_phase_entered(phase)
 
-    async def _on_phase_entered(self, phase: Phase) -> None:
+    async def on_phase_entered(self, phase: Phase) -> None:
         """Hook run at every step boundary (after the phase is recorded)."""
 
-    async def _announce_awaiting(self, what: str) -> None:
-        """Hook: tell the incident channel an operator is needed (the procedures post through the ledger)."""
-
-    async def _await_operator(self, what: str, timeout_s: float) -> OperatorAction | None:
-        """Stop in ``awaiting-operator`` until the ``approve`` Update answers; back to the previous phase.
-
-        Returns the approval, or None when nobody answered within ``timeout_s`` (each procedure
-        decides what silence means); raises ``Aborted`` when an operator aborted instead.
-        """
-        self._awaiting = what
-        self._approval = None
-        status = self._status_()
-        status.awaiting = what
-        previous = status.phase
-        await self._enter(
-            Phase.AWAITING_OPERATOR, f"**Awaiting operator**: {what} — use the `approve` Update"
-        )
-        await self._announce_awaiting(what)
-        try:
-            await workflow.wait_condition(
-                lambda: self._approval is not None or self._abort is not None,
-                timeout=timedelta(seconds=timeout_s),
-                timeout_summary="operator approval",
-            )
-        except TimeoutError:
-            return None
-        finally:
-            self._awaiting = None
-            status.awaiting = None
-        if self._abort is not None:
-            raise Aborted()
-        approval = self._approval
-        assert approval is not None
-        await self._enter(previous, f"approved: {what}")
-        return approval
-
-    async def _checkpoint(self) -> None:
+    async def checkpoint(self) -> None:
         if self._abort is not None:
             raise Aborted()
         if self._paused:
-            self._set_details("**Paused** by an operator — use the `resume` Update")
+            self.set_details("**Paused** by an operator — use the `resume` Update")
             await workflow.wait_condition(lambda: not self._paused or self._abort is not None)
             if self._abort is not None:
                 raise Aborted()
 
-    def _decide(self, summary: str, figures: dict[str, Any] | None = None) -> None:
-        status = self._status_()
-        status.decisions.append(
-            Decision(phase=status.phase, summary=summary, figures=figures or {}, at=self._now())
+    def decide(self, summary: str, figures: dict[str, Any] | None = None) -> None:
+        self._status.decisions.append(
+            Decision(phase=self._status.phase, summary=summary, figures=figures or {}, at=self.now())
         )
 
-    def _figure(self, key: str, value: Any) -> None:
-        self._status_().figures[key] = value
+    def figure(self, key: str, value: Any) -> None:
+        self._status.figures[key] = value
 
-    def _set_details(self, text: str) -> None:
+    def set_details(self, text: str) -> None:
         workflow.set_current_details(text)
 
-    def _now(self) -> float:
+    def now(self) -> float:
         return workflow.now().timestamp()
 
-    def _status_(self) -> ProcedureStatus:
-        assert self._status is not None
-        return self._status
+    def _count(self, report: EffectReport) -> None:
+        figures = self._status.figures
+        key = f"effects_{report.state}"
+        figures[key] = figures.get(key, 0) + 1
+        if report.replayed:
+            figures["effects_deduplicated"] = figures.get("effects_deduplicated", 0) + 1

@@ -83,8 +83,15 @@ class KubeApi:
                     "the server was unable to return a response in the time allotted (injected fault)"
                 )
             if rule is not None:
-                resource, _, name, _ = target
-                raise error_for(rule, resource.plural, name or "", resource.group)
+                resource, namespace, name, _ = target
+                raise error_for(
+                    rule,
+                    resource.plural,
+                    name or "",
+                    resource.group,
+                    verb=request.method,
+                    namespace=namespace or "",
+                )
             return await self._handle(request, *target)
         except ApiError as error:
             return status_response(error)

@@ -115,6 +115,16 @@ def unauthorized() -> ApiError:
     return ApiError(401, "Unauthorized", "Unauthorized")
 
 
+def forbidden(user: str, verb: str, resource: str, name: str, namespace: str, group: str = "") -> ApiError:
+    """What RBAC answers: ``User "u" cannot patch resource "pods" in API group "" in the namespace "ns"``."""
+    where = f' in the namespace "{namespace}"' if namespace else " at the cluster scope"
+    message = (
+        f'{resource} "{name}" is forbidden: User "{user}" cannot {verb} resource "{resource}" '
+        f'in API group "{group}"{where}'
+    )
+    return ApiError(403, "Forbidden", message, _details(name, resource, group))
+
+
 def too_many_requests(
     message: str, causes: list[dict[str, str]] | None = None, retry_after: int = 0
 ) -> ApiError:

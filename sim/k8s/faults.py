@@ -1,6 +1,7 @@
 """Fault knobs for the simulated API itself (for retry and unknown-outcome tests).
 
-A rule makes a share of matching requests fail with 500, 429 or 409, or time
+A rule makes a share of matching requests fail with 500, 429 or 409, be refused
+as RBAC refuses (403 Forbidden) or as admission/validation refuses (422 Invalid), or time
 out (the server holds the request for ``delay_s`` wall seconds, then answers
 504 — optionally *after* applying the change, the nasty "did it happen?" case).
 Randomness is seeded so a scenario replays the same failures.
@@ -14,7 +15,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sim.k8s.errors import ApiError, conflict, internal_error, too_many_requests
+from sim.k8s.errors import ApiError, conflict, forbidden, internal_error, invalid, too_many_requests
+
+_VERBS = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
 
 Verb = Literal["GET", "POST", "PUT", "PATCH", "DELETE"]
 
@@ -24,7 +27,7 @@ class ApiFaultRule(BaseModel):
 
     verbs: list[Verb] = Field(default_factory=lambda: list[Verb](["PATCH"]))
     path_contains: str = Field("", description="only requests whose path contains this text")
-    error: Literal["500", "429", "409", "timeout"]
+    error: Literal["500", "429", "409", "403", "422", "timeout"]
     rate: float = Field(1.0, ge=0.0, le=1.0, description="share of matching requests that fail")
     count: int | None = Field(None, ge=1, description="stop after this many injected failures")
     delay_s: float = Field(5.0, ge=0.0, le=120.0, description="wall seconds a timeout holds the request")
@@ -69,8 +72,24 @@ class ApiFaults:
             return None
 
 
-def error_for(rule: ApiFaultRule, resource: str, name: str, group: str) -> ApiError:
+def error_for(
+    rule: ApiFaultRule, resource: str, name: str, group: str, *, verb: str = "PATCH", namespace: str = ""
+) -> ApiError:
     """The Status error an injected (non-timeout) fault answers with."""
+    if rule.error == "403":
+        return forbidden(
+            "system:serviceaccount:fleetmend:fleetmend",
+            _VERBS.get(verb, verb.lower()),
+            resource,
+            name,
+            namespace,
+            group,
+        )
+    if rule.error == "422":
+        kind = resource[:-1].capitalize() if resource.endswith("s") else resource
+        return invalid(
+            kind, name or "unknown", "metadata", "refused by an admission policy (injected fault)", group
+        )
     if rule.error == "429":
         return too_many_requests(
             "the server has received too many requests and has asked us to try again later",

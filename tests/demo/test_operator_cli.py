@@ -23,7 +23,7 @@ from fleet.incident import LossReport, PoolRef
 from fleet.recovery import Phase, ProcedureStatus
 from fleet.vocabulary import FaultKind
 from tests.demo.conftest import FLEETMEND
-from tests.recovery.helpers import finish, incident_config, wait_for_child, wait_for_phase
+from tests.support import finish, incident_config, wait_for_child, wait_for_phase
 from worker.devstack.rig import compressed_scenario, fleet_rig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -15,7 +15,7 @@ from temporalio.worker import Replayer
 from fleet.protocol import Admission
 from fleet.recovery import OperatorAction, Phase, ProcedureStatus
 from fleet.vocabulary import FaultKind, Tier
-from tests.recovery.helpers import (
+from tests.support import (
     POOL,
     decisions,
     finish,

@@ -1,25 +1,18 @@
-"""Driving planned scale-downs against the simulated fleet, and what an SRE checks afterwards."""
+"""The scale-down pool and its load; shared waits and checks are in ``tests/support.py``."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any
 
 from kubernetes import client as kc
 from kubernetes import config as kconfig
-from sqlalchemy import create_engine
 from temporalio.client import Client, WorkflowHandle
 
-from fleet.incident import PoolRef
-from fleet.recovery import Phase, ProcedureStatus
 from fleet.scale_down import ScaleDownInput
-from ledger.reconcile import ReconcileReport, reconcile, world_actions_from_sim
 from sim.scenario import SCENARIO_DIR, Scenario, load_scenario
-from tests.recovery.helpers import fleetmend_actions
+from tests.support import POOL
 from worker.devstack.rig import FleetRig
 
-POOL = PoolRef(namespace="inference", service="llama")
 # The scale-down scenario's replicas decode 2400 tokens/s each (its warm rate); the sim runs at speed 1.
 GROUP_CAPACITY_TOKENS = 2400.0
 # Streaming load: requests of 100-300 tokens at 40 tokens/s per sequence stream for 2.5-7.5 s.
@@ -54,74 +47,10 @@ async def start_scale_down(
     )
 
 
-async def status_of(handle: WorkflowHandle[Any, Any]) -> ProcedureStatus:
-    return await handle.query("status", result_type=ProcedureStatus)
-
-
-async def wait_for_phase(
-    handle: WorkflowHandle[Any, Any], phase: Phase, timeout_s: float = 60
-) -> ProcedureStatus:
-    deadline = time.monotonic() + timeout_s
-    status = None
-    while time.monotonic() < deadline:
-        try:
-            status = await status_of(handle)
-        except Exception:  # no worker right now (the crash test): ask again
-            await asyncio.sleep(0.3)
-            continue
-        if status.phase == phase:
-            return status
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"phase {phase.value} not reached within {timeout_s} s (status {status})")
-
-
-async def finish(handle: WorkflowHandle[Any, Any], timeout_s: float = 90) -> ProcedureStatus:
-    """The scale-down's final status, failing the test with its decisions if it did not complete."""
-    try:
-        result = await asyncio.wait_for(handle.result(), timeout_s)
-        return result if isinstance(result, ProcedureStatus) else ProcedureStatus.model_validate(result)
-    except Exception as exc:
-        status = await status_of(handle)
-        raise AssertionError(f"scale-down did not complete: {exc!r}\n{decisions(status)}") from exc
-
-
-def decisions(status: ProcedureStatus) -> str:
-    return "\n".join(f"  [{d.phase.value}] {d.summary}" for d in status.decisions)
-
-
-def cli_env(client: Client, task_queue: str) -> dict[str, str]:
-    """The environment a ``fleetmend`` command needs to reach this test's Temporal and worker."""
-    return {
-        "FLEETMEND_TEMPORAL_ADDRESS": client.service_client.config.target_host,
-        "FLEETMEND_TEMPORAL_NAMESPACE": client.namespace,
-        "FLEETMEND_TASK_QUEUE": task_queue,
-        "COLUMNS": "200",
-    }
-
-
-async def run_cli(env: dict[str, str], *args: str) -> Any:
-    """``fleetmend ARGS`` in-process (typer's runner) on a thread: the commands run their own event loop."""
-    from typer.testing import CliRunner
-
-    from worker.cli.app import app
-
-    return await asyncio.to_thread(CliRunner().invoke, app, list(args), env=env)
-
-
 def core_api(rig: FleetRig) -> kc.CoreV1Api:
     cfg = kc.Configuration()
     kconfig.load_kube_config(config_file=str(rig.sim.kubeconfig), client_configuration=cfg)
     return kc.CoreV1Api(kc.ApiClient(cfg))
-
-
-async def reconcile_with_world(rig: FleetRig, ledger_url: str) -> ReconcileReport:
-    actions = await fleetmend_actions(rig)
-    world = rig.base_url.split("://", 1)[1]
-    engine = create_engine(ledger_url)
-    try:
-        return reconcile(engine, world=world, actions=world_actions_from_sim(world, actions))
-    finally:
-        engine.dispose()
 
 
 async def cut_streams_on(rig: FleetRig, pods: list[str]) -> int:

@@ -14,7 +14,8 @@ from temporalio.client import Client
 from typer.testing import CliRunner
 
 from fleet.vocabulary import SERVING_READY_CONDITION, FaultKind
-from tests.scale_down.helpers import POOL, core_api, vllm_default_scenario
+from tests.scale_down.helpers import core_api, vllm_default_scenario
+from tests.support import POOL
 from worker.cli.app import app
 from worker.devstack.rig import FleetRig, fleet_rig
 from workflows.readiness_keeper import KeeperStatus, readiness_keeper_workflow_id

@@ -18,19 +18,21 @@ from fleet.incident import scale_down_workflow_id
 from fleet.recovery import OperatorAction, Phase
 from fleet.search_attributes import FLEETMEND_KIND, FLEETMEND_PHASE
 from tests.scale_down.helpers import (
-    POOL,
     STREAMING,
-    cli_env,
     core_api,
     cut_streams_on,
+    scale_down_input,
+    start_scale_down,
+    vllm_default_scenario,
+)
+from tests.support import (
+    POOL,
+    cli_env,
     decisions,
     finish,
     reconcile_with_world,
     run_cli,
-    scale_down_input,
-    start_scale_down,
     status_of,
-    vllm_default_scenario,
     wait_for_phase,
 )
 from worker.devstack.rig import fleet_rig
@@ -277,3 +279,43 @@ async def test_dry_run_plans_everything_and_touches_nothing_and_operators_steer_
         status = await finish(handle)
         assert status.phase == Phase.ABORTED and "nothing was removed" in decisions(status), decisions(status)
         assert len(await rig.routing_set(POOL)) == 8
+
+
+async def test_a_refused_scale_stops_the_terminate_step_and_retry_after_the_fix_completes(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    """The drained victims are out of routing when the world refuses the scale (422 from an admission
+    policy): the scale-down stops there and asks, says what was refused, and removes nothing until retry."""
+    async with fleet_rig(
+        temporal_client, scenario=vllm_default_scenario(), database_url=ledger_url, task_queue=task_queue
+    ) as rig:
+        load = await rig.start_load(rate=8, duration_s=60, seed=11, **STREAMING)
+        await rig.refuse({"verbs": ["PATCH"], "path_contains": "/scale", "error": "422"})
+        handle = await start_scale_down(
+            temporal_client, rig, scale_down_input(target_groups=7), f"sd-{uuid.uuid4().hex[:8]}"
+        )
+        waiting = await wait_for_phase(handle, Phase.AWAITING_OPERATOR, 60)
+        assert waiting.refusal is not None, decisions(waiting)
+        assert "scale" in waiting.refusal.what and "Invalid" in waiting.refusal.error, waiting.refusal
+        assert any("waits for an operator" in m["text"] for m in await rig.notifications())
+        # Nothing was removed: the pods are all still there, only the victim is out of routing.
+        victims = waiting.figures["victims"]
+        pods = {
+            p.metadata.name
+            for p in (await asyncio.to_thread(core_api(rig).list_namespaced_pod, POOL.namespace)).items
+        }
+        assert set(victims) <= pods, (victims, pods)  # a Deployment's group id is its pod's name
+        with pytest.raises(WorkflowUpdateFailedError) as no_reason:
+            await handle.execute_update("skip", OperatorAction(operator="sre", reason=""))
+        assert "needs a reason" in str(no_reason.value.cause)
+        await rig.refuse()
+        await handle.execute_update("retry", OperatorAction(operator="sre", reason="policy exempted"))
+        status = await finish(handle)
+        assert status.phase == Phase.DONE, decisions(status)
+        assert status.verification is not None and status.verification.passed, decisions(status)
+        assert status.figures["cut_streams"] == 0
+        assert len(await rig.routing_set(POOL)) == 7
+        report = await reconcile_with_world(rig, ledger_url)
+        assert report.duplicates == [] and report.orphans == [], report
+        users = await rig.load_report(load)
+        assert users["truncated_streams"] == 0, users

@@ -17,18 +17,8 @@ import pytest
 from temporalio.client import Client
 
 from fleet.recovery import Phase
-from tests.scale_down.helpers import (
-    POOL,
-    cut_streams_on,
-    decisions,
-    finish,
-    reconcile_with_world,
-    scale_down_input,
-    start_scale_down,
-    status_of,
-    vllm_default_scenario,
-    wait_for_phase,
-)
+from tests.scale_down.helpers import cut_streams_on, scale_down_input, start_scale_down, vllm_default_scenario
+from tests.support import POOL, decisions, finish, reconcile_with_world, status_of, wait_for_phase
 from worker.config import Settings
 from worker.devstack.rig import fleet_rig
 

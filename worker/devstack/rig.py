@@ -68,6 +68,11 @@ class FleetRig:
         r.raise_for_status()
         return dict(r.json()) if r.content else {}
 
+    async def refuse(self, *rules: dict[str, Any]) -> None:
+        """Make the simulated API server refuse requests (``sim.k8s.faults.ApiFaultRule``); none = lift."""
+        r = await self.http.put("/sim/v1/api-faults", json={"rules": list(rules)})
+        r.raise_for_status()
+
     async def report_loss(
         self, report: LossReport, config: IncidentInput | None = None
     ) -> WorkflowHandle[Any, Any]:

@@ -34,6 +34,13 @@ from fleet.observation import PoolObservation
 from fleet.protocol import JournalEntry, Outcome
 from fleet.ramp import rate_weights
 from fleet.shedding import SurvivorLoad
+from fleet.verification import (
+    LedgerReconcile,
+    NodeQuarantine,
+    RecoveryObservations,
+    ReplicaObservation,
+)
+from fleet.vocabulary import QUARANTINE_LABEL, QUARANTINE_TAINT_KEY
 
 # A new replica whose TTFT p99 breaks the SLO gets its weight multiplied by this, per interval.
 BACKOFF_FACTOR = 0.5
@@ -214,3 +221,81 @@ def new_leaders(initial: PoolObservation, now: PoolObservation) -> set[str]:
         for g in now.snapshot.groups
         if initial.pod_uids.get(g.leader_pod) != now.pod_uids.get(g.leader_pod)
     }
+
+
+# ---------------------------------------------------------------- the pool, from two observations
+
+
+def survivor_loads(before: PoolObservation, after: PoolObservation, lost_ids: set[str]) -> list[SurvivorLoad]:
+    """Pressure on every routed serving group that survived (queues, KV, preemptions/s)."""
+    seconds = max(1e-3, after.snapshot.observed_at - before.snapshot.observed_at)
+    loads = []
+    for g in after.snapshot.serving:
+        if g.id in lost_ids or not g.routed or g.id not in after.engines:
+            continue
+        now_e = after.engines[g.id]
+        loads.append(survivor_load(g.id, before.engines.get(g.id, now_e), now_e, seconds))
+    return loads
+
+
+def warm_groups_before(initial: PoolObservation) -> int:
+    """The warm floor a recovery restores: the ready groups (serving + spare) before the loss."""
+    return len([g for g in initial.snapshot.groups if g.ready])
+
+
+def recovery_observations(
+    initial: PoolObservation,
+    before: PoolObservation,
+    after: PoolObservation,
+    lost_ids: set[str],
+    *,
+    baseline_waiting: Mapping[str, float],
+    quarantined: Iterable[str],
+    reconcile: LedgerReconcile,
+) -> RecoveryObservations:
+    """What step 10's verification checks, from the pool before the loss and two scrapes now."""
+    seconds = max(1e-3, after.snapshot.observed_at - before.snapshot.observed_at)
+    target = len([g for g in initial.snapshot.serving if g.routed or g.id in lost_ids])
+    serving_now = [g for g in after.snapshot.serving if g.id not in lost_ids or g.ready]
+    routed_ready = [g for g in serving_now if g.ready and g.routed]
+    # The routed endpoint is the group's leader (a Service may select only leaders).
+    endpoint_ok = [
+        g
+        for g in routed_ready
+        if (o := after.pods.get(g.leader_pod)) is not None
+        and o.endpoint is not None
+        and o.endpoint.serving is not False
+        and o.endpoint.terminating is not True
+    ]
+    replicas = []
+    for g in routed_ready:
+        if g.id not in after.engines:
+            continue
+        now_e = after.engines[g.id]
+        load = survivor_load(g.id, before.engines.get(g.id, now_e), now_e, seconds)
+        replicas.append(
+            ReplicaObservation(
+                group_id=g.id,
+                waiting=load.waiting,
+                baseline_waiting=baseline_waiting.get(g.id, 0.0),
+                preemptions_per_s=load.preemptions_per_s,
+                ttft_p99_s=window_ttft_p99(before.engines.get(g.id), now_e),
+            )
+        )
+    failed_nodes = {}
+    for node in quarantined:
+        info = after.snapshot.node(node)
+        failed_nodes[node] = NodeQuarantine(
+            cordoned=bool(info and info.unschedulable),
+            tainted=bool(info and any(t.key == QUARANTINE_TAINT_KEY for t in info.taints)),
+            labelled=bool(info and QUARANTINE_LABEL in info.labels),
+        )
+    return RecoveryObservations(
+        target_groups=target,
+        workload_ready_groups=len(routed_ready),
+        endpoint_serving_groups=len(endpoint_ok),
+        replicas=tuple(replicas),
+        ledger=reconcile,
+        warm_groups=sum(1 for g in after.snapshot.groups if g.ready),
+        failed_nodes=failed_nodes,
+    )

@@ -28,7 +28,7 @@ from temporalio.testing import WorkflowEnvironment
 from fleet.search_attributes import CLI_TYPE_NAMES, FLEETMEND_KIND, FLEETMEND_PHASE
 from ledger.migrate import upgrade_head
 from tests.conftest import running_worker
-from tests.foundation_timer_workflow import SixHourWait
+from tests.timer_workflow import SixHourWait
 from worker import jsonlog
 from worker.config import Settings, load_settings
 from worker.processes import free_port

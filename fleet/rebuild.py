@@ -1,0 +1,145 @@
+"""Step 6 of the replica-loss runbook as a plan: rebuild the warm floor with absolute replica counts.
+
+A Deployment's lost pods still count as replicas until they are deleted, so the
+serving workload first *retires* them (pod-deletion-cost -1000 makes them the ones
+the ReplicaSet removes), then grows back by the groups no spare covered. The
+promoted spares carry the other slots; the spare workload grows by as many to
+restore the warm floor. A LeaderWorkerSet recreates a lost group by itself
+(RecreateGroupOnPodRestart), so it gets no scale. Every count is absolute: a
+retried scale cannot compound.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fleet.pool import GroupRole, ReplicaGroup, WorkloadKind
+
+# Deletion cost of a lost pod before its workload is scaled down (the ReplicaSet removes it first).
+RETIRE_DELETION_COST = "-1000"
+
+
+class ScaleStep(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    step: str = Field(description="Ledger step name: retire-lost / replace-lost / rebuild-warm-floor")
+    kind: str
+    name: str
+    replicas: int = Field(ge=0)
+    summary: str
+
+
+class WorkloadRebuild(BaseModel):
+    """One workload's part: mark these pods to go first, then these scales, in order."""
+
+    model_config = ConfigDict(frozen=True)
+
+    retire_pods: tuple[str, ...] = ()
+    scales: tuple[ScaleStep, ...] = ()
+
+
+class RebuildPlan(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    workloads: tuple[WorkloadRebuild, ...] = ()
+    unmatched: tuple[str, ...] = Field(default=(), description="Lost serving groups no spare covered")
+    expected_new: int = Field(
+        0, ge=0, description="Replicas the ramp should see join (spares + replacements)"
+    )
+
+
+def plan_rebuild(
+    lost: Sequence[ReplicaGroup],
+    promoted: Sequence[ReplicaGroup],
+    unmatched_ids: Iterable[str],
+    replicas: Mapping[tuple[str, str], int],
+    present_pods: Iterable[str] | None = None,
+    pool_groups: Sequence[ReplicaGroup] = (),
+) -> RebuildPlan:
+    """The marks and absolute scales that replace what the loss took and the promotion used.
+
+    ``replicas`` is each workload's current ``spec.replicas`` keyed by (kind, name);
+    ``present_pods`` the pods that still exist (a force-deleted pod needs no mark: its
+    ReplicaSet already replaced it, and the scale still takes that slot back; None = all);
+    ``pool_groups`` the pool's groups before the loss, which say which workloads hold the
+    warm spares. A spare promoted in an earlier incident keeps serving from the spare
+    workload: when it is lost, its replacement grows the *serving* workload (a new pod of
+    the spare workload would be an unrouted spare, not serving capacity).
+    """
+    present = None if present_pods is None else set(present_pods)
+    unmatched_set = set(unmatched_ids)
+
+    def key(g: ReplicaGroup) -> tuple[str, str]:
+        return (g.workload_kind.value, g.workload_name)
+
+    spare_workloads = {key(g) for g in pool_groups if g.role is GroupRole.SPARE} | {key(g) for g in promoted}
+
+    def serving_home(g: ReplicaGroup) -> tuple[str, str]:
+        if key(g) not in spare_workloads:
+            return key(g)
+        homes = Counter(
+            key(x)
+            for x in pool_groups
+            if x.role is GroupRole.SERVING
+            and key(x) not in spare_workloads
+            and x.workload_kind is WorkloadKind.DEPLOYMENT
+            and x.model == g.model
+        )
+        return homes.most_common(1)[0][0] if homes else key(g)
+
+    lost_serving = [
+        g for g in lost if g.role is GroupRole.SERVING and g.workload_kind is WorkloadKind.DEPLOYMENT
+    ]
+    unmatched = [g for g in lost if g.role is GroupRole.SERVING and g.id in unmatched_set]
+    retiring: dict[tuple[str, str], list[ReplicaGroup]] = {}
+    for g in lost_serving:
+        retiring.setdefault(key(g), []).append(g)
+    regrow = Counter(serving_home(g) for g in unmatched if g.workload_kind is WorkloadKind.DEPLOYMENT)
+    refill = Counter(key(g) for g in promoted)
+    order = list(dict.fromkeys([*retiring, *regrow, *refill]))
+    workloads: list[WorkloadRebuild] = []
+    for kind, name in order:
+        current = replicas.get((kind, name), 0)
+        gone = retiring.get((kind, name), [])
+        retired = max(0, current - len(gone))
+        grow, spares = regrow.get((kind, name), 0), refill.get((kind, name), 0)
+        target = retired + grow + spares
+        scales: list[ScaleStep] = []
+        if gone:
+            scales.append(
+                ScaleStep(
+                    step=f"retire-lost-{name}",
+                    kind=kind,
+                    name=name,
+                    replicas=retired,
+                    summary=f"{kind} {name} → {retired}: lost pods leave",
+                )
+            )
+        if target != (retired if gone else current):
+            why = " + ".join(w for w, n in (("replacements", grow), ("new warm spare", spares)) if n)
+            step = (
+                "replace-lost"
+                if grow and not spares
+                else "rebuild-warm-floor"
+                if spares and not grow
+                else "rebuild"
+            )
+            scales.append(
+                ScaleStep(
+                    step=f"{step}-{name}",
+                    kind=kind,
+                    name=name,
+                    replicas=target,
+                    summary=f"{kind} {name} → {target}: {why}",
+                )
+            )
+        marks = tuple(p for g in gone for p in g.pods if present is None or p in present)
+        workloads.append(WorkloadRebuild(retire_pods=marks, scales=tuple(scales)))
+    return RebuildPlan(
+        workloads=tuple(workloads),
+        unmatched=tuple(g.id for g in unmatched),
+        expected_new=len(promoted) + len(unmatched),
+    )

@@ -1,0 +1,306 @@
+"""A week of incidents on one pool: ten consecutive losses of mixed kinds, with a worker ``kill -9`` in
+one, a Temporal restart in another, a Postgres restart in a third, a refused effect in a fourth and a
+scale-down waiting on a fifth. Every incident must end recovered and verified (or wait visibly for an
+operator, who is then answered); the world's action log must hold every action each incident needed,
+once; the ledger must reconcile clean.
+
+Everything here is real and restartable: a Temporal dev server with its own SQLite file, an embedded
+Postgres of its own, ``fleetmend worker`` processes, the simulated cluster over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from kubernetes import client as kc
+from kubernetes import config as kconfig
+from sqlalchemy import create_engine, text
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+from fleet.incident import LossReport, PoolRef
+from fleet.recovery import OperatorAction, Phase, ProcedureStatus, RetryBudget
+from fleet.scale_down import ScaleDownInput
+from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX, QUARANTINE_LABEL, QUARANTINE_TAINT_KEY, FaultKind
+from ledger.migrate import upgrade_head
+from ledger.scratch import PgServer, start_embedded_server
+from tests.support import (
+    FAST,
+    decisions,
+    finish,
+    incident_config,
+    reconcile_with_world,
+    start_worker_process,
+    status_of,
+    stop_processes,
+    wait_for_child,
+    wait_for_phase,
+)
+from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
+from worker.devstack.temporal_dev import TemporalDevServer, find_temporal_cli
+from worker.processes import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+POOL = PoolRef(namespace="inference", service="llama-405b")
+GROUPS = 3
+TIMINGS = FAST.model_copy(update={"retry": RetryBudget(attempts=20, budget_s=90, max_interval_s=2)})
+
+
+def soak_scenario() -> Any:
+    """Three 2-pod groups (a LeaderWorkerSet) on eight nodes in four NVLink domains: room for a replacement."""
+    scenario = compressed_scenario("rank-lost", startup_s=3.0, warm_up_s=6.0)
+    nodes = scenario.nodes[0].model_copy(
+        update={
+            "count": 8,
+            "node_labels": {i: {"fleetmend.io/nvlink-domain": f"nvl-{i // 2}"} for i in range(8)},
+        }
+    )
+    model = scenario.models[0].model_copy(update={"gpus_per_pod": 4})
+    workload = scenario.workloads[0].model_copy(update={"replicas": GROUPS})
+    return scenario.model_copy(update={"nodes": [nodes], "models": [model], "workloads": [workload]})
+
+
+@dataclass
+class Stack:
+    """What the soak restarts: Temporal (its own SQLite file), Postgres, the worker process."""
+
+    temporal: TemporalDevServer
+    pg: PgServer
+    ledger_url: str
+    client: Client
+    log: Path
+    workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start_worker(self, rig: FleetRig) -> None:
+        self.workers.append(start_worker_process(rig, self.log))
+
+    def kill_worker(self) -> None:
+        proc = self.workers[-1]
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(10) == -signal.SIGKILL
+
+    async def restart_temporal(self) -> None:
+        self.temporal.stop()
+        await self.temporal.start()
+
+    def restart_postgres(self) -> None:
+        assert self.pg.restart is not None
+        self.pg.restart()
+
+
+@pytest_asyncio.fixture
+async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    pg = await asyncio.to_thread(start_embedded_server)
+    temporal = TemporalDevServer(
+        cli=find_temporal_cli(None),
+        db_file=tmp_path / "temporal.db",
+        log_file=tmp_path / "temporal.log",
+        port=free_port(),
+        headless=True,
+    )
+    try:
+        url = pg.create_database("soak")
+        await asyncio.to_thread(upgrade_head, url)
+        await temporal.start()
+        client = await Client.connect(temporal.address, data_converter=pydantic_data_converter)
+        stack = Stack(temporal, pg, url, client, tmp_path / "worker.log")
+        yield stack
+        stop_processes(*stack.workers)
+    finally:
+        temporal.stop()
+        await asyncio.to_thread(pg.stop)
+
+
+# ---------------------------------------------------------------- the world, as an operator sees it
+
+
+def _core(rig: FleetRig) -> kc.CoreV1Api:
+    cfg = kc.Configuration()
+    kconfig.load_kube_config(config_file=str(rig.sim.kubeconfig), client_configuration=cfg)
+    return kc.CoreV1Api(kc.ApiClient(cfg))
+
+
+async def _groups_serving(rig: FleetRig, timeout_s: float = 120) -> list[str]:
+    """Wait until all groups' leaders are routed again; returns them."""
+    for _ in range(int(timeout_s / 0.5)):
+        leaders = await rig.routing_set(POOL)
+        if len(leaders) >= GROUPS:
+            return sorted(leaders)
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"the pool never served {GROUPS} groups again (now {await rig.routing_set(POOL)})")
+
+
+async def _node_of(rig: FleetRig, pod: str) -> str:
+    obj = await asyncio.to_thread(_core(rig).read_namespaced_pod, pod, POOL.namespace)
+    assert obj.spec is not None and obj.spec.node_name
+    return str(obj.spec.node_name)
+
+
+async def _operator_returns(rig: FleetRig, node: str, fault: FaultKind) -> None:
+    """The machine is repaired: the node comes back and an operator lifts fleetmend's quarantine."""
+    r = await rig.http.post(f"/sim/v1/nodes/{node}/restore")
+    r.raise_for_status()
+    if fault is FaultKind.GPU_XID:
+        await rig.inject(fault, node, clear=True)  # the GPU was replaced
+    core = _core(rig)
+    obj = await asyncio.to_thread(core.read_node, node)
+    taints = [t.to_dict() for t in ((obj.spec and obj.spec.taints) or []) if t.key != QUARANTINE_TAINT_KEY]
+    body = {
+        "spec": {"unschedulable": False, "taints": taints},
+        "metadata": {"labels": {QUARANTINE_LABEL: None}},
+    }
+    await asyncio.to_thread(core.patch_node, node, body)
+
+
+async def _closed(client: Client, workflow_id: str, timeout_s: float = 60) -> None:
+    for _ in range(int(timeout_s / 0.3)):
+        try:
+            desc = await client.get_workflow_handle(workflow_id).describe()
+            if desc.status != WorkflowExecutionStatus.RUNNING:
+                return
+        except Exception:  # Temporal restarting
+            pass
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"{workflow_id} still open after {timeout_s} s")
+
+
+def _rows(url: str, scope: str) -> list[tuple[str, str]]:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                text("SELECT op_id, state FROM ledger_effects WHERE op_id LIKE :p"),
+                {"p": f"{PROCEDURE_OPERATION_PREFIX}{scope}@%"},
+            ).all()
+        return [(r[0], r[1]) for r in rows]
+    finally:
+        engine.dispose()
+
+
+# ---------------------------------------------------------------- the week
+
+
+@dataclass
+class Day:
+    fault: FaultKind
+    twist: str = ""  # kill-worker / restart-temporal / restart-postgres / refuse / scale-down
+
+
+WEEK = [
+    Day(FaultKind.NODE_LOST),
+    Day(FaultKind.RANK_LOST, "kill-worker"),
+    Day(FaultKind.POD_OOMKILLED, "restart-temporal"),
+    Day(FaultKind.GPU_XID, "restart-postgres"),
+    Day(FaultKind.NODE_LOST, "refuse"),
+    Day(FaultKind.RANK_LOST, "scale-down"),
+    Day(FaultKind.POD_OOMKILLED),
+    Day(FaultKind.GPU_XID),
+    Day(FaultKind.NODE_LOST),
+    Day(FaultKind.RANK_LOST),
+]
+
+
+async def _inject(rig: FleetRig, day: Day, n: int) -> tuple[LossReport, str | None]:
+    """Break one group the way ``day`` says; returns the alert an operator's pipeline would send."""
+    leader = (await _groups_serving(rig))[n % GROUPS]
+    fp = f"soak-{n}-{day.fault.value}"
+    if day.fault in (FaultKind.NODE_LOST, FaultKind.GPU_XID):
+        node = await _node_of(rig, leader)
+        params = {"code": 79} if day.fault is FaultKind.GPU_XID else {}
+        await rig.inject(day.fault, node, **params)
+        hint = "gpu-xid:79" if day.fault is FaultKind.GPU_XID else None
+        alert = "FleetmendGpuXid" if hint else "KubeNodeNotReady"
+        return LossReport(pool=POOL, fingerprint=fp, alert_name=alert, node=node, fault_hint=hint), node
+    pod = f"{leader}-1" if day.fault is FaultKind.RANK_LOST else leader
+    await rig.inject(day.fault, f"{POOL.namespace}/{pod}")
+    alert = "FleetmendRankLost" if day.fault is FaultKind.RANK_LOST else "KubePodCrashLooping"
+    return LossReport(pool=POOL, fingerprint=fp, alert_name=alert, pod=pod), None
+
+
+async def _during(child: WorkflowHandle[Any, Any], phase: Phase, act: Callable[[], Awaitable[None]]) -> None:
+    await wait_for_phase(child, phase, timeout_s=120)
+    await act()
+
+
+async def test_ten_incidents_on_one_pool_with_crashes_restarts_and_a_refusal(stack: Stack) -> None:
+    async with fleet_rig(
+        stack.client,
+        scenario=soak_scenario(),
+        database_url=stack.ledger_url,
+        task_queue="soak",
+        run_worker=False,
+    ) as rig:
+        stack.start_worker(rig)
+        await _groups_serving(rig)
+        await rig.start_load(rate=8, duration_s=1500, seed=31, model=None, pool=POOL.key)
+        ended: list[tuple[str, str]] = []
+        for n, day in enumerate(WEEK):
+            report, node = await _inject(rig, day, n)
+            if day.twist == "refuse":
+                await rig.refuse({"verbs": ["PATCH"], "path_contains": "/pods/", "error": "403"})
+            incident = await rig.report_loss(report, incident_config(POOL, timings=TIMINGS))
+            child = await wait_for_child(stack.client, incident, timeout_s=60)
+            scale_down: WorkflowHandle[Any, Any] | None = None
+            if day.twist == "kill-worker":
+                await wait_for_phase(child, Phase.PROTECTING, timeout_s=60)
+                stack.kill_worker()
+                stack.start_worker(rig)
+            elif day.twist == "restart-temporal":
+                await wait_for_phase(child, Phase.PROTECTING, timeout_s=60)
+                await stack.restart_temporal()
+            elif day.twist == "restart-postgres":
+                await wait_for_phase(child, Phase.PROTECTING, timeout_s=60)
+                await asyncio.to_thread(stack.restart_postgres)
+            elif day.twist == "refuse":
+                waiting = await wait_for_phase(child, Phase.AWAITING_OPERATOR, timeout_s=60)
+                assert waiting.refusal is not None and "forbidden" in waiting.refusal.error.lower(), (
+                    decisions(waiting)
+                )
+                await rig.refuse()
+                await child.execute_update("retry", OperatorAction(operator="sre", reason="RBAC restored"))
+            elif day.twist == "scale-down":
+                # The weekly scale-down fires while the pool recovers: it yields, then plans (dry-run).
+                scale_down = await stack.client.start_workflow(
+                    "PlannedScaleDown",
+                    ScaleDownInput(
+                        pool=POOL,
+                        target_groups=GROUPS - 1,
+                        dry_run=True,
+                        poll_interval_s=0.3,
+                        incident_poll_s=0.5,
+                    ),
+                    id=f"scale-down-soak-{n}",
+                    task_queue="soak",
+                )
+            status = await finish(child, timeout_s=240)
+            assert status.phase == Phase.DONE, f"day {n} ({day}):\n{decisions(status)}"
+            assert status.verification is not None and status.verification.passed, decisions(status)
+            assert status.figures.get("effects_deduplicated", 0) == 0, decisions(status)
+            rows = _rows(stack.ledger_url, child.id)
+            states = {state for _, state in rows}
+            expected = {"applied", "failed"} if day.twist == "refuse" else {"applied"}
+            assert rows and states == expected, (day, rows)
+            if scale_down is not None:
+                sd = await finish(scale_down, timeout_s=120)
+                assert sd.phase == Phase.DONE and sd.dry_run, decisions(sd)
+                assert any("yielding" in d.summary for d in sd.decisions), decisions(sd)
+            await _closed(stack.client, incident.id)
+            if node is not None:
+                await _operator_returns(rig, node, day.fault)
+            await _groups_serving(rig)
+            ended.append((child.id, status.phase.value))
+        assert len({cid for cid, _ in ended}) == len(WEEK)
+        report_ = await reconcile_with_world(rig, stack.ledger_url, check_missing=True)
+        assert report_.duplicates == [] and report_.orphans == [] and report_.missing == [], report_
+        assert report_.divergent == [] and report_.unresolved == [] and report_.needs_operator == [], report_
+        incident_status = await status_of(stack.client.get_workflow_handle(incident.id))
+        assert isinstance(incident_status, ProcedureStatus)

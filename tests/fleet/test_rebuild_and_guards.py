@@ -1,0 +1,190 @@
+"""The decisions the procedures used to compute inline: the rebuild plan, the capacity guards'
+arithmetic from two observations, and the verification observations (now pure functions in fleet/)."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fleet.capacity import measured_token_rates, recovery_guard, scale_down_guard
+from fleet.engine_metrics import EngineSnapshot
+from fleet.measurements import recovery_observations, warm_groups_before
+from fleet.observation import PoolObservation
+from fleet.pool import GroupRole, ReplicaGroup, WorkloadKind
+from fleet.rebuild import plan_rebuild
+from fleet.verification import LedgerReconcile
+from tests.fleet.fleets import group, snapshot
+
+
+def _obs(groups: list[ReplicaGroup], tokens: dict[str, float], at: float) -> PoolObservation:
+    snap = snapshot(groups).model_copy(update={"observed_at": at})
+    return PoolObservation(
+        snapshot=snap,
+        engines={gid: EngineSnapshot(generation_tokens_total=t) for gid, t in tokens.items()},
+        router_label="fleetmend.io/serving",
+    )
+
+
+# ---------------------------------------------------------------- rebuild plan
+
+
+def test_no_spare_retires_the_lost_pods_then_grows_back_by_absolute_counts() -> None:
+    lost = [group("g1"), group("g2")]
+    plan = plan_rebuild(lost, promoted=[], unmatched_ids=["g1", "g2"], replicas={("Deployment", "llama"): 5})
+    (workload,) = plan.workloads
+    assert workload.retire_pods == ("g1-0", "g2-0")
+    assert [(s.step, s.replicas) for s in workload.scales] == [
+        ("retire-lost-llama", 3),
+        ("replace-lost-llama", 5),
+    ]
+    assert plan.unmatched == ("g1", "g2") and plan.expected_new == 2
+
+
+def test_a_promoted_spare_covers_the_slot_and_the_spare_workload_grows_by_one() -> None:
+    lost = [group("g1")]
+    spare = group("s1", role=GroupRole.SPARE).model_copy(update={"workload_name": "llama-spare"})
+    plan = plan_rebuild(
+        lost,
+        [spare],
+        unmatched_ids=[],
+        replicas={("Deployment", "llama"): 5, ("Deployment", "llama-spare"): 1},
+    )
+    scales = [(s.name, s.replicas) for w in plan.workloads for s in w.scales]
+    assert scales == [("llama", 4), ("llama-spare", 2)]
+    assert plan.unmatched == () and plan.expected_new == 1
+
+
+def test_a_leader_worker_set_recreates_its_group_itself_so_it_gets_no_scale() -> None:
+    lost = [group("lws-0", pods=2, kind=WorkloadKind.LEADER_WORKER_SET)]
+    plan = plan_rebuild(lost, [], unmatched_ids=["lws-0"], replicas={("LeaderWorkerSet", "llama-lws"): 2})
+    assert plan.workloads == ()
+    assert plan.expected_new == 1
+
+
+@given(
+    replicas=st.integers(min_value=0, max_value=12),
+    lost_n=st.integers(min_value=1, max_value=6),
+    covered=st.integers(min_value=0, max_value=6),
+)
+def test_rebuild_counts_are_absolute_and_restore_the_serving_count(
+    replicas: int, lost_n: int, covered: int
+) -> None:
+    covered = min(covered, lost_n)
+    lost = [group(f"g{i}") for i in range(lost_n)]
+    spares = [
+        group(f"s{i}", role=GroupRole.SPARE).model_copy(update={"workload_name": "spare"})
+        for i in range(covered)
+    ]
+    unmatched = [g.id for g in lost[covered:]]
+    counts = {("Deployment", "llama"): replicas, ("Deployment", "spare"): covered}
+    plan = plan_rebuild(lost, spares, unmatched, counts)
+    final: dict[str, int] = {}
+    for w in plan.workloads:
+        for s in w.scales:
+            assert s.replicas >= 0
+            final[s.name] = s.replicas  # the last scale of a workload is where it ends
+    # Serving workload: lost pods leave, the groups no spare covered come back.
+    assert final["llama"] == max(0, replicas - lost_n) + len(unmatched)
+    # Spare workload: grows by the spares that were promoted.
+    if covered:
+        assert final["spare"] == 2 * covered
+    # Every lost pod is marked to go first; the same plan again is the same plan (a retry cannot compound).
+    assert sorted(p for w in plan.workloads for p in w.retire_pods) == sorted(p for g in lost for p in g.pods)
+    assert plan_rebuild(lost, spares, unmatched, counts) == plan
+
+
+# ---------------------------------------------------------------- capacity guards
+
+
+def test_token_rates_count_a_group_that_is_not_ready_as_zero() -> None:
+    groups = [group("g1"), group("g2", ready=False)]
+    before = _obs(groups, {"g1": 0, "g2": 0}, at=1000.0)
+    after = _obs(groups, {"g1": 400, "g2": 400}, at=1002.0)
+    assert measured_token_rates(before, after) == {"g1": 200.0, "g2": 0.0}
+
+
+def test_recovery_guard_refuses_to_take_the_last_serving_group() -> None:
+    groups = [group("g1"), group("g2", ready=False)]
+    before = _obs(groups, {"g1": 0, "g2": 0}, at=1000.0)
+    after = _obs(groups, {"g1": 400, "g2": 0}, at=1002.0)
+    refused = recovery_guard("force-delete", before, after, ["g1"], min_groups=1)
+    assert not refused.allowed and "floor is 1" in refused.reason
+    allowed = recovery_guard("force-delete", before, after, ["g2"], min_groups=1)
+    assert allowed.allowed, allowed.reason
+
+
+@given(
+    rates=st.lists(st.floats(min_value=0, max_value=1000), min_size=2, max_size=8),
+    victims=st.integers(min_value=1, max_value=4),
+    headroom=st.floats(min_value=1.0, max_value=2.0),
+)
+def test_scale_down_guard_allows_only_what_the_remaining_groups_carry(
+    rates: list[float], victims: int, headroom: float
+) -> None:
+    groups = [group(f"g{i}") for i in range(len(rates))]
+    before = _obs(groups, {g.id: 0.0 for g in groups}, at=1000.0)
+    after = _obs(groups, {g.id: r for g, r in zip(groups, rates, strict=True)}, at=1001.0)
+    removing = [g.id for g in groups[:victims]]
+    decision, demand = scale_down_guard(
+        before, after, removing, min_groups=1, headroom=headroom, group_capacity_tokens_per_s=None
+    )
+    assert demand == sum(rates)
+    if decision.allowed:
+        assert decision.remaining_tokens_per_s >= demand * headroom - 1e-6
+        assert decision.remaining_groups >= 1
+
+
+# ---------------------------------------------------------------- verification observations
+
+
+def test_recovery_observations_target_the_pool_as_it_was_and_see_quarantine_from_the_node() -> None:
+    initial = _obs([group("g1"), group("g2"), group("s1", role=GroupRole.SPARE)], {}, at=900.0)
+    groups_now = [group("g1"), group("g3")]
+    before = _obs(groups_now, {"g1": 0, "g3": 0}, at=1000.0)
+    after = _obs(groups_now, {"g1": 10, "g3": 10}, at=1001.0)
+    obs = recovery_observations(
+        initial,
+        before,
+        after,
+        {"g2"},
+        baseline_waiting={"g1": 0.0},
+        quarantined=["node-g2"],
+        reconcile=LedgerReconcile(),
+    )
+    assert obs.target_groups == 2  # the pool served two groups before the loss
+    assert obs.workload_ready_groups == 2
+    assert {r.group_id for r in obs.replicas} == {"g1", "g3"}
+    assert not obs.failed_nodes["node-g2"].complete  # the node is not in the snapshot: not quarantined
+    assert warm_groups_before(initial) == 3
+
+
+def test_a_pod_that_is_already_gone_gets_no_mark_but_its_slot_is_still_taken_back() -> None:
+    lost = [group("g1"), group("g2")]
+    plan = plan_rebuild(
+        lost, [], unmatched_ids=[], replicas={("Deployment", "llama"): 5}, present_pods=["g2-0", "other"]
+    )
+    (workload,) = plan.workloads
+    assert workload.retire_pods == ("g2-0",)
+    assert [s.replicas for s in workload.scales] == [3]
+
+
+def test_a_lost_spare_promoted_earlier_is_replaced_in_the_serving_workload() -> None:
+    """Incident 2: the spare promoted in incident 1 (still a pod of the spare workload) is lost."""
+    serving = [group(f"g{i}") for i in range(4)]
+    promoted_before = group("p1").model_copy(update={"workload_name": "llama-spare"})  # routed: serving
+    spare = group("s1", role=GroupRole.SPARE).model_copy(update={"workload_name": "llama-spare"})
+    pool = [*serving, promoted_before, spare]
+    lost = [serving[0], promoted_before]
+    plan = plan_rebuild(
+        lost,
+        [spare],
+        unmatched_ids=["p1"],
+        replicas={("Deployment", "llama"): 4, ("Deployment", "llama-spare"): 2},
+        pool_groups=pool,
+    )
+    final = {s.name: s.replicas for w in plan.workloads for s in w.scales}
+    # Serving: 4 - 1 lost + 1 replacement for the lost promoted spare = 4, plus 1 promoted now = 5 routed.
+    assert final["llama"] == 4
+    # Spare workload: 2 - 1 lost + 1 for the spare promoted now = 2 (one serving, one new warm spare).
+    assert final["llama-spare"] == 2
+    assert plan.expected_new == 2

@@ -1,0 +1,217 @@
+"""What the recovery, scale-down, soak and demo tests share: the pool, fast timings, phase waits,
+the procedure's result, the operator's CLI, and the ledger reconciled against the world's own log.
+
+Conditions are waited on (a phase, a child, a result), never slept for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import create_engine
+from temporalio.client import Client, WorkflowHandle
+from temporalio.service import RPCError
+
+from fleet.incident import LossReport, PoolRef
+from fleet.recovery import (
+    IncidentInput,
+    Phase,
+    ProcedureStatus,
+    RecoveryTimings,
+    RetryBudget,
+    ServingObjectives,
+)
+from ledger.reconcile import ReconcileReport, reconcile, world_actions_from_sim
+from worker.devstack.rig import FleetRig
+
+REPO = Path(__file__).resolve().parents[1]
+POOL = PoolRef(namespace="inference", service="llama")
+# ~400 tokens/s per replica in the compressed scenarios: about 15 requests/s of 8-32 tokens.
+GROUP_CAPACITY_RPS = 15.0
+
+FAST = RecoveryTimings(
+    correlation_window_s=5,
+    poll_interval_s=0.5,
+    deroute_timeout_s=10,
+    replacement_timeout_s=60,
+    ramp_interval_s=2,
+    ramp_max_s=60,
+    verify_timeout_s=60,
+    approval_timeout_s=120,
+    cooldown_s=1,
+    qualification_timeout_s=20,
+    # A killed worker's activity is retried after its call timeout: the budget leaves room for that.
+    retry=RetryBudget(attempts=8, budget_s=90, call_timeout_s=10, max_interval_s=2),
+)
+
+
+def incident_config(
+    pool: PoolRef = POOL, *, dry_run: bool = False, timings: RecoveryTimings = FAST, **objectives: Any
+) -> IncidentInput:
+    return IncidentInput(
+        pool=pool,
+        dry_run=dry_run,
+        timings=timings,
+        objectives=ServingObjectives(group_capacity_rps=GROUP_CAPACITY_RPS, **objectives),
+    )
+
+
+def node_report(node: str, fingerprint: str = "fp-node", pool: PoolRef = POOL, **kw: Any) -> LossReport:
+    return LossReport(pool=pool, fingerprint=fingerprint, alert_name="KubeNodeNotReady", node=node, **kw)
+
+
+def pod_report(
+    pod: str, fingerprint: str, alert: str = "FleetmendEndpointUnroutable", pool: PoolRef = POOL, **kw: Any
+) -> LossReport:
+    return LossReport(pool=pool, fingerprint=fingerprint, alert_name=alert, pod=pod, **kw)
+
+
+async def status_of(handle: WorkflowHandle[Any, Any]) -> ProcedureStatus:
+    return await handle.query("status", result_type=ProcedureStatus)
+
+
+async def wait_for_child(
+    client: Client, incident: WorkflowHandle[Any, Any], timeout_s: float = 30, *, after: int = 0
+) -> WorkflowHandle[Any, Any]:
+    """The incident's newest recovery once it exists (``after``: how many children it had before)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            status = await status_of(incident)
+        except RPCError:
+            await asyncio.sleep(0.3)  # no worker right now: ask again
+            continue
+        if len(status.children) > after:
+            handle = client.get_workflow_handle(status.children[-1])
+            try:
+                await handle.describe()  # the incident names its child just before starting it
+                return handle
+            except RPCError:
+                pass
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"no recovery started within {timeout_s} s")
+
+
+async def wait_for_phase(
+    handle: WorkflowHandle[Any, Any], phase: Phase, timeout_s: float = 60
+) -> ProcedureStatus:
+    deadline = time.monotonic() + timeout_s
+    status: ProcedureStatus | None = None
+    while time.monotonic() < deadline:
+        try:
+            status = await status_of(handle)
+        except RPCError:  # no worker right now (the crash tests): ask again
+            await asyncio.sleep(0.3)
+            continue
+        if status.phase == phase:
+            return status
+        await asyncio.sleep(0.2)
+    now = status.phase.value if status else "unknown"
+    raise AssertionError(
+        f"phase {phase.value} not reached within {timeout_s} s (now {now})\n{decisions(status) if status else ''}"
+    )
+
+
+async def finish(handle: WorkflowHandle[Any, Any], timeout_s: float = 150) -> ProcedureStatus:
+    """The procedure's final status (its result), failing the test with its decisions if it did not end."""
+    try:
+        result = await asyncio.wait_for(handle.result(), timeout_s)
+        return result if isinstance(result, ProcedureStatus) else ProcedureStatus.model_validate(result)
+    except Exception as exc:
+        status = await status_of(handle)
+        desc = await handle.describe()
+        pending = [
+            f"{a.activity_type.name} attempt {a.attempt}: {a.last_failure.message if a.HasField('last_failure') else ''}"
+            for a in desc.raw_description.pending_activities
+        ]
+        raise AssertionError(
+            f"{handle.id} did not complete: {exc!r}\n{decisions(status)}\npending: {pending}"
+        ) from exc
+
+
+def decisions(status: ProcedureStatus) -> str:
+    return "\n".join(f"  [{d.phase.value}] {d.summary}" for d in status.decisions)
+
+
+def cli_env(client: Client, task_queue: str) -> dict[str, str]:
+    """The environment a ``fleetmend`` command needs to reach this test's Temporal and worker."""
+    return {
+        "FLEETMEND_TEMPORAL_ADDRESS": client.service_client.config.target_host,
+        "FLEETMEND_TEMPORAL_NAMESPACE": client.namespace,
+        "FLEETMEND_TASK_QUEUE": task_queue,
+        "COLUMNS": "200",
+    }
+
+
+async def run_cli(env: dict[str, str], *args: str) -> Any:
+    """``fleetmend ARGS`` in-process (typer's runner) on a thread: the commands run their own event loop."""
+    from typer.testing import CliRunner
+
+    from worker.cli.app import app
+
+    return await asyncio.to_thread(CliRunner().invoke, app, list(args), env=env)
+
+
+async def fleetmend_actions(rig: FleetRig) -> list[dict[str, Any]]:
+    """The mutating requests fleetmend's worker made, from the world's own log."""
+    return [a for a in await rig.actions() if "fleetmend-worker" in a["client"]]
+
+
+async def reconcile_with_world(
+    rig: FleetRig, database_url: str, *, check_missing: bool = False
+) -> ReconcileReport:
+    """The ledger reconciled against the simulator's own log of fleetmend's requests.
+
+    ``check_missing``: also every ``applied`` row's action must be in the world's log (valid
+    when the simulator ran for the whole window, as in one test).
+    """
+    world = rig.base_url.split("://", 1)[1]
+    engine = create_engine(database_url)
+    try:
+        return reconcile(
+            engine,
+            world=world,
+            actions=world_actions_from_sim(world, await fleetmend_actions(rig)),
+            check_missing=check_missing,
+        )
+    finally:
+        engine.dispose()
+
+
+def worker_env(rig: FleetRig) -> dict[str, str]:
+    """The environment of a ``fleetmend worker`` process wired like the rig's settings."""
+    env = dict(os.environ)
+    for name, value in rig.settings.model_dump().items():
+        if value is None or isinstance(value, dict):
+            continue
+        raw = value.get_secret_value() if hasattr(value, "get_secret_value") else value
+        env[f"FLEETMEND_{name.upper()}"] = str(raw) if not isinstance(raw, bool) else str(raw).lower()
+    env["FLEETMEND_WORKER_METRICS_PORT"] = "0"
+    return env
+
+
+def start_worker_process(rig: FleetRig, log: Path) -> subprocess.Popen[bytes]:
+    """A real ``fleetmend worker`` process (so a test can ``kill -9`` it)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "worker"],
+        env=worker_env(rig),
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
+
+
+def stop_processes(*procs: subprocess.Popen[bytes] | None) -> None:
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
