@@ -59,7 +59,8 @@ class ServedWebhook:
 
     @property
     def auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"}
+        """The headers Alertmanager sends: its bearer token and the JSON content type."""
+        return {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
 
     def metric(self, name: str, **labels: str) -> float:
         value = self.app.state.metrics.registry.get_sample_value(name, labels or None)

@@ -37,6 +37,12 @@ log = logging.getLogger("fleetmend.webhook")
 
 TemporalClientFactory = Callable[[], Awaitable[Client]]
 
+# Signals in flight at once for one notification: a 10,000-alert group must not open
+# 10,000 concurrent RPCs to Temporal.
+MAX_CONCURRENT_SIGNALS = 64
+# Ignored alerts logged one by one per notification; the rest are summed up by reason.
+MAX_IGNORED_LOGGED = 20
+
 
 class TemporalUnavailable(Exception):
     """Temporal did not accept a signal; the notification must be retried."""
@@ -111,6 +117,7 @@ class AlertIntake:
         self._rpc_timeout = timedelta(seconds=rpc_timeout_s)
         self._recent = _RecentDeliveries(dedupe_ttl_s)
         self._inflight: dict[tuple[object, ...], asyncio.Future[Delivery | None]] = {}
+        self._signal_slots = asyncio.Semaphore(MAX_CONCURRENT_SIGNALS)
 
     async def client(self) -> Client:
         """The Temporal client, connected on first use (and again after a failed connect)."""
@@ -131,12 +138,15 @@ class AlertIntake:
         ``KubernetesUnavailable`` when the notification should be retried."""
         for alert in payload.alerts:
             self._metrics.alerts_received.labels(alert.status.value).inc()
+        self._metrics.notification_alerts.observe(len(payload.alerts))
         if payload.truncated_alerts:
+            self._metrics.alerts_truncated.inc(payload.truncated_alerts)
             log.warning(
-                "Alertmanager truncated this notification (max_alerts); the dropped alerts arrive with a later one",
+                "Alertmanager truncated this notification (the receiver's max_alerts): the alerts it left "
+                "out never reach fleetmend while the group stays this large; raise max_alerts",
                 extra={"group_key": payload.group_key, "truncated_alerts": payload.truncated_alerts},
             )
-        routed = await asyncio.gather(*(self._router.route(a) for a in payload.alerts))
+        routed = await self._router.route_all(payload.alerts)
         result = IntakeResult()
         pending: list[tuple[int, RoutedReport]] = []
         for index, outcome in enumerate(routed):
@@ -157,8 +167,12 @@ class AlertIntake:
             by_alert.setdefault(index, []).append(delivery)
         for index, deliveries in sorted(by_alert.items()):
             self._account(payload.alerts[index], deliveries, result)
-        for ignored in result.ignored:
+        unlogged: dict[str, int] = {}
+        for count, ignored in enumerate(result.ignored):
             self._metrics.alerts_ignored.labels(ignored.reason.value).inc()
+            if count >= MAX_IGNORED_LOGGED:
+                unlogged[ignored.reason.value] = unlogged.get(ignored.reason.value, 0) + 1
+                continue
             log.info(
                 "alert ignored",
                 extra={
@@ -167,6 +181,11 @@ class AlertIntake:
                     "reason": ignored.reason.value,
                     "detail": ignored.detail,
                 },
+            )
+        if unlogged:
+            log.info(
+                "more alerts ignored (not logged one by one)",
+                extra={"group_key": payload.group_key, "by_reason": unlogged},
             )
         return result
 
@@ -214,7 +233,8 @@ class AlertIntake:
         future: asyncio.Future[Delivery | None] = asyncio.get_running_loop().create_future()
         self._inflight[key] = future
         try:
-            delivered = await self._signal(routed, key)
+            async with self._signal_slots:
+                delivered = await self._signal(routed, key)
         except asyncio.CancelledError:
             future.cancel()
             raise
