@@ -626,7 +626,9 @@ class Router:
             self._http = httpx.AsyncClient(timeout=5.0)
         t0 = time.monotonic()
         try:
-            headers = {"Authorization": f"Bearer {self.config.effect_token}"} if self.config.effect_token else {}
+            headers = (
+                {"Authorization": f"Bearer {self.config.effect_token}"} if self.config.effect_token else {}
+            )
             r = await self._http.post(self.config.effect_url, json=payload, headers=headers)
             body: Any
             try:
