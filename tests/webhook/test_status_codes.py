@@ -478,3 +478,24 @@ async def test_openapi_documents_the_alertmanager_payload_and_mounts_the_effect_
     assert {"version", "status", "receiver", "alerts"} <= set(schema["required"])
     assert {"200", "401", "413", "415", "422", "503"} <= set(operation["responses"])
     assert "/v1/effects" in spec["paths"]  # the ledger's effect API shares the webhook's server
+
+
+def test_the_dev_stack_keeps_a_token_per_caller_in_0600_files(tmp_path: Any, pool_rules: AlertRules) -> None:
+    from worker.devstack.stack import dev_token_file, ensure_dev_webhook_token
+
+    first = ensure_dev_webhook_token(Settings(state_dir=tmp_path, effects_token=SecretStr("configured")))
+    assert first.effects_token is not None and first.effects_token.get_secret_value() == "configured"
+    assert not dev_token_file(first, "effects_token").exists()  # a configured token is not written anywhere
+    again = ensure_dev_webhook_token(Settings(state_dir=tmp_path))
+
+    for setting in ("webhook_token", "ledger_token"):
+        path = dev_token_file(first, setting)
+        assert path.stat().st_mode & 0o777 == 0o600
+        assert getattr(first, setting).get_secret_value() == path.read_text().strip()
+        assert getattr(again, setting).get_secret_value() == path.read_text().strip()  # kept across restarts
+    assert again.effects_token is not None
+    values = {
+        s.get_secret_value() for s in (again.webhook_token, again.effects_token, again.ledger_token) if s
+    }
+    assert len(values) == 3
+    create_app(again, rules=pool_rules)  # distinct: the webhook starts with them

@@ -243,6 +243,15 @@ async def _read_limited(request: Request, limit: int) -> bytes:
 
 
 def _parse_payload(body: bytes) -> AlertmanagerPayload:
+    # Fast path: pydantic parses and validates in one pass (a 10,000-alert group in a fraction
+    # of json.loads + model_validate). Anything it refuses is diagnosed below, step by step.
+    try:
+        parsed = AlertmanagerPayload.model_validate_json(body)
+    except (ValidationError, RecursionError):
+        pass
+    else:
+        if parsed.version == SUPPORTED_VERSION:
+            return parsed
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -136,8 +136,8 @@ class AlertIntake:
     async def handle(self, payload: AlertmanagerPayload) -> IntakeResult:
         """Route every alert and deliver its reports. Raises ``TemporalUnavailable`` or
         ``KubernetesUnavailable`` when the notification should be retried."""
-        for alert in payload.alerts:
-            self._metrics.alerts_received.labels(alert.status.value).inc()
+        for status, count in Counter(a.status.value for a in payload.alerts).items():
+            self._metrics.alerts_received.labels(status).inc(count)
         self._metrics.notification_alerts.observe(len(payload.alerts))
         if payload.truncated_alerts:
             self._metrics.alerts_truncated.inc(payload.truncated_alerts)
@@ -167,10 +167,11 @@ class AlertIntake:
             by_alert.setdefault(index, []).append(delivery)
         for index, deliveries in sorted(by_alert.items()):
             self._account(payload.alerts[index], deliveries, result)
+        for reason, count in Counter(i.reason.value for i in result.ignored).items():
+            self._metrics.alerts_ignored.labels(reason).inc(count)
         unlogged: dict[str, int] = {}
-        for count, ignored in enumerate(result.ignored):
-            self._metrics.alerts_ignored.labels(ignored.reason.value).inc()
-            if count >= MAX_IGNORED_LOGGED:
+        for index, ignored in enumerate(result.ignored):
+            if index >= MAX_IGNORED_LOGGED:
                 unlogged[ignored.reason.value] = unlogged.get(ignored.reason.value, 0) + 1
                 continue
             log.info(
