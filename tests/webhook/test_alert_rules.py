@@ -124,3 +124,35 @@ def test_shipped_alertmanager_config_passes_amtool_check() -> None:
         ["amtool", "check-config", str(ALERTMANAGER_CONFIG)], capture_output=True, text=True, timeout=60
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_demos_alert_pipeline_configs_are_the_shipped_ones_on_loopback(tmp_path: Path) -> None:
+    """``fleetmend demo`` templates deploy/'s configs (worker/webhook/pipeline.py): same receiver
+    limits and token file, loopback addresses, fast timings."""
+    from worker.webhook.pipeline import fast_rules, loopback_alertmanager, loopback_prometheus
+
+    token_file = tmp_path / "token"
+    am = yaml.safe_load(
+        loopback_alertmanager(
+            tmp_path / "am.yml", webhook_url="http://127.0.0.1:1/alerts/alertmanager", token_file=token_file
+        ).read_text()
+    )
+    shipped = yaml.safe_load(ALERTMANAGER_CONFIG.read_text())
+    [hook] = next(r for r in am["receivers"] if r["name"] == "fleetmend")["webhook_configs"]
+    [shipped_hook] = next(r for r in shipped["receivers"] if r["name"] == "fleetmend")["webhook_configs"]
+    assert hook["max_alerts"] == shipped_hook["max_alerts"] and hook["send_resolved"] is True
+    assert hook["url"] == "http://127.0.0.1:1/alerts/alertmanager"
+    assert hook["http_config"]["authorization"]["credentials_file"] == str(token_file)
+    rules = fast_rules(tmp_path / "rules.yml")
+    prometheus = loopback_prometheus(
+        tmp_path / "prom.yml",
+        rules=rules,
+        sim="127.0.0.1:2",
+        alertmanager="127.0.0.1:3",
+        webhook="127.0.0.1:4",
+        worker=None,
+    ).read_text()
+    assert "sim:8480" not in prometheus and "127.0.0.1:2" in prometheus
+    assert shipped_alert_names() == {
+        r["alert"] for g in yaml.safe_load(rules.read_text())["groups"] for r in g["rules"] if "alert" in r
+    }
