@@ -16,6 +16,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from fleet.recovery import RecoveryTimings, ServingObjectives
 from fleet.vocabulary import ROUTER_LABEL, ROUTER_LABEL_VALUE
 
+# Alertmanager's receiver sends at most ``max_alerts`` alerts per notification
+# (deploy/alertmanager/alertmanager.yml: 10,000); a real alert is well under 3 KiB
+# (labels, annotations, generatorURL), so 32 MiB holds any group it can send and
+# only an absurd body gets 413.
+WEBHOOK_MAX_BODY_BYTES = 32 * 1024 * 1024
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FLEETMEND_", env_file=None, extra="ignore")
@@ -72,7 +78,18 @@ class Settings(BaseSettings):
     webhook_host: str = Field("127.0.0.1", description="Webhook API bind address")
     webhook_port: int = Field(8088, description="Webhook API port")
     webhook_token: SecretStr | None = Field(None, description="Bearer token Alertmanager must send")
-    webhook_max_body_bytes: int = Field(1_048_576, description="Largest accepted alert payload")
+    effects_token: SecretStr | None = Field(
+        None,
+        description="Bearer token inference services send to POST /v1/effects (unset = that route refuses)",
+    )
+    ledger_token: SecretStr | None = Field(
+        None, description="Bearer token auditors send to GET /ledger/effects (unset = those routes refuse)"
+    )
+    webhook_max_body_bytes: int = Field(
+        WEBHOOK_MAX_BODY_BYTES,
+        gt=0,
+        description="Largest accepted alert payload (default 32 MiB: 10,000 alerts of up to 3 KiB)",
+    )
     alert_rules_file: Path | None = Field(
         None, description="Alert routing rules YAML (default: shipped rules)"
     )

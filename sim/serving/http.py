@@ -48,6 +48,13 @@ class EffectsConfig(BaseModel):
     share: float = Field(default=0.0, ge=0.0, le=1.0)
     kind: str = Field(default="ticket", min_length=1)
     target: str = Field(default="sim-tickets", min_length=1)
+    token: str | None = Field(
+        default=None,
+        min_length=1,
+        description="bearer token sent with every proposal (fleetmend's FLEETMEND_EFFECTS_TOKEN); "
+        "write-only: reads show only whether one is set",
+    )
+    token_set: bool = Field(default=False, description="read-only: a token is configured")
 
 
 class TicketBody(BaseModel):
@@ -256,7 +263,11 @@ def build_router(layer: ServingLayer) -> APIRouter:
     async def get_effects() -> EffectsConfig:
         c = router.config
         return EffectsConfig(
-            url=c.effect_url, share=c.effect_share, kind=c.effect_kind, target=c.effect_target
+            url=c.effect_url,
+            share=c.effect_share,
+            kind=c.effect_kind,
+            target=c.effect_target,
+            token_set=c.effect_token is not None,
         )
 
     @api.put("/sim/v1/serving/effects", response_model=EffectsConfig, tags=["sim"])
@@ -264,13 +275,14 @@ def build_router(layer: ServingLayer) -> APIRouter:
         if body.url is not None and not body.url.startswith(("http://", "https://")):
             raise HTTPException(422, f"url must be an http(s) URL (got {body.url!r})")
         c = router.config
-        c.effect_url, c.effect_share, c.effect_kind, c.effect_target = (
+        c.effect_url, c.effect_share, c.effect_kind, c.effect_target, c.effect_token = (
             body.url,
             body.share,
             body.kind,
             body.target,
+            body.token,
         )
-        return body
+        return body.model_copy(update={"token": None, "token_set": body.token is not None})
 
     @api.post("/sim/v1/notify", tags=["sim"])
     async def post_notify(message: NotifyMessage) -> Response:

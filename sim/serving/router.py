@@ -76,6 +76,9 @@ class RouterConfig(BaseModel):
     )
     effect_kind: str = "ticket"
     effect_target: str = "sim-tickets"
+    effect_token: str | None = Field(
+        default=None, description="bearer token for effect_url (fleetmend's FLEETMEND_EFFECTS_TOKEN)"
+    )
     seed: int = 0
 
 
@@ -623,7 +626,10 @@ class Router:
             self._http = httpx.AsyncClient(timeout=5.0)
         t0 = time.monotonic()
         try:
-            r = await self._http.post(self.config.effect_url, json=payload)
+            headers = (
+                {"Authorization": f"Bearer {self.config.effect_token}"} if self.config.effect_token else {}
+            )
+            r = await self._http.post(self.config.effect_url, json=payload, headers=headers)
             body: Any
             try:
                 body = r.json()

@@ -8,7 +8,8 @@ A GPU node is lost in the sim; KubeNodeNotReady (and the pods' unroutable
 alerts) fire; Alertmanager posts them; exactly one FleetIncident exists for
 the pool, with the loss reports signalled into it. The repo's configs are used
 as shipped, templated only for loopback addresses and short ``for:`` / group
-timings.
+timings. The same holds when the node loss arrives inside an Alertmanager group
+of 2,000 alerts whose other alerts concern no serving pool.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +32,15 @@ import pytest
 import pytest_asyncio
 import yaml
 from pydantic import SecretStr
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from temporalio.client import Client
-from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
 from fleet.recovery import Phase, ProcedureStatus, RecoveryTimings
 from fleet.vocabulary import FaultKind
 from sim.runner import RunningSim, start_sim
 from sim.scenario import load_scenario
+from tests.support import wait_for_child
 from tests.webhook.conftest import (
     ServedWebhook,
     report_loss_signals,
@@ -46,7 +50,7 @@ from tests.webhook.conftest import (
 )
 from worker.devstack.rig import fleet_rig
 from worker.processes import free_port
-from worker.webhook.app import create_app
+from worker.webhook.app import ALERTMANAGER_PATH, create_app
 from worker.webhook.examples import alertmanager_fingerprint
 from workflows.incident import FleetIncident
 
@@ -351,12 +355,9 @@ async def test_the_incident_an_alert_opened_recovers_the_pool(
                     )
 
                 await wait_for("the alert to open the incident", incident_opened, 90, logs)
-                child = temporal_client.get_workflow_handle(
-                    f"{workflow_id}/recovery-1", result_type=ProcedureStatus
-                )
-                result = await wait_for("the recovery child to start", lambda: _described(child), 60, logs)
-                assert result
-                status: ProcedureStatus = await asyncio.wait_for(child.result(), timeout=300)
+                incident = temporal_client.get_workflow_handle(workflow_id)
+                child = await wait_for_child(temporal_client, incident, timeout_s=60)
+                status = ProcedureStatus.model_validate(await asyncio.wait_for(child.result(), timeout=300))
 
     assert status.phase == Phase.DONE, status.model_dump_json(indent=2)[-3000:]
     assert status.verification is not None and status.verification.passed, status.verification
@@ -366,9 +367,157 @@ async def test_the_incident_an_alert_opened_recovers_the_pool(
     assert runs == [workflow_id]
 
 
-async def _described(handle: Any) -> bool:
-    try:
-        await handle.describe()
-    except RPCError:
-        return False
-    return True
+@dataclass(frozen=True)
+class Notification:
+    """One POST Alertmanager made to the webhook, as it arrived and as it was answered."""
+
+    status: int
+    alerts: list[dict[str, str]]  # the alerts' label sets
+
+    def has_node_loss(self, node: str) -> bool:
+        return any(a.get("alertname") == "KubeNodeNotReady" and a.get("node") == node for a in self.alerts)
+
+
+class NotificationRecorder:
+    """An ASGI wrapper around the real webhook app that keeps what Alertmanager sent it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.seen: list[Notification] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != ALERTMANAGER_PATH:
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        status: list[int] = []
+
+        async def recording_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                chunks.append(message.get("body", b""))
+            return message
+
+        async def recording_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        await self.app(scope, recording_receive, recording_send)
+        try:
+            alerts = [a["labels"] for a in json.loads(b"".join(chunks))["alerts"]]
+        except (ValueError, KeyError, TypeError):
+            alerts = []
+        self.seen.append(Notification(status[0] if status else 0, alerts))
+
+
+def alertmanager_noise(count: int, namespace: str) -> list[dict[str, Any]]:
+    """Alerts for Alertmanager's v2 API, labelled as Prometheus labels this repo's alerts
+    (external label ``cluster``), that concern no serving pool. The KubeNodeNotReady ones share
+    the real node loss's group (grouped by alertname and cluster): nodes without a serving pod,
+    names no node can have, one without its node label. The KV-saturation ones are a routed
+    alert of another name, for pods that do not exist (a group of their own)."""
+    now = datetime.now(UTC)
+    window = {
+        "startsAt": now.isoformat().replace("+00:00", "Z"),
+        "endsAt": (now + timedelta(minutes=10)).isoformat().replace("+00:00", "Z"),
+        "generatorURL": "http://prometheus:9090/graph?g0.expr=kube_node_status_condition",
+    }
+    node = {"alertname": "KubeNodeNotReady", "cluster": "fleetmend", "job": "kube-state-metrics"}
+    node |= {"severity": "warning", "condition": "Ready", "status": "true"}
+    notes = {"summary": "Node is not ready.", "description": "has been unready for more than 15 minutes."}
+    alerts: list[dict[str, Any]] = []
+    for i in range(count):
+        if i % 20 == 19:
+            labels = {**node, "node": f"Node_{i}!"}  # not a Kubernetes name
+        elif i % 100 == 98:
+            labels = {**node, "instance": f"10.2.{i // 250}.{i % 250}:8080"}  # no node label
+        else:
+            labels = {**node, "node": f"cpu-node-{i}"}  # runs no serving pod
+        alerts.append({"labels": labels, "annotations": notes, **window})
+    for i in range(count // 10):
+        labels = {"alertname": "FleetmendKVCacheSaturation", "cluster": "fleetmend", "severity": "warning"}
+        labels |= {"job": "vllm", "namespace": namespace, "pod": f"gone-replica-{i}"}
+        alerts.append({"labels": labels, "annotations": {"summary": "KV cache saturating."}, **window})
+    return alerts
+
+
+async def test_a_2000_alert_group_with_one_real_node_loss_opens_that_incident(
+    sim: RunningSim,
+    temporal_env: WorkflowEnvironment,
+    task_queue: str,
+    temporal_client: Client,
+    tmp_path: Path,
+) -> None:
+    """Alertmanager holds 1,999 KubeNodeNotReady alerts about nothing fleetmend serves; then a
+    node of the pool really dies. Its alert joins that group, and the real Alertmanager posts the
+    whole 2,000-alert group (shipped max_alerts, default body limit): the pool's incident opens,
+    exactly once, with the lost node's replica groups, and none of the noise starts anything."""
+    namespace = sim.world.scenario.namespace
+    workflow_id = f"incident/{namespace}/llama"
+    token = secrets.token_urlsafe(32)
+    settings = webhook_settings(
+        temporal_env, task_queue, token, kubeconfig=sim.kubeconfig, kube_context="sim"
+    )
+    app = create_app(settings)  # the shipped routing rules and body limit
+    recorder = NotificationRecorder(app)
+    lost_pods = sorted(
+        p["metadata"]["name"] for p in sim.world.pods(namespace) if p["spec"].get("nodeName") == LOST_NODE
+    )
+    with serve_webhook(recorder, settings) as base_url:
+        webhook = ServedWebhook(app, base_url, token, settings)
+        async with alert_pipeline(sim.port, webhook, tmp_path) as pipeline:
+            http: httpx.AsyncClient = pipeline["http"]
+            logs: list[Path] = pipeline["logs"]
+            am = pipeline["alertmanager"]
+            await wait_for("Prometheus to scrape the sim", lambda: cluster_state_scraped(pipeline), 30, logs)
+            noise = alertmanager_noise(1_999, namespace)
+            for i in range(0, len(noise), 500):
+                (await http.post(am + "/api/v2/alerts", json=noise[i : i + 500])).raise_for_status()
+
+            async def noise_delivered() -> bool:
+                return any(len(n.alerts) == 1_999 and n.status == 200 for n in recorder.seen)
+
+            await wait_for("Alertmanager to post the 1,999-alert group", noise_delivered, 60, logs)
+            assert (
+                await workflow_ids(temporal_client, f'TaskQueue = "{task_queue}"') == []
+            )  # noise opens nothing
+
+            (await http.post(sim.base_url + f"/sim/v1/nodes/{LOST_NODE}/lose")).raise_for_status()
+
+            async def node_loss_signalled() -> list[dict[str, Any]]:
+                if not await workflow_ids(temporal_client, f'WorkflowId = "{workflow_id}"', timeout_s=0):
+                    return []
+                signals = await report_loss_signals(temporal_client, workflow_id)
+                return [s for s in signals if s["alert_name"] == "KubeNodeNotReady"]
+
+            node_signals = await wait_for(
+                "the node loss to reach the incident", node_loss_signalled, 120, logs
+            )
+            groups = (await http.get(am + "/api/v2/alerts/groups", params={"receiver": "fleetmend"})).json()
+
+    # The real alert reached fleetmend only inside the whole group, and that group was accepted.
+    with_loss = [n for n in recorder.seen if n.has_node_loss(LOST_NODE)]
+    assert with_loss, [len(n.alerts) for n in recorder.seen]
+    assert all(len(n.alerts) >= 2_000 and n.status == 200 for n in with_loss), [
+        (len(n.alerts), n.status) for n in with_loss
+    ]
+    [node_group] = [
+        g for g in groups if g["labels"].get("alertname") == "KubeNodeNotReady" and len(g["alerts"]) >= 2_000
+    ]
+    assert {a["labels"].get("node") for a in node_group["alerts"]} >= {LOST_NODE, "cpu-node-0"}
+    # Exactly one FleetIncident, for the lost node's pool, with one report per replica group on it.
+    assert await workflow_ids(temporal_client, f'TaskQueue = "{task_queue}"') == [workflow_id]
+    runs = [wf async for wf in temporal_client.list_workflows(f'WorkflowId = "{workflow_id}"')]
+    assert [r.workflow_type for r in runs] == ["FleetIncident"]
+    assert sorted({s["replica_group"] for s in node_signals}) == lost_pods
+    assert {s["node"] for s in node_signals} == {LOST_NODE}
+    signals = await report_loss_signals(temporal_client, workflow_id)
+    assert not [s for s in signals if (s.get("node") or "").startswith(("cpu-node", "Node_"))]
+    # The noise was read and set aside with its reasons; nothing was refused (no 401/413/415).
+    assert webhook.metric("fleetmend_alerts_ignored_total", reason="not-serving") >= 1_700
+    assert webhook.metric("fleetmend_alerts_ignored_total", reason="invalid-entity") >= 99
+    assert webhook.metric("fleetmend_alerts_ignored_total", reason="labels-missing") >= 19
+    assert webhook.metric("fleetmend_alerts_ignored_total", reason="not-found") >= 199  # the KV noise
+    for reason in ("unauthorized", "too-large", "unsupported-media-type", "invalid-payload"):
+        assert webhook.metric("fleetmend_webhook_requests_rejected_total", reason=reason) == 0

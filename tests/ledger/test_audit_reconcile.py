@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import httpx
 import pytest
 from sqlalchemy import create_engine, text
 from typer.testing import CliRunner
@@ -336,3 +337,55 @@ def test_show_includes_divergent_requests(ledger: EffectLedger, world: World) ->
 
 def _crash(attempt: Attempt) -> None:
     raise SimulatedCrash("worker died")
+
+
+def test_cli_reconcile_reads_the_action_log_from_fleetmend_action_log_url(
+    ledger: EffectLedger, ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Like every command, ``ledger reconcile`` takes its settings from the environment: with
+    FLEETMEND_ACTION_LOG_URL set it checks orphans and duplicates against the real sim's log."""
+    from activities.effects import TicketCreate, TicketParams
+    from sim.runner import start_sim
+    from sim.scenario import shipped_scenarios
+
+    runner = CliRunner()
+    monkeypatch.setenv("FLEETMEND_DATABASE_URL", ledger_url)
+    monkeypatch.delenv("FLEETMEND_ACTION_LOG_URL", raising=False)
+    with (
+        start_sim(shipped_scenarios()["gpu-node-loss"], speed=10.0) as sim,
+        httpx.Client(timeout=10, headers={"User-Agent": "fleetmend-effects-api/0.1"}) as fleetmend_http,
+        httpx.Client(timeout=10) as someone_else,
+    ):
+        params = TicketParams(title="GPU node lost", body="gpu-node-2 NotReady")
+        outcome = ledger.perform(
+            "req-1/0", "ticket.create", "oncall", params, TicketCreate(fleetmend_http, sim.base_url, params)
+        )
+        assert outcome.state == "applied"
+        # An operator's own request is the world's business, not a fleetmend orphan.
+        someone_else.post(f"{sim.base_url}/sim/v1/tickets", json={"title": "opened by an operator"})
+        world = sim.base_url.split("//", 1)[1]
+
+        monkeypatch.setenv("FLEETMEND_ACTION_LOG_URL", f"{sim.base_url}/sim/v1/actions")
+        clean = runner.invoke(app, ["ledger", "reconcile", "--json"])
+        assert clean.exit_code == 0, clean.output
+        report = json.loads(clean.stdout)
+        assert report["world"] == world and report["world_actions_compared"] == 1
+
+        # A ticket fleetmend opened behind the ledger's back: an orphan, found through the setting alone.
+        fleetmend_http.post(f"{sim.base_url}/sim/v1/tickets", json={"title": "no ledger row"})
+        found = runner.invoke(app, ["ledger", "reconcile", "--json"])
+        assert found.exit_code == 1, found.output
+        assert [(o["verb"], o["path"]) for o in json.loads(found.stdout)["orphans"]] == [
+            ("POST", "/sim/v1/tickets")
+        ]
+        everyone = runner.invoke(app, ["ledger", "reconcile", "--json", "--client", ""])
+        assert len(json.loads(everyone.stdout)["orphans"]) == 2  # the operator's ticket too
+        # --actions-url still overrides the setting, as the sim's base URL or the log's own URL.
+        for url in (sim.base_url, f"{sim.base_url}/sim/v1/actions"):
+            explicit = runner.invoke(app, ["ledger", "reconcile", "--json", "--actions-url", url])
+            assert explicit.exit_code == 1 and len(json.loads(explicit.stdout)["orphans"]) == 1
+
+        monkeypatch.delenv("FLEETMEND_ACTION_LOG_URL")
+        unchecked = runner.invoke(app, ["ledger", "reconcile"])
+        assert unchecked.exit_code == 0  # nothing to compare with: the orphan goes unseen, and it says so
+        assert "FLEETMEND_ACTION_LOG_URL" in unchecked.output and "not checked" in unchecked.output

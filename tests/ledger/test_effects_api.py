@@ -1,10 +1,15 @@
-"""The inference effect API over real HTTP, against the real simulator's ticket and notify endpoints."""
+"""The inference effect API over real HTTP, against the real simulator's ticket and notify endpoints.
+
+Every route but the health checks needs its own bearer token: ``FLEETMEND_EFFECTS_TOKEN`` for
+``POST /v1/effects``, ``FLEETMEND_LEDGER_TOKEN`` for the audit routes.
+"""
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -12,6 +17,7 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from pydantic import SecretStr
 
 from activities.effects import TicketCreate, TicketParams, default_registry
 from ledger import Attempt, EffectLedger
@@ -19,7 +25,23 @@ from ledger.reconcile import reconcile, world_actions_from_sim
 from sim.runner import RunningSim, start_sim
 from sim.scenario import shipped_scenarios
 from tests.ledger.world import SimulatedCrash
+from tests.sim.serving_fixtures import running_serving, scenario
+from tests.sim.test_serving_streaming import MODEL
+from worker.config import Settings
+from worker.webhook.app import create_app
 from worker.webhook.effects_api import effects_router
+
+EFFECTS_TOKEN = secrets.token_hex(16)
+LEDGER_TOKEN = secrets.token_hex(16)
+
+
+class TokenPerRoute(httpx.Auth):
+    """What a well-configured caller sends: the effect API's token to /v1, the ledger's to /ledger."""
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        token = LEDGER_TOKEN if request.url.path.startswith("/ledger") else EFFECTS_TOKEN
+        request.headers["Authorization"] = f"Bearer {token}"
+        yield request
 
 
 @pytest.fixture
@@ -54,17 +76,45 @@ class ServedApp:
         self.thread.join(10)
 
 
-@pytest.fixture
-def api(sim: RunningSim, ledger: EffectLedger) -> Iterator[httpx.Client]:
+def served_effects_api(
+    sim_base_url: str,
+    ledger: EffectLedger,
+    effects_token: str | None = EFFECTS_TOKEN,
+    ledger_token: str | None = LEDGER_TOKEN,
+) -> tuple[ServedApp, httpx.Client]:
     http = httpx.Client(timeout=5)
-    registry = default_registry(http, tickets_url=sim.base_url, notifier_url=f"{sim.base_url}/sim/v1/notify")
+    registry = default_registry(http, tickets_url=sim_base_url, notifier_url=f"{sim_base_url}/sim/v1/notify")
     app = FastAPI()
-    app.include_router(effects_router(lambda: ledger, registry))
-    served = ServedApp(app)
-    with httpx.Client(base_url=served.base_url, timeout=30) as client:
-        yield client
+    app.include_router(
+        effects_router(
+            lambda: ledger,
+            registry,
+            effects_token=SecretStr(effects_token) if effects_token else None,
+            ledger_token=SecretStr(ledger_token) if ledger_token else None,
+        )
+    )
+    return ServedApp(app), http
+
+
+@pytest.fixture
+def served_api(sim: RunningSim, ledger: EffectLedger) -> Iterator[ServedApp]:
+    served, http = served_effects_api(sim.base_url, ledger)
+    yield served
     served.stop()
     http.close()
+
+
+@pytest.fixture
+def api(served_api: ServedApp) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=served_api.base_url, timeout=30, auth=TokenPerRoute()) as client:
+        yield client
+
+
+@pytest.fixture
+def anonymous(served_api: ServedApp) -> Iterator[httpx.Client]:
+    """A client of the same API that sends whatever Authorization a test gives it."""
+    with httpx.Client(base_url=served_api.base_url, timeout=30) as client:
+        yield client
 
 
 TICKET = {
@@ -233,3 +283,173 @@ def test_ticket_landed_before_a_crash_is_found_by_probe_not_reposted(
     assert [(o.verb, o.path) for o in report.orphans] == [
         ("POST", "/sim/v1/tickets")
     ] and report.duplicates == []
+
+
+# -- authentication and the reserved operation-id namespace ----------------------------------------
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.mark.parametrize(
+    ("headers", "case"),
+    [
+        ({}, "no Authorization header"),
+        (bearer("not-the-token"), "wrong token"),
+        (bearer(EFFECTS_TOKEN[:-1]), "token missing its last character"),
+        (bearer(LEDGER_TOKEN), "the ledger's token"),
+        ({"Authorization": f"Basic {EFFECTS_TOKEN}"}, "wrong scheme"),
+    ],
+)
+def test_an_effect_without_the_effects_token_is_401_and_performs_nothing(
+    anonymous: httpx.Client,
+    api: httpx.Client,
+    sim_http: httpx.Client,
+    ledger: EffectLedger,
+    headers: dict[str, str],
+    case: str,
+) -> None:
+    refused = anonymous.post("/v1/effects", json=TICKET, headers=headers)
+
+    assert refused.status_code == 401, case
+    assert refused.headers["www-authenticate"] == "Bearer"
+    assert "FLEETMEND_EFFECTS_TOKEN" in refused.json()["detail"]
+    assert ledger.get(TICKET["operation_id"]) is None
+    assert tickets(sim_http) == [] and ticket_posts(sim_http) == []
+    # The same request with the token is performed: the refusal was about the credential only.
+    assert api.post("/v1/effects", json=TICKET).status_code == 200
+
+
+def test_an_unauthenticated_effect_with_a_bad_body_is_401_not_422(anonymous: httpx.Client) -> None:
+    """Nothing about the API's validation is told to a caller without the token."""
+    assert anonymous.post("/v1/effects", json={"nonsense": True}).status_code == 401
+
+
+@pytest.mark.parametrize(
+    ("headers", "case"),
+    [
+        ({}, "no Authorization header"),
+        (bearer("not-the-token"), "wrong token"),
+        (bearer(EFFECTS_TOKEN), "the effect API's token"),
+    ],
+)
+def test_the_audit_routes_without_the_ledger_token_are_401(
+    anonymous: httpx.Client, api: httpx.Client, headers: dict[str, str], case: str
+) -> None:
+    assert api.post("/v1/effects", json=TICKET).status_code == 200
+    for path in ("/ledger/effects", f"/ledger/effects/{TICKET['operation_id']}"):
+        refused = anonymous.get(path, headers=headers)
+        assert refused.status_code == 401, (path, case)
+        assert refused.headers["www-authenticate"] == "Bearer"
+        assert "FLEETMEND_LEDGER_TOKEN" in refused.json()["detail"]
+        assert "req-17" not in refused.text  # nothing of the ledger leaks into the refusal
+        assert api.get(path).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "operation_id",
+    [
+        "fleetmend:incident/inference/llama@0f1e/recovery/deroute/pod/inference/llama-abc12",
+        "fleetmend:anything",
+        "FLEETMEND:incident/inference/llama@0f1e/promote",  # looks the same in an audit listing
+        " fleetmend:incident/x",
+    ],
+)
+def test_an_operation_id_of_fleetmends_own_procedures_is_403_and_leaves_no_row(
+    api: httpx.Client, sim_http: httpx.Client, ledger: EffectLedger, operation_id: str
+) -> None:
+    claim = api.post("/v1/effects", json={**TICKET, "operation_id": operation_id})
+
+    assert claim.status_code == 403, claim.text
+    detail = claim.json()["detail"]
+    assert "reserved for fleetmend's own procedures" in detail and "nothing was recorded" in detail
+    assert "<request id>/<effect slot>" in detail  # what to use instead
+    assert ledger.get(operation_id) is None
+    assert api.get("/ledger/effects").json()["items"] == []
+    assert tickets(sim_http) == [] and ticket_posts(sim_http) == []
+
+
+def test_an_id_that_only_contains_the_prefix_is_the_callers_own(api: httpx.Client) -> None:
+    answer = api.post("/v1/effects", json={**TICKET, "operation_id": "req-9/fleetmend:0"})
+    assert answer.status_code == 200 and answer.json()["state"] == "applied"
+
+
+def test_routes_whose_token_is_not_configured_refuse_and_say_which_setting(
+    sim: RunningSim, ledger: EffectLedger
+) -> None:
+    served, http = served_effects_api(sim.base_url, ledger, effects_token=None, ledger_token=None)
+    try:
+        with httpx.Client(base_url=served.base_url, timeout=30) as client:
+            for headers in ({}, bearer(EFFECTS_TOKEN), {"Authorization": "Bearer"}):
+                effect = client.post("/v1/effects", json=TICKET, headers=headers)
+                audit = client.get("/ledger/effects", headers=headers)
+                assert effect.status_code == 503 and "FLEETMEND_EFFECTS_TOKEN is not set" in effect.text
+                assert audit.status_code == 503 and "FLEETMEND_LEDGER_TOKEN is not set" in audit.text
+    finally:
+        served.stop()
+        http.close()
+    assert ledger.get(TICKET["operation_id"]) is None
+
+
+OPEN_PATHS = {"/healthz", "/readyz", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
+
+
+def test_every_route_of_the_worker_api_but_health_metrics_and_docs_needs_a_token(ledger_url: str) -> None:
+    """The app as ``fleetmend webhook`` serves it: a route added later without a token fails here."""
+    settings = Settings(
+        webhook_token=SecretStr("w-" + secrets.token_hex(8)),
+        effects_token=SecretStr(EFFECTS_TOKEN),
+        ledger_token=SecretStr(LEDGER_TOKEN),
+        database_url=SecretStr(ledger_url),
+        tickets_url="http://127.0.0.1:9",
+    )
+    app = create_app(settings)
+    served = ServedApp(app)
+    try:
+        with httpx.Client(base_url=served.base_url, timeout=30) as client:
+            checked = []
+            for path, operations in app.openapi()["paths"].items():
+                if path in OPEN_PATHS:
+                    continue
+                concrete = path.replace("{op_id}", "req-1/0")
+                for method in sorted(m.upper() for m in operations):
+                    answer = client.request(method, concrete, json={})
+                    assert answer.status_code == 401, (method, path, answer.status_code)
+                    assert answer.headers["www-authenticate"] == "Bearer"
+                    checked.append(f"{method} {path}")
+            assert client.get("/healthz").status_code == 200
+    finally:
+        served.stop()
+    assert sorted(checked) == [
+        "GET /ledger/effects",
+        "GET /ledger/effects/{op_id}",
+        "POST /alerts/alertmanager",
+        "POST /v1/effects",
+    ]
+
+
+async def test_the_simulated_gateway_proposes_effects_with_the_effects_token(ledger: EffectLedger) -> None:
+    """sim/serving's gateway posts its requests' proposed effects to the real effect API: with the
+    token they are performed once; without it (misconfigured) they are refused and nothing is recorded."""
+    async with running_serving(scenario(), speed=10) as sim:
+        served, http = served_effects_api(sim.base_url, ledger)
+        try:
+            await sim.wait_serving(1)
+            for token, request_id in ((EFFECTS_TOKEN, "gw-1"), (None, "gw-2"), ("wrong", "gw-3")):
+                config = {"url": f"{served.base_url}/v1/effects", "share": 1.0, "kind": "ticket.create"}
+                if token:
+                    config["token"] = token
+                assert (await sim.http.put("/sim/v1/serving/effects", json=config)).status_code == 200
+                body = {"model": MODEL, "max_tokens": 2, "request_id": request_id, "deadline_s": 120}
+                completed = await sim.http.post("/v1/completions", json=body)
+                assert completed.status_code == 200, completed.text
+        finally:
+            served.stop()
+            http.close()
+        answers = sim.layer.router.effect_answers
+    assert answers["gw-1/0"]["status"] == 200 and answers["gw-1/0"]["body"]["state"] == "applied"
+    assert answers["gw-2/0"]["status"] == 401 and answers["gw-3/0"]["status"] == 401
+    recorded = ledger.get("gw-1/0")
+    assert recorded is not None and recorded.request_id == "gw-1"
+    assert ledger.get("gw-2/0") is None and ledger.get("gw-3/0") is None

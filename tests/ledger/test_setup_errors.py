@@ -7,6 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi import FastAPI
+from pydantic import SecretStr
 from typer.testing import CliRunner
 
 from ledger.embedded_pg import EmbeddedPostgres, EmbeddedPostgresError
@@ -39,11 +40,19 @@ def test_cli_on_an_unmigrated_database_refuses(pg_url: str, monkeypatch: pytest.
 
 async def test_effect_api_without_a_database_answers_503_with_the_fix() -> None:
     api = FastAPI()
-    api.include_router(create_router(Settings(database_url=None, tickets_url="http://127.0.0.1:9")))
+    settings = Settings(
+        database_url=None,
+        tickets_url="http://127.0.0.1:9",
+        effects_token=SecretStr("effects-token"),
+        ledger_token=SecretStr("ledger-token"),
+    )
+    api.include_router(create_router(settings))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://api") as client:
         answer = await client.post(
             "/v1/effects",
             json={"operation_id": "r/0", "kind": "ticket.create", "target": "t", "params": {"title": "x"}},
+            headers={"Authorization": "Bearer effects-token"},
         )
         assert answer.status_code == 503 and "FLEETMEND_DATABASE_URL" in answer.text
-        assert (await client.get("/ledger/effects")).status_code == 503
+        audit = await client.get("/ledger/effects", headers={"Authorization": "Bearer ledger-token"})
+        assert audit.status_code == 503 and "FLEETMEND_DATABASE_URL" in audit.text

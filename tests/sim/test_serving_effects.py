@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from tests.sim.serving_fixtures import NAMESPACE, POOL, running_serving, scenario
 from tests.sim.test_serving_streaming import MODEL, SLOW, journal, read_sse
@@ -21,8 +21,8 @@ async def effect_recorder() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
     app = FastAPI()
 
     @app.post("/v1/effects")
-    async def effects(body: dict[str, Any]) -> dict[str, Any]:
-        calls.append(body)
+    async def effects(body: dict[str, Any], request: Request) -> dict[str, Any]:
+        calls.append({**body, "authorization": request.headers.get("authorization")})
         return {"operation_id": body["operation_id"], "state": "applied"}
 
     server = uvicorn.Server(
@@ -44,8 +44,12 @@ async def test_a_retried_request_proposes_its_effect_again_under_the_same_operat
         first, second = await sim.wait_serving(2)
         bad = await sim.http.put("/sim/v1/serving/effects", json={"url": "ftp://x", "share": 1.0})
         assert bad.status_code == 422
-        ok = await sim.http.put("/sim/v1/serving/effects", json={"url": url, "share": 1.0})
-        assert ok.status_code == 200
+        ok = await sim.http.put(
+            "/sim/v1/serving/effects", json={"url": url, "share": 1.0, "token": "effects-secret"}
+        )
+        assert ok.status_code == 200 and ok.json()["token"] is None and ok.json()["token_set"] is True
+        shown = (await sim.http.get("/sim/v1/serving/effects")).json()
+        assert shown["token"] is None and shown["token_set"] is True  # the token is write-only
         await sim.set_state("weights", "weights", {first: 1.0, second: 1e-9})
         assert (await sim.fault("wedged-engine", f"{NAMESPACE}/{first}")).status_code == 202
         body = {"model": MODEL, "max_tokens": 4, "stream": True, "request_id": "fx-1", "deadline_s": 120}
@@ -61,6 +65,7 @@ async def test_a_retried_request_proposes_its_effect_again_under_the_same_operat
         assert done and not errors and tokens == 4
         assert [c["operation_id"] for c in calls] == ["fx-1/0", "fx-1/0"]
         assert calls[0] == calls[1]  # same parameters: the ledger sees a repeat, not a divergence
+        assert calls[0]["authorization"] == "Bearer effects-secret"  # fleetmend's effect API token
         entries = await journal(sim, pool=POOL, request_id="fx-1")
         assert [e["effect_operation_ids"] for e in entries] == [["fx-1/0"], ["fx-1/0"]]
         assert sim.layer.router.effect_answers["fx-1/0"]["body"]["state"] == "applied"

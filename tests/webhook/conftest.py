@@ -20,6 +20,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from pydantic import SecretStr
+from starlette.types import ASGIApp
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
@@ -59,7 +60,8 @@ class ServedWebhook:
 
     @property
     def auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"}
+        """The headers Alertmanager sends: its bearer token and the JSON content type."""
+        return {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
 
     def metric(self, name: str, **labels: str) -> float:
         value = self.app.state.metrics.registry.get_sample_value(name, labels or None)
@@ -67,8 +69,9 @@ class ServedWebhook:
 
 
 @contextmanager
-def serve_webhook(app: FastAPI, settings: Settings) -> Iterator[str]:
-    """Serve ``app`` on a free loopback port in a background thread; yields the base URL."""
+def serve_webhook(app: ASGIApp, settings: Settings) -> Iterator[str]:
+    """Serve ``app`` (the webhook's FastAPI app, or an ASGI wrapper of it) on a free loopback port
+    in a background thread; yields the base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # Accepted sockets inherit this; without it each reply waits out a 40 ms delayed ACK.

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
+from worker.config import Settings
+from worker.webhook.examples import example_alert
 from worker.webhook.rules import AlertRulesError, load_alert_rules, parse_alert_rules
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,6 +40,18 @@ def test_alertmanager_routes_exactly_the_routed_alerts_to_fleetmend() -> None:
     assert webhook["url"].endswith("/alerts/alertmanager")
     assert webhook["http_config"]["authorization"]["type"] == "Bearer"
     assert "credentials" not in webhook["http_config"]["authorization"]  # the token lives in a file
+
+
+def test_the_largest_group_alertmanager_sends_fits_the_webhooks_default_body_limit() -> None:
+    """max_alerts bounds the notification; 0 (unbounded) would let a big group exceed any limit and
+    be refused with a 413 that Alertmanager never retries."""
+    config = yaml.safe_load(ALERTMANAGER_CONFIG.read_text())
+    [webhook] = next(r for r in config["receivers"] if r["name"] == "fleetmend")["webhook_configs"]
+    assert webhook["max_alerts"] >= 10_000  # a cluster-wide outage's group is sent whole
+    largest_realistic_alert = 3 * 1024  # labels, annotations and generatorURL of a kube-state-metrics alert
+    assert webhook["max_alerts"] * largest_realistic_alert <= Settings().webhook_max_body_bytes
+    example = len(json.dumps(example_alert("node-not-ready")).encode())
+    assert example < largest_realistic_alert
 
 
 RULE = """
@@ -96,3 +113,46 @@ rules:
     assert hardware is not None and hardware.hint_for({"err_code": "79"}) == "gpu-xid:79"
     assert hardware.hint_for({}) == "gpu-xid"  # label missing: the fault kind alone
     assert rules.rule_for({"alertname": "Other"}) is None
+
+
+@pytest.mark.skipif(
+    shutil.which("amtool") is None,
+    reason="SKIPPED LOUDLY: amtool (Debian package prometheus-alertmanager, `make system-deps`) is missing",
+)
+def test_shipped_alertmanager_config_passes_amtool_check() -> None:
+    checked = subprocess.run(
+        ["amtool", "check-config", str(ALERTMANAGER_CONFIG)], capture_output=True, text=True, timeout=60
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_demos_alert_pipeline_configs_are_the_shipped_ones_on_loopback(tmp_path: Path) -> None:
+    """``fleetmend demo`` templates deploy/'s configs (worker/webhook/pipeline.py): same receiver
+    limits and token file, loopback addresses, fast timings."""
+    from worker.webhook.pipeline import fast_rules, loopback_alertmanager, loopback_prometheus
+
+    token_file = tmp_path / "token"
+    am = yaml.safe_load(
+        loopback_alertmanager(
+            tmp_path / "am.yml", webhook_url="http://127.0.0.1:1/alerts/alertmanager", token_file=token_file
+        ).read_text()
+    )
+    shipped = yaml.safe_load(ALERTMANAGER_CONFIG.read_text())
+    [hook] = next(r for r in am["receivers"] if r["name"] == "fleetmend")["webhook_configs"]
+    [shipped_hook] = next(r for r in shipped["receivers"] if r["name"] == "fleetmend")["webhook_configs"]
+    assert hook["max_alerts"] == shipped_hook["max_alerts"] and hook["send_resolved"] is True
+    assert hook["url"] == "http://127.0.0.1:1/alerts/alertmanager"
+    assert hook["http_config"]["authorization"]["credentials_file"] == str(token_file)
+    rules = fast_rules(tmp_path / "rules.yml")
+    prometheus = loopback_prometheus(
+        tmp_path / "prom.yml",
+        rules=rules,
+        sim="127.0.0.1:2",
+        alertmanager="127.0.0.1:3",
+        webhook="127.0.0.1:4",
+        worker=None,
+    ).read_text()
+    assert "sim:8480" not in prometheus and "127.0.0.1:2" in prometheus
+    assert shipped_alert_names() == {
+        r["alert"] for g in yaml.safe_load(rules.read_text())["groups"] for r in g["rules"] if "alert" in r
+    }

@@ -74,7 +74,17 @@ def test_webhook_check_validates_token_and_rules(monkeypatch: pytest.MonkeyPatch
     assert bad_rules.exit_code == 2
     assert "rules.0.entity (rule for X)" in bad_rules.output
 
+    monkeypatch.delenv("FLEETMEND_EFFECTS_TOKEN", raising=False)
+    monkeypatch.setenv("FLEETMEND_LEDGER_TOKEN", "ledger-token-value")
     ok = runner.invoke(app, ["webhook", "--check"])
     assert ok.exit_code == 0, ok.output
     assert "8 routing rules" in ok.output
+    assert "effect API (POST /v1/effects): off: FLEETMEND_EFFECTS_TOKEN is not set" in ok.output
+    assert "ledger audit API (GET /ledger/effects): on" in ok.output
+
+    monkeypatch.setenv("FLEETMEND_EFFECTS_TOKEN", "s3cret-token-value")  # Alertmanager's token again
+    reused = runner.invoke(app, ["webhook", "--check"])
+    assert reused.exit_code == 2
+    assert "FLEETMEND_WEBHOOK_TOKEN and FLEETMEND_EFFECTS_TOKEN have the same value" in reused.output
+    assert "s3cret-token-value" not in reused.output
     assert "s3cret-token-value" not in ok.output + no_token.output + bad_rules.output

@@ -8,9 +8,11 @@ namespace of its own so incident ids never collide with other tests.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +21,14 @@ import pytest
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
+from activities.kube import kube_apis
 from sim.runner import RunningSim, start_sim, write_kubeconfig
 from sim.scenario import load_scenario
 from tests.webhook.conftest import ServedWebhook, report_loss_signals, serve_webhook, webhook_settings
 from worker.processes import free_port
 from worker.webhook.app import create_app
-from worker.webhook.examples import example_payload
+from worker.webhook.examples import example_alert, example_payload, large_group
+from worker.webhook.topology import PoolTopology
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "sim" / "scenarios"
 
@@ -218,3 +222,117 @@ async def test_a_storm_about_one_node_reaches_one_incident_through_the_kubernete
     ]
     assert len(signals) == len(payloads) * len(groups)
     assert {s["replica_group"] for s in signals} == set(groups)
+
+
+class CountingCoreApi:
+    """The real CoreV1Api, counting which of its calls the webhook makes."""
+
+    def __init__(self, core: Any) -> None:
+        self._core = core
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._core, name)
+        if not callable(method):
+            return method
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name + (" by field" if "field_selector" in kwargs else "")] += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def counting_webhook(
+    sim: RunningSim, env: WorkflowEnvironment, task_queue: str
+) -> tuple[Callable[[], Iterator[ServedWebhook]], CountingCoreApi]:
+    token = secrets.token_hex(16)
+    settings = webhook_settings(env, task_queue, token, kubeconfig=sim.kubeconfig, kube_context="sim")
+    real = kube_apis(settings)
+    core = CountingCoreApi(real.core)
+    counted = dataclasses.replace(real, core=core)  # type: ignore[arg-type]
+    topology = PoolTopology(lambda: counted, router_label=settings.router_label)
+
+    def serve() -> Iterator[ServedWebhook]:
+        app = create_app(settings, topology=topology)  # the shipped routing rules, default body limit
+        with serve_webhook(app, settings) as base_url:
+            yield ServedWebhook(app, base_url, token, settings)
+
+    return serve, core
+
+
+async def test_a_10000_alert_group_with_one_node_loss_opens_that_incident_with_two_list_calls(
+    temporal_env: WorkflowEnvironment, task_queue: str, temporal_client: Client
+) -> None:
+    """An Alertmanager group of 10,000 alerts (6.7 MB: under the default body limit) whose only
+    actionable alert is one node loss: that loss reaches the pool's incident exactly as it does
+    alone, the 9,999 others are ignored with their reasons, and the whole payload costs the
+    Kubernetes API one pod list and one Service list instead of a lookup per alert."""
+    with sim_in_own_namespace("gpu-node-loss") as sim:  # no other test's incident for this pool
+        namespace = sim.world.scenario.namespace
+        serving_on_node = sorted(pods_by_node(sim)["gpu-node-0"])
+        real = example_alert("node-not-ready", overrides={"node": "gpu-node-0"})
+        payload = large_group([real], 10_000, namespace=namespace)
+        serve, core = counting_webhook(sim, temporal_env, task_queue)
+        for served in serve():
+            response = await post(served, payload)
+
+    assert response.status_code == 200, response.text[:500]
+    body = response.json()
+    workflow_id = f"incident/{namespace}/llama"
+    assert body["incidents"] == [workflow_id]
+    assert sorted(d["replica_group"] for d in body["delivered"]) == serving_on_node
+    assert {d["fingerprint"].split("/")[0] for d in body["delivered"]} == {real["fingerprint"]}
+    assert body["alerts"] == 10_000 and body["ignored_count"] == 9_999
+    assert body["ignored_by_reason"] == {
+        "not-serving": 6_000,  # nodes with no serving pod
+        "not-found": 2_000,  # pods that do not exist
+        "invalid-entity": 1_000,  # "Node_17!" is no Kubernetes name
+        "no-rule": 999,
+    }
+    assert len(body["ignored"]) == 100  # the reply lists a sample, the counts cover all
+    assert served.metric("fleetmend_alerts_ignored_total", reason="not-serving") == 6_000
+    signals = await report_loss_signals(temporal_client, workflow_id)
+    assert sorted(s["replica_group"] for s in signals) == serving_on_node
+    assert await workflow_ids_on(temporal_client, task_queue) == [workflow_id]
+    pod_lists = core.calls["list_pod_for_all_namespaces"]
+    assert 1 <= pod_lists <= 2  # pages of 500 pods: the sim has a handful
+    assert core.calls["list_service_for_all_namespaces"] == 1
+    assert sum(core.calls.values()) == pod_lists + 1, core.calls  # no per-alert read or list
+
+
+async def test_a_large_group_resolves_exactly_as_its_alerts_do_one_by_one(
+    node_loss_sim: RunningSim, temporal_env: WorkflowEnvironment, task_queue: str
+) -> None:
+    """Batched and per-entity lookups agree: every real node and serving pod of the cluster,
+    alone and inside a 2,000-alert group."""
+    namespace = node_loss_sim.world.scenario.namespace
+    by_node = pods_by_node(node_loss_sim)
+    real = [example_alert("node-not-ready", overrides={"node": n}) for n in sorted(by_node) if n]
+    real += [
+        example_alert("crashloop", overrides={"namespace": namespace, "pod": p})
+        for pods in by_node.values()
+        for p in sorted(pods)
+    ]
+    serve, core = counting_webhook(node_loss_sim, temporal_env, task_queue)
+
+    def delivered(body: dict[str, Any]) -> list[tuple[str, str, str]]:
+        return sorted((d["workflow_id"], d["fingerprint"], d["replica_group"]) for d in body["delivered"])
+
+    for served in serve():
+        alone = []
+        for a in real:
+            answer = await post(served, {**example_payload("node-not-ready"), "alerts": [a]})
+            assert answer.status_code == 200, answer.text
+            alone += delivered(answer.json())
+        assert "list_pod_for_all_namespaces" not in core.calls  # one at a time: no cluster-wide list
+        assert core.calls["list_pod_for_all_namespaces by field"] == len(by_node) - ("" in by_node)
+        grouped = await post(served, large_group(real, 2_000, namespace=namespace, seed="g"))
+    assert grouped.status_code == 200, grouped.text[:500]
+    assert core.calls["list_service_for_all_namespaces"] == 1
+    assert delivered(grouped.json()) == sorted(alone) and alone
+
+
+async def workflow_ids_on(client: Client, task_queue: str) -> list[str]:
+    await asyncio.sleep(0.3)  # visibility trails the start by a moment
+    return sorted([wf.id async for wf in client.list_workflows(f'TaskQueue = "{task_queue}"')])

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import SecretStr
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
@@ -190,6 +191,46 @@ async def test_body_over_the_limit_gets_413_and_starts_nothing(
 
 
 @pytest.mark.parametrize(
+    ("content_type", "shown"),
+    [
+        ("text/plain", "'text/plain'"),
+        ("text/plain; charset=utf-8", "'text/plain; charset=utf-8'"),
+        ("application/x-www-form-urlencoded", "'application/x-www-form-urlencoded'"),  # curl -d
+        (None, "no Content-Type"),
+    ],
+)
+async def test_a_body_not_declared_json_gets_415_and_starts_nothing(
+    served: ServedWebhook, temporal_client: Client, service: str, content_type: str | None, shown: str
+) -> None:
+    """The payload itself is a valid notification that would open an incident as JSON."""
+    headers = {"Authorization": f"Bearer {served.token}"}
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    response = await post(served, pool_payload(service), headers=headers)
+
+    assert response.status_code == 415, response.text
+    body = response.json()
+    assert body["error"] == "unsupported-media-type"
+    assert shown in body["message"] and "application/json" in body["message"]
+    assert served.metric("fleetmend_webhook_requests_rejected_total", reason="unsupported-media-type") == 1
+    assert served.metric("fleetmend_alerts_received_total", status="firing") == 0
+    assert await no_workflows(temporal_client, served.settings.task_queue)
+
+
+async def test_json_with_a_charset_is_accepted(served: ServedWebhook, service: str) -> None:
+    headers = {"Authorization": f"Bearer {served.token}", "Content-Type": "Application/JSON; charset=utf-8"}
+    response = await post(served, pool_payload(service), headers=headers)
+    assert response.status_code == 200, response.text
+
+
+async def test_an_unauthenticated_body_of_any_type_is_401_not_415(
+    served: ServedWebhook, service: str
+) -> None:
+    response = await post(served, b"hello", headers={"Content-Type": "text/plain"})
+    assert response.status_code == 401
+
+
+@pytest.mark.parametrize(
     ("body", "status", "reason", "says"),
     [
         (b'{"version": "4", "alerts": [', 400, "malformed-json", "not JSON"),
@@ -297,7 +338,7 @@ async def test_healthz_readyz_and_metrics(
             await http.post(
                 base_url + "/alerts/alertmanager",
                 content=b"{",
-                headers={"Authorization": f"Bearer {webhook_token}"},
+                headers={"Authorization": f"Bearer {webhook_token}", "Content-Type": "application/json"},
             )
             metrics = await http.get(base_url + "/metrics")
 
@@ -314,6 +355,50 @@ async def test_healthz_readyz_and_metrics(
 def test_webhook_refuses_to_start_without_a_token(pool_rules: AlertRules) -> None:
     with pytest.raises(WebhookConfigError, match="FLEETMEND_WEBHOOK_TOKEN"):
         create_app(Settings(webhook_token=None), rules=pool_rules)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "named"),
+    [
+        (
+            {"webhook_token": "same", "effects_token": "same"},
+            "FLEETMEND_WEBHOOK_TOKEN and FLEETMEND_EFFECTS_TOKEN",
+        ),
+        (
+            {"webhook_token": "same", "ledger_token": "same"},
+            "FLEETMEND_WEBHOOK_TOKEN and FLEETMEND_LEDGER_TOKEN",
+        ),
+        (
+            {"webhook_token": "w", "effects_token": "same", "ledger_token": "same"},
+            "FLEETMEND_EFFECTS_TOKEN and FLEETMEND_LEDGER_TOKEN",
+        ),
+    ],
+)
+def test_webhook_refuses_one_token_for_two_callers(
+    pool_rules: AlertRules, tokens: dict[str, str], named: str
+) -> None:
+    """Alertmanager's credential must not also create effects or read the audit ledger."""
+    settings = Settings(**{k: SecretStr(v) for k, v in tokens.items()})
+    with pytest.raises(WebhookConfigError, match=named):
+        create_app(settings, rules=pool_rules)
+
+
+async def test_metrics_are_open_and_name_no_pool_node_or_fingerprint(
+    served: ServedWebhook, service: str
+) -> None:
+    """/metrics needs no token because nothing in it identifies the fleet: counts by reason, rule
+    and status code only (README, "Authentication")."""
+    payload = pool_payload(service, replica_group=f"{service}-0", node="gpu-node-secret-7")
+    assert (await post(served, payload)).status_code == 200
+    async with httpx.AsyncClient(timeout=30) as http:
+        metrics = await http.get(served.base_url + "/metrics")
+    assert metrics.status_code == 200
+    assert (
+        'fleetmend_alerts_accepted_total{action="start-incident",alertname="PoolReplicaDown"} 1.0'
+        in metrics.text
+    )
+    for secret in (service, "gpu-node-secret-7", payload["alerts"][0]["fingerprint"], served.token):
+        assert secret not in metrics.text
 
 
 async def test_token_never_appears_in_logs_or_config(
@@ -391,5 +476,26 @@ async def test_openapi_documents_the_alertmanager_payload_and_mounts_the_effect_
     operation = spec["paths"]["/alerts/alertmanager"]["post"]
     schema = operation["requestBody"]["content"]["application/json"]["schema"]
     assert {"version", "status", "receiver", "alerts"} <= set(schema["required"])
-    assert {"200", "401", "413", "422", "503"} <= set(operation["responses"])
+    assert {"200", "401", "413", "415", "422", "503"} <= set(operation["responses"])
     assert "/v1/effects" in spec["paths"]  # the ledger's effect API shares the webhook's server
+
+
+def test_the_dev_stack_keeps_a_token_per_caller_in_0600_files(tmp_path: Any, pool_rules: AlertRules) -> None:
+    from worker.devstack.stack import dev_token_file, ensure_dev_webhook_token
+
+    first = ensure_dev_webhook_token(Settings(state_dir=tmp_path, effects_token=SecretStr("configured")))
+    assert first.effects_token is not None and first.effects_token.get_secret_value() == "configured"
+    assert not dev_token_file(first, "effects_token").exists()  # a configured token is not written anywhere
+    again = ensure_dev_webhook_token(Settings(state_dir=tmp_path))
+
+    for setting in ("webhook_token", "ledger_token"):
+        path = dev_token_file(first, setting)
+        assert path.stat().st_mode & 0o777 == 0o600
+        assert getattr(first, setting).get_secret_value() == path.read_text().strip()
+        assert getattr(again, setting).get_secret_value() == path.read_text().strip()  # kept across restarts
+    assert again.effects_token is not None
+    values = {
+        s.get_secret_value() for s in (again.webhook_token, again.effects_token, again.ledger_token) if s
+    }
+    assert len(values) == 3
+    create_app(again, rules=pool_rules)  # distinct: the webhook starts with them

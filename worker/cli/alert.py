@@ -34,9 +34,11 @@ def webhook(
     check: bool = typer.Option(False, "--check", help="Validate token and routing rules, then exit."),
     log_level: str = typer.Option("INFO", "--log-level", help="Python log level of the JSON logs on stderr."),
 ) -> None:
-    """Serve the Alertmanager webhook receiver (POST /alerts/alertmanager, /healthz, /readyz, /metrics).
+    """Serve the Alertmanager webhook receiver (POST /alerts/alertmanager, /healthz, /readyz, /metrics)
+    and the ledger's HTTP APIs (POST /v1/effects, GET /ledger/effects).
 
-    Needs FLEETMEND_WEBHOOK_TOKEN (Alertmanager sends it as a bearer token)."""
+    Needs FLEETMEND_WEBHOOK_TOKEN (Alertmanager sends it as a bearer token); the effect and audit
+    APIs answer only with FLEETMEND_EFFECTS_TOKEN / FLEETMEND_LEDGER_TOKEN set (each a token of its own)."""
     overrides: dict[str, object] = {}
     if host is not None:
         overrides["webhook_host"] = host
@@ -54,6 +56,12 @@ def webhook(
         console.print(
             f"ok: token set, {len(loaded.rules)} routing rules ({', '.join(sorted(loaded.alert_names))})"
         )
+        for setting, value, api in (
+            ("FLEETMEND_EFFECTS_TOKEN", settings.effects_token, "effect API (POST /v1/effects)"),
+            ("FLEETMEND_LEDGER_TOKEN", settings.ledger_token, "ledger audit API (GET /ledger/effects)"),
+        ):
+            state = "on" if value and value.get_secret_value() else f"off: {setting} is not set (answers 503)"
+            console.print(f"{api}: {state}")
         return
     jsonlog.configure(log_level)
     serve(settings)

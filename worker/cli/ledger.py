@@ -2,7 +2,8 @@
 
 The database is ``FLEETMEND_DATABASE_URL``, else the embedded Postgres of ``fleetmend dev``
 under ``FLEETMEND_STATE_DIR/pg`` (started for the command and stopped again when it was
-not already running).
+not already running). ``reconcile`` reads the target's action log from
+``FLEETMEND_ACTION_LOG_URL`` unless ``--actions-url`` / ``--actions-file`` name another.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ console = Console()
 err_console = Console(stderr=True)
 
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+SIM_ACTION_LOG_PATH = "/sim/v1/actions"
+# Every fleetmend process names itself so in its user agent (fleetmend-worker/..., fleetmend-effects-api/...).
+FLEETMEND_CLIENT_MARK = "fleetmend"
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 
 
@@ -203,23 +207,36 @@ def show_command(
         console.print(div)
 
 
+def action_log_url(url: str) -> str:
+    """The action log's URL: as given when it names a path, else the simulator's log under that base."""
+    parts = urlsplit(url.strip())
+    return url.strip() if parts.path.strip("/") else url.strip().rstrip("/") + SIM_ACTION_LOG_PATH
+
+
 def _load_world_actions(
-    actions_url: str | None, actions_file: Path | None, world: str | None, client: str | None
+    actions_url: str | None,
+    actions_file: Path | None,
+    world: str | None,
+    client: str,
+    *,
+    setting_url: str | None,
 ) -> tuple[str | None, list[WorldAction] | None]:
     if actions_url and actions_file:
         fail("give either --actions-url or --actions-file, not both", 2)
     if not actions_url and not actions_file:
+        actions_url = setting_url  # FLEETMEND_ACTION_LOG_URL
+    if not actions_url and not actions_file:
         return None, None
     raw: Any
     if actions_url:
-        base = actions_url.rstrip("/")
+        log_url = action_log_url(actions_url)
         try:
-            response = httpx.get(f"{base}/sim/v1/actions", params={"since_seq": 0}, timeout=30)
+            response = httpx.get(log_url, params={"since_seq": 0}, timeout=30)
             response.raise_for_status()
             raw = response.json()
         except (httpx.HTTPError, ValueError) as exc:
-            fail(f"could not read the action log at {base}/sim/v1/actions: {exc}")
-        world = world or urlsplit(base).netloc
+            fail(f"could not read the action log at {log_url}: {exc}")
+        world = world or urlsplit(log_url).netloc
     else:
         assert actions_file is not None
         if not world:
@@ -239,7 +256,7 @@ def _load_world_actions(
     except ValidationError as exc:
         fail(f"the action log has an entry that is not an action: {exc}", 2)
     if client:
-        actions = [a for a in actions if a.client == client]
+        actions = [a for a in actions if client in (a.client or "")]
     return world, actions
 
 
@@ -277,7 +294,10 @@ def _print_report(report: ReconcileReport) -> None:
     compared = (
         f"; {report.world_actions_compared} actions of {report.world} compared"
         if report.world
-        else "; no action log given (--actions-url / --actions-file), so orphans and duplicates were not checked"
+        else (
+            "; no action log given (FLEETMEND_ACTION_LOG_URL, --actions-url or --actions-file), "
+            "so orphans and duplicates were not checked"
+        )
     )
     if report.clean:
         console.print(f"[green]ledger reconciled: no findings[/green]{compared}")
@@ -288,14 +308,19 @@ def _print_report(report: ReconcileReport) -> None:
 @app.command("reconcile")
 def reconcile_command(
     actions_url: str | None = typer.Option(
-        None, "--actions-url", help="Base URL of a target serving GET /sim/v1/actions (the sim)."
+        None,
+        "--actions-url",
+        help="The target's action log: its URL, or the sim's base URL (default FLEETMEND_ACTION_LOG_URL).",
     ),
     actions_file: Path | None = typer.Option(None, "--actions-file", help="JSON list of action log entries."),
     world: str | None = typer.Option(
         None, "--world", help="Name of the logged API (default: the URL's host:port)."
     ),
-    client: str | None = typer.Option(
-        None, "--client", help="Only compare log entries from this client identity."
+    client: str = typer.Option(
+        FLEETMEND_CLIENT_MARK,
+        "--client",
+        help="Compare only log entries whose client identity contains this (default: fleetmend's own "
+        "requests; '' compares every entry).",
     ),
     unresolved_after: float = typer.Option(
         300.0, "--unresolved-after-s", min=0, help="Bound for unresolved intents."
@@ -309,8 +334,11 @@ def reconcile_command(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Report unresolved intents, divergences, orphans and duplicates. Exit status 1 when anything is found."""
-    world_name, actions = _load_world_actions(actions_url, actions_file, world, client)
-    with ledger_engine() as engine:
+    settings = load_settings()
+    world_name, actions = _load_world_actions(
+        actions_url, actions_file, world, client, setting_url=settings.action_log_url
+    )
+    with ledger_engine(settings) as engine:
         report = reconcile(
             engine,
             world=world_name,

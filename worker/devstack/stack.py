@@ -314,32 +314,51 @@ class _WebhookPart:
 
     def endpoints(self) -> list[Endpoint]:
         base = f"http://{self.settings.webhook_host}:{self.settings.webhook_port}"
-        rows = [Endpoint("webhook", "Alert webhook", f"{base}/alerts/alertmanager")]
-        token_file = dev_token_file(self.settings)
-        if token_file.exists():
-            rows.append(Endpoint("webhook", "Webhook bearer token", str(token_file)))
+        rows = []
+        for setting, what, url in (
+            ("webhook_token", "Alert webhook", f"{base}/alerts/alertmanager"),
+            ("effects_token", "Effect API", f"{base}/v1/effects"),
+            ("ledger_token", "Ledger audit API", f"{base}/ledger/effects"),
+        ):
+            token_file = dev_token_file(self.settings, setting)
+            shown = f" (token in {token_file})" if token_file.exists() else ""
+            rows.append(Endpoint("webhook", what, url + shown))
         return rows
 
 
-def dev_token_file(settings: Settings) -> Path:
-    return settings.state_dir / "webhook-token"
+# The bearer token of each caller of the webhook's server, and the file `fleetmend dev` keeps it in.
+DEV_TOKEN_FILES = {
+    "webhook_token": "webhook-token",
+    "effects_token": "effects-token",
+    "ledger_token": "ledger-token",
+}
+
+
+def dev_token_file(settings: Settings, setting: str = "webhook_token") -> Path:
+    return settings.state_dir / DEV_TOKEN_FILES[setting]
 
 
 def ensure_dev_webhook_token(settings: Settings) -> Settings:
-    """Settings with a webhook token: the configured one, else one generated once per state dir.
+    """Settings with the webhook's, the effect API's and the ledger API's tokens: each the configured
+    one, else one generated once per state dir.
 
-    The webhook refuses to run without a token; the embedded stack keeps one in a
-    0600 file so restarts (and a local Alertmanager) keep using the same value.
+    The webhook refuses to run without its token and the two APIs refuse every request without
+    theirs; the embedded stack keeps each in a 0600 file so restarts (and a local Alertmanager,
+    a gateway, an auditor's script) keep using the same values.
     """
-    if settings.webhook_token and settings.webhook_token.get_secret_value():
-        return settings
-    path = dev_token_file(settings)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(secrets.token_hex(32))
-    return settings.model_copy(update={"webhook_token": SecretStr(path.read_text().strip())})
+    update: dict[str, SecretStr] = {}
+    for setting in DEV_TOKEN_FILES:
+        configured: SecretStr | None = getattr(settings, setting)
+        if configured and configured.get_secret_value():
+            continue
+        path = dev_token_file(settings, setting)
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_hex(32))
+        update[setting] = SecretStr(path.read_text().strip())
+    return settings.model_copy(update=update) if update else settings
 
 
 class _WorkerPart:

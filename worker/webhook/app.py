@@ -4,22 +4,29 @@ Status codes follow Alertmanager's retry rules (it retries 5xx and network
 errors, never 4xx):
 
 * 200 — every alert was delivered to its pool's incident or deliberately ignored;
-* 400/415/422 — the payload is malformed, of another version or has invalid fields:
+* 400/422 — the payload is malformed, of another version or has invalid fields:
   retrying cannot help, so nothing is retried and nothing is started;
-* 401 — missing or wrong bearer token (compared in constant time);
-* 413 — body larger than ``FLEETMEND_WEBHOOK_MAX_BODY_BYTES``;
+* 401 — missing or wrong bearer token (``FLEETMEND_WEBHOOK_TOKEN``, compared in constant time);
+* 413 — body larger than ``FLEETMEND_WEBHOOK_MAX_BODY_BYTES`` (32 MiB by default: a
+  10,000-alert group, the shipped receiver's ``max_alerts``, fits with room to spare);
+* 415 — the body is not declared ``application/json`` (Alertmanager always declares it);
 * 503 — Temporal or the Kubernetes API is unreachable: Alertmanager retries, and
   repeats are harmless because delivery is idempotent.
 
-Also: ``GET /healthz`` (process alive), ``GET /readyz`` (Temporal and the ledger
-database reachable), ``GET /metrics`` (Prometheus).
+The same server carries the effect API (``POST /v1/effects``, token
+``FLEETMEND_EFFECTS_TOKEN``) and the ledger audit API (``GET /ledger/effects...``,
+token ``FLEETMEND_LEDGER_TOKEN``), see ``worker/webhook/effects_api.py``. Open
+without a token: ``GET /healthz`` (process alive), ``GET /readyz`` (Temporal and the
+ledger database reachable) and ``GET /metrics`` (Prometheus). The metrics are not
+sensitive: counters and latencies labelled only by reason, status code, delivery
+mode and the routing rules' alert names (no pool, node, pod, fingerprint, token or
+ledger content), and Prometheus scrapes them without credentials like every exporter.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import importlib
 import importlib.util
 import json
@@ -37,6 +44,7 @@ from sqlalchemy.engine import Engine
 
 from worker.config import Settings
 from worker.webhook.alertmanager import SUPPORTED_VERSION, AlertmanagerPayload
+from worker.webhook.auth import TokenReuse, bearer_matches, check_tokens_distinct
 from worker.webhook.intake import AlertIntake, IntakeResult, TemporalClientFactory, TemporalUnavailable
 from worker.webhook.metrics import WebhookMetrics
 from worker.webhook.routing import AlertRouter
@@ -47,6 +55,10 @@ log = logging.getLogger("fleetmend.webhook")
 
 ALERTMANAGER_PATH = "/alerts/alertmanager"
 RETRY_AFTER_S = "5"
+JSON_MEDIA_TYPE = "application/json"
+# Ignored alerts listed one by one in a reply; the rest are counted by reason (a 10,000-alert
+# group of noise would otherwise answer with megabytes nobody reads).
+MAX_IGNORED_LISTED = 100
 
 DatabaseProbe = Callable[[], Awaitable[None]]
 
@@ -82,6 +94,10 @@ def create_app(
             "Generate one (e.g. `openssl rand -hex 32`), set it here and in Alertmanager's "
             "http_config.authorization (credentials_file, see deploy/alertmanager/alertmanager.yml)"
         )
+    try:
+        check_tokens_distinct(settings)
+    except TokenReuse as err:
+        raise WebhookConfigError(str(err)) from err
     expected_token = token.encode()
     rules = rules or load_alert_rules(settings.alert_rules_file)
     topology = topology or PoolTopology.from_settings(settings)
@@ -97,6 +113,12 @@ def create_app(
             "alert webhook ready",
             extra={"rules": len(rules.rules), "path": ALERTMANAGER_PATH, "task_queue": settings.task_queue},
         )
+        for setting, value, api in (
+            ("FLEETMEND_EFFECTS_TOKEN", settings.effects_token, "POST /v1/effects"),
+            ("FLEETMEND_LEDGER_TOKEN", settings.ledger_token, "GET /ledger/effects"),
+        ):
+            if not (value and value.get_secret_value()):
+                log.warning(f"{setting} is not set: {api} refuses every request (503) until it is")
         yield
         for engine in engine_holder:
             engine.dispose()
@@ -117,6 +139,7 @@ def create_app(
             400: {"description": "Body is not JSON"},
             401: {"description": "Missing or wrong bearer token"},
             413: {"description": "Body over the size limit"},
+            415: {"description": "Content-Type is not application/json"},
             422: {"description": "Wrong payload version or invalid fields"},
             503: {"description": "Temporal or Kubernetes unreachable: Alertmanager retries"},
         },
@@ -132,8 +155,9 @@ def create_app(
     async def receive_alerts(request: Request) -> Response:
         started = time.perf_counter()
         try:
-            if not _bearer_matches(request.headers.get("authorization"), expected_token):
+            if not bearer_matches(request.headers.get("authorization"), expected_token):
                 raise _Rejected(401, "unauthorized", "missing or wrong bearer token")
+            _require_json(request.headers.get("content-type"))
             body = await _read_limited(request, settings.webhook_max_body_bytes)
             payload = _parse_payload(body)
             result = await intake.handle(payload)
@@ -188,14 +212,19 @@ def create_app(
     return app
 
 
-def _bearer_matches(header: str | None, expected: bytes) -> bool:
-    """Constant-time comparison: the reply time does not reveal how much of a guess was right."""
-    if not header:
-        return False
-    scheme, _, credentials = header.partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    return hmac.compare_digest(credentials.strip().encode("utf-8", "surrogateescape"), expected)
+def _require_json(content_type: str | None) -> None:
+    """Alertmanager declares ``application/json``; anything else was not meant for this route."""
+    media_type = (content_type or "").partition(";")[0].strip().lower()
+    if media_type == JSON_MEDIA_TYPE or (
+        media_type.startswith("application/") and media_type.endswith("+json")
+    ):
+        return
+    shown = f"Content-Type {content_type[:100]!r}" if content_type else "no Content-Type"
+    raise _Rejected(
+        415,
+        "unsupported-media-type",
+        f"{shown}: the body must be an Alertmanager webhook notification sent as {JSON_MEDIA_TYPE}",
+    )
 
 
 async def _read_limited(request: Request, limit: int) -> bytes:
@@ -214,6 +243,15 @@ async def _read_limited(request: Request, limit: int) -> bytes:
 
 
 def _parse_payload(body: bytes) -> AlertmanagerPayload:
+    # Fast path: pydantic parses and validates in one pass (a 10,000-alert group in a fraction
+    # of json.loads + model_validate). Anything it refuses is diagnosed below, step by step.
+    try:
+        parsed = AlertmanagerPayload.model_validate_json(body)
+    except (ValidationError, RecursionError):
+        pass
+    else:
+        if parsed.version == SUPPORTED_VERSION:
+            return parsed
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -243,6 +281,9 @@ def _parse_payload(body: bytes) -> AlertmanagerPayload:
 
 
 def _accepted_body(payload: AlertmanagerPayload, result: IntakeResult) -> dict[str, Any]:
+    by_reason: dict[str, int] = {}
+    for ignored in result.ignored:
+        by_reason[ignored.reason.value] = by_reason.get(ignored.reason.value, 0) + 1
     return {
         "status": "accepted" if result.delivered else "ignored",
         "alerts": len(payload.alerts),
@@ -265,8 +306,10 @@ def _accepted_body(payload: AlertmanagerPayload, result: IntakeResult) -> dict[s
                 "reason": i.reason.value,
                 "detail": i.detail,
             }
-            for i in result.ignored
+            for i in result.ignored[:MAX_IGNORED_LISTED]
         ],
+        "ignored_count": len(result.ignored),
+        "ignored_by_reason": dict(sorted(by_reason.items())),
     }
 
 

@@ -5,10 +5,17 @@
   performs it at most once and every call — first or repeat — gets the recorded outcome (200,
   ``state`` applied / failed / needs_operator / planned). The same op id with other params is
   409 with the original outcome; an unknown kind or invalid params is 422; a transient problem
-  is 503 with ``Retry-After`` (repeat the same request).
+  is 503 with ``Retry-After`` (repeat the same request). Operation ids starting with
+  ``fleetmend:`` belong to fleetmend's own procedures: 403, nothing recorded (a caller
+  must not pre-claim, and so block, a future recovery's action).
+  Bearer token: ``FLEETMEND_EFFECTS_TOKEN``.
 * ``GET /ledger/effects`` — audit, newest first, filters ``workflow_id target kind state
   request_id since until``, paginated with ``limit`` and ``cursor`` (``next_cursor``).
 * ``GET /ledger/effects/{op_id}`` — one operation with its divergent requests.
+  Bearer token of both: ``FLEETMEND_LEDGER_TOKEN``.
+
+Missing or wrong token → 401 with ``WWW-Authenticate: Bearer``; a token that is not
+configured → 503 naming the setting (the route is off, never open).
 """
 
 from __future__ import annotations
@@ -21,13 +28,13 @@ from datetime import datetime
 from typing import Any
 
 import httpx
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.encoders import jsonable_encoder
-from fastapi.params import Depends
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from activities.effects import EffectRegistry, UnknownEffectKind, default_registry
+from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX
 from ledger.audit import EffectDetail, EffectFilter, EffectPage, InvalidQuery, list_effects, show_effect
 from ledger.effect import EffectContext
 from ledger.errors import (
@@ -40,6 +47,7 @@ from ledger.models import MAX_OPERATION_ID_LENGTH, EffectState
 from ledger.outcome import EffectOutcome
 from ledger.store import EffectLedger, make_engine
 from worker.config import Settings
+from worker.webhook.auth import require_bearer
 
 RETRY_AFTER_S = 1
 
@@ -65,14 +73,32 @@ class LedgerUnconfigured(RuntimeError):
     pass
 
 
+def is_procedure_operation_id(operation_id: str) -> bool:
+    """In the namespace of fleetmend's own procedures. Case and leading blanks are ignored so an id
+    that merely looks like a procedure's in an audit listing is refused too."""
+    return operation_id.lstrip().casefold().startswith(PROCEDURE_OPERATION_PREFIX.casefold())
+
+
 def effects_router(
     ledger: Callable[[], EffectLedger],
     registry: EffectRegistry,
     *,
-    dependencies: Sequence[Depends] | None = None,
+    effects_token: SecretStr | None,
+    ledger_token: SecretStr | None,
+    dependencies: Sequence[Any] | None = None,
 ) -> APIRouter:
-    """The effect and audit routes over ``ledger()`` (called per request; build it lazily)."""
+    """The effect and audit routes over ``ledger()`` (called per request; build it lazily).
+
+    ``effects_token`` guards ``POST /v1/effects``, ``ledger_token`` the audit routes; an unset
+    token switches its routes off (503), never open."""
     router = APIRouter(dependencies=list(dependencies or []))
+    unauthorized: dict[int | str, dict[str, Any]] = {401: {"description": "Missing or wrong bearer token"}}
+    effects_auth = Depends(
+        require_bearer(effects_token, setting="FLEETMEND_EFFECTS_TOKEN", audience="the effect API")
+    )
+    ledger_auth = Depends(
+        require_bearer(ledger_token, setting="FLEETMEND_LEDGER_TOKEN", audience="the ledger audit API")
+    )
 
     def get_ledger() -> EffectLedger:
         try:
@@ -83,11 +109,25 @@ def effects_router(
     @router.post(
         "/v1/effects",
         response_model=EffectOutcome,
-        responses={409: {"model": DivergentAnswer}, 422: {}, 503: {}},
+        responses={
+            **unauthorized,
+            403: {"description": "Operation id in the namespace of fleetmend's own procedures"},
+            409: {"model": DivergentAnswer},
+            422: {},
+            503: {},
+        },
         tags=["effects"],
         summary="Perform an inference-proposed effect exactly once per operation id",
+        dependencies=[effects_auth],
     )
     def post_effect(body: EffectRequest, request: Request) -> Any:
+        if is_procedure_operation_id(body.operation_id):
+            raise HTTPException(
+                403,
+                f"operation id {body.operation_id[:80]!r} is in the {PROCEDURE_OPERATION_PREFIX!r} namespace, "
+                "reserved for fleetmend's own procedures; nothing was recorded. Derive the id from your "
+                "request: <request id>/<effect slot>",
+            )
         try:
             kind = registry.resolve(body.kind)
             params = kind.params_model.model_validate(body.params)
@@ -128,7 +168,14 @@ def effects_router(
             )
         return outcome
 
-    @router.get("/ledger/effects", response_model=EffectPage, tags=["ledger"], summary="List effects")
+    @router.get(
+        "/ledger/effects",
+        response_model=EffectPage,
+        responses=unauthorized,
+        tags=["ledger"],
+        summary="List effects",
+        dependencies=[ledger_auth],
+    )
     def get_effects(
         workflow_id: str | None = None,
         target: str | None = None,
@@ -159,7 +206,12 @@ def effects_router(
             raise HTTPException(422, str(exc)) from exc
 
     @router.get(
-        "/ledger/effects/{op_id:path}", response_model=EffectDetail, tags=["ledger"], summary="One operation"
+        "/ledger/effects/{op_id:path}",
+        response_model=EffectDetail,
+        responses=unauthorized,
+        tags=["ledger"],
+        summary="One operation",
+        dependencies=[ledger_auth],
     )
     def get_effect(op_id: str) -> EffectDetail:
         detail = show_effect(get_ledger().engine, op_id)
@@ -196,4 +248,6 @@ def create_router(settings: Settings) -> APIRouter:
                 built.append(EffectLedger(make_engine(url), owner=owner))
             return built[0]
 
-    return effects_router(ledger, registry)
+    return effects_router(
+        ledger, registry, effects_token=settings.effects_token, ledger_token=settings.ledger_token
+    )

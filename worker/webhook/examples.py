@@ -192,3 +192,46 @@ def example_payload(
     labels = {"alertname": ex.alertname, **ex.labels, **(overrides or {})}
     annotations = {k: v.format_map(labels) for k, v in ex.annotations.items()}
     return notification([alert(labels, annotations, resolved=resolved)])
+
+
+def example_alert(name: str, *, overrides: dict[str, str] | None = None) -> dict[str, Any]:
+    """One firing alert of example ``name``, with its annotations, labels overridden as given."""
+    [one] = example_payload(name, overrides=overrides)["alerts"]
+    return one
+
+
+def noise_alerts(count: int, *, namespace: str = "llm", seed: str = "") -> list[dict[str, Any]]:
+    """``count`` alerts of a large Alertmanager group that concern no serving pool.
+
+    The mix an outage of a big cluster sends besides the alerts that matter: node alerts
+    for nodes that run no serving pod (or are gone), crash-looping pods that no longer exist,
+    node names no Kubernetes object can have, alerts missing the label their rule needs,
+    and alerts fleetmend has no rule for. ``seed`` keeps the names of two batches apart.
+    """
+    out: list[dict[str, Any]] = []
+    for i in range(count):
+        kind = i % 10
+        if kind < 6:
+            out.append(example_alert("node-not-ready", overrides={"node": f"cpu-node-{seed}{i}"}))
+        elif kind < 8:
+            overrides = {"namespace": namespace, "pod": f"batch-job-{seed}{i}", "container": "worker"}
+            out.append(example_alert("crashloop", overrides=overrides))
+        elif kind == 8:
+            out.append(example_alert("node-not-ready", overrides={"node": f"Node_{seed}{i}!"}))
+        else:
+            labels = {
+                "alertname": "NodeFilesystemAlmostOutOfSpace",
+                "instance": f"10.1.{i // 250}.{i % 250}:9100",
+            }
+            out.append(alert({**labels, "severity": "warning", "mountpoint": "/var/lib/kubelet"}))
+    return out
+
+
+def large_group(
+    real: list[dict[str, Any]], total: int, *, namespace: str = "llm", seed: str = ""
+) -> dict[str, Any]:
+    """A ``total``-alert notification with the ``real`` alerts among noise (``noise_alerts``),
+    placed in the middle: neither first nor last in the group."""
+    noise = noise_alerts(total - len(real), namespace=namespace, seed=seed)
+    middle = len(noise) // 2
+    return notification(noise[:middle] + real + noise[middle:])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -36,6 +36,12 @@ from worker.webhook.rules import RuleAction
 log = logging.getLogger("fleetmend.webhook")
 
 TemporalClientFactory = Callable[[], Awaitable[Client]]
+
+# Signals in flight at once for one notification: a 10,000-alert group must not open
+# 10,000 concurrent RPCs to Temporal.
+MAX_CONCURRENT_SIGNALS = 64
+# Ignored alerts logged one by one per notification; the rest are summed up by reason.
+MAX_IGNORED_LOGGED = 20
 
 
 class TemporalUnavailable(Exception):
@@ -111,6 +117,7 @@ class AlertIntake:
         self._rpc_timeout = timedelta(seconds=rpc_timeout_s)
         self._recent = _RecentDeliveries(dedupe_ttl_s)
         self._inflight: dict[tuple[object, ...], asyncio.Future[Delivery | None]] = {}
+        self._signal_slots = asyncio.Semaphore(MAX_CONCURRENT_SIGNALS)
 
     async def client(self) -> Client:
         """The Temporal client, connected on first use (and again after a failed connect)."""
@@ -129,14 +136,17 @@ class AlertIntake:
     async def handle(self, payload: AlertmanagerPayload) -> IntakeResult:
         """Route every alert and deliver its reports. Raises ``TemporalUnavailable`` or
         ``KubernetesUnavailable`` when the notification should be retried."""
-        for alert in payload.alerts:
-            self._metrics.alerts_received.labels(alert.status.value).inc()
+        for status, count in Counter(a.status.value for a in payload.alerts).items():
+            self._metrics.alerts_received.labels(status).inc(count)
+        self._metrics.notification_alerts.observe(len(payload.alerts))
         if payload.truncated_alerts:
+            self._metrics.alerts_truncated.inc(payload.truncated_alerts)
             log.warning(
-                "Alertmanager truncated this notification (max_alerts); the dropped alerts arrive with a later one",
+                "Alertmanager truncated this notification (the receiver's max_alerts): the alerts it left "
+                "out never reach fleetmend while the group stays this large; raise max_alerts",
                 extra={"group_key": payload.group_key, "truncated_alerts": payload.truncated_alerts},
             )
-        routed = await asyncio.gather(*(self._router.route(a) for a in payload.alerts))
+        routed = await self._router.route_all(payload.alerts)
         result = IntakeResult()
         pending: list[tuple[int, RoutedReport]] = []
         for index, outcome in enumerate(routed):
@@ -157,8 +167,13 @@ class AlertIntake:
             by_alert.setdefault(index, []).append(delivery)
         for index, deliveries in sorted(by_alert.items()):
             self._account(payload.alerts[index], deliveries, result)
-        for ignored in result.ignored:
-            self._metrics.alerts_ignored.labels(ignored.reason.value).inc()
+        for reason, count in Counter(i.reason.value for i in result.ignored).items():
+            self._metrics.alerts_ignored.labels(reason).inc(count)
+        unlogged: dict[str, int] = {}
+        for index, ignored in enumerate(result.ignored):
+            if index >= MAX_IGNORED_LOGGED:
+                unlogged[ignored.reason.value] = unlogged.get(ignored.reason.value, 0) + 1
+                continue
             log.info(
                 "alert ignored",
                 extra={
@@ -167,6 +182,11 @@ class AlertIntake:
                     "reason": ignored.reason.value,
                     "detail": ignored.detail,
                 },
+            )
+        if unlogged:
+            log.info(
+                "more alerts ignored (not logged one by one)",
+                extra={"group_key": payload.group_key, "by_reason": unlogged},
             )
         return result
 
@@ -214,7 +234,8 @@ class AlertIntake:
         future: asyncio.Future[Delivery | None] = asyncio.get_running_loop().create_future()
         self._inflight[key] = future
         try:
-            delivered = await self._signal(routed, key)
+            async with self._signal_slots:
+                delivered = await self._signal(routed, key)
         except asyncio.CancelledError:
             future.cancel()
             raise

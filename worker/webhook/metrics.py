@@ -43,6 +43,17 @@ class WebhookMetrics:
             ["mode"],
             registry=r,
         )
+        self.notification_alerts = Histogram(
+            "fleetmend_webhook_notification_alerts",
+            "Alerts per valid notification (the size of Alertmanager's groups)",
+            buckets=(1, 10, 100, 1000, 2000, 5000, 10_000, 20_000),
+            registry=r,
+        )
+        self.alerts_truncated = Counter(
+            "fleetmend_webhook_alerts_truncated",
+            "Alerts Alertmanager left out of notifications (truncatedAlerts, its max_alerts)",
+            registry=r,
+        )
         self.request_seconds = Histogram(
             "fleetmend_webhook_request_duration_seconds",
             "Time to answer an alert notification",

@@ -25,7 +25,7 @@ import yaml
 
 from worker.processes import free_port
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 PROMETHEUS_BIN = "/usr/bin/prometheus"
 ALERTMANAGER_BIN = "/usr/bin/prometheus-alertmanager"
 

@@ -19,8 +19,8 @@ from worker.webhook.alertmanager import AlertmanagerAlert
 from worker.webhook.rules import AlertRule, AlertRules, RuleAction
 from worker.webhook.topology import (
     AffectedGroup,
-    PodNotFound,
     PoolTopology,
+    TopologyAnswers,
     is_namespace_name,
     is_object_name,
 )
@@ -56,6 +56,15 @@ class IgnoredAlert:
     detail: str
 
 
+@dataclass(frozen=True)
+class _Lookup:
+    """An alert whose node or pod must be resolved through the Kubernetes API."""
+
+    rule: AlertRule
+    node: str | None = None
+    pod: tuple[str, str] | None = None
+
+
 class AlertRouter:
     """Applies the routing rules to alerts, resolving entities through the pool topology."""
 
@@ -64,10 +73,26 @@ class AlertRouter:
         self._topology = topology
 
     async def route(self, alert: AlertmanagerAlert) -> list[RoutedReport] | IgnoredAlert:
-        """Reports for every affected replica group, or why the alert is ignored.
+        """Reports for every affected replica group, or why the alert is ignored."""
+        return (await self.route_all([alert]))[0]
 
-        Raises ``KubernetesUnavailable`` when the entity cannot be resolved right now.
+    async def route_all(self, alerts: list[AlertmanagerAlert]) -> list[list[RoutedReport] | IgnoredAlert]:
+        """``route`` for every alert of a notification, in order, resolving all their nodes and pods
+        with one topology lookup (batched for large groups).
+
+        Raises ``KubernetesUnavailable`` when the entities cannot be resolved right now.
         """
+        planned = [self._plan(alert) for alert in alerts]
+        nodes = [p.node for p in planned if isinstance(p, _Lookup) and p.node is not None]
+        pods = [p.pod for p in planned if isinstance(p, _Lookup) and p.pod is not None]
+        answers = await self._topology.resolve(nodes, pods) if nodes or pods else TopologyAnswers()
+        return [
+            self._finish(alert, plan, answers) if isinstance(plan, _Lookup) else plan
+            for alert, plan in zip(alerts, planned, strict=True)
+        ]
+
+    def _plan(self, alert: AlertmanagerAlert) -> list[RoutedReport] | IgnoredAlert | _Lookup:
+        """Everything that needs no Kubernetes API: the rule, its labels, the entity's name."""
         rule = self.rules.rule_for(alert.labels)
         if rule is None:
             return self._ignored(alert, IgnoreReason.NO_RULE, "no routing rule for this alert name")
@@ -87,23 +112,31 @@ class AlertRouter:
                 return self._ignored(
                     alert, IgnoreReason.INVALID_ENTITY, f"{node!r} is not a Kubernetes node name"
                 )
-            groups = await self._topology.groups_on_node(node)
-            where = f"node {node}"
+            return _Lookup(rule, node=node)
+        namespace = alert.labels[rule.entity.namespace or ""]
+        pod = alert.labels[rule.entity.pod or ""]
+        if not (is_namespace_name(namespace) and is_object_name(pod)):
+            return self._ignored(
+                alert, IgnoreReason.INVALID_ENTITY, f"{namespace!r}/{pod!r} is not a Kubernetes pod name"
+            )
+        return _Lookup(rule, pod=(namespace, pod))
+
+    def _finish(
+        self, alert: AlertmanagerAlert, plan: _Lookup, answers: TopologyAnswers
+    ) -> list[RoutedReport] | IgnoredAlert:
+        if plan.node is not None:
+            groups = answers.nodes[plan.node]
+            where = f"node {plan.node}"
         else:
-            namespace = alert.labels[rule.entity.namespace or ""]
-            pod = alert.labels[rule.entity.pod or ""]
-            if not (is_namespace_name(namespace) and is_object_name(pod)):
-                return self._ignored(
-                    alert, IgnoreReason.INVALID_ENTITY, f"{namespace!r}/{pod!r} is not a Kubernetes pod name"
-                )
-            try:
-                groups = await self._topology.groups_of_pod(namespace, pod)
-            except PodNotFound as err:
-                return self._ignored(alert, IgnoreReason.NOT_FOUND, str(err))
-            where = f"pod {namespace}/{pod}"
+            assert plan.pod is not None
+            namespace, pod = plan.pod
+            found = answers.pods[plan.pod]
+            if found is None:
+                return self._ignored(alert, IgnoreReason.NOT_FOUND, f"pod {namespace}/{pod} not found")
+            groups, where = found, f"pod {namespace}/{pod}"
         if not groups:
             return self._ignored(alert, IgnoreReason.NOT_SERVING, f"no serving pool has a pod on {where}")
-        return self._group_reports(rule, alert, groups, alerted_pod=shape == "pod")
+        return self._group_reports(plan.rule, alert, groups, alerted_pod=plan.pod is not None)
 
     def _pool_report(self, rule: AlertRule, alert: AlertmanagerAlert) -> list[RoutedReport] | IgnoredAlert:
         namespace = alert.labels[rule.entity.namespace or ""]

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fleet.incident import Severity
 from fleet.vocabulary import FaultKind
 
-SHIPPED_RULES_FILE = Path(__file__).with_name("alert_rules.yaml")
+SHIPPED_RULES_FILE = Path(__file__).with_name("rules.yaml")
 
 
 class AlertRulesError(ValueError):

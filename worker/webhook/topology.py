@@ -5,15 +5,22 @@ per pool (the pods behind one Service) and act on whole replica groups. This
 module asks the Kubernetes API, with the official (synchronous) client run in
 a worker thread, and keeps answers for a few seconds: an alert storm about one
 node costs the API server one list call, not a thousand.
+
+A notification names its entities up front (``PoolTopology.resolve``). A few of
+them are looked up one by one (a field-selected pod list per node, one pod read
+per pod); past ``batch_threshold`` distinct entities — an Alertmanager group of
+thousands of alerts — the whole payload is answered from one paginated list of
+every pod and one of every Service, so its cost no longer grows with its size.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import urllib3
@@ -27,6 +34,11 @@ from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL, LWS_WORKER_I
 from worker.config import Settings
 
 T = TypeVar("T")
+
+# Distinct nodes + pods in one notification above which one cluster-wide list answers them all.
+BATCH_THRESHOLD = 8
+# Page size of that list (the API server's own default chunk size for kubectl is 500).
+LIST_PAGE_SIZE = 500
 
 # DNS-1123 names; anything else in an alert label is not a Kubernetes object name
 # (and must never reach a field selector).
@@ -81,6 +93,19 @@ class PodFacts:
             phase=pod.status.phase if pod.status else None,
         )
 
+    @classmethod
+    def from_json(cls, pod: dict[str, Any]) -> PodFacts:
+        """From the API's JSON (a list item): no client model per pod, which for a cluster's
+        worth of pods is most of the cost of a list."""
+        meta = pod.get("metadata") or {}
+        return cls(
+            namespace=meta.get("namespace") or "",
+            name=meta.get("name") or "",
+            labels=dict(meta.get("labels") or {}),
+            node=(pod.get("spec") or {}).get("nodeName"),
+            phase=(pod.get("status") or {}).get("phase"),
+        )
+
 
 @dataclass(frozen=True)
 class ServiceFacts:
@@ -99,6 +124,54 @@ class ServiceFacts:
             selector=dict(spec.selector or {}),
             headless=spec.cluster_ip == "None",
         )
+
+    @classmethod
+    def from_json(cls, svc: dict[str, Any]) -> ServiceFacts:
+        meta, spec = svc.get("metadata") or {}, svc.get("spec") or {}
+        return cls(
+            namespace=meta.get("namespace") or "",
+            name=meta.get("name") or "",
+            selector=dict(spec.get("selector") or {}),
+            headless=spec.get("clusterIP") == "None",
+        )
+
+
+@dataclass
+class TopologyAnswers:
+    """What one notification's entities resolve to: groups per node, and per pod (``None``: no such pod)."""
+
+    nodes: dict[str, list[AffectedGroup]] = field(default_factory=dict)
+    pods: dict[tuple[str, str], list[AffectedGroup] | None] = field(default_factory=dict)
+    batched: bool = False
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    """Every pod and Service at one moment, indexed the ways alerts name them."""
+
+    pods_by_node: dict[str, list[PodFacts]]
+    pods_by_name: dict[tuple[str, str], PodFacts]
+    services: dict[str, list[ServiceFacts]]
+
+    @classmethod
+    def of(cls, pods: Iterable[PodFacts], services: Iterable[ServiceFacts]) -> ClusterSnapshot:
+        by_node: dict[str, list[PodFacts]] = {}
+        by_name: dict[tuple[str, str], PodFacts] = {}
+        for pod in pods:
+            by_name[(pod.namespace, pod.name)] = pod
+            if pod.node:
+                by_node.setdefault(pod.node, []).append(pod)
+        by_namespace: dict[str, list[ServiceFacts]] = {}
+        for svc in services:
+            by_namespace.setdefault(svc.namespace, []).append(svc)
+        return cls(by_node, by_name, by_namespace)
+
+    def groups_on_node(self, node: str, router_label: str) -> list[AffectedGroup]:
+        return group_pods(self.pods_by_node.get(node, []), self.services, router_label)
+
+    def groups_of_pod(self, namespace: str, name: str, router_label: str) -> list[AffectedGroup] | None:
+        pod = self.pods_by_name.get((namespace, name))
+        return None if pod is None else group_pods([pod], self.services, router_label)
 
 
 def replica_group_of(pod: PodFacts) -> str:
@@ -157,11 +230,13 @@ class PoolTopology:
         router_label: str,
         cache_ttl_s: float = 5.0,
         request_timeout_s: float = 5.0,
+        batch_threshold: int = BATCH_THRESHOLD,
     ) -> None:
         self._apis = apis
         self._router_label = router_label
         self._ttl = cache_ttl_s
         self._timeout = request_timeout_s
+        self._batch_threshold = batch_threshold
         self._cache: dict[tuple[str, ...], tuple[float, asyncio.Future[Any]]] = {}
 
     @classmethod
@@ -175,6 +250,36 @@ class PoolTopology:
     async def groups_of_pod(self, namespace: str, pod: str) -> list[AffectedGroup]:
         """The pod's (pool, replica group) entries, with every pod of that group. Raises ``PodNotFound``."""
         return await self._cached(("pod", namespace, pod), lambda: self._groups_of_pod(namespace, pod))
+
+    async def resolve(self, nodes: Iterable[str], pods: Iterable[tuple[str, str]]) -> TopologyAnswers:
+        """The groups of every named node and pod, with as few API calls as the count allows.
+
+        Raises ``KubernetesUnavailable`` when the API cannot answer (the notification is retried)."""
+        node_names, pod_names = sorted(set(nodes)), sorted(set(pods))
+        if len(node_names) + len(pod_names) <= self._batch_threshold:
+            return await self._resolve_each(node_names, pod_names)
+        snapshot: ClusterSnapshot = await self._cached(("cluster",), self._cluster_snapshot)
+        label = self._router_label
+        return TopologyAnswers(
+            nodes={n: snapshot.groups_on_node(n, label) for n in node_names},
+            pods={p: snapshot.groups_of_pod(p[0], p[1], label) for p in pod_names},
+            batched=True,
+        )
+
+    async def _resolve_each(self, nodes: list[str], pods: list[tuple[str, str]]) -> TopologyAnswers:
+        async def pod_groups(namespace: str, name: str) -> list[AffectedGroup] | None:
+            try:
+                return await self.groups_of_pod(namespace, name)
+            except PodNotFound:
+                return None
+
+        node_groups, pod_answers = await asyncio.gather(
+            asyncio.gather(*(self.groups_on_node(n) for n in nodes)),
+            asyncio.gather(*(pod_groups(ns, name) for ns, name in pods)),
+        )
+        return TopologyAnswers(
+            nodes=dict(zip(nodes, node_groups, strict=True)), pods=dict(zip(pods, pod_answers, strict=True))
+        )
 
     async def check(self) -> None:
         """Raise ``KubernetesUnavailable`` unless the API server answers."""
@@ -233,6 +338,34 @@ class PoolTopology:
             ]
             for ns in sorted(set(namespaces))
         }
+
+    def _list_all(self, list_call: Callable[..., Any], what: str) -> list[dict[str, Any]]:
+        """Every item of a cluster-wide list, page by page, as the API's JSON."""
+        items: list[dict[str, Any]] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"limit": LIST_PAGE_SIZE, "_request_timeout": self._timeout}
+            if token:
+                kwargs["_continue"] = token
+            response = list_call(_preload_content=False, **kwargs)
+            try:
+                page = json.loads(response.data)
+            except ValueError as err:
+                raise KubernetesUnavailable(
+                    f"Kubernetes API answered a {what} list that is not JSON"
+                ) from err
+            items.extend(page.get("items") or [])
+            token = (page.get("metadata") or {}).get("continue") or None
+            if not token:
+                return items
+
+    def _cluster_snapshot(self) -> ClusterSnapshot:
+        core = self._core()
+        pods = [PodFacts.from_json(p) for p in self._list_all(core.list_pod_for_all_namespaces, "pod")]
+        services = [
+            ServiceFacts.from_json(s) for s in self._list_all(core.list_service_for_all_namespaces, "service")
+        ]
+        return ClusterSnapshot.of(pods, services)
 
     def _groups_on_node(self, node: str) -> list[AffectedGroup]:
         listed = self._core().list_pod_for_all_namespaces(
