@@ -18,9 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.pool import GroupRole, ReplicaGroup, WorkloadKind
 
-# Deletion cost of a lost pod before its workload is scaled down (the ReplicaSet removes it first).
-RETIRE_DELETION_COST = "-1000"
-
 
 class ScaleStep(BaseModel):
     model_config = ConfigDict(frozen=True)

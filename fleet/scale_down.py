@@ -20,8 +20,6 @@ from fleet.recovery import RetryBudget
 # Pods a scale-down is draining carry this annotation (value: the workflow id):
 # the readiness keeper leaves their gate alone, so a drained replica never turns ready again.
 DRAINING_ANNOTATION = "fleetmend.io/draining"
-# Pod-deletion-cost the victims get right before the scale: the ReplicaSet removes the cheapest pods first.
-VICTIM_DELETION_COST = "-1000"
 
 
 class ScaleDownInput(BaseModel):

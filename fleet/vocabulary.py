@@ -73,6 +73,10 @@ class FaultKind(StrEnum):
     BAD_ROLLOUT = "bad-rollout"
 
 
+# Pod-deletion-cost fleetmend sets on a pod right before scaling its workload down
+# (a lost pod, a drained victim): the ReplicaSet removes the cheapest pods first.
+REMOVE_FIRST_DELETION_COST = "-1000"
+
 # Operation ids of fleetmend's own procedures start with this prefix (DESIGN.md §5):
 # ``fleetmend:<workflow id>@<first run id>/<step>/<target>``. The inference effect API
 # (``POST /v1/effects``) refuses to claim any id in this namespace (403), so no caller

@@ -32,7 +32,7 @@ Rejections live in the Update validators only: an exception other than
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -56,6 +56,7 @@ with workflow.unsafe.imports_passed_through():
         Refusal,
         RetryBudget,
     )
+    from fleet.vocabulary import POD_DELETION_COST_ANNOTATION, REMOVE_FIRST_DELETION_COST
 
 ReqT = TypeVar("ReqT", bound=EffectRequest)
 ArgT = TypeVar("ArgT")
@@ -368,6 +369,26 @@ class Procedure:
             )
             if await self.escalate(refusal) == "skip":
                 return seen
+
+    async def annotate(
+        self, pool: PoolRef, pod: str, annotations: dict[str, str | None], *, step: str, why: str
+    ) -> None:
+        await self.act(
+            ActActivities.patch_pod_metadata,
+            PodLabelsChange(step=step, namespace=pool.namespace, pod=pod, annotations=annotations),
+            why,
+        )
+
+    async def mark_removed_first(self, pool: PoolRef, pods: Iterable[str], *, step: str, why: str) -> None:
+        """Pod-deletion-cost on ``pods`` before their workload scales down: its ReplicaSet removes them first."""
+        for pod in pods:
+            await self.annotate(
+                pool,
+                pod,
+                {POD_DELETION_COST_ANNOTATION: REMOVE_FIRST_DELETION_COST},
+                step=step,
+                why=f"{why}: pod-deletion-cost {REMOVE_FIRST_DELETION_COST} on {pod} (removed first)",
+            )
 
     async def notify(self, topic: str, text: str) -> None:
         """Post to the incident channel through the ledger. A refused post is recorded, never escalated

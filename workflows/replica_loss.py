@@ -47,7 +47,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.placement import GroupShape, place_group
     from fleet.pool import GroupRole, ReplicaGroup
     from fleet.protocol import Admission, QualificationState
-    from fleet.rebuild import RETIRE_DELETION_COST, plan_rebuild
+    from fleet.rebuild import plan_rebuild
     from fleet.recovery import (
         CheckResult,
         IncidentCause,
@@ -64,7 +64,6 @@ with workflow.unsafe.imports_passed_through():
     from fleet.verification import verify_recovery
     from fleet.vocabulary import (
         FAULT_CLASS_ANNOTATION,
-        POD_DELETION_COST_ANNOTATION,
         QUARANTINE_LABEL,
         QUARANTINE_TAINT_KEY,
         REMEDIATED_AT_ANNOTATION,
@@ -384,17 +383,9 @@ class ReplicaLossRecovery(Procedure):
         )
         self._expected_new = plan.expected_new
         for workload in plan.workloads:
-            for pod in workload.retire_pods:
-                await self.act(
-                    ActActivities.patch_pod_metadata,
-                    PodLabelsChange(
-                        step="retire-mark",
-                        namespace=inp.pool.namespace,
-                        pod=pod,
-                        annotations={POD_DELETION_COST_ANNOTATION: RETIRE_DELETION_COST},
-                    ),
-                    f"mark lost {pod} to be removed first",
-                )
+            await self.mark_removed_first(
+                inp.pool, workload.retire_pods, step="retire-mark", why="lost pod leaves"
+            )
             for scale in workload.scales:
                 report = await self.act(
                     ActActivities.scale_workload,

@@ -31,7 +31,7 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.act import ActActivities, PodLabelsChange, ScaleChange
+    from activities.act import ActActivities, ScaleChange
     from activities.audit import AuditActivities, ReconcileRequest
     from activities.coordination import IncidentState, incident_on_pool
     from activities.drain import CutStreamsRequest, DrainActivities, DrainLook
@@ -45,14 +45,13 @@ with workflow.unsafe.imports_passed_through():
     from fleet.recovery import OperatorAction, Phase, ProcedureStatus, Refusal
     from fleet.scale_down import (
         DRAINING_ANNOTATION,
-        VICTIM_DELETION_COST,
         DrainProgress,
         ScaleDownInput,
         deadline_choice,
     )
     from fleet.verification import verify_scale_down
     from fleet.victims import GroupLoad, choose_victims
-    from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, POD_DELETION_COST_ANNOTATION
+    from fleet.vocabulary import LWS_GROUP_INDEX_LABEL
     from workflows.procedure import Aborted, Procedure
 
 # A drain look is a few scrapes: a short timeout lets a drain resume quickly on another worker.
@@ -211,15 +210,12 @@ class PlannedScaleDown(Procedure):
         self._drain_since = self.now()
         for pod in pods:
             # Claim first: the readiness keeper leaves a claimed pod's gate alone.
-            await self.act(
-                ActActivities.patch_pod_metadata,
-                PodLabelsChange(
-                    step="claim-for-drain",
-                    namespace=inp.pool.namespace,
-                    pod=pod,
-                    annotations={DRAINING_ANNOTATION: wid},
-                ),
-                f"claim {pod} for the drain ({DRAINING_ANNOTATION})",
+            await self.annotate(
+                inp.pool,
+                pod,
+                {DRAINING_ANNOTATION: wid},
+                step="claim-for-drain",
+                why=f"claim {pod} for the drain",
             )
             await self.act(
                 ReadinessActivities.set_serving_ready,
@@ -342,17 +338,7 @@ class PlannedScaleDown(Procedure):
         inp = self._inp
         pods = self._victim_pods()
         await self.enter(Phase.TERMINATING, f"Terminating the drained {', '.join(pods)}")
-        for pod in pods:
-            await self.act(
-                ActActivities.patch_pod_metadata,
-                PodLabelsChange(
-                    step="deletion-cost",
-                    namespace=inp.pool.namespace,
-                    pod=pod,
-                    annotations={POD_DELETION_COST_ANNOTATION: VICTIM_DELETION_COST},
-                ),
-                f"pod-deletion-cost {VICTIM_DELETION_COST} on {pod}: the ReplicaSet removes it first",
-            )
+        await self.mark_removed_first(inp.pool, pods, step="deletion-cost", why="drained victim leaves")
         by_workload: dict[tuple[str, str], list[ReplicaGroup]] = {}
         for g in self._victims:
             by_workload.setdefault((g.workload_kind.value, g.workload_name), []).append(g)
