@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import AliasChoices, BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fleet.recovery import RecoveryTimings, ServingObjectives
@@ -23,12 +23,70 @@ from fleet.vocabulary import ROUTER_LABEL, ROUTER_LABEL_VALUE
 WEBHOOK_MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="FLEETMEND_", env_file=None, extra="ignore")
+def _temporal_env(name: str) -> AliasChoices:
+    """``FLEETMEND_TEMPORAL_<name>``, else the SDK's ``TEMPORAL_<name>``, else the field name (code)."""
+    return AliasChoices(f"FLEETMEND_TEMPORAL_{name}", f"TEMPORAL_{name}", f"temporal_{name.lower()}")
 
-    # Temporal
-    temporal_address: str = Field("127.0.0.1:7233", description="Temporal frontend host:port")
-    temporal_namespace: str = Field("default", description="Temporal namespace")
+
+class Settings(BaseSettings):
+    # populate_by_name: code passes field names (temporal_address=...), the environment the aliases.
+    model_config = SettingsConfigDict(
+        env_prefix="FLEETMEND_", env_file=None, extra="ignore", populate_by_name=True
+    )
+
+    # Temporal. Each connection setting also answers to the SDK's and the `temporal` CLI's own
+    # variable (TEMPORAL_ADDRESS, TEMPORAL_TLS_*, TEMPORAL_API_KEY: temporalio.envconfig), so the
+    # worker, the webhook, the CLI and the search-attribute job read one set; FLEETMEND_* wins.
+    temporal_address: str = Field(
+        "127.0.0.1:7233",
+        validation_alias=_temporal_env("ADDRESS"),
+        description="Temporal frontend host:port (or TEMPORAL_ADDRESS)",
+    )
+    temporal_namespace: str = Field(
+        "default",
+        validation_alias=_temporal_env("NAMESPACE"),
+        description="Temporal namespace (or TEMPORAL_NAMESPACE)",
+    )
+    temporal_api_key: SecretStr | None = Field(
+        None,
+        validation_alias=_temporal_env("API_KEY"),
+        description="Temporal Cloud API key, sent as a bearer token; turns TLS on (or TEMPORAL_API_KEY)",
+    )
+    temporal_tls: bool | None = Field(
+        None,
+        validation_alias=_temporal_env("TLS"),
+        description="TLS to the frontend: true/false; unset = on when any TLS file or an API key is set (or TEMPORAL_TLS)",
+    )
+    temporal_tls_server_ca_cert_path: Path | None = Field(
+        None,
+        validation_alias=_temporal_env("TLS_SERVER_CA_CERT_PATH"),
+        description="PEM CA that signed the frontend's certificate; unset = system roots (or TEMPORAL_TLS_SERVER_CA_CERT_PATH)",
+    )
+    temporal_tls_client_cert_path: Path | None = Field(
+        None,
+        validation_alias=_temporal_env("TLS_CLIENT_CERT_PATH"),
+        description="PEM client certificate for mTLS (or TEMPORAL_TLS_CLIENT_CERT_PATH)",
+    )
+    temporal_tls_client_key_path: Path | None = Field(
+        None,
+        validation_alias=_temporal_env("TLS_CLIENT_KEY_PATH"),
+        description="PEM private key of the client certificate (or TEMPORAL_TLS_CLIENT_KEY_PATH)",
+    )
+    temporal_tls_server_name: str | None = Field(
+        None,
+        validation_alias=_temporal_env("TLS_SERVER_NAME"),
+        description="Name the frontend's certificate must carry, when it differs from the address host (or TEMPORAL_TLS_SERVER_NAME)",
+    )
+    temporal_profile: str | None = Field(
+        None,
+        validation_alias=_temporal_env("PROFILE"),
+        description="Profile of the Temporal TOML config file to start from; environment values override it (or TEMPORAL_PROFILE)",
+    )
+    temporal_config_file: Path | None = Field(
+        None,
+        validation_alias=_temporal_env("CONFIG_FILE"),
+        description="Temporal TOML client config file (default ~/.config/temporalio/temporal.toml when present; or TEMPORAL_CONFIG_FILE)",
+    )
     task_queue: str = Field("fleetmend", description="Task queue the worker polls")
     temporal_ui_url: str = Field("http://127.0.0.1:8233", description="Temporal Web UI base URL (links)")
     temporal_cli: str | None = Field(
@@ -98,6 +156,21 @@ class Settings(BaseSettings):
     worker_metrics_port: int = Field(9464, description="Worker Prometheus metrics port (0 = off)")
     worker_metrics_host: str = Field(
         "127.0.0.1", description="Worker metrics bind address (0.0.0.0 in containers)"
+    )
+    worker_health_port: int = Field(
+        0,
+        description="Worker /healthz and /readyz port for probes (0 = off; the Kubernetes manifests use 8081)",
+    )
+    # Worker Versioning: the worker polls as deployment version <name>.<build id>; see README "Deploy".
+    worker_versioning: bool = Field(
+        True,
+        description="Poll as a Worker Deployment Version (false = unversioned, e.g. a server without it)",
+    )
+    worker_deployment_name: str = Field(
+        "fleetmend", pattern=r"^[^.]+$", description="Worker Deployment name (no dots)"
+    )
+    worker_build_id: str | None = Field(
+        None, description="Build id of this worker's code (default: the fleetmend package version)"
     )
 
     # Embedded dev stack

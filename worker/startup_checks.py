@@ -38,9 +38,21 @@ _INDEXED_TYPES: dict[str, int] = {
 
 
 def unreachable_message(settings: Settings, error: BaseException) -> str:
+    """One line: where fleetmend dialled, what failed, and the setting to fix (TLS ones named)."""
+    from worker.temporal_client import TemporalSettingError, connection, handshake_hint
+
+    try:
+        conn = connection(settings)
+    except TemporalSettingError as err:
+        return str(err)
+    cause = " ".join(str(error).split())[:400]
+    hint = handshake_hint(conn, error)
+    if hint:
+        return f"cannot connect to Temporal at {conn.describe()}: {hint} ({cause})"
     return (
-        f"cannot reach Temporal at {settings.temporal_address} ({error}): start the embedded stack with "
-        "`fleetmend dev`, or set FLEETMEND_TEMPORAL_ADDRESS to your cluster's frontend host:port"
+        f"cannot reach Temporal at {conn.describe()} ({cause}): start the embedded stack with "
+        "`fleetmend dev`, or set FLEETMEND_TEMPORAL_ADDRESS (TEMPORAL_ADDRESS) to your cluster's "
+        "frontend host:port"
     )
 
 

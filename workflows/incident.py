@@ -16,6 +16,12 @@ workflow. The incident:
    in ``awaiting-operator`` - status, search attribute, incident channel - until an
    operator answers with the ``resolve`` Update (new losses still start recoveries).
 
+6. continues-as-new between recoveries (never while one runs) when the history grows long or
+   a newer worker version became the target; ``IncidentCarry`` takes everything along
+   (pending reports, fingerprints, entities, children, failed recoveries awaiting ``resolve``,
+   the status). Each run is pinned to its worker version; the next run starts on the current
+   one (upgrade on continue-as-new), so a worker roll never replays a run on new code.
+
 Each recovery's id carries the incident's first run id
 (``incident/<ns>/<pool>/<run>/recovery-<n>``), and each recovery scopes its ledger
 operation ids by its own first run: the pool's next incident never meets this one's rows.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from pydantic import BaseModel, ConfigDict, Field
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import ActivityError, ChildWorkflowError
@@ -57,21 +64,56 @@ def entity_key(report: LossReport) -> str:
     return f"alert:{report.fingerprint}"
 
 
+class IncidentCarry(BaseModel):
+    """Everything a FleetIncident run hands to the next one at continue-as-new."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: IncidentInput
+    status: ProcedureStatus
+    pending: list[LossReport] = Field(default_factory=list)
+    fingerprints: list[str] = Field(default_factory=list)
+    entities: list[str] = Field(default_factory=list)
+    resolved: list[str] = Field(default_factory=list)
+    absorbed: int = 0
+    children: list[str] = Field(default_factory=list)
+    failed: dict[str, str] = Field(default_factory=dict)
+    runs: int = Field(1, description="Runs of this incident so far (this one included)")
+
+
+def should_continue_as_new() -> bool:
+    """History getting long, or a newer worker version is the target: hand over to a fresh run."""
+    info = workflow.info()
+    return info.is_continue_as_new_suggested() or info.is_target_worker_deployment_version_changed()
+
+
 @workflow.defn(name="FleetIncident")
 class FleetIncident:
     @workflow.init
-    def __init__(self, pool: PoolRef | IncidentInput) -> None:
+    def __init__(self, pool: PoolRef | IncidentInput | IncidentCarry) -> None:
         self._pending: list[LossReport] = []
         self._fingerprints: set[str] = set()
         self._entities: set[str] = set()
         self._resolved: set[str] = set()
         self._absorbed = 0
-        ref = pool.pool if isinstance(pool, IncidentInput) else pool
+        ref = pool.config.pool if isinstance(pool, IncidentCarry) else pool
+        ref = ref.pool if isinstance(ref, IncidentInput) else ref
         self._status = ProcedureStatus(
             workflow=workflow.info().workflow_id, pool=ref, phase=Phase.CORRELATING
         )
         self._children: list[str] = []
         self._failed: dict[str, str] = {}  # failed recovery -> why, until an operator resolves it
+        self._runs = 1
+        if isinstance(pool, IncidentCarry):
+            self._pending = list(pool.pending)
+            self._fingerprints = set(pool.fingerprints)
+            self._entities = set(pool.entities)
+            self._resolved = set(pool.resolved)
+            self._absorbed = pool.absorbed
+            self._status = pool.status
+            self._children = list(pool.children)
+            self._failed = dict(pool.failed)
+            self._runs = pool.runs + 1
 
     @workflow.signal(name="report_loss", description="An alert says a replica of this pool may be lost")
     def report_loss(self, report: LossReport) -> None:
@@ -121,13 +163,17 @@ class FleetIncident:
             }
         )
         self._status.children = list(self._children)
+        self._status.figures["runs"] = self._runs
         return self._status
 
     @workflow.run
-    async def run(self, pool: PoolRef | IncidentInput) -> ProcedureStatus:
+    async def run(self, pool: PoolRef | IncidentInput | IncidentCarry) -> ProcedureStatus:
         """``pool`` alone (what the webhook sends: the worker's policy applies) or an ``IncidentInput``
-        naming the pool with its own timings, objectives and dry-run (tests, the demo, operators)."""
+        naming the pool with its own timings, objectives and dry-run (tests, the demo, operators);
+        ``IncidentCarry`` only from this workflow's own continue-as-new."""
         config: IncidentInput | None = None
+        if isinstance(pool, IncidentCarry):
+            config, pool = pool.config, pool.config.pool
         if isinstance(pool, IncidentInput):
             config, pool = pool, pool.pool
         if config is None:
@@ -149,10 +195,12 @@ class FleetIncident:
         )
         timings = config.timings
         while True:
+            if should_continue_as_new():
+                await self._continue_as_new(config)
             self._set_details(f"Waiting for loss reports on **{pool.key}**")
             try:
                 await workflow.wait_condition(
-                    lambda: bool(self._pending),
+                    lambda: bool(self._pending) or should_continue_as_new(),
                     timeout=timedelta(seconds=max(timings.cooldown_s, 0.001)),
                     timeout_summary="cool-down: absorbing late repeats",
                 )
@@ -161,13 +209,33 @@ class FleetIncident:
                     break
                 await self._await_resolution(pool)
                 continue
-            await self._run_recovery(pool, config)
+            if self._pending:
+                await self._run_recovery(pool, config)
 
         self._status.phase = Phase.DONE
         workflow.upsert_search_attributes([sa.FLEETMEND_PHASE.value_set(Phase.DONE.value)])
         self._set_details(f"Incident on **{pool.key}** closed after {len(self._children)} recoveries")
         await workflow.wait_condition(workflow.all_handlers_finished)
         return self._status
+
+    async def _continue_as_new(self, config: IncidentInput) -> None:
+        """Hand everything to a fresh run on the current worker version (no recovery is running here)."""
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        workflow.continue_as_new(
+            IncidentCarry(
+                config=config,
+                status=self._status,
+                pending=self._pending,
+                fingerprints=sorted(self._fingerprints),
+                entities=sorted(self._entities),
+                resolved=sorted(self._resolved),
+                absorbed=self._absorbed,
+                children=self._children,
+                failed=self._failed,
+                runs=self._runs,
+            ),
+            initial_versioning_behavior=workflow.ContinueAsNewVersioningBehavior.AUTO_UPGRADE,
+        )
 
     async def _await_resolution(self, pool: PoolRef) -> None:
         """A failed recovery keeps the incident open and visible until ``resolve`` (or a new loss)."""
@@ -181,7 +249,11 @@ class FleetIncident:
             f"[fleetmend] {pool.key}: recovery failed and the incident stays open — {what}. "
             f"Handle it, then `fleetmend resolve {workflow.info().workflow_id} --reason ...`.",
         )
-        await workflow.wait_condition(lambda: not self._failed or bool(self._pending))
+        await workflow.wait_condition(
+            lambda: not self._failed or bool(self._pending) or should_continue_as_new()
+        )
+        if self._failed and not self._pending:
+            return  # continue-as-new: the next run picks the wait up again, still awaiting the operator
         self._status.phase = Phase.CORRELATING
         workflow.upsert_search_attributes([sa.FLEETMEND_PHASE.value_set(Phase.CORRELATING.value)])
 

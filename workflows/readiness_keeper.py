@@ -13,7 +13,11 @@ Why a workflow and not a loop inside the worker process:
   workflow stops the keeper.
 
 History grows a few events per sample, so the run continues-as-new every
-``samples_per_run`` samples.
+``samples_per_run`` samples, or earlier when the server suggests it (history
+size) or a new worker version became current. Each run is pinned to the worker
+version it started on; continue-as-new starts the next run on the current
+version (Worker Versioning's upgrade-on-continue-as-new), so a worker roll moves
+the keeper onto the new code within one sample, with its gates carried.
 """
 
 from __future__ import annotations
@@ -60,6 +64,12 @@ class KeeperStatus(BaseModel):
     last_error: str | None = None
 
 
+def should_continue_as_new() -> bool:
+    """History getting long, or a newer worker version is the target: start a fresh run on it."""
+    info = workflow.info()
+    return info.is_continue_as_new_suggested() or info.is_target_worker_deployment_version_changed()
+
+
 @workflow.defn(name=READINESS_KEEPER_WORKFLOW)
 class ReadinessKeeper:
     def __init__(self) -> None:
@@ -97,11 +107,14 @@ class ReadinessKeeper:
                 f"**{len(result.verdicts) - len(not_ready)} of {len(result.verdicts)}** replicas can take more "
                 f"work" + (f"; not ready: {', '.join(not_ready)}" if not_ready else "")
             )
+            if should_continue_as_new():
+                break
             await workflow.sleep(inp.interval_s, summary="next readiness sample")
         workflow.continue_as_new(
             inp.model_copy(
                 update={"gates": gates, "samples_before": status.samples, "writes_before": status.writes}
-            )
+            ),
+            initial_versioning_behavior=workflow.ContinueAsNewVersioningBehavior.AUTO_UPGRADE,
         )
 
     @workflow.query(name="status", description="Every replica's readiness verdict and the recent gate writes")

@@ -1,0 +1,75 @@
+"""Stand-ins for ``ReplicaLossRecovery`` (same workflow name) and the incident channel, for the tests
+of FleetIncident's own behaviour: continue-as-new and worker rolls.
+
+The real recovery needs the simulated fleet and minutes; these hold still until told to finish, so
+a test can roll workers or grow history while a recovery is in flight. ``CODE`` marks which
+worker build ran a run. Module without side effects: the workflow sandbox re-imports it.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+from temporalio import activity, workflow
+
+with workflow.unsafe.imports_passed_through():
+    from activities.act import EffectReport, NotifyRequest
+    from fleet.incident import LossReport
+    from fleet.recovery import Phase, ProcedureStatus, RecoveryInput
+
+
+class Finish(BaseModel):
+    phase: Phase = Phase.DONE
+
+
+class _StubRecovery:
+    CODE = "?"
+
+    def __init__(self) -> None:
+        self._finish: Finish | None = None
+        self._reports: list[LossReport] = []
+
+    @workflow.signal(name="finish")
+    def finish(self, how: Finish) -> None:
+        self._finish = how
+
+    @workflow.signal(name="add_losses")
+    def add_losses(self, reports: list[LossReport]) -> None:
+        self._reports.extend(reports)
+
+    async def _run(self, inp: RecoveryInput) -> ProcedureStatus:
+        await workflow.wait_condition(lambda: self._finish is not None)
+        assert self._finish is not None
+        return ProcedureStatus(
+            workflow=workflow.info().workflow_id,
+            pool=inp.pool,
+            phase=self._finish.phase,
+            figures={"code": self.CODE, "reports": len(inp.reports) + len(self._reports)},
+        )
+
+
+@workflow.defn(name="ReplicaLossRecovery")
+class StubRecoveryV1(_StubRecovery):
+    CODE = "v1"
+
+    @workflow.run
+    async def run(self, inp: RecoveryInput) -> ProcedureStatus:
+        return await self._run(inp)
+
+
+@workflow.defn(name="ReplicaLossRecovery")
+class StubRecoveryV2(_StubRecovery):
+    CODE = "v2"
+
+    @workflow.run
+    async def run(self, inp: RecoveryInput) -> ProcedureStatus:
+        return await self._run(inp)
+
+
+NOTIFIED: list[str] = []
+
+
+@activity.defn(name="notify")
+def stub_notify(req: NotifyRequest) -> EffectReport:
+    """The incident channel: records the message (the real one goes through the ledger)."""
+    NOTIFIED.append(req.text)
+    return EffectReport(op_id=f"{req.scope}/{req.topic}", kind="notify", target="channel", state="applied")

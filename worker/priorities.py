@@ -1,0 +1,91 @@
+"""Task priorities: recovery work out-ranks scale-down and readiness work on the shared task queue.
+
+All of fleetmend's workflows share one task queue (one worker fleet, one set of
+slots). When the queue backs up — an alert storm, a worker roll, the fleet
+catching up after an outage — Temporal dispatches lower priority keys first
+(1 highest … 5 lowest, 3 when unset), so the replica-loss incident and its
+recovery are never stuck behind a nightly scale-down or readiness sampling.
+
+Priorities are set in one place, by workflow type, instead of at every call
+site: a client interceptor for the starts (webhook, CLI, Schedules) and a
+worker interceptor for child workflows. Activities inherit their workflow's
+priority. A start that names a priority itself keeps it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from temporalio import client as temporal_client
+from temporalio import worker as temporal_worker
+from temporalio.common import Priority
+
+from fleet.incident import FLEET_INCIDENT_WORKFLOW
+
+RECOVERY = 1  # a replica is lost: capacity and live streams are at stake now
+PLANNED = 4  # a scale-down can wait a few seconds
+BACKGROUND = 5  # readiness sampling runs continuously; a late sample is harmless
+
+PRIORITY_BY_WORKFLOW: dict[str, int] = {
+    FLEET_INCIDENT_WORKFLOW: RECOVERY,
+    "ReplicaLossRecovery": RECOVERY,
+    "PlannedScaleDown": PLANNED,
+    "ReadinessKeeper": BACKGROUND,
+}
+
+
+def priority_for(workflow_type: str, given: Priority) -> Priority:
+    """``given`` when it names a priority key, else the type's priority (unknown types: unchanged)."""
+    key = PRIORITY_BY_WORKFLOW.get(workflow_type)
+    if key is None or given.priority_key is not None:
+        return given
+    return dataclasses.replace(given, priority_key=key)
+
+
+class _ClientOutbound(temporal_client.OutboundInterceptor):
+    async def start_workflow(self, input: temporal_client.StartWorkflowInput) -> Any:
+        input.priority = priority_for(input.workflow, input.priority)
+        return await super().start_workflow(input)
+
+    async def start_update_with_start_workflow(
+        self, input: temporal_client.StartWorkflowUpdateWithStartInput
+    ) -> Any:
+        start = input.start_workflow_input
+        start.priority = priority_for(start.workflow, start.priority)
+        return await super().start_update_with_start_workflow(input)
+
+    async def create_schedule(self, input: temporal_client.CreateScheduleInput) -> Any:
+        action = input.schedule.action
+        if isinstance(action, temporal_client.ScheduleActionStartWorkflow):
+            action.priority = priority_for(action.workflow, action.priority)
+        return await super().create_schedule(input)
+
+
+class ClientPriorities(temporal_client.Interceptor):
+    """Sets the priority of every workflow a fleetmend client starts (or schedules)."""
+
+    def intercept_client(
+        self, next: temporal_client.OutboundInterceptor
+    ) -> temporal_client.OutboundInterceptor:
+        return _ClientOutbound(next)
+
+
+class _WorkflowOutbound(temporal_worker.WorkflowOutboundInterceptor):
+    async def start_child_workflow(self, input: temporal_worker.StartChildWorkflowInput) -> Any:
+        input.priority = priority_for(input.workflow, input.priority)
+        return await super().start_child_workflow(input)
+
+
+class _WorkflowInbound(temporal_worker.WorkflowInboundInterceptor):
+    def init(self, outbound: temporal_worker.WorkflowOutboundInterceptor) -> None:
+        super().init(_WorkflowOutbound(outbound))
+
+
+class WorkerPriorities(temporal_worker.Interceptor):
+    """Sets the priority of every child workflow fleetmend's workflows start."""
+
+    def workflow_interceptor_class(
+        self, input: temporal_worker.WorkflowInterceptorClassInput
+    ) -> type[temporal_worker.WorkflowInboundInterceptor]:
+        return _WorkflowInbound
