@@ -120,11 +120,11 @@ class KubeCallRecorder:
             return original(client, method, url, *args, **kwargs)
 
         self._original = original
-        rest.RESTClientObject.request = request  # type: ignore[method-assign]
+        rest.RESTClientObject.request = request  # type: ignore[method-assign,assignment]
 
     def uninstall(self) -> None:
         if self._original is not None:
-            rest.RESTClientObject.request = self._original  # type: ignore[method-assign]
+            rest.RESTClientObject.request = self._original  # type: ignore[method-assign,assignment]
             self._original = None
 
     def record(self, method: str, url: str) -> None:

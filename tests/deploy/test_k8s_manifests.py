@@ -137,6 +137,18 @@ def test_rbac_has_no_wildcards_no_secrets_and_no_writes_for_the_webhook(overlay:
     assert setup["automountServiceAccountToken"] is False
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_fleetmend_lives_in_its_namespace_and_the_pool_binding_in_the_serving_one(overlay: str) -> None:
+    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+    for o in render(overlay):
+        if o["kind"] in cluster_scoped:
+            assert "namespace" not in o["metadata"], o["metadata"]["name"]
+        elif o["kind"] == "RoleBinding":
+            assert o["metadata"]["namespace"] == "inference"  # where the pools are (the sim's namespace)
+        else:
+            assert o["metadata"]["namespace"] == "fleetmend", (o["kind"], o["metadata"]["name"])
+
+
 def test_alert_wiring_is_the_shipped_prometheus_rules_and_alertmanager_route() -> None:
     objects = render(OVERLAYS[0])
     rules = find(objects, "ConfigMap", "fleetmend-prometheus-rules")["data"]["rules.yml"]
