@@ -182,3 +182,43 @@ def test_prometheus_targets_are_compose_services(services: dict[str, dict[str, A
         assert host in services, target
         published = {str(p).split(":")[-1] for p in services[host].get("ports", [])}
         assert port in published, target  # the container port the service listens on
+
+
+def test_images_are_current_pinned_and_not_the_deprecated_auto_setup(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    images = {
+        name: str(svc["image"]) for name, svc in services.items() if "image" in svc and "build" not in svc
+    }
+    assert images
+    for name, image in images.items():
+        repository, _, tag = image.rpartition(":")
+        assert repository and tag and tag != "latest", (name, image)  # pinned
+        assert "auto-setup" not in repository, (name, image)  # deprecated by Temporal
+    server, tools = images["temporal"], images["temporal-schema"]
+    assert server.startswith("temporalio/server:") and tools.startswith("temporalio/admin-tools:")
+    assert server.split(":")[1] == tools.split(":")[1]  # the schema job ships the server's own schema
+    assert (
+        services["temporal"]["depends_on"]["temporal-schema"]["condition"] == "service_completed_successfully"
+    )
+    assert services["temporal-setup"]["depends_on"]["temporal"]["condition"] == "service_healthy"
+    assert (ROOT / "deploy/temporal/setup-postgres-schema.sh").is_file()
+
+
+def test_compose_and_the_kubernetes_manifests_agree_on_shared_settings(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    from tests.deploy.manifests import OVERLAYS, find, render
+
+    k8s = find(render(OVERLAYS[0]), "ConfigMap", "fleetmend-config")["data"]
+    compose = {**environment(services["worker"]), **environment(services["webhook"])}
+    # Where the world is differs by design: the compose stack's serving layer is the sim.
+    world = {"FLEETMEND_ROUTER_ADMIN_URL", "FLEETMEND_KUBECONFIG"}
+    shared = sorted((set(k8s) & set(compose)) - world)
+    assert {"FLEETMEND_TASK_QUEUE", "FLEETMEND_WORKER_METRICS_PORT", "FLEETMEND_WORKER_HEALTH_PORT"} <= set(
+        shared
+    )
+    assert {key: compose[key] for key in shared} == {key: k8s[key] for key in shared}
+    # Both run the same probes: the worker's and the webhook's readiness endpoints.
+    assert "8081/readyz" in " ".join(services["worker"]["healthcheck"]["test"])
+    assert "8088/readyz" in " ".join(services["webhook"]["healthcheck"]["test"])
