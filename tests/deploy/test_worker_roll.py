@@ -33,6 +33,7 @@ from fleet.recovery import IncidentInput, OperatorAction, Phase, ProcedureStatus
 from tests.deploy.stub_recovery import Finish, StubRecoveryV1, StubRecoveryV2, stub_notify
 from worker.config import Settings, load_settings
 from worker.devstack.temporal_dev import TemporalDevServer
+from worker.priorities import RECOVERY
 from worker.processes import free_port
 from worker.worker import (
     MAX_CONCURRENT_ACTIVITIES,
@@ -180,6 +181,9 @@ async def test_a_recovery_in_flight_finishes_on_its_version_and_the_incident_mov
         first_run = (await incident.describe()).run_id
         recovery_1 = await child_handle(client, incident, 1)
         assert await pinned_version(recovery_1) == f"{deployment}.v1"
+        # Started by the incident, the recovery gets recovery priority from the worker's interceptor.
+        described = await recovery_1.describe()
+        assert described.raw_description.workflow_execution_info.priority.priority_key == RECOVERY
 
         # The roll: v2 comes up beside v1, the operator makes it current.
         async with worker_of(client, v2, [FleetIncident, StubRecoveryV2]):
