@@ -47,7 +47,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.placement import GroupShape, place_group
     from fleet.pool import GroupRole, ReplicaGroup
     from fleet.protocol import Admission, QualificationState
-    from fleet.rebuild import plan_rebuild
+    from fleet.rebuild import plan_rebuild, pods_held_by_lost_nodes
     from fleet.recovery import (
         CheckResult,
         IncidentCause,
@@ -217,18 +217,9 @@ class ReplicaLossRecovery(Procedure):
                 "to approve force-deleting the dead pods instead",
                 {"selected_by": names, "pods": to_deroute},
             )
-            approval = await self.await_operator(
-                f"approve force-delete of {', '.join(to_deroute)} (label {label} is a controller selector)"
+            await self._force_delete(
+                to_deroute, f"(label {label} is a controller selector)", lost, step="deroute-force-delete"
             )
-            assert approval is not None
-            self.decide(f"force-delete approved by {approval.operator}: {approval.reason}")
-            await self._guard_capacity("force-delete of lost pods", removing=sorted(lost_ids))
-            for pod in to_deroute:
-                await self.act(
-                    ActActivities.delete_pod,
-                    PodDeletion(step="deroute-force-delete", namespace=inp.pool.namespace, pod=pod),
-                    f"force-delete {pod} (operator-approved)",
-                )
             seen = await self.await_out_of_routing(
                 inp.pool, to_deroute, timeout_s=inp.timings.deroute_timeout_s
             )
@@ -373,6 +364,16 @@ class ReplicaLossRecovery(Procedure):
         await self.enter(Phase.REBUILDING, "Rebuilding the warm floor")
         obs = _with_lost(obs, lost)
         await self._fence_failed_nodes(obs, lost)
+        held = pods_held_by_lost_nodes(lost, obs.pod_nodes, obs.snapshot.nodes)
+        if held:
+            await self._force_delete(
+                held,
+                "(they sit on a node that is not Ready; their LeaderWorkerSet recreates the group only once "
+                "they are gone, and Kubernetes' taint eviction would remove them only after tolerationSeconds, "
+                "300 s by default)",
+                lost,
+                step="release-held-pods",
+            )
         plan = plan_rebuild(
             lost,
             promoted,
@@ -414,6 +415,19 @@ class ReplicaLossRecovery(Procedure):
         )
         await self.notify("lead-time", text)
         self.decide(text, {"lead_time": estimate.model_dump(mode="json")})
+
+    async def _force_delete(self, pods: list[str], why: str, lost: list[ReplicaGroup], *, step: str) -> None:
+        """The last resort (DESIGN.md §3 step 2): an operator approves, the capacity guard agrees, then grace 0."""
+        approval = await self.await_operator(f"approve force-delete of {', '.join(pods)} {why}")
+        assert approval is not None
+        self.decide(f"force-delete approved by {approval.operator}: {approval.reason}")
+        await self._guard_capacity(f"force-delete of {', '.join(pods)}", removing=sorted(g.id for g in lost))
+        for pod in pods:
+            await self.act(
+                ActActivities.delete_pod,
+                PodDeletion(step=step, namespace=self._inp.pool.namespace, pod=pod),
+                f"force-delete {pod} (operator-approved)",
+            )
 
     async def _fence_failed_nodes(self, obs: PoolObservation, lost: list[ReplicaGroup]) -> None:
         """Cordon nodes that failed (not Ready, or a GPU/fabric fault) before anything is scheduled.

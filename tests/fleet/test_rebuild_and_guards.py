@@ -188,3 +188,15 @@ def test_a_lost_spare_promoted_earlier_is_replaced_in_the_serving_workload() -> 
     # Spare workload: 2 - 1 lost + 1 for the spare promoted now = 2 (one serving, one new warm spare).
     assert final["llama-spare"] == 2
     assert plan.expected_new == 2
+
+
+def test_only_pods_of_lost_leader_worker_set_groups_on_unready_nodes_hold_a_group_back() -> None:
+    from fleet.rebuild import pods_held_by_lost_nodes
+    from tests.fleet.fleets import node
+
+    lws = group("lws-0", nodes=("n1", "n2"), pods=2, kind=WorkloadKind.LEADER_WORKER_SET)
+    deploy = group("d1", nodes=("n1",))
+    nodes = [node("n1", ready=None), node("n2")]
+    pods_on = {"lws-0-0": "n1", "lws-0-1": "n2", "d1-0": "n1"}
+    assert pods_held_by_lost_nodes([lws, deploy], pods_on, nodes) == ["lws-0-0"]
+    assert pods_held_by_lost_nodes([lws], pods_on, [node("n1"), node("n2")]) == []
