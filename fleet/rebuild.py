@@ -161,3 +161,15 @@ def pods_held_by_lost_nodes(
         for p in g.pods
         if pods_on.get(p) in not_ready
     )
+
+
+def awaiting_recreation(
+    lost: Sequence[ReplicaGroup], uids_before: Mapping[str, str], uids_now: Mapping[str, str]
+) -> list[str]:
+    """Lost LeaderWorkerSet groups not recreated yet: some pod still is the same object as before the loss."""
+    return [
+        g.id
+        for g in lost
+        if g.workload_kind is WorkloadKind.LEADER_WORKER_SET
+        and any(p in uids_now and uids_now[p] == uids_before.get(p) for p in g.pods)
+    ]

@@ -47,7 +47,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.placement import GroupShape, place_group
     from fleet.pool import GroupRole, ReplicaGroup
     from fleet.protocol import Admission, QualificationState
-    from fleet.rebuild import plan_rebuild, pods_held_by_lost_nodes
+    from fleet.rebuild import awaiting_recreation, plan_rebuild, pods_held_by_lost_nodes
     from fleet.recovery import (
         CheckResult,
         IncidentCause,
@@ -364,16 +364,6 @@ class ReplicaLossRecovery(Procedure):
         await self.enter(Phase.REBUILDING, "Rebuilding the warm floor")
         obs = _with_lost(obs, lost)
         await self._fence_failed_nodes(obs, lost)
-        held = pods_held_by_lost_nodes(lost, obs.pod_nodes, obs.snapshot.nodes)
-        if held:
-            await self._force_delete(
-                held,
-                "(they sit on a node that is not Ready; their LeaderWorkerSet recreates the group only once "
-                "they are gone, and Kubernetes' taint eviction would remove them only after tolerationSeconds, "
-                "300 s by default)",
-                lost,
-                step="release-held-pods",
-            )
         plan = plan_rebuild(
             lost,
             promoted,
@@ -473,10 +463,28 @@ class ReplicaLossRecovery(Procedure):
         lost_pods = {p for g in lost for p in g.pods}
         looks: dict[str, int] = {}
         reported: set[str] = set()
+        released = False
+        initial = self._initial_obs
+        assert initial is not None
         while True:
             obs = await self._observe(summary="placement: pending pods and free GPUs")
             pending = {p: m for p, m in obs.pending_pods.items() if p not in lost_pods}
-            if not pending:
+            waiting = awaiting_recreation(lost, initial.pod_uids, obs.pod_uids)
+            held = pods_held_by_lost_nodes(
+                [g for g in lost if g.id in waiting], obs.pod_nodes, obs.snapshot.nodes
+            )
+            if held and not released:
+                released = True
+                await self._force_delete(
+                    held,
+                    "(they sit on a node that is not Ready; their LeaderWorkerSet recreates the group only once "
+                    "they are gone, and Kubernetes' taint eviction would remove them only after "
+                    "tolerationSeconds, 300 s by default)",
+                    lost,
+                    step="release-held-pods",
+                )
+                continue
+            if not pending and not waiting:
                 self.decide("every replacement is scheduled")
                 return
             for pod, message in pending.items():

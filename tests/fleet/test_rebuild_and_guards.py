@@ -200,3 +200,13 @@ def test_only_pods_of_lost_leader_worker_set_groups_on_unready_nodes_hold_a_grou
     pods_on = {"lws-0-0": "n1", "lws-0-1": "n2", "d1-0": "n1"}
     assert pods_held_by_lost_nodes([lws, deploy], pods_on, nodes) == ["lws-0-0"]
     assert pods_held_by_lost_nodes([lws], pods_on, [node("n1"), node("n2")]) == []
+
+
+def test_a_leader_worker_set_group_counts_as_recreated_once_every_pod_is_a_new_object() -> None:
+    from fleet.rebuild import awaiting_recreation
+
+    lws = group("lws-0", pods=2, kind=WorkloadKind.LEADER_WORKER_SET)
+    before = {"lws-0-0": "u1", "lws-0-1": "u2"}
+    assert awaiting_recreation([lws], before, {"lws-0-0": "u1", "lws-0-1": "u3"}) == ["lws-0"]
+    assert awaiting_recreation([lws], before, {"lws-0-0": "u4", "lws-0-1": "u3"}) == []
+    assert awaiting_recreation([lws], before, {}) == []  # gone, not yet recreated: pending pods say so
