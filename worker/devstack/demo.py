@@ -36,10 +36,10 @@ from temporalio.service import RPCError
 from fleet.incident import PoolRef, incident_workflow_id, scale_down_workflow_id
 from fleet.protocol import FaultRequest, JournalPage
 from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, RecoveryTimings, ServingObjectives
-from fleet.vocabulary import LWS_WORKER_INDEX_LABEL, REVISION_LABEL
+from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL, LWS_WORKER_INDEX_LABEL, REVISION_LABEL
 from worker.config import Settings
 from worker.devstack.rig import compressed_scenario
-from worker.devstack.scenarios import GROUP_CAPACITY_RPS, DemoScenario, Verdict
+from worker.devstack.scenarios import GROUP_CAPACITY_RPS, DemoScenario, PodPlace, Verdict, lost_group_pods
 from worker.devstack.stack import DevStack
 from worker.processes import StackError
 from worker.webhook.app import ALERTMANAGER_PATH
@@ -85,6 +85,8 @@ class DemoRun:
     alert_path: str = "none"
     notices: list[str] = field(default_factory=list)
     cut_streams: tuple[int, int] | None = None  # (by the fault, elsewhere) from the gateway journal
+    pods_before: dict[str, PodPlace] = field(default_factory=dict)  # the namespace just before the fault
+    lost_pods: set[str] = field(default_factory=set)  # every pod of every replica group the fault took
 
     def workflow_url(self) -> str | None:
         if self.workflow_id is None:
@@ -154,10 +156,48 @@ class World:
         r.raise_for_status()
         return dict(r.json())
 
-    async def cut_streams(self, pool: PoolRef, lost_pods: set[str]) -> tuple[int, int]:
+    async def pod_places(self, namespace: str) -> dict[str, PodPlace]:
+        """Every pod of the namespace with its node, replica group and uid (taken just before the fault).
+
+        The group is what fleetmend's observation calls it (``activities.observe``): a LeaderWorkerSet
+        group is ``<lws name>-<group index>``, any other pod is a group of its own.
+        """
+        places: dict[str, PodPlace] = {}
+        for pod in await self.pods(namespace):
+            labels = pod.metadata.labels or {}
+            name = pod.metadata.name
+            group = (
+                f"{labels[LWS_NAME_LABEL]}-{labels.get(LWS_GROUP_INDEX_LABEL, '0')}"
+                if LWS_NAME_LABEL in labels
+                else name
+            )
+            places[name] = PodPlace(name=name, uid=pod.metadata.uid, node=pod.spec.node_name, group=group)
+        return places
+
+    async def replaced_since(self, namespace: str, before: dict[str, PodPlace]) -> dict[str, float]:
+        """Pod names that now belong to a new pod (a LeaderWorkerSet recreates a group under the same
+        names): name -> the moment from which a stream on that name is the new pod's.
+
+        creationTimestamp has second precision, so the moment is the second after it: the old pod's
+        streams all started before the new pod existed, and the new pod serves its first token only
+        after its start-up (seconds: image, weights, distributed init)."""
+        replaced: dict[str, float] = {}
+        for pod in await self.pods(namespace):
+            old = before.get(pod.metadata.name)
+            if old is not None and pod.metadata.uid != old.uid and pod.metadata.creation_timestamp:
+                replaced[old.name] = pod.metadata.creation_timestamp.timestamp() + 1.0
+        return replaced
+
+    async def cut_streams(
+        self, pool: PoolRef, lost_pods: set[str], replaced_since: dict[str, float]
+    ) -> tuple[int, int]:
         """Streams that ended after their first token without finishing, from the gateway's journal:
-        (cut on the replicas the fault took - each ended with an explicit terminal error -,
-        cut anywhere else - what fleetmend's own actions must never do)."""
+        (cut on a replica group the fault took - each ended with an explicit terminal error -,
+        cut anywhere else - what fleetmend's own actions must never do).
+
+        ``lost_pods`` holds every pod of every lost group (the journal names a multi-pod group by its
+        leader, and a dead worker rank cuts the leader's streams); a stream on a lost pod's name that
+        started once a new pod took that name is the new pod's, so it counts as cut elsewhere."""
         by_fault = elsewhere = 0
         since: float | None = None
         while True:
@@ -169,7 +209,8 @@ class World:
             page = JournalPage.model_validate(r.json())
             for e in page.entries:
                 if e.truncated and e.tokens_streamed > 0:
-                    if e.replica in lost_pods:
+                    replica = e.replica or ""
+                    if replica in lost_pods and e.started_at < replaced_since.get(replica, float("inf")):
                         by_fault += 1
                     else:
                         elsewhere += 1
@@ -510,6 +551,7 @@ def build_report(
             "cut_by_fault": run.cut_streams[0] if run.cut_streams else None,
         },
         "lost_replicas_requests": in_flight or None,
+        "lost_pods": sorted(run.lost_pods),  # the world's view: every pod of every group the fault took
         "effects": {
             "applied": f.get("effects_applied", 0),
             "deduplicated": f.get("effects_deduplicated", 0),
@@ -662,7 +704,8 @@ async def run_demo(
                 scenario, status, duplicates=len(rec.duplicates), orphans=orphans, mutations=mutations
             )
             with contextlib.suppress(httpx.HTTPError):
-                run.cut_streams = await world.cut_streams(pool, set(status.figures.get("lost_pods") or []))
+                replaced = await world.replaced_since(pool.namespace, run.pods_before)
+                run.cut_streams = await world.cut_streams(pool, run.lost_pods, replaced)
             report = build_report(
                 run,
                 status,
@@ -701,6 +744,8 @@ async def _cause(
     fault = scenario.fault
     if fault.target.startswith("pod:"):
         pod = await choose_pod(world, scenario, fault.target)
+    run.pods_before = await world.pod_places(scenario.pool.namespace)
+    run.lost_pods = lost_group_pods(fault, run.pods_before, pod)
     if fault.kind is not None:
         target = f"{scenario.pool.namespace}/{pod}" if pod else fault.target
         await world.inject(FaultRequest(kind=fault.kind, target=target, params=fault.params))
