@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -171,3 +172,42 @@ def test_a_refused_request_is_one_error_line_and_exit_status_2(
     )
     assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
     assert says in _one_line_error(result)
+
+
+def _stack_env(state: Path, pid: int) -> Path:
+    demo = state / "demo"
+    demo.mkdir(parents=True)
+    path = demo / "stack.env"
+    path.write_text(
+        f"# pid={pid}\n"
+        f"export FLEETMEND_STATE_DIR='{demo}'\n"
+        "export FLEETMEND_TEMPORAL_ADDRESS='127.0.0.1:41001'\n"
+        "export FLEETMEND_DATABASE_URL='postgresql+psycopg://postgres:@/postgres?host=/tmp/x'\n"
+    )
+    return path
+
+
+def test_a_running_kept_demo_fills_only_what_the_environment_leaves_unset(tmp_path: Path) -> None:
+    from worker.config import adopt_kept_stack
+
+    state = tmp_path / "state"
+    path = _stack_env(state, os.getpid())  # this process: alive
+    environ = {"FLEETMEND_STATE_DIR": str(state), "FLEETMEND_TEMPORAL_ADDRESS": "10.0.0.1:7233"}
+    assert adopt_kept_stack(environ) == path
+    assert environ["FLEETMEND_TEMPORAL_ADDRESS"] == "10.0.0.1:7233"  # explicit wins
+    assert environ["FLEETMEND_DATABASE_URL"].endswith("host=/tmp/x")  # unset: the demo's
+    assert environ["FLEETMEND_STATE_DIR"] == str(
+        state / "demo"
+    )  # the demo's token file and ledger live there
+
+
+def test_the_env_file_of_a_demo_that_is_gone_is_ignored(tmp_path: Path) -> None:
+    from worker.config import adopt_kept_stack
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process now (as after a `kill -9` of the demo)
+    state = tmp_path / "state"
+    _stack_env(state, gone.pid)
+    environ = {"FLEETMEND_STATE_DIR": str(state)}
+    assert adopt_kept_stack(environ) is None
+    assert environ == {"FLEETMEND_STATE_DIR": str(state)}

@@ -34,6 +34,7 @@ DEMO_TIMEOUT_S = 240
 @dataclass
 class DemoProcess:
     env: dict[str, str]
+    workdir: Path  # the demo's state is workdir/.fleetmend/demo: what `fleetmend demo` run in workdir uses
     state_dir: Path
     report_path: Path
     log_path: Path
@@ -91,10 +92,12 @@ def output_dir() -> Path:
 @contextmanager
 def keep_running_demo(scenario: str, output_dir: Path) -> Iterator[DemoProcess]:
     """``fleetmend demo --scenario NAME --keep-running --report F``: yields once the report is written."""
-    state_dir = Path(tempfile.mkdtemp(prefix="fleetmend-demo-"))
+    workdir = Path(tempfile.mkdtemp(prefix="fleetmend-demo-"))
+    state_dir = workdir / ".fleetmend"  # the default state dir of a command run in workdir
     env, ports = demo_env(state_dir)
     run = DemoProcess(
         env=env,
+        workdir=workdir,
         state_dir=state_dir,
         report_path=output_dir / f"{scenario}.json",
         log_path=output_dir / f"{scenario}.out",
@@ -128,7 +131,7 @@ def keep_running_demo(scenario: str, output_dir: Path) -> Iterator[DemoProcess]:
             except subprocess.TimeoutExpired:
                 run.proc.kill()
                 run.proc.wait()
-        shutil.rmtree(state_dir, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 # Package scope: the kept demos (a loaded fleet each) stop when the demo tests are done, not at the

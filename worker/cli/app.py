@@ -25,7 +25,7 @@ from worker.cli import (
     sim,
     worker,
 )
-from worker.config import load_settings
+from worker.config import adopt_kept_stack, load_settings
 
 app = typer.Typer(
     name="fleetmend",
@@ -35,6 +35,18 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console()
+
+# Commands that start their own stack or server: they read only their own settings, never a kept demo's.
+STACK_COMMANDS = frozenset({"dev", "demo", "worker", "webhook", "sim"})
+
+
+@app.callback()
+def _root(ctx: typer.Context) -> None:
+    # Every other command (status, approve, alert, ledger, schedule, config, ...) finds a running
+    # `fleetmend demo`'s stack by itself, as if its printed export lines were set (worker.config.adopt_kept_stack).
+    if ctx.invoked_subcommand not in STACK_COMMANDS:
+        adopt_kept_stack()
+
 
 app.add_typer(ledger.app, name="ledger", help="Audit and reconcile the effect ledger.")
 app.add_typer(model.app, name="model", help="Capacity what-if models (ramp-back planning).")

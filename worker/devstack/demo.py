@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import shlex
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable
@@ -37,10 +39,10 @@ from fleet.incident import PoolRef, incident_workflow_id, scale_down_workflow_id
 from fleet.protocol import FaultRequest, JournalPage
 from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, RecoveryTimings, ServingObjectives
 from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL, LWS_WORKER_INDEX_LABEL, REVISION_LABEL
-from worker.config import Settings
+from worker.config import KEPT_STACK_FILE, Settings, kept_stack_env
 from worker.devstack.rig import compressed_scenario
 from worker.devstack.scenarios import GROUP_CAPACITY_RPS, DemoScenario, PodPlace, Verdict, lost_group_pods
-from worker.devstack.stack import DevStack
+from worker.devstack.stack import DevStack, display_database_url
 from worker.processes import StackError
 from worker.webhook.app import ALERTMANAGER_PATH
 from worker.webhook.examples import example_payload
@@ -99,6 +101,12 @@ class DemoRun:
 def demo_settings(base: Settings, scenario: DemoScenario) -> Settings:
     """Settings for a demo run: a fresh state dir, the compressed scenario, short procedure timings."""
     state = base.state_dir / "demo"
+    kept = kept_stack_env(base.state_dir)
+    if kept is not None:  # never wipe the state (ledger, history) of a demo that still runs
+        raise DemoError(
+            f"a demo is already running under {state} ({kept[0]}): stop it (Ctrl-C in its terminal) first, "
+            "or set FLEETMEND_STATE_DIR to another directory"
+        )
     shutil.rmtree(state, ignore_errors=True)  # a new world per run: no history from earlier runs
     state.mkdir(parents=True)
     if scenario.compressed:
@@ -122,6 +130,84 @@ def demo_settings(base: Settings, scenario: DemoScenario) -> Settings:
             "serving_objectives": ServingObjectives(group_capacity_rps=GROUP_CAPACITY_RPS),
         }
     )
+
+
+# ============================================================================ the kept stack
+
+# What a command in another shell needs to reach the demo's stack (worker.config.adopt_kept_stack reads them).
+STACK_ENV_SETTINGS = (
+    "state_dir",
+    "temporal_address",
+    "temporal_namespace",
+    "task_queue",
+    "temporal_ui_url",
+    "database_url",
+    "webhook_host",
+    "webhook_port",
+    "kubeconfig",
+    "router_admin_url",
+    "action_log_url",
+)
+
+
+def stack_env_lines(settings: Settings) -> list[str]:
+    """``export FLEETMEND_X='value'`` for every setting a client command needs (paths absolute)."""
+    lines = []
+    for name in STACK_ENV_SETTINGS:
+        value = getattr(settings, name)
+        if value is None:
+            continue
+        if name == "database_url":
+            value = settings.database_url_value()
+        elif isinstance(value, Path):
+            value = value.resolve()
+        lines.append(f"export FLEETMEND_{name.upper()}={shlex.quote(str(value))}")
+    return lines
+
+
+def write_stack_env(settings: Settings) -> Path:
+    """Write ``<state dir>/stack.env`` (0600, shell-sourceable, with this process's pid); return its path."""
+    path = settings.state_dir.resolve() / KEPT_STACK_FILE
+    text = "\n".join(
+        [
+            "# The running `fleetmend demo` stack. fleetmend commands find it by themselves while the demo runs;",
+            f"# a shell elsewhere: . {shlex.quote(str(path))}",
+            f"# pid={os.getpid()}",
+            *stack_env_lines(settings),
+        ]
+    )
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text + "\n")
+    tmp.replace(path)
+    return path
+
+
+@contextlib.asynccontextmanager
+async def stack_env(settings: Settings) -> AsyncIterator[Path]:
+    """The stack's ``stack.env`` for as long as the demo runs (removed when it stops)."""
+    path = write_stack_env(settings)
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def keep_running_hint(env_file: Path) -> str:
+    lines = [
+        "--keep-running: the stack stays up; Ctrl-C stops everything.",
+        "In another shell here, fleetmend commands find it by themselves: `fleetmend status`, "
+        "`fleetmend ledger list`, `fleetmend alert --example node-not-ready > a.json && fleetmend alert -f a.json`.",
+        f"Anywhere else: `. {shlex.quote(str(env_file))}`, or",
+    ]
+    for line in env_file.read_text().splitlines():
+        if line.startswith("export "):
+            if line.startswith("export FLEETMEND_DATABASE_URL="):
+                name, _, value = line.partition("=")
+                line = f"{name}={shlex.quote(display_database_url(shlex.split(value)[0]))}"
+            lines.append(f"  {line}")
+    return "\n".join(lines)
 
 
 # ============================================================================ the world
@@ -656,7 +742,7 @@ async def run_demo(
     settings = demo_settings(settings, scenario)
     console.print(f"[bold]fleetmend demo[/] {scenario.name}: {scenario.summary}")
     console.print(f"starting the embedded stack under {settings.state_dir} ...")
-    async with DevStack(settings) as stack:
+    async with DevStack(settings) as stack, stack_env(stack.settings) as env_file:
         s = stack.settings
         run = DemoRun(scenario=scenario, ui_url=s.temporal_ui_url)
         console.print(f"Temporal UI: [cyan]{s.temporal_ui_url}[/]   sim: {s.router_admin_url}")
@@ -723,9 +809,7 @@ async def run_demo(
                 write_report(report, report_path)
                 console.print(f"report written to {report_path}")
             if keep_running:
-                console.print(
-                    "--keep-running: the stack stays up. Try `fleetmend status`; Ctrl-C stops everything."
-                )
+                console.print(keep_running_hint(env_file), soft_wrap=True, highlight=False)
                 await (stop or asyncio.Event()).wait()
     return report
 
