@@ -36,7 +36,7 @@ from temporalio.client import Client, WorkflowHandle, WorkflowQueryFailedError
 from temporalio.service import RPCError
 
 from fleet.incident import PoolRef, incident_workflow_id, scale_down_workflow_id
-from fleet.protocol import FaultRequest, JournalPage
+from fleet.protocol import FaultRequest, JournalEntry, JournalPage
 from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, RecoveryTimings, ServingObjectives
 from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL, LWS_WORKER_INDEX_LABEL, REVISION_LABEL
 from worker.config import KEPT_STACK_FILE, Settings, kept_stack_env
@@ -63,6 +63,10 @@ DEMO_TIMINGS = RecoveryTimings(
     qualification_timeout_s=20,
 )
 NODE_GRACE_S = 5.0
+# A replica's start-up (image pull + weight load + distributed init) and its prefix-cache warm-up, compressed:
+# long enough that the ramp-back re-measures a cold replacement several times (every ramp_interval_s).
+STARTUP_S = 4.0
+WARM_UP_S = 8.0
 FLEET_UP_TIMEOUT_S = 60.0
 ALERT_TIMEOUT_S = 45.0
 PROCEDURE_TIMEOUT_S = 150.0
@@ -110,7 +114,7 @@ def demo_settings(base: Settings, scenario: DemoScenario) -> Settings:
     shutil.rmtree(state, ignore_errors=True)  # a new world per run: no history from earlier runs
     state.mkdir(parents=True)
     if scenario.compressed:
-        sim = compressed_scenario(scenario.sim_scenario)
+        sim = compressed_scenario(scenario.sim_scenario, startup_s=STARTUP_S, warm_up_s=WARM_UP_S)
         # Kubernetes notices a dead kubelet after the node-monitor grace period (40 s by default);
         # compressed like the rest of the scenario, so the alert path takes seconds.
         sim = sim.model_copy(
@@ -274,17 +278,9 @@ class World:
                 replaced[old.name] = pod.metadata.creation_timestamp.timestamp() + 1.0
         return replaced
 
-    async def cut_streams(
-        self, pool: PoolRef, lost_pods: set[str], replaced_since: dict[str, float]
-    ) -> tuple[int, int]:
-        """Streams that ended after their first token without finishing, from the gateway's journal:
-        (cut on a replica group the fault took - each ended with an explicit terminal error -,
-        cut anywhere else - what fleetmend's own actions must never do).
-
-        ``lost_pods`` holds every pod of every lost group (the journal names a multi-pod group by its
-        leader, and a dead worker rank cuts the leader's streams); a stream on a lost pod's name that
-        started once a new pod took that name is the new pod's, so it counts as cut elsewhere."""
-        by_fault = elsewhere = 0
+    async def journal(self, pool: PoolRef) -> list[JournalEntry]:
+        """The gateway's whole request journal for the pool, page by page."""
+        entries: list[JournalEntry] = []
         since: float | None = None
         while True:
             params: dict[str, Any] = {"pool": pool.key}
@@ -293,15 +289,9 @@ class World:
             r = await self.http.get("/router/v1/journal", params=params)
             r.raise_for_status()
             page = JournalPage.model_validate(r.json())
-            for e in page.entries:
-                if e.truncated and e.tokens_streamed > 0:
-                    replica = e.replica or ""
-                    if replica in lost_pods and e.started_at < replaced_since.get(replica, float("inf")):
-                        by_fault += 1
-                    else:
-                        elsewhere += 1
+            entries += page.entries
             if page.next_since is None or not page.entries:
-                return by_fault, elsewhere
+                return entries
             since = page.next_since
 
     async def inject(self, fault: FaultRequest) -> None:
@@ -312,6 +302,28 @@ class World:
         r = await self.http.get("/sim/v1/actions")
         r.raise_for_status()
         return [a for a in r.json() if WORKER_CLIENT_MARK in (a.get("client") or "")]
+
+
+def count_cuts(
+    entries: list[JournalEntry], lost_pods: set[str], replaced_since: dict[str, float]
+) -> tuple[int, int]:
+    """Streams that ended after their first token without finishing:
+    (cut on a replica group the fault took - each ended with an explicit terminal error -,
+    cut anywhere else - what fleetmend's own actions must never do).
+
+    ``lost_pods`` holds every pod of every lost group (the journal names a multi-pod group by its
+    leader, and a dead worker rank cuts the leader's streams); a stream on a lost pod's name that
+    started once a new pod took that name is the new pod's, so it counts as cut elsewhere."""
+    by_fault = elsewhere = 0
+    for e in entries:
+        if not (e.truncated and e.tokens_streamed > 0):
+            continue
+        replica = e.replica or ""
+        if replica in lost_pods and e.started_at < replaced_since.get(replica, float("inf")):
+            by_fault += 1
+        else:
+            elsewhere += 1
+    return by_fault, elsewhere
 
 
 async def _until(what: str, check: Callable[[], Any], timeout_s: float, interval_s: float = 0.3) -> Any:
@@ -791,7 +803,7 @@ async def run_demo(
             )
             with contextlib.suppress(httpx.HTTPError):
                 replaced = await world.replaced_since(pool.namespace, run.pods_before)
-                run.cut_streams = await world.cut_streams(pool, run.lost_pods, replaced)
+                run.cut_streams = count_cuts(await world.journal(pool), run.lost_pods, replaced)
             report = build_report(
                 run,
                 status,
