@@ -7,6 +7,7 @@ finds the code behind ``fleetmend X`` in ``worker/cli/X.py``.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -14,6 +15,7 @@ from rich.table import Table
 
 from worker.cli import (
     alert,
+    common,
     demo,
     dev,
     ledger,
@@ -27,7 +29,21 @@ from worker.cli import (
 )
 from worker.config import adopt_kept_stack, load_settings
 
-app = typer.Typer(
+
+class _Fleetmend(typer.Typer):
+    """The console script's entry point: a command that made a Temporal client leaves at once when done."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except SystemExit as done:
+            if common.connected():
+                code = done.code
+                common.leave(code if isinstance(code, int) else (0 if code is None else 1))
+            raise
+
+
+app = _Fleetmend(
     name="fleetmend",
     help="Keep an LLM inference fleet serving when GPUs fail: durable replica-loss recovery "
     "and planned scale-down on Temporal, with an exactly-once effect ledger.",

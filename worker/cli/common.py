@@ -10,8 +10,11 @@ not start). Commands ``raise fail(...)``, so the type checker sees the command e
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import sys
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -26,6 +29,7 @@ UNAVAILABLE = 1  # something the command needs is not there (Temporal, a databas
 
 err_console = Console(stderr=True)
 T = TypeVar("T")
+_connected = False  # a Temporal client was made in this process (see ``leave``)
 
 
 def fail(message: str, code: int = REFUSED) -> typer.Exit:
@@ -36,10 +40,31 @@ def fail(message: str, code: int = REFUSED) -> typer.Exit:
 
 async def temporal_client(settings: Settings) -> Client:
     """The client every command uses (``worker.temporal_client.connect``); unreachable = one error line, exit 1."""
+    global _connected
     try:
-        return await connect(settings)
+        client = await connect(settings)
     except Exception as err:
         raise fail(unreachable_message(settings, err), UNAVAILABLE) from None
+    _connected = True
+    return client
+
+
+def connected() -> bool:
+    return _connected
+
+
+def leave(code: int) -> NoReturn:
+    """End the process now with ``code``, output flushed.
+
+    The Temporal client's core runtime keeps native threads that can race Python's interpreter
+    teardown (a "PyGILState_Release" fatal error: exit status -6 after the answer was printed, or in
+    place of an error's exit status 1 or 2). A one-shot command that made a client has nothing left
+    to clean up once it answered, so ``fleetmend`` leaves this way (``worker.cli.app``).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def with_client(

@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import getpass
 import json
-import os
-import sys
 import time
-from typing import Any, NoReturn
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -44,18 +42,6 @@ KEY_FIGURES = (
     "cut_streams",
     "alerts_absorbed",
 )
-
-
-def _leave(code: int) -> NoReturn:
-    """End the command now, output flushed.
-
-    The Temporal client's core runtime keeps native threads that can race Python's
-    interpreter teardown ("PyGILState_Release" fatal error, exit -6) after the answer was
-    already printed; a one-shot command has nothing left to clean up, so it leaves at once.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 async def open_procedures(client: Client) -> list[dict[str, Any]]:
@@ -173,16 +159,12 @@ def _steer(update: str, help_text: str) -> Any:
             action = OperatorAction(operator=who, reason=reason)
         except ValueError as err:
             raise fail(f"bad --operator/--reason: {err.errors()[0]['msg']}", 2) from None  # type: ignore[attr-defined]
-        try:
-            result = asyncio.run(send_update(load_settings(), workflow_id, update, action))
-        except typer.Exit as done:
-            _leave(done.exit_code)
+        result = asyncio.run(send_update(load_settings(), workflow_id, update, action))
         console.print(
             f"{update} accepted by {workflow_id}: phase {result.phase.value}"
             + (" (paused)" if result.paused else "")
             + (f", awaiting {result.awaiting}" if result.awaiting else "")
         )
-        _leave(0)
 
     command.__doc__ = help_text
     return command
