@@ -42,7 +42,15 @@ with workflow.unsafe.imports_passed_through():
     from fleet.engine_metrics import EngineSnapshot
     from fleet.incident import LossReport
     from fleet.leadtime import estimate_lead_time
-    from fleet.loss import Correlation, GroupVerdict, LossEvent, confirm_group, correlate, size_loss
+    from fleet.loss import (
+        Correlation,
+        GroupVerdict,
+        LossEvent,
+        confirm_group,
+        correlate,
+        match_reports,
+        size_loss,
+    )
     from fleet.observation import PoolObservation
     from fleet.placement import GroupShape, place_group
     from fleet.pool import GroupRole, ReplicaGroup
@@ -72,6 +80,8 @@ with workflow.unsafe.imports_passed_through():
 
 # A Pending replacement is judged unplaceable only after this many looks (the scheduler needs a moment).
 PLACEMENT_LOOKS = 3
+# A reported pod that is in no group (being recreated) is looked for this many times before not-a-loss.
+CONFIRM_LOOKS = 4
 
 
 @workflow.defn(name="ReplicaLossRecovery")
@@ -142,9 +152,19 @@ class ReplicaLossRecovery(Procedure):
 
     async def confirm_and_size(self) -> tuple[PoolObservation, list[ReplicaGroup]]:
         await self.enter(Phase.CONFIRMING, "Confirming the loss: is the endpoint gone, or merely slow?")
-        obs = await self._observe(
-            check_progress=True, light=True, summary="confirm: read pool, endpoints, engines"
-        )
+        for look in range(1, CONFIRM_LOOKS + 1):
+            obs = await self._observe(
+                check_progress=True, light=True, summary="confirm: read pool, endpoints, engines"
+            )
+            if match_reports(obs.snapshot, self._reports) or look == CONFIRM_LOOKS:
+                break
+            # A LeaderWorkerSet deletes and recreates a whole group when one pod fails: for a moment the
+            # reported pod is in no group. Look again before calling it not-a-loss.
+            self.decide(
+                "the reported pod / group is not in the pool right now (its controller may be recreating "
+                f"it): looking again ({look} of {CONFIRM_LOOKS})"
+            )
+            await workflow.sleep(self._inp.timings.poll_interval_s, summary="confirm: look again")
         self._initial_obs = obs
         lost = self._confirm(obs, self._reports)
         if not lost:
@@ -164,19 +184,7 @@ class ReplicaLossRecovery(Procedure):
 
     def _confirm(self, obs: PoolObservation, reports: list[LossReport]) -> list[ReplicaGroup]:
         """Resolve reports to replica groups (node → groups, pod → group) and confirm each."""
-        candidates: dict[str, ReplicaGroup] = {}
-        for r in reports:
-            if r.replica_group:
-                try:
-                    g = obs.snapshot.group(r.replica_group)
-                    candidates[g.id] = g
-                except KeyError:
-                    pass
-            if r.pod and (g2 := obs.snapshot.group_of_pod(r.pod)) is not None:
-                candidates[g2.id] = g2
-            if r.node:
-                for g3 in obs.snapshot.groups_on_node(r.node):
-                    candidates[g3.id] = g3
+        candidates = match_reports(obs.snapshot, reports)
         lost: list[ReplicaGroup] = []
         for g in candidates.values():
             verdict = confirm_group(g, obs.pods, obs.snapshot.nodes, obs.routed_pods, obs.publish_not_ready)
@@ -207,7 +215,12 @@ class ReplicaLossRecovery(Procedure):
         # Every pod of a lost group leaves routing: one lost rank takes the whole group.
         to_deroute = sorted({p for g in lost for p in g.pods if p in obs.routed_pods} | set(dead_routed))
         if not to_deroute:
-            self.decide("lost endpoints already out of routing (EndpointSlice not ready / label absent)")
+            seconds = max(0.0, self.now() - (inp.first_signal_at or self._started_at))
+            self.figure("deroute_seconds", seconds)
+            self.decide(
+                f"lost endpoints already out of routing {seconds:.2f} s after the first signal "
+                "(EndpointSlice not ready / label absent)"
+            )
             return
         if selecting:
             names = ", ".join(f"{w.kind}/{w.name}" for w in selecting)

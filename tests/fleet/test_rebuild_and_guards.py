@@ -210,3 +210,17 @@ def test_a_leader_worker_set_group_counts_as_recreated_once_every_pod_is_a_new_o
     assert awaiting_recreation([lws], before, {"lws-0-0": "u1", "lws-0-1": "u3"}) == ["lws-0"]
     assert awaiting_recreation([lws], before, {"lws-0-0": "u4", "lws-0-1": "u3"}) == []
     assert awaiting_recreation([lws], before, {}) == []  # gone, not yet recreated: pending pods say so
+
+
+def test_reports_match_a_named_group_a_pods_group_and_every_group_on_a_node() -> None:
+    from fleet.incident import LossReport
+    from fleet.loss import match_reports
+    from tests.fleet.fleets import POOL
+
+    snap = snapshot([group("g1", nodes=("n1",)), group("g2", nodes=("n1",)), group("g3", nodes=("n2",))])
+    report = LossReport(pool=POOL, fingerprint="f", alert_name="a", node="n1")
+    assert sorted(match_reports(snap, [report])) == ["g1", "g2"]
+    by_pod = LossReport(pool=POOL, fingerprint="f", alert_name="a", pod="g3-0")
+    assert sorted(match_reports(snap, [by_pod])) == ["g3"]
+    gone = LossReport(pool=POOL, fingerprint="f", alert_name="a", pod="g9-0")
+    assert match_reports(snap, [gone]) == {}

@@ -1,4 +1,5 @@
-"""The operator's commands: ``fleetmend status`` and ``fleetmend approve|pause|resume|abort WORKFLOW_ID``.
+"""The operator's commands: ``fleetmend status`` and ``fleetmend approve|pause|resume|abort|retry|skip|resolve
+WORKFLOW_ID``.
 
 ``status`` lists the open incidents, recoveries and scale-downs from Temporal
 visibility (the ``FleetmendKind`` search attribute) and asks each its
@@ -179,4 +180,16 @@ def register(app: typer.Typer) -> None:
     app.command("resume")(_steer("resume", "Continue a paused procedure."))
     app.command("abort")(
         _steer("abort", "Stop a procedure at its next step boundary (needs --reason); applied effects stay.")
+    )
+    app.command("retry")(
+        _steer("retry", "Try the refused effect (or the step whose retry budget is spent) again.")
+    )
+    app.command("skip")(
+        _steer(
+            "skip",
+            "Go on without the refused effect (you did it by hand, or it is not needed; needs --reason).",
+        )
+    )
+    app.command("resolve")(
+        _steer("resolve", "Close out an incident's failed recoveries once handled (needs --reason).")
     )
