@@ -80,8 +80,6 @@ with workflow.unsafe.imports_passed_through():
 
 # A Pending replacement is judged unplaceable only after this many looks (the scheduler needs a moment).
 PLACEMENT_LOOKS = 3
-# A reported pod that is in no group (being recreated) is looked for this many times before not-a-loss.
-CONFIRM_LOOKS = 4
 
 
 @workflow.defn(name="ReplicaLossRecovery")
@@ -152,19 +150,24 @@ class ReplicaLossRecovery(Procedure):
 
     async def confirm_and_size(self) -> tuple[PoolObservation, list[ReplicaGroup]]:
         await self.enter(Phase.CONFIRMING, "Confirming the loss: is the endpoint gone, or merely slow?")
-        for look in range(1, CONFIRM_LOOKS + 1):
+        timings = self._inp.timings
+        give_up = self.now() + timings.reappear_timeout_s
+        looked_again = False
+        while True:
             obs = await self._observe(
                 check_progress=True, light=True, summary="confirm: read pool, endpoints, engines"
             )
-            if match_reports(obs.snapshot, self._reports) or look == CONFIRM_LOOKS:
+            if match_reports(obs.snapshot, self._reports) or self.now() >= give_up:
                 break
-            # A LeaderWorkerSet deletes and recreates a whole group when one pod fails: for a moment the
-            # reported pod is in no group. Look again before calling it not-a-loss.
-            self.decide(
-                "the reported pod / group is not in the pool right now (its controller may be recreating "
-                f"it): looking again ({look} of {CONFIRM_LOOKS})"
-            )
-            await workflow.sleep(self._inp.timings.poll_interval_s, summary="confirm: look again")
+            # A LeaderWorkerSet deletes and recreates a whole group when one pod fails: until its pods are
+            # back, the reported pod is in no group. Look again before calling it not-a-loss.
+            if not looked_again:
+                looked_again = True
+                self.decide(
+                    "the reported pod / group is not in the pool right now (its controller may be "
+                    f"recreating it): looking for it for up to {timings.reappear_timeout_s:g} s"
+                )
+            await workflow.sleep(timings.poll_interval_s, summary="confirm: look again")
         self._initial_obs = obs
         lost = self._confirm(obs, self._reports)
         if not lost:
