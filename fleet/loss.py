@@ -28,6 +28,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleet.incident import LossReport
 from fleet.pool import NodeInfo, PoolSnapshot, ReplicaGroup
 from fleet.recovery import IncidentCause
 from fleet.vocabulary import NVLINK_DOMAIN_LABEL, ZONE_LABEL
@@ -343,3 +344,21 @@ def correlate(
         group_ids=ids,
         replace=True,
     )
+
+
+def match_reports(snapshot: PoolSnapshot, reports: Iterable[LossReport]) -> dict[str, ReplicaGroup]:
+    """The replica groups the reports are about: a named group, a pod's group, every group on a node."""
+    candidates: dict[str, ReplicaGroup] = {}
+    for r in reports:
+        if r.replica_group:
+            try:
+                g = snapshot.group(r.replica_group)
+                candidates[g.id] = g
+            except KeyError:
+                pass
+        if r.pod and (g2 := snapshot.group_of_pod(r.pod)) is not None:
+            candidates[g2.id] = g2
+        if r.node:
+            for g3 in snapshot.groups_on_node(r.node):
+                candidates[g3.id] = g3
+    return candidates

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleet.pool import GroupRole, ReplicaGroup, WorkloadKind
+from fleet.pool import GroupRole, NodeInfo, ReplicaGroup, WorkloadKind
 
 
 class ScaleStep(BaseModel):
@@ -140,3 +140,36 @@ def plan_rebuild(
         unmatched=tuple(g.id for g in unmatched),
         expected_new=len(promoted) + len(unmatched),
     )
+
+
+def pods_held_by_lost_nodes(
+    lost: Sequence[ReplicaGroup], pods_on: Mapping[str, str], nodes: Iterable[NodeInfo]
+) -> list[str]:
+    """Pods of lost LeaderWorkerSet groups that sit on a node that is not Ready.
+
+    A LeaderWorkerSet recreates a group only once its pods are gone, and its pod names are
+    stable, so a pod on an unreachable node (which no kubelet will ever confirm deleted)
+    holds the whole group back until Kubernetes' taint eviction removes it -
+    ``tolerationSeconds``, 300 s by default. Removing them sooner is a force delete, which
+    needs an operator's approval (DESIGN.md §3 step 2).
+    """
+    not_ready = {n.name for n in nodes if n.ready is not True}
+    return sorted(
+        p
+        for g in lost
+        if g.workload_kind is WorkloadKind.LEADER_WORKER_SET
+        for p in g.pods
+        if pods_on.get(p) in not_ready
+    )
+
+
+def awaiting_recreation(
+    lost: Sequence[ReplicaGroup], uids_before: Mapping[str, str], uids_now: Mapping[str, str]
+) -> list[str]:
+    """Lost LeaderWorkerSet groups not recreated yet: some pod still is the same object as before the loss."""
+    return [
+        g.id
+        for g in lost
+        if g.workload_kind is WorkloadKind.LEADER_WORKER_SET
+        and any(p in uids_now and uids_now[p] == uids_before.get(p) for p in g.pods)
+    ]

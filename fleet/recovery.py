@@ -88,6 +88,12 @@ class RecoveryTimings(BaseModel):
     cooldown_s: float = Field(300.0, ge=0)
     repeat_fault_window_s: float = Field(7 * 24 * 3600.0, gt=0)
     drain_deadline_s: float = Field(600.0, gt=0)
+    reappear_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="How long a reported pod that is in no group (its controller deleting and recreating "
+        "the group) is looked for before the report is called not-a-loss",
+    )
     retry: RetryBudget = Field(default_factory=RetryBudget)
 
 

@@ -46,6 +46,7 @@ FAST = RecoveryTimings(
     approval_timeout_s=120,
     cooldown_s=1,
     qualification_timeout_s=20,
+    reappear_timeout_s=30,
     # A killed worker's activity is retried after its call timeout: the budget leaves room for that.
     retry=RetryBudget(attempts=8, budget_s=90, call_timeout_s=10, max_interval_s=2),
 )

@@ -7,6 +7,10 @@ effective values with secrets masked.
 
 from __future__ import annotations
 
+import os
+import re
+import shlex
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -217,3 +221,65 @@ class Settings(BaseSettings):
 
 def load_settings(**overrides: Any) -> Settings:
     return Settings(**overrides)
+
+
+# ---------------------------------------------------------------- a kept demo's stack, found by the CLI
+
+KEPT_STACK_FILE = "stack.env"
+_PID_LINE = re.compile(r"^# pid=(\d+)\s*$")
+
+
+def kept_stack_env(state_dir: Path) -> tuple[Path, dict[str, str]] | None:
+    """The ``stack.env`` a running ``fleetmend demo`` keeps in its state dir (``<state_dir>/demo/``, or
+    ``state_dir`` itself), with its ``FLEETMEND_*`` values, while the process that wrote it still runs.
+
+    The file is shell-sourceable (``# pid=N``, then ``export FLEETMEND_X='value'`` lines, see
+    ``worker.devstack.demo.write_stack_env``); a file whose process is gone (``kill -9``) is ignored.
+    """
+    for path in (state_dir / "demo" / KEPT_STACK_FILE, state_dir / KEPT_STACK_FILE):
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            continue
+        pid = next((int(m.group(1)) for line in lines if (m := _PID_LINE.match(line))), None)
+        if pid is None or not _running(pid):
+            continue
+        values: dict[str, str] = {}
+        for line in lines:
+            if line.startswith("export "):
+                name, _, value = shlex.split(line)[1].partition("=")
+                if name.startswith("FLEETMEND_"):
+                    values[name] = value
+        return path, values
+    return None
+
+
+def adopt_kept_stack(environ: MutableMapping[str, str] = os.environ) -> Path | None:
+    """Point this process at a kept demo's stack, if one runs under the configured state dir.
+
+    Its values fill only what the environment leaves unset (an explicit ``FLEETMEND_*`` wins), except
+    the state dir, which becomes the demo's own (its webhook token file and embedded ledger live there).
+    Returns the file adopted. Used by the CLI's client commands, never by the ones that start a stack.
+    """
+    found = kept_stack_env(
+        Path(environ.get("FLEETMEND_STATE_DIR") or Settings.model_fields["state_dir"].default)
+    )
+    if found is None:
+        return None
+    path, values = found
+    for name, value in values.items():
+        if name == "FLEETMEND_STATE_DIR":
+            environ[name] = value
+        else:
+            environ.setdefault(name, value)
+    return path
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True

@@ -42,12 +42,20 @@ with workflow.unsafe.imports_passed_through():
     from fleet.engine_metrics import EngineSnapshot
     from fleet.incident import LossReport
     from fleet.leadtime import estimate_lead_time
-    from fleet.loss import Correlation, GroupVerdict, LossEvent, confirm_group, correlate, size_loss
+    from fleet.loss import (
+        Correlation,
+        GroupVerdict,
+        LossEvent,
+        confirm_group,
+        correlate,
+        match_reports,
+        size_loss,
+    )
     from fleet.observation import PoolObservation
     from fleet.placement import GroupShape, place_group
     from fleet.pool import GroupRole, ReplicaGroup
     from fleet.protocol import Admission, QualificationState
-    from fleet.rebuild import plan_rebuild
+    from fleet.rebuild import awaiting_recreation, plan_rebuild, pods_held_by_lost_nodes
     from fleet.recovery import (
         CheckResult,
         IncidentCause,
@@ -142,9 +150,24 @@ class ReplicaLossRecovery(Procedure):
 
     async def confirm_and_size(self) -> tuple[PoolObservation, list[ReplicaGroup]]:
         await self.enter(Phase.CONFIRMING, "Confirming the loss: is the endpoint gone, or merely slow?")
-        obs = await self._observe(
-            check_progress=True, light=True, summary="confirm: read pool, endpoints, engines"
-        )
+        timings = self._inp.timings
+        give_up = self.now() + timings.reappear_timeout_s
+        looked_again = False
+        while True:
+            obs = await self._observe(
+                check_progress=True, light=True, summary="confirm: read pool, endpoints, engines"
+            )
+            if match_reports(obs.snapshot, self._reports) or self.now() >= give_up:
+                break
+            # A LeaderWorkerSet deletes and recreates a whole group when one pod fails: until its pods are
+            # back, the reported pod is in no group. Look again before calling it not-a-loss.
+            if not looked_again:
+                looked_again = True
+                self.decide(
+                    "the reported pod / group is not in the pool right now (its controller may be "
+                    f"recreating it): looking for it for up to {timings.reappear_timeout_s:g} s"
+                )
+            await workflow.sleep(timings.poll_interval_s, summary="confirm: look again")
         self._initial_obs = obs
         lost = self._confirm(obs, self._reports)
         if not lost:
@@ -164,19 +187,7 @@ class ReplicaLossRecovery(Procedure):
 
     def _confirm(self, obs: PoolObservation, reports: list[LossReport]) -> list[ReplicaGroup]:
         """Resolve reports to replica groups (node → groups, pod → group) and confirm each."""
-        candidates: dict[str, ReplicaGroup] = {}
-        for r in reports:
-            if r.replica_group:
-                try:
-                    g = obs.snapshot.group(r.replica_group)
-                    candidates[g.id] = g
-                except KeyError:
-                    pass
-            if r.pod and (g2 := obs.snapshot.group_of_pod(r.pod)) is not None:
-                candidates[g2.id] = g2
-            if r.node:
-                for g3 in obs.snapshot.groups_on_node(r.node):
-                    candidates[g3.id] = g3
+        candidates = match_reports(obs.snapshot, reports)
         lost: list[ReplicaGroup] = []
         for g in candidates.values():
             verdict = confirm_group(g, obs.pods, obs.snapshot.nodes, obs.routed_pods, obs.publish_not_ready)
@@ -207,7 +218,12 @@ class ReplicaLossRecovery(Procedure):
         # Every pod of a lost group leaves routing: one lost rank takes the whole group.
         to_deroute = sorted({p for g in lost for p in g.pods if p in obs.routed_pods} | set(dead_routed))
         if not to_deroute:
-            self.decide("lost endpoints already out of routing (EndpointSlice not ready / label absent)")
+            seconds = max(0.0, self.now() - (inp.first_signal_at or self._started_at))
+            self.figure("deroute_seconds", seconds)
+            self.decide(
+                f"lost endpoints already out of routing {seconds:.2f} s after the first signal "
+                "(EndpointSlice not ready / label absent)"
+            )
             return
         if selecting:
             names = ", ".join(f"{w.kind}/{w.name}" for w in selecting)
@@ -217,18 +233,9 @@ class ReplicaLossRecovery(Procedure):
                 "to approve force-deleting the dead pods instead",
                 {"selected_by": names, "pods": to_deroute},
             )
-            approval = await self.await_operator(
-                f"approve force-delete of {', '.join(to_deroute)} (label {label} is a controller selector)"
+            await self._force_delete(
+                to_deroute, f"(label {label} is a controller selector)", lost, step="deroute-force-delete"
             )
-            assert approval is not None
-            self.decide(f"force-delete approved by {approval.operator}: {approval.reason}")
-            await self._guard_capacity("force-delete of lost pods", removing=sorted(lost_ids))
-            for pod in to_deroute:
-                await self.act(
-                    ActActivities.delete_pod,
-                    PodDeletion(step="deroute-force-delete", namespace=inp.pool.namespace, pod=pod),
-                    f"force-delete {pod} (operator-approved)",
-                )
             seen = await self.await_out_of_routing(
                 inp.pool, to_deroute, timeout_s=inp.timings.deroute_timeout_s
             )
@@ -415,6 +422,19 @@ class ReplicaLossRecovery(Procedure):
         await self.notify("lead-time", text)
         self.decide(text, {"lead_time": estimate.model_dump(mode="json")})
 
+    async def _force_delete(self, pods: list[str], why: str, lost: list[ReplicaGroup], *, step: str) -> None:
+        """The last resort (DESIGN.md §3 step 2): an operator approves, the capacity guard agrees, then grace 0."""
+        approval = await self.await_operator(f"approve force-delete of {', '.join(pods)} {why}")
+        assert approval is not None
+        self.decide(f"force-delete approved by {approval.operator}: {approval.reason}")
+        await self._guard_capacity(f"force-delete of {', '.join(pods)}", removing=sorted(g.id for g in lost))
+        for pod in pods:
+            await self.act(
+                ActActivities.delete_pod,
+                PodDeletion(step=step, namespace=self._inp.pool.namespace, pod=pod),
+                f"force-delete {pod} (operator-approved)",
+            )
+
     async def _fence_failed_nodes(self, obs: PoolObservation, lost: list[ReplicaGroup]) -> None:
         """Cordon nodes that failed (not Ready, or a GPU/fabric fault) before anything is scheduled.
 
@@ -459,10 +479,28 @@ class ReplicaLossRecovery(Procedure):
         lost_pods = {p for g in lost for p in g.pods}
         looks: dict[str, int] = {}
         reported: set[str] = set()
+        released = False
+        initial = self._initial_obs
+        assert initial is not None
         while True:
             obs = await self._observe(summary="placement: pending pods and free GPUs")
             pending = {p: m for p, m in obs.pending_pods.items() if p not in lost_pods}
-            if not pending:
+            waiting = awaiting_recreation(lost, initial.pod_uids, obs.pod_uids)
+            held = pods_held_by_lost_nodes(
+                [g for g in lost if g.id in waiting], obs.pod_nodes, obs.snapshot.nodes
+            )
+            if held and not released:
+                released = True
+                await self._force_delete(
+                    held,
+                    "(they sit on a node that is not Ready; their LeaderWorkerSet recreates the group only once "
+                    "they are gone, and Kubernetes' taint eviction would remove them only after "
+                    "tolerationSeconds, 300 s by default)",
+                    lost,
+                    step="release-held-pods",
+                )
+                continue
+            if not pending and not waiting:
                 self.decide("every replacement is scheduled")
                 return
             for pod, message in pending.items():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -226,9 +226,19 @@ async def _inject(rig: FleetRig, day: Day, n: int) -> tuple[LossReport, str | No
     return LossReport(pool=POOL, fingerprint=fp, alert_name=alert, pod=pod), None
 
 
-async def _during(child: WorkflowHandle[Any, Any], phase: Phase, act: Callable[[], Awaitable[None]]) -> None:
-    await wait_for_phase(child, phase, timeout_s=120)
-    await act()
+async def _on_call(child: WorkflowHandle[Any, Any]) -> None:
+    """The on-call SRE: approves the force-delete a recovery asks for (pods held by a dead node)."""
+    while True:
+        try:
+            status = await status_of(child)
+            if status.phase == Phase.AWAITING_OPERATOR and status.refusal is None and status.awaiting:
+                if status.awaiting.startswith("approve force-delete"):
+                    await child.execute_update(
+                        "approve", OperatorAction(operator="on-call", reason="node is dead")
+                    )
+        except Exception:  # Temporal or the worker restarting, or the approval raced the next phase
+            pass
+        await asyncio.sleep(0.5)
 
 
 async def test_ten_incidents_on_one_pool_with_crashes_restarts_and_a_refusal(stack: Stack) -> None:
@@ -249,6 +259,7 @@ async def test_ten_incidents_on_one_pool_with_crashes_restarts_and_a_refusal(sta
                 await rig.refuse({"verbs": ["PATCH"], "path_contains": "/pods/", "error": "403"})
             incident = await rig.report_loss(report, incident_config(POOL, timings=TIMINGS))
             child = await wait_for_child(stack.client, incident, timeout_s=60)
+            on_call = asyncio.create_task(_on_call(child))
             scale_down: WorkflowHandle[Any, Any] | None = None
             if day.twist == "kill-worker":
                 await wait_for_phase(child, Phase.PROTECTING, timeout_s=60)
@@ -281,7 +292,10 @@ async def test_ten_incidents_on_one_pool_with_crashes_restarts_and_a_refusal(sta
                     id=f"scale-down-soak-{n}",
                     task_queue="soak",
                 )
-            status = await finish(child, timeout_s=240)
+            try:
+                status = await finish(child, timeout_s=240)
+            finally:
+                on_call.cancel()
             assert status.phase == Phase.DONE, f"day {n} ({day}):\n{decisions(status)}"
             assert status.verification is not None and status.verification.passed, decisions(status)
             assert status.figures.get("effects_deduplicated", 0) == 0, decisions(status)

@@ -34,6 +34,7 @@ DEMO_TIMEOUT_S = 240
 @dataclass
 class DemoProcess:
     env: dict[str, str]
+    workdir: Path  # the demo's state is workdir/.fleetmend/demo: what `fleetmend demo` run in workdir uses
     state_dir: Path
     report_path: Path
     log_path: Path
@@ -62,21 +63,30 @@ def demo_env(state_dir: Path) -> tuple[dict[str, str], dict[str, int]]:
     return env, ports
 
 
+# A free port is free when it is picked, not necessarily when the demo binds it a few seconds later (other
+# test sessions share this machine, and outgoing connections take ephemeral ports): the demo then stops at
+# once, before any fault, with "address already in use"; it is started again on new ports, once.
+PORT_TAKEN = "already in use"
+
+
 def run_demo_cli(
     scenario: str, workdir: Path, timeout_s: float = DEMO_TIMEOUT_S
 ) -> tuple[int, str, dict[str, Any]]:
     """``fleetmend demo --scenario NAME --report F`` to the end: exit status, output, report."""
-    env, _ = demo_env(workdir / "state")
     report = workdir / f"{scenario}.json"
-    done = subprocess.run(
-        [FLEETMEND, "demo", "--scenario", scenario, "--report", str(report)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    output = done.stdout + done.stderr
-    (workdir / f"{scenario}.out").write_text(output)
+    for attempt in range(2):
+        env, _ = demo_env(workdir / "state")
+        done = subprocess.run(
+            [FLEETMEND, "demo", "--scenario", scenario, "--report", str(report)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        output = done.stdout + done.stderr
+        (workdir / f"{scenario}.out").write_text(output)
+        if report.exists() or PORT_TAKEN not in output or attempt:
+            break
     return done.returncode, output, json.loads(report.read_text()) if report.exists() else {}
 
 
@@ -88,13 +98,14 @@ def output_dir() -> Path:
     return path
 
 
-@contextmanager
-def keep_running_demo(scenario: str, output_dir: Path) -> Iterator[DemoProcess]:
-    """``fleetmend demo --scenario NAME --keep-running --report F``: yields once the report is written."""
-    state_dir = Path(tempfile.mkdtemp(prefix="fleetmend-demo-"))
+def _start_kept_demo(scenario: str, output_dir: Path) -> DemoProcess:
+    """Start ``fleetmend demo --keep-running`` on free ports in a fresh directory; wait for its report."""
+    workdir = Path(tempfile.mkdtemp(prefix="fleetmend-demo-"))
+    state_dir = workdir / ".fleetmend"  # the default state dir of a command run in workdir
     env, ports = demo_env(state_dir)
     run = DemoProcess(
         env=env,
+        workdir=workdir,
         state_dir=state_dir,
         report_path=output_dir / f"{scenario}.json",
         log_path=output_dir / f"{scenario}.out",
@@ -109,26 +120,42 @@ def keep_running_demo(scenario: str, output_dir: Path) -> Iterator[DemoProcess]:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+    deadline = time.monotonic() + DEMO_TIMEOUT_S
+    while not run.report_path.exists():
+        if run.proc.poll() is not None or time.monotonic() > deadline:
+            return run  # no report: the caller says why
+        time.sleep(1)
+    time.sleep(0.5)  # the file is written in one call; let it land
+    run.report = json.loads(run.report_path.read_text())
+    return run
+
+
+def _stop(run: DemoProcess) -> None:
+    assert run.proc is not None
+    if run.proc.poll() is None:
+        run.proc.send_signal(signal.SIGINT)  # what Ctrl-C does: the demo stops every part
+        try:
+            run.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            run.proc.kill()
+            run.proc.wait()
+    shutil.rmtree(run.workdir, ignore_errors=True)
+
+
+@contextmanager
+def keep_running_demo(scenario: str, output_dir: Path) -> Iterator[DemoProcess]:
+    """``fleetmend demo --scenario NAME --keep-running --report F``: yields once the report is written."""
+    run = _start_kept_demo(scenario, output_dir)
+    if not run.report and PORT_TAKEN in run.output():
+        _stop(run)
+        run = _start_kept_demo(scenario, output_dir)
     try:
-        deadline = time.monotonic() + DEMO_TIMEOUT_S
-        while not run.report_path.exists():
-            if run.proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(
-                    f"the demo ended without a report (exit {run.proc.returncode}):\n{run.output()[-4000:]}"
-                )
-            time.sleep(1)
-        time.sleep(0.5)  # the file is written in one call; let it land
-        run.report = json.loads(run.report_path.read_text())
+        if not run.report:
+            assert run.proc is not None
+            pytest.fail(f"the demo ended without a report (exit {run.proc.poll()}):\n{run.output()[-4000:]}")
         yield run
     finally:
-        if run.proc.poll() is None:
-            run.proc.send_signal(signal.SIGINT)  # what Ctrl-C does: the demo stops every part
-            try:
-                run.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                run.proc.kill()
-                run.proc.wait()
-        shutil.rmtree(state_dir, ignore_errors=True)
+        _stop(run)
 
 
 # Package scope: the kept demos (a loaded fleet each) stop when the demo tests are done, not at the

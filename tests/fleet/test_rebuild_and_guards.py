@@ -188,3 +188,39 @@ def test_a_lost_spare_promoted_earlier_is_replaced_in_the_serving_workload() -> 
     # Spare workload: 2 - 1 lost + 1 for the spare promoted now = 2 (one serving, one new warm spare).
     assert final["llama-spare"] == 2
     assert plan.expected_new == 2
+
+
+def test_only_pods_of_lost_leader_worker_set_groups_on_unready_nodes_hold_a_group_back() -> None:
+    from fleet.rebuild import pods_held_by_lost_nodes
+    from tests.fleet.fleets import node
+
+    lws = group("lws-0", nodes=("n1", "n2"), pods=2, kind=WorkloadKind.LEADER_WORKER_SET)
+    deploy = group("d1", nodes=("n1",))
+    nodes = [node("n1", ready=None), node("n2")]
+    pods_on = {"lws-0-0": "n1", "lws-0-1": "n2", "d1-0": "n1"}
+    assert pods_held_by_lost_nodes([lws, deploy], pods_on, nodes) == ["lws-0-0"]
+    assert pods_held_by_lost_nodes([lws], pods_on, [node("n1"), node("n2")]) == []
+
+
+def test_a_leader_worker_set_group_counts_as_recreated_once_every_pod_is_a_new_object() -> None:
+    from fleet.rebuild import awaiting_recreation
+
+    lws = group("lws-0", pods=2, kind=WorkloadKind.LEADER_WORKER_SET)
+    before = {"lws-0-0": "u1", "lws-0-1": "u2"}
+    assert awaiting_recreation([lws], before, {"lws-0-0": "u1", "lws-0-1": "u3"}) == ["lws-0"]
+    assert awaiting_recreation([lws], before, {"lws-0-0": "u4", "lws-0-1": "u3"}) == []
+    assert awaiting_recreation([lws], before, {}) == []  # gone, not yet recreated: pending pods say so
+
+
+def test_reports_match_a_named_group_a_pods_group_and_every_group_on_a_node() -> None:
+    from fleet.incident import LossReport
+    from fleet.loss import match_reports
+    from tests.fleet.fleets import POOL
+
+    snap = snapshot([group("g1", nodes=("n1",)), group("g2", nodes=("n1",)), group("g3", nodes=("n2",))])
+    report = LossReport(pool=POOL, fingerprint="f", alert_name="a", node="n1")
+    assert sorted(match_reports(snap, [report])) == ["g1", "g2"]
+    by_pod = LossReport(pool=POOL, fingerprint="f", alert_name="a", pod="g3-0")
+    assert sorted(match_reports(snap, [by_pod])) == ["g3"]
+    gone = LossReport(pool=POOL, fingerprint="f", alert_name="a", pod="g9-0")
+    assert match_reports(snap, [gone]) == {}

@@ -10,19 +10,21 @@ import pytest
 from kubernetes import client as kc
 from kubernetes import config as kconfig
 from sqlalchemy import create_engine, text
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowExecutionStatus
 
 from fleet.recovery import IncidentCause, OperatorAction, Phase, ProcedureStatus, RecoveryInput, RetryBudget
 from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX, QUARANTINE_LABEL, QUARANTINE_TAINT_KEY, FaultKind
 from tests.support import (
     FAST,
     POOL,
+    cli_env,
     decisions,
     finish,
     fleetmend_actions,
     incident_config,
     node_report,
     reconcile_with_world,
+    run_cli,
     wait_for_child,
     wait_for_phase,
 )
@@ -154,11 +156,14 @@ async def test_a_refused_deroute_stops_and_asks_and_retry_after_the_fix_complete
         notes = [m["text"] for m in await rig.notifications()]
         assert any("cannot patch" in t and "waits for an operator" in t for t in notes), notes
         # approve is not the answer to a refusal: the validator says so and nothing changes.
-        with pytest.raises(WorkflowUpdateFailedError) as rejected:
-            await child.execute_update("approve", OperatorAction(operator="alice", reason="go"))
-        assert "retry, skip" in str(rejected.value.cause)
+        env = cli_env(temporal_client, task_queue)
+        rejected = await run_cli(env, "approve", child.id, "--operator", "alice")
+        assert rejected.exit_code == 2 and "retry, skip" in rejected.output, rejected.output
+        listed = await run_cli(env, "status", "--json")
+        assert "cannot patch" in listed.output, listed.output  # `fleetmend status` shows the refusal
         await rig.refuse()  # RBAC fixed
-        await child.execute_update("retry", OperatorAction(operator="alice", reason="RBAC restored"))
+        retried = await run_cli(env, "retry", child.id, "--operator", "alice", "--reason", "RBAC restored")
+        assert retried.exit_code == 0 and "retry accepted" in retried.output, retried.output
         status = await finish(child)
         assert status.phase == Phase.DONE, decisions(status)
         assert status.verification is not None and status.verification.passed, decisions(status)

@@ -7,6 +7,7 @@ finds the code behind ``fleetmend X`` in ``worker/cli/X.py``.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -14,6 +15,7 @@ from rich.table import Table
 
 from worker.cli import (
     alert,
+    common,
     demo,
     dev,
     ledger,
@@ -25,9 +27,23 @@ from worker.cli import (
     sim,
     worker,
 )
-from worker.config import load_settings
+from worker.config import adopt_kept_stack, load_settings
 
-app = typer.Typer(
+
+class _Fleetmend(typer.Typer):
+    """The console script's entry point: a command that made a Temporal client leaves at once when done."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except SystemExit as done:
+            if common.connected():
+                code = done.code
+                common.leave(code if isinstance(code, int) else (0 if code is None else 1))
+            raise
+
+
+app = _Fleetmend(
     name="fleetmend",
     help="Keep an LLM inference fleet serving when GPUs fail: durable replica-loss recovery "
     "and planned scale-down on Temporal, with an exactly-once effect ledger.",
@@ -35,6 +51,18 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console()
+
+# Commands that start their own stack or server: they read only their own settings, never a kept demo's.
+STACK_COMMANDS = frozenset({"dev", "demo", "worker", "webhook", "sim"})
+
+
+@app.callback()
+def _root(ctx: typer.Context) -> None:
+    # Every other command (status, approve, alert, ledger, schedule, config, ...) finds a running
+    # `fleetmend demo`'s stack by itself, as if its printed export lines were set (worker.config.adopt_kept_stack).
+    if ctx.invoked_subcommand not in STACK_COMMANDS:
+        adopt_kept_stack()
+
 
 app.add_typer(ledger.app, name="ledger", help="Audit and reconcile the effect ledger.")
 app.add_typer(model.app, name="model", help="Capacity what-if models (ramp-back planning).")

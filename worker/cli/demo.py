@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from worker import jsonlog
+from worker.cli.common import UNAVAILABLE, fail
 from worker.config import load_settings
 from worker.devstack.demo import DemoError, run_demo
 from worker.devstack.scenarios import DEFAULT_SCENARIO, SCENARIOS
@@ -18,7 +19,6 @@ from worker.processes import StackError
 from worker.startup_checks import StartupCheckError
 
 console = Console()
-err_console = Console(stderr=True)
 
 
 def scenario_table() -> Table:
@@ -53,13 +53,10 @@ def demo(
         return
     chosen = SCENARIOS.get(scenario)
     if chosen is None:
-        err_console.print(
-            f"[bold red]error:[/] unknown scenario {scenario!r}; choose one of: {', '.join(SCENARIOS)} "
-            "(fleetmend demo --list describes them)",
-            highlight=False,
-            soft_wrap=True,
+        raise fail(
+            f"unknown scenario {scenario!r}; choose one of: {', '.join(SCENARIOS)} "
+            "(fleetmend demo --list describes them)"
         )
-        raise typer.Exit(2)
     settings = load_settings()
     jsonlog.configure(file=settings.state_dir / "demo-logs" / "fleetmend.log")
 
@@ -75,8 +72,7 @@ def demo(
     try:
         result = asyncio.run(main())
     except (StackError, StartupCheckError, DemoError) as err:
-        err_console.print(f"[bold red]error:[/] {err}", soft_wrap=True, highlight=False)
-        raise typer.Exit(1) from None
+        raise fail(str(err), UNAVAILABLE) from None
     raise typer.Exit(0 if result["verdict"] == "passed" else 1)
 
 

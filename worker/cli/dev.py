@@ -11,13 +11,13 @@ from rich.console import Console
 from rich.table import Table
 
 from worker import jsonlog
+from worker.cli.common import UNAVAILABLE, fail
 from worker.config import Settings, load_settings
 from worker.devstack.stack import DevStack
 from worker.processes import StackError
 from worker.startup_checks import StartupCheckError
 
 console = Console()
-err_console = Console(stderr=True)
 
 
 def workflow_ui_url(settings: Settings, workflow_id: str) -> str:
@@ -61,16 +61,11 @@ async def _serve(settings: Settings) -> None:
     console.print("stopped.")
 
 
-def _fail(message: str) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)
-    raise typer.Exit(1)
-
-
 def _run(coro_factory: object) -> None:
     try:
         asyncio.run(coro_factory)  # type: ignore[arg-type]
     except (StackError, StartupCheckError) as err:
-        _fail(str(err))
+        raise fail(str(err), UNAVAILABLE) from None
 
 
 def dev() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import typer
 from pydantic import ValidationError
@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fleet.ramp import RampParams, RampPolicy, RampResult, RampTrace, simulate_ramp_trace
+from worker.cli.common import fail
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -59,11 +60,6 @@ _FIGURE_LABELS = {
 
 class _BadInput(Exception):
     pass
-
-
-def _fail(message: str) -> NoReturn:
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code=2)
 
 
 def _params(values: dict[str, Any]) -> RampParams:
@@ -238,7 +234,7 @@ def ramp(
                 value = _sweep_value(sweep_name, raw)
                 points.append((value, _params({**base_values, _SWEEPABLE[sweep_name]: value})))
     except _BadInput as exc:
-        _fail(str(exc))
+        raise fail(str(exc)) from None
 
     console = Console()
     # The plot always shows both policies: the contrast is the point of the picture.

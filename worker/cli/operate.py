@@ -1,4 +1,5 @@
-"""The operator's commands: ``fleetmend status`` and ``fleetmend approve|pause|resume|abort WORKFLOW_ID``.
+"""The operator's commands: ``fleetmend status`` and ``fleetmend approve|pause|resume|abort|retry|skip|resolve
+WORKFLOW_ID``.
 
 ``status`` lists the open incidents, recoveries and scale-downs from Temporal
 visibility (the ``FleetmendKind`` search attribute) and asks each its
@@ -12,10 +13,8 @@ from __future__ import annotations
 import asyncio
 import getpass
 import json
-import os
-import sys
 import time
-from typing import Any, NoReturn
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -24,11 +23,10 @@ from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from fleet.recovery import OperatorAction, ProcedureStatus
+from worker.cli.common import fail, temporal_client
 from worker.config import Settings, load_settings
-from worker.temporal_client import connect
 
 console = Console()
-err_console = Console(stderr=True)
 
 OPEN_PROCEDURES = (
     'FleetmendKind IN ("incident", "replica-loss", "scale-down") AND ExecutionStatus = "Running"'
@@ -45,34 +43,6 @@ KEY_FIGURES = (
     "cut_streams",
     "alerts_absorbed",
 )
-
-
-def _leave(code: int) -> NoReturn:
-    """End the command now, output flushed.
-
-    The Temporal client's core runtime keeps native threads that can race Python's
-    interpreter teardown ("PyGILState_Release" fatal error, exit -6) after the answer was
-    already printed; a one-shot command has nothing left to clean up, so it leaves at once.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _fail(message: str, code: int) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)
-    return typer.Exit(code)
-
-
-async def _client(settings: Settings) -> Client:
-    try:
-        return await connect(settings)
-    except Exception as err:
-        raise _fail(
-            f"cannot reach Temporal at {settings.temporal_address} ({type(err).__name__}); "
-            "start `fleetmend dev` or set FLEETMEND_TEMPORAL_ADDRESS",
-            1,
-        ) from None
 
 
 async def open_procedures(client: Client) -> list[dict[str, Any]]:
@@ -146,7 +116,7 @@ def status(
     settings = load_settings()
 
     async def main() -> list[dict[str, Any]]:
-        return await open_procedures(await _client(settings))
+        return await open_procedures(await temporal_client(settings))
 
     rows = asyncio.run(main())
     if as_json:
@@ -161,20 +131,20 @@ def status(
 async def send_update(
     settings: Settings, workflow_id: str, update: str, action: OperatorAction
 ) -> ProcedureStatus:
-    client = await _client(settings)
+    client = await temporal_client(settings)
     handle = client.get_workflow_handle(workflow_id)
     try:
         return await handle.execute_update(update, action, result_type=ProcedureStatus)
     except WorkflowUpdateFailedError as err:
         cause = err.cause
         message = getattr(cause, "message", None) or str(cause or err)
-        raise _fail(f"{update} rejected by {workflow_id}: {message}", 2) from None
+        raise fail(f"{update} rejected by {workflow_id}: {message}", 2) from None
     except RPCError as err:
         if err.status == RPCStatusCode.NOT_FOUND:
-            raise _fail(
+            raise fail(
                 f"no running workflow {workflow_id!r} (see `fleetmend status` for the open ones)", 2
             ) from None
-        raise _fail(f"{update} on {workflow_id} failed: {err.message}", 2) from None
+        raise fail(f"{update} on {workflow_id} failed: {err.message}", 2) from None
 
 
 def _steer(update: str, help_text: str) -> Any:
@@ -189,17 +159,13 @@ def _steer(update: str, help_text: str) -> Any:
         try:
             action = OperatorAction(operator=who, reason=reason)
         except ValueError as err:
-            raise _fail(f"bad --operator/--reason: {err.errors()[0]['msg']}", 2) from None  # type: ignore[attr-defined]
-        try:
-            result = asyncio.run(send_update(load_settings(), workflow_id, update, action))
-        except typer.Exit as done:
-            _leave(done.exit_code)
+            raise fail(f"bad --operator/--reason: {err.errors()[0]['msg']}", 2) from None  # type: ignore[attr-defined]
+        result = asyncio.run(send_update(load_settings(), workflow_id, update, action))
         console.print(
             f"{update} accepted by {workflow_id}: phase {result.phase.value}"
             + (" (paused)" if result.paused else "")
             + (f", awaiting {result.awaiting}" if result.awaiting else "")
         )
-        _leave(0)
 
     command.__doc__ = help_text
     return command
@@ -214,4 +180,16 @@ def register(app: typer.Typer) -> None:
     app.command("resume")(_steer("resume", "Continue a paused procedure."))
     app.command("abort")(
         _steer("abort", "Stop a procedure at its next step boundary (needs --reason); applied effects stay.")
+    )
+    app.command("retry")(
+        _steer("retry", "Try the refused effect (or the step whose retry budget is spent) again.")
+    )
+    app.command("skip")(
+        _steer(
+            "skip",
+            "Go on without the refused effect (you did it by hand, or it is not needed; needs --reason).",
+        )
+    )
+    app.command("resolve")(
+        _steer("resolve", "Close out an incident's failed recoveries once handled (needs --reason).")
     )

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
 
 import typer
 from pydantic import ValidationError
@@ -18,10 +15,9 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from fleet.incident import PoolRef
 from fleet.readiness import ReadinessThresholds
+from worker.cli.common import fail, with_client
 from worker.config import load_settings
 from worker.schedules import ScheduleError, parse_duration, parse_pool
-from worker.startup_checks import unreachable_message
-from worker.temporal_client import connect
 from workflows.readiness_keeper import (
     READINESS_KEEPER_WORKFLOW,
     KeeperInput,
@@ -31,33 +27,14 @@ from workflows.readiness_keeper import (
 
 app = typer.Typer(no_args_is_help=True)
 console = Console()
-err_console = Console(stderr=True)
-T = TypeVar("T")
 
 
 class ReadinessCliError(Exception):
     pass
 
 
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)
-    return typer.Exit(code)
-
-
-def _with_client(work: Callable[[Client], Awaitable[T]]) -> T:
-    settings = load_settings()
-
-    async def run() -> T:
-        try:
-            client = await connect(settings)
-        except Exception as err:
-            raise _fail(unreachable_message(settings, err), 1) from None
-        return await work(client)
-
-    try:
-        return asyncio.run(run())
-    except (ScheduleError, ReadinessCliError) as err:
-        raise _fail(str(err)) from None
+# What a command refuses (one error line, exit status 2): a bad pool or duration, a refused start.
+REFUSALS = (ScheduleError, ReadinessCliError)
 
 
 @app.command("start")
@@ -85,10 +62,10 @@ def start(
             ),
         )
     except ScheduleError as err:
-        raise _fail(str(err)) from None
+        raise fail(str(err)) from None
     except ValidationError as err:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
-        raise _fail(f"bad readiness settings: {problems}") from None
+        raise fail(f"bad readiness settings: {problems}") from None
     settings = load_settings()
 
     async def go(client: Client) -> str:
@@ -107,7 +84,7 @@ def start(
             ) from None
         return handle.id
 
-    wid = _with_client(go)
+    wid = with_client(go, settings=settings, refusals=REFUSALS)
     console.print(f"readiness keeper {wid} started for {inp.pool.key} (every {inp.interval_s:g} s)")
 
 
@@ -131,7 +108,7 @@ def status(
                 ) from None
             raise
 
-    result = _with_client(go)
+    result = with_client(go, refusals=REFUSALS)
     if as_json:
         typer.echo(result.model_dump_json())
         return
@@ -164,7 +141,7 @@ def stop(pool: str = typer.Option(..., "--pool", help="NAMESPACE/SERVICE of the 
             raise ReadinessCliError(f"the readiness keeper of {ref.key} is not running")
         await handle.cancel()
 
-    _with_client(go)
+    with_client(go, refusals=REFUSALS)
     console.print(f"readiness keeper of {ref.key} stopped; the gates keep their last value")
 
 
@@ -172,7 +149,7 @@ def _pool(text: str) -> PoolRef:
     try:
         return parse_pool(text)
     except ScheduleError as err:
-        raise _fail(str(err)) from None
+        raise fail(str(err)) from None
 
 
 def register(root: typer.Typer) -> None:

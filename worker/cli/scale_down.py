@@ -10,10 +10,7 @@ abort are ``fleetmend pause|resume|abort WORKFLOW_ID`` like every procedure.
 
 from __future__ import annotations
 
-import asyncio
 import getpass
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
 
 import typer
 from pydantic import ValidationError
@@ -26,40 +23,20 @@ from temporalio.service import RPCError, RPCStatusCode
 from fleet.incident import PLANNED_SCALE_DOWN_WORKFLOW, scale_down_workflow_id
 from fleet.recovery import OperatorAction, ProcedureStatus
 from fleet.scale_down import ScaleDownInput
+from worker.cli.common import fail, with_client
 from worker.config import load_settings
 from worker.schedules import ScheduleError, parse_duration, parse_pool
-from worker.startup_checks import unreachable_message
-from worker.temporal_client import connect
 
 app = typer.Typer(no_args_is_help=True)
 console = Console()
-err_console = Console(stderr=True)
-T = TypeVar("T")
 
 
 class ScaleDownCliError(Exception):
     pass
 
 
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)
-    return typer.Exit(code)
-
-
-def _with_client(work: Callable[[Client], Awaitable[T]]) -> T:
-    settings = load_settings()
-
-    async def run() -> T:
-        try:
-            client = await connect(settings)
-        except Exception as err:
-            raise _fail(unreachable_message(settings, err), 1) from None
-        return await work(client)
-
-    try:
-        return asyncio.run(run())
-    except (ScheduleError, ScaleDownCliError) as err:
-        raise _fail(str(err)) from None
+# What a command refuses (one error line, exit status 2): a bad pool or duration, a refused start.
+REFUSALS = (ScheduleError, ScaleDownCliError)
 
 
 @app.command("start")
@@ -90,12 +67,12 @@ def start(
             requested_by=getpass.getuser(),
         )
     except ScheduleError as err:
-        raise _fail(str(err)) from None
+        raise fail(str(err)) from None
     except ValidationError as err:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg']}" for e in err.errors()
         )
-        raise _fail(f"bad scale-down: {problems}") from None
+        raise fail(f"bad scale-down: {problems}") from None
     settings = load_settings()
 
     async def go(client: Client) -> str:
@@ -115,7 +92,7 @@ def start(
             ) from None
         return handle.id
 
-    wid = _with_client(go)
+    wid = with_client(go, settings=settings, refusals=REFUSALS)
     what = f"to {to} replica groups" if to is not None else f"removing {', '.join(victim)}"
     console.print(f"started {wid}: {ref.key} {what}{' (dry-run)' if dry_run else ''}")
 
@@ -134,7 +111,7 @@ def _answer(workflow_id: str, update: str, action: OperatorAction) -> ProcedureS
                 ) from None
             raise ScaleDownCliError(f"{update} not delivered: {err.message}") from None
 
-    return _with_client(go)
+    return with_client(go, refusals=REFUSALS)
 
 
 @app.command("extend")
@@ -147,7 +124,7 @@ def extend(
     try:
         seconds = parse_duration(by)
     except ScheduleError as err:
-        raise _fail(str(err)) from None
+        raise fail(str(err)) from None
     _answer(
         workflow_id, "extend", OperatorAction(operator=getpass.getuser(), reason=reason, extend_s=seconds)
     )

@@ -2,48 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
 
 import typer
 from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
-from temporalio.client import Client
 
 from worker import schedules
+from worker.cli.common import fail, with_client
 from worker.config import load_settings
 from worker.schedules import ScaleDownSchedule, ScheduleError
-from worker.startup_checks import unreachable_message
-from worker.temporal_client import connect
 
 app = typer.Typer(no_args_is_help=True)
 console = Console()
-err_console = Console(stderr=True)
-T = TypeVar("T")
-
-
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)
-    return typer.Exit(code)
-
-
-def _with_client(work: Callable[[Client], Awaitable[T]]) -> T:
-    settings = load_settings()
-
-    async def run() -> T:
-        try:
-            client = await connect(settings)
-        except Exception as err:
-            raise _fail(unreachable_message(settings, err), 1) from None
-        return await work(client)
-
-    try:
-        return asyncio.run(run())
-    except ScheduleError as err:
-        raise _fail(str(err)) from None
+REFUSALS = (ScheduleError,)  # a bad schedule or id: one error line, exit status 2
 
 
 @app.command("create")
@@ -83,12 +56,14 @@ def create(
             schedule_id=schedule_id,
         )
     except ScheduleError as err:
-        raise _fail(str(err)) from None
+        raise fail(str(err)) from None
     except ValidationError as err:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
-        raise _fail(f"bad schedule: {problems}") from None
+        raise fail(f"bad schedule: {problems}") from None
     settings = load_settings()
-    created = _with_client(lambda c: schedules.create_schedule(c, req, settings.task_queue))
+    created = with_client(
+        lambda c: schedules.create_schedule(c, req, settings.task_queue), settings=settings, refusals=REFUSALS
+    )
     if as_json:
         typer.echo(json.dumps({"id": created, **req.model_dump(mode="json")}))
         return
@@ -101,7 +76,7 @@ def create(
 @app.command("list")
 def list_(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """List the scale-down schedules with their next runs."""
-    views = _with_client(schedules.list_schedules)
+    views = with_client(schedules.list_schedules, refusals=REFUSALS)
     if as_json:
         typer.echo(json.dumps([v.model_dump(mode="json") for v in views]))
         return
@@ -129,7 +104,7 @@ def describe(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Show a schedule: spec, state and note, next and recent runs."""
-    view = _with_client(lambda c: schedules.describe_schedule(c, schedule_id))
+    view = with_client(lambda c: schedules.describe_schedule(c, schedule_id), refusals=REFUSALS)
     if as_json:
         typer.echo(view.model_dump_json())
         return
@@ -145,7 +120,7 @@ def pause(
     note: str = typer.Option(..., "--note", help="Why it is paused (shown in list and the UI)."),
 ) -> None:
     """Pause a schedule (runs in progress continue)."""
-    _with_client(lambda c: schedules.pause_schedule(c, schedule_id, note))
+    with_client(lambda c: schedules.pause_schedule(c, schedule_id, note), refusals=REFUSALS)
     console.print(f"paused {schedule_id}: {note}")
 
 
@@ -155,21 +130,21 @@ def unpause(
     note: str = typer.Option(..., "--note", help="Why it runs again."),
 ) -> None:
     """Resume a paused schedule."""
-    _with_client(lambda c: schedules.unpause_schedule(c, schedule_id, note))
+    with_client(lambda c: schedules.unpause_schedule(c, schedule_id, note), refusals=REFUSALS)
     console.print(f"unpaused {schedule_id}: {note}")
 
 
 @app.command("trigger")
 def trigger(schedule_id: str = typer.Argument(...)) -> None:
     """Run the scale-down now (skipped if one of this schedule is still running)."""
-    _with_client(lambda c: schedules.trigger_schedule(c, schedule_id))
+    with_client(lambda c: schedules.trigger_schedule(c, schedule_id), refusals=REFUSALS)
     console.print(f"triggered {schedule_id}")
 
 
 @app.command("delete")
 def delete(schedule_id: str = typer.Argument(...)) -> None:
     """Delete a schedule (a run in progress keeps running; abort it with its `abort` Update)."""
-    _with_client(lambda c: schedules.delete_schedule(c, schedule_id))
+    with_client(lambda c: schedules.delete_schedule(c, schedule_id), refusals=REFUSALS)
     console.print(f"deleted {schedule_id}")
 
 

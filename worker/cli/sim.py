@@ -18,6 +18,7 @@ from pathlib import Path
 
 import typer
 
+from worker.cli.common import UNAVAILABLE, fail
 from worker.config import load_settings
 
 
@@ -48,13 +49,11 @@ def register(app: typer.Typer) -> None:
 
         settings = load_settings()
         if speed <= 0:
-            typer.echo(f"error: --speed must be greater than 0 (got {speed}); use 1 for real time.", err=True)
-            raise typer.Exit(2)
+            raise fail(f"--speed must be greater than 0 (got {speed}); use 1 for real time.")
         try:
             loaded = load_scenario(scenario)
         except ScenarioError as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(2) from None
+            raise fail(str(exc)) from None
         listen_port = settings.sim_port if port is None else port
         config_path = (kubeconfig or settings.state_dir / "sim-kubeconfig").resolve()
         world = SimWorld(loaded, speed=speed)
@@ -79,15 +78,13 @@ def register(app: typer.Typer) -> None:
         try:
             asyncio.run(main())
         except OSError as exc:
-            typer.echo(
-                f"error: cannot listen on {host}:{listen_port} ({exc.strerror}); pick another --port or use --port 0.",
-                err=True,
-            )
-            raise typer.Exit(1) from None
+            raise fail(
+                f"cannot listen on {host}:{listen_port} ({exc.strerror}); pick another --port or use --port 0.",
+                UNAVAILABLE,
+            ) from None
         except SystemExit as exc:  # uvicorn exits when the port is taken
             if exc.code not in (0, None):
-                typer.echo(
-                    f"error: cannot listen on {host}:{listen_port}; pick another --port or use --port 0.",
-                    err=True,
-                )
-                raise typer.Exit(1) from None
+                raise fail(
+                    f"cannot listen on {host}:{listen_port}; pick another --port or use --port 0.",
+                    UNAVAILABLE,
+                ) from None

@@ -6,15 +6,13 @@ import asyncio
 import signal
 
 import typer
-from rich.console import Console
 
 from worker import jsonlog
+from worker.cli.common import UNAVAILABLE, fail
 from worker.config import Settings, load_settings
 from worker.processes import StackError
 from worker.startup_checks import StartupCheckError
 from worker.worker import metrics_runtime, run_worker
-
-err_console = Console(stderr=True)
 
 
 async def _run(settings: Settings, database_url: str) -> None:
@@ -44,8 +42,7 @@ def worker(
             )
         asyncio.run(_run(settings, database_url))
     except (StartupCheckError, StackError) as err:
-        err_console.print(f"[bold red]error:[/] {err}", soft_wrap=True, highlight=False)
-        raise typer.Exit(1) from None
+        raise fail(str(err), UNAVAILABLE) from None
 
 
 def register(app: typer.Typer) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import shlex
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable
@@ -34,13 +36,13 @@ from temporalio.client import Client, WorkflowHandle, WorkflowQueryFailedError
 from temporalio.service import RPCError
 
 from fleet.incident import PoolRef, incident_workflow_id, scale_down_workflow_id
-from fleet.protocol import FaultRequest, JournalPage
+from fleet.protocol import FaultRequest, JournalEntry, JournalPage
 from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, RecoveryTimings, ServingObjectives
-from fleet.vocabulary import LWS_WORKER_INDEX_LABEL, REVISION_LABEL
-from worker.config import Settings
+from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL, LWS_WORKER_INDEX_LABEL, REVISION_LABEL
+from worker.config import KEPT_STACK_FILE, Settings, kept_stack_env
 from worker.devstack.rig import compressed_scenario
-from worker.devstack.scenarios import GROUP_CAPACITY_RPS, DemoScenario, Verdict
-from worker.devstack.stack import DevStack
+from worker.devstack.scenarios import GROUP_CAPACITY_RPS, DemoScenario, PodPlace, Verdict, lost_group_pods
+from worker.devstack.stack import DevStack, display_database_url
 from worker.processes import StackError
 from worker.webhook.app import ALERTMANAGER_PATH
 from worker.webhook.examples import example_payload
@@ -61,6 +63,10 @@ DEMO_TIMINGS = RecoveryTimings(
     qualification_timeout_s=20,
 )
 NODE_GRACE_S = 5.0
+# A replica's start-up (image pull + weight load + distributed init) and its prefix-cache warm-up, compressed:
+# long enough that the ramp-back re-measures a cold replacement several times (every ramp_interval_s).
+STARTUP_S = 4.0
+WARM_UP_S = 8.0
 FLEET_UP_TIMEOUT_S = 60.0
 ALERT_TIMEOUT_S = 45.0
 PROCEDURE_TIMEOUT_S = 150.0
@@ -85,6 +91,8 @@ class DemoRun:
     alert_path: str = "none"
     notices: list[str] = field(default_factory=list)
     cut_streams: tuple[int, int] | None = None  # (by the fault, elsewhere) from the gateway journal
+    pods_before: dict[str, PodPlace] = field(default_factory=dict)  # the namespace just before the fault
+    lost_pods: set[str] = field(default_factory=set)  # every pod of every replica group the fault took
 
     def workflow_url(self) -> str | None:
         if self.workflow_id is None:
@@ -97,10 +105,16 @@ class DemoRun:
 def demo_settings(base: Settings, scenario: DemoScenario) -> Settings:
     """Settings for a demo run: a fresh state dir, the compressed scenario, short procedure timings."""
     state = base.state_dir / "demo"
+    kept = kept_stack_env(base.state_dir)
+    if kept is not None:  # never wipe the state (ledger, history) of a demo that still runs
+        raise DemoError(
+            f"a demo is already running under {state} ({kept[0]}): stop it (Ctrl-C in its terminal) first, "
+            "or set FLEETMEND_STATE_DIR to another directory"
+        )
     shutil.rmtree(state, ignore_errors=True)  # a new world per run: no history from earlier runs
     state.mkdir(parents=True)
     if scenario.compressed:
-        sim = compressed_scenario(scenario.sim_scenario)
+        sim = compressed_scenario(scenario.sim_scenario, startup_s=STARTUP_S, warm_up_s=WARM_UP_S)
         # Kubernetes notices a dead kubelet after the node-monitor grace period (40 s by default);
         # compressed like the rest of the scenario, so the alert path takes seconds.
         sim = sim.model_copy(
@@ -120,6 +134,84 @@ def demo_settings(base: Settings, scenario: DemoScenario) -> Settings:
             "serving_objectives": ServingObjectives(group_capacity_rps=GROUP_CAPACITY_RPS),
         }
     )
+
+
+# ============================================================================ the kept stack
+
+# What a command in another shell needs to reach the demo's stack (worker.config.adopt_kept_stack reads them).
+STACK_ENV_SETTINGS = (
+    "state_dir",
+    "temporal_address",
+    "temporal_namespace",
+    "task_queue",
+    "temporal_ui_url",
+    "database_url",
+    "webhook_host",
+    "webhook_port",
+    "kubeconfig",
+    "router_admin_url",
+    "action_log_url",
+)
+
+
+def stack_env_lines(settings: Settings) -> list[str]:
+    """``export FLEETMEND_X='value'`` for every setting a client command needs (paths absolute)."""
+    lines = []
+    for name in STACK_ENV_SETTINGS:
+        value = getattr(settings, name)
+        if value is None:
+            continue
+        if name == "database_url":
+            value = settings.database_url_value()
+        elif isinstance(value, Path):
+            value = value.resolve()
+        lines.append(f"export FLEETMEND_{name.upper()}={shlex.quote(str(value))}")
+    return lines
+
+
+def write_stack_env(settings: Settings) -> Path:
+    """Write ``<state dir>/stack.env`` (0600, shell-sourceable, with this process's pid); return its path."""
+    path = settings.state_dir.resolve() / KEPT_STACK_FILE
+    text = "\n".join(
+        [
+            "# The running `fleetmend demo` stack. fleetmend commands find it by themselves while the demo runs;",
+            f"# a shell elsewhere: . {shlex.quote(str(path))}",
+            f"# pid={os.getpid()}",
+            *stack_env_lines(settings),
+        ]
+    )
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text + "\n")
+    tmp.replace(path)
+    return path
+
+
+@contextlib.asynccontextmanager
+async def stack_env(settings: Settings) -> AsyncIterator[Path]:
+    """The stack's ``stack.env`` for as long as the demo runs (removed when it stops)."""
+    path = write_stack_env(settings)
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def keep_running_hint(env_file: Path) -> str:
+    lines = [
+        "--keep-running: the stack stays up; Ctrl-C stops everything.",
+        "In another shell here, fleetmend commands find it by themselves: `fleetmend status`, "
+        "`fleetmend ledger list`, `fleetmend alert --example node-not-ready > a.json && fleetmend alert -f a.json`.",
+        f"Anywhere else: `. {shlex.quote(str(env_file))}`, or",
+    ]
+    for line in env_file.read_text().splitlines():
+        if line.startswith("export "):
+            if line.startswith("export FLEETMEND_DATABASE_URL="):
+                name, _, value = line.partition("=")
+                line = f"{name}={shlex.quote(display_database_url(shlex.split(value)[0]))}"
+            lines.append(f"  {line}")
+    return "\n".join(lines)
 
 
 # ============================================================================ the world
@@ -154,11 +246,41 @@ class World:
         r.raise_for_status()
         return dict(r.json())
 
-    async def cut_streams(self, pool: PoolRef, lost_pods: set[str]) -> tuple[int, int]:
-        """Streams that ended after their first token without finishing, from the gateway's journal:
-        (cut on the replicas the fault took - each ended with an explicit terminal error -,
-        cut anywhere else - what fleetmend's own actions must never do)."""
-        by_fault = elsewhere = 0
+    async def pod_places(self, namespace: str) -> dict[str, PodPlace]:
+        """Every pod of the namespace with its node, replica group and uid (taken just before the fault).
+
+        The group is what fleetmend's observation calls it (``activities.observe``): a LeaderWorkerSet
+        group is ``<lws name>-<group index>``, any other pod is a group of its own.
+        """
+        places: dict[str, PodPlace] = {}
+        for pod in await self.pods(namespace):
+            labels = pod.metadata.labels or {}
+            name = pod.metadata.name
+            group = (
+                f"{labels[LWS_NAME_LABEL]}-{labels.get(LWS_GROUP_INDEX_LABEL, '0')}"
+                if LWS_NAME_LABEL in labels
+                else name
+            )
+            places[name] = PodPlace(name=name, uid=pod.metadata.uid, node=pod.spec.node_name, group=group)
+        return places
+
+    async def replaced_since(self, namespace: str, before: dict[str, PodPlace]) -> dict[str, float]:
+        """Pod names that now belong to a new pod (a LeaderWorkerSet recreates a group under the same
+        names): name -> the moment from which a stream on that name is the new pod's.
+
+        creationTimestamp has second precision, so the moment is the second after it: the old pod's
+        streams all started before the new pod existed, and the new pod serves its first token only
+        after its start-up (seconds: image, weights, distributed init)."""
+        replaced: dict[str, float] = {}
+        for pod in await self.pods(namespace):
+            old = before.get(pod.metadata.name)
+            if old is not None and pod.metadata.uid != old.uid and pod.metadata.creation_timestamp:
+                replaced[old.name] = pod.metadata.creation_timestamp.timestamp() + 1.0
+        return replaced
+
+    async def journal(self, pool: PoolRef) -> list[JournalEntry]:
+        """The gateway's whole request journal for the pool, page by page."""
+        entries: list[JournalEntry] = []
         since: float | None = None
         while True:
             params: dict[str, Any] = {"pool": pool.key}
@@ -167,14 +289,9 @@ class World:
             r = await self.http.get("/router/v1/journal", params=params)
             r.raise_for_status()
             page = JournalPage.model_validate(r.json())
-            for e in page.entries:
-                if e.truncated and e.tokens_streamed > 0:
-                    if e.replica in lost_pods:
-                        by_fault += 1
-                    else:
-                        elsewhere += 1
+            entries += page.entries
             if page.next_since is None or not page.entries:
-                return by_fault, elsewhere
+                return entries
             since = page.next_since
 
     async def inject(self, fault: FaultRequest) -> None:
@@ -185,6 +302,28 @@ class World:
         r = await self.http.get("/sim/v1/actions")
         r.raise_for_status()
         return [a for a in r.json() if WORKER_CLIENT_MARK in (a.get("client") or "")]
+
+
+def count_cuts(
+    entries: list[JournalEntry], lost_pods: set[str], replaced_since: dict[str, float]
+) -> tuple[int, int]:
+    """Streams that ended after their first token without finishing:
+    (cut on a replica group the fault took - each ended with an explicit terminal error -,
+    cut anywhere else - what fleetmend's own actions must never do).
+
+    ``lost_pods`` holds every pod of every lost group (the journal names a multi-pod group by its
+    leader, and a dead worker rank cuts the leader's streams); a stream on a lost pod's name that
+    started once a new pod took that name is the new pod's, so it counts as cut elsewhere."""
+    by_fault = elsewhere = 0
+    for e in entries:
+        if not (e.truncated and e.tokens_streamed > 0):
+            continue
+        replica = e.replica or ""
+        if replica in lost_pods and e.started_at < replaced_since.get(replica, float("inf")):
+            by_fault += 1
+        else:
+            elsewhere += 1
+    return by_fault, elsewhere
 
 
 async def _until(what: str, check: Callable[[], Any], timeout_s: float, interval_s: float = 0.3) -> Any:
@@ -510,6 +649,7 @@ def build_report(
             "cut_by_fault": run.cut_streams[0] if run.cut_streams else None,
         },
         "lost_replicas_requests": in_flight or None,
+        "lost_pods": sorted(run.lost_pods),  # the world's view: every pod of every group the fault took
         "effects": {
             "applied": f.get("effects_applied", 0),
             "deduplicated": f.get("effects_deduplicated", 0),
@@ -614,7 +754,7 @@ async def run_demo(
     settings = demo_settings(settings, scenario)
     console.print(f"[bold]fleetmend demo[/] {scenario.name}: {scenario.summary}")
     console.print(f"starting the embedded stack under {settings.state_dir} ...")
-    async with DevStack(settings) as stack:
+    async with DevStack(settings) as stack, stack_env(stack.settings) as env_file:
         s = stack.settings
         run = DemoRun(scenario=scenario, ui_url=s.temporal_ui_url)
         console.print(f"Temporal UI: [cyan]{s.temporal_ui_url}[/]   sim: {s.router_admin_url}")
@@ -662,7 +802,8 @@ async def run_demo(
                 scenario, status, duplicates=len(rec.duplicates), orphans=orphans, mutations=mutations
             )
             with contextlib.suppress(httpx.HTTPError):
-                run.cut_streams = await world.cut_streams(pool, set(status.figures.get("lost_pods") or []))
+                replaced = await world.replaced_since(pool.namespace, run.pods_before)
+                run.cut_streams = count_cuts(await world.journal(pool), run.lost_pods, replaced)
             report = build_report(
                 run,
                 status,
@@ -680,9 +821,7 @@ async def run_demo(
                 write_report(report, report_path)
                 console.print(f"report written to {report_path}")
             if keep_running:
-                console.print(
-                    "--keep-running: the stack stays up. Try `fleetmend status`; Ctrl-C stops everything."
-                )
+                console.print(keep_running_hint(env_file), soft_wrap=True, highlight=False)
                 await (stop or asyncio.Event()).wait()
     return report
 
@@ -701,6 +840,8 @@ async def _cause(
     fault = scenario.fault
     if fault.target.startswith("pod:"):
         pod = await choose_pod(world, scenario, fault.target)
+    run.pods_before = await world.pod_places(scenario.pool.namespace)
+    run.lost_pods = lost_group_pods(fault, run.pods_before, pod)
     if fault.kind is not None:
         target = f"{scenario.pool.namespace}/{pod}" if pod else fault.target
         await world.inject(FaultRequest(kind=fault.kind, target=target, params=fault.params))

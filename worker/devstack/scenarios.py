@@ -29,6 +29,30 @@ class Verdict:
     reason: str
 
 
+# What each fault the demo stages takes out of service, by the sim's own semantics: a lost node takes
+# every pod on it, a lost rank / an OOM kill / a wedged engine take their pod; a slow replica takes
+# nothing (it still serves). A replica group that loses any pod is lost whole (DESIGN.md §3: the unit is
+# the group), see ``lost_group_pods``.
+_TAKES: dict[FaultKind | None, Literal["node", "pod", "nothing"]] = {
+    FaultKind.NODE_LOST: "node",
+    FaultKind.RANK_LOST: "pod",
+    FaultKind.POD_OOMKILLED: "pod",
+    FaultKind.WEDGED_ENGINE: "pod",
+    FaultKind.SLOW_REPLICA: "nothing",
+    None: "nothing",  # the sim's own rollout (bad-rollout): its new pods crash before serving a token
+}
+
+
+@dataclass(frozen=True)
+class PodPlace:
+    """Where a pod ran before the fault: its node, its replica group, its identity (uid)."""
+
+    name: str
+    uid: str
+    node: str | None
+    group: str
+
+
 @dataclass(frozen=True)
 class Fault:
     """What goes wrong. ``target`` may name a pod chooser: ``pod:serving``, ``pod:rank``, ``pod:r2``."""
@@ -36,6 +60,25 @@ class Fault:
     kind: FaultKind | None
     target: str = ""
     params: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in _TAKES:
+            raise ValueError(f"the demo does not know what a {self.kind} fault takes out of service")
+
+    def takes(self, before: dict[str, PodPlace], pod: str | None) -> set[str]:
+        """The pods this fault itself kills, given the pods before it (``pod``: the chosen target pod)."""
+        what = _TAKES[self.kind]
+        if what == "node":
+            return {p.name for p in before.values() if p.node == self.target}
+        if what == "pod":
+            return {pod} if pod else set()
+        return set()
+
+
+def lost_group_pods(fault: Fault, before: dict[str, PodPlace], pod: str | None) -> set[str]:
+    """Every pod of every replica group the fault took: one dead rank loses its whole group's streams."""
+    groups = {before[p].group for p in fault.takes(before, pod) if p in before}
+    return {p.name for p in before.values() if p.group in groups}
 
 
 @dataclass(frozen=True)
