@@ -816,7 +816,13 @@ async def _body(request: Request) -> Any:
             return yaml.safe_load(raw) if raw else None
         except yaml.YAMLError as exc:
             raise bad_request(f"the request body is not valid YAML: {exc}") from None
-    raise unsupported_media_type(_BODY_TYPES)
+    error = unsupported_media_type(_BODY_TYPES)
+    if "protobuf" in kind or "cbor" in kind:
+        error.message += (
+            f" (the simulated API server does not decode {kind} request bodies; kubectl's create "
+            "generators send them: write the object as YAML and use `kubectl create -f` or `kubectl apply -f`)"
+        )
+    raise error
 
 
 def _json(body: bytes) -> Any:
