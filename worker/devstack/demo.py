@@ -683,7 +683,9 @@ async def run_demo(
                 console.print(
                     "--keep-running: the stack stays up. Try `fleetmend status`; Ctrl-C stops everything."
                 )
-                console.print(f"export KUBECONFIG={s.kubeconfig}", soft_wrap=True, markup=False)
+                console.print(
+                    f"export KUBECONFIG={Path(s.kubeconfig).resolve()}", soft_wrap=True, markup=False
+                )
                 await (stop or asyncio.Event()).wait()
     return report
 
