@@ -39,8 +39,13 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def generate_serving_certs(directory: Path, *, extra_ips: tuple[str, ...] = ()) -> ServingCerts:
-    """Write ``ca.crt``, ``apiserver.crt`` and ``apiserver.key`` (mode 0600) under ``directory``."""
+def generate_serving_certs(
+    directory: Path, *, extra_ips: tuple[str, ...] = (), extra_names: tuple[str, ...] = ()
+) -> ServingCerts:
+    """Write ``ca.crt``, ``apiserver.crt`` and ``apiserver.key`` (mode 0600) under ``directory``.
+
+    ``extra_names`` / ``extra_ips``: more subject alternative names (like kubeadm's certSANs).
+    """
     directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -72,7 +77,7 @@ def generate_serving_certs(directory: Path, *, extra_ips: tuple[str, ...] = ()) 
         .sign(ca_key, hashes.SHA256())
     )
     key = ec.generate_private_key(ec.SECP256R1())
-    alt_names: list[x509.GeneralName] = [x509.DNSName(n) for n in SERVING_DNS_NAMES]
+    alt_names: list[x509.GeneralName] = [x509.DNSName(n) for n in (*SERVING_DNS_NAMES, *extra_names)]
     alt_names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in (*SERVING_IPS, *extra_ips)]
     cert = (
         x509.CertificateBuilder()

@@ -43,6 +43,11 @@ def register(app: typer.Typer) -> None:
         kube_port: int = typer.Option(
             0, "--kube-port", help="Port of the Kubernetes API (HTTPS; default 0 = any free port)."
         ),
+        tls_san: list[str] = typer.Option(
+            [],
+            "--tls-san",
+            help="Another name (or IP) the API server's certificate names, e.g. a service name.",
+        ),
     ) -> None:
         """Serve a simulated Kubernetes cluster + inference fleet; prints the kubeconfig path."""
         from sim.app import BoundPorts, serve
@@ -63,7 +68,20 @@ def register(app: typer.Typer) -> None:
         listen_port = settings.sim_port if port is None else port
         config_path = (kubeconfig or settings.state_dir / "sim-kubeconfig").resolve()
         world = SimWorld(loaded, speed=speed)
-        certs = generate_serving_certs(config_path.parent / f"{config_path.name}.pki")
+        import ipaddress
+
+        def is_ip(value: str) -> bool:
+            try:
+                ipaddress.ip_address(value)
+            except ValueError:
+                return False
+            return True
+
+        certs = generate_serving_certs(
+            config_path.parent / f"{config_path.name}.pki",
+            extra_ips=tuple(v for v in tls_san if is_ip(v)),
+            extra_names=tuple(v for v in tls_san if not is_ip(v)),
+        )
         audit_log = config_path.parent / f"{config_path.name}.audit.log"
 
         def ready(bound: BoundPorts) -> None:
