@@ -30,6 +30,8 @@ class ActivityConfig(BaseModel):
     node_telemetry_url_template: str = "http://{node}:9400/metrics"
     qualification_url_template: str = "http://{node}:9401/qualification"
     action_log_url: str | None = None
+    audit_log: Path | None = None  # the Kubernetes API server's audit log (reconcile)
+    audit_log_world: str | None = None
     notifier_url: str | None = None
     tickets_url: str | None = None
     # The policy an alert-started incident runs with (no explicit IncidentInput).

@@ -1,4 +1,4 @@
-"""Reconciliation: compare the ledger with itself and with the world's own action log.
+"""Reconciliation: compare the ledger with itself and with the world's own record of actions.
 
 Findings:
 
@@ -25,10 +25,13 @@ rows). Only successful (2xx) log entries count: a refused request changed nothin
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any, cast
+from urllib.parse import parse_qs, urlsplit
 
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import Engine, Table, func, select
@@ -61,9 +64,75 @@ class WorldAction(BaseModel):
     time: float | None = None
     status: int = 200
     client: str | None = None
+    # The record may hold a re-encoded body (a real API server's audit log): when the digest
+    # matches no row, the action may still match a row by verb + path.
+    loose_body: bool = False
 
     def key(self) -> tuple[str, str, str, str]:
         return (self.world, self.verb.upper(), self.path, self.body_digest)
+
+
+class InvalidAuditEvent(ValueError):
+    """An audit log line that is not an ``audit.k8s.io`` Event."""
+
+
+_AUDIT_VERBS = {
+    "create": "POST",
+    "update": "PUT",
+    "patch": "PATCH",
+    "delete": "DELETE",
+    "deletecollection": "DELETE",
+}
+
+
+def _audit_time(stamp: Any) -> float | None:
+    if not isinstance(stamp, str) or not stamp:
+        return None
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def world_actions_from_audit(world: str, events: Iterable[dict[str, Any]]) -> list[WorldAction]:
+    """The mutations a Kubernetes audit log records, as actions of ``world`` (the API server's host:port).
+
+    ``seq`` is the event's position in the log (1-based, counting every line).
+    """
+    out = []
+    for seq, event in enumerate(events, start=1):
+        if not isinstance(event, dict) or not str(event.get("apiVersion", "")).startswith("audit.k8s.io/"):
+            raise InvalidAuditEvent(
+                f"audit log line {seq} is not an audit.k8s.io Event (kind {event.get('kind') if isinstance(event, dict) else type(event).__name__!r})"
+            )
+        if event.get("stage") != "ResponseComplete" or event.get("verb") not in _AUDIT_VERBS:
+            continue
+        uri = urlsplit(str(event.get("requestURI", "")))
+        if "All" in parse_qs(uri.query).get("dryRun", []):
+            continue  # a dry run changed nothing
+        level = event.get("level", "Metadata")
+        if level in ("Request", "RequestResponse"):
+            body = event.get("requestObject")
+            raw = b"" if body is None else json.dumps(body).encode()
+            digest = "sha256:" + hashlib.sha256(raw).hexdigest()
+        else:
+            digest = WILDCARD_DIGEST
+        user = event.get("user") or {}
+        status = (event.get("responseStatus") or {}).get("code", 0)
+        out.append(
+            WorldAction(
+                world=world,
+                verb=_AUDIT_VERBS[event["verb"]],
+                path=uri.path,
+                body_digest=digest,
+                seq=seq,
+                time=_audit_time(event.get("requestReceivedTimestamp")),
+                status=int(status or 0),
+                client=f"{user.get('username', '')}/{event.get('userAgent', '')}",
+                loose_body=event["verb"] != "patch",
+            )
+        )
+    return out
 
 
 def world_actions_from_sim(
@@ -128,15 +197,20 @@ class ReconcileReport(BaseModel):
 def reconcile(
     engine: Engine,
     *,
-    world: str | None = None,
+    world: str | Sequence[str] | None = None,
     actions: Iterable[WorldAction] | None = None,
     unresolved_after: timedelta = DEFAULT_UNRESOLVED_AFTER,
     window: timedelta = DEFAULT_WINDOW,
     check_missing: bool = False,
 ) -> ReconcileReport:
-    """Reconcile the ledger; with ``world`` and ``actions``, also against that world's action log."""
+    """Reconcile the ledger; with ``world`` and ``actions``, also against that world's record.
+
+    ``world`` may name several worlds (e.g. the API server and the router): ``actions`` then
+    holds all their records, and each world's rows are compared with that world's actions only.
+    """
     if (world is None) != (actions is None):
         raise ValueError("pass both the world's name and its action log, or neither")
+    worlds = [world] if isinstance(world, str) else list(world or [])
     c = EFFECTS.c
     with engine.connect() as conn:
         now: datetime = conn.execute(select(func.now())).scalar_one()
@@ -151,17 +225,17 @@ def reconcile(
         recent_divergent = select(DIVERGENCES.c.op_id).where(DIVERGENCES.c.last_seen_at >= since)
         divergent = rows(c.op_id.in_(recent_divergent))
         candidates: list[EffectOutcome] = []
-        if world is not None:
+        if worlds:
             candidates = rows(
                 c.state.in_([s.value for s in _MAY_HAVE_ACTED]),
-                c.action_signature["world"].astext == world,
+                c.action_signature["world"].astext.in_(worlds),
             )
 
     report = ReconcileReport(
         checked_at=now,
         unresolved_after_s=unresolved_after.total_seconds(),
         window_s=window.total_seconds(),
-        world=world,
+        world=", ".join(worlds) if worlds else None,
         world_actions_compared=0,
         unresolved=unresolved,
         needs_operator=needs_operator,
@@ -170,10 +244,15 @@ def reconcile(
         duplicates=[],
         missing=[],
     )
-    if world is not None and actions is not None:
-        _compare_with_world(
-            report, candidates, [a for a in actions if a.world == world], since if check_missing else None
-        )
+    if actions is not None:
+        recorded = list(actions)
+        for name in worlds:
+            _compare_with_world(
+                report,
+                [o for o in candidates if (o.action_signature or {}).get("world") == name],
+                [a for a in recorded if a.world == name],
+                since if check_missing else None,
+            )
     return report
 
 
@@ -194,7 +273,7 @@ def _compare_with_world(
     missing_since: datetime | None,
 ) -> None:
     landed = [a for a in actions if 200 <= a.status < 300]
-    report.world_actions_compared = len(landed)
+    report.world_actions_compared += len(landed)
     by_op = {o.op_id: o for o in candidates}
     rows_by_key: dict[tuple[str, str, str, str], list[EffectOutcome]] = defaultdict(list)
     for outcome in candidates:
@@ -213,6 +292,11 @@ def _compare_with_world(
             if key not in rows_by_key and (wild := (*key[:3], WILDCARD_DIGEST)) in rows_by_key:
                 # The effect could not know its body up front (e.g. a versioned PUT): match verb + path.
                 key = wild
+            elif key not in rows_by_key and (action.body_digest == WILDCARD_DIGEST or action.loose_body):
+                # The record cannot show the exact body (no body logged, or a re-encoded one).
+                same_call = [k for k in rows_by_key if k[:3] == key[:3]]
+                if same_call:
+                    key = min(same_call, key=lambda k: len(seen_by_key.get(k, [])))
             seen_by_key[key].append(action)
 
     for op_id, seen in seen_by_op.items():

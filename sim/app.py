@@ -1,19 +1,25 @@
-"""The simulator's HTTP server: one port for the Kubernetes API, simulator control and the serving layer.
+"""The simulator's HTTP servers: the Kubernetes API over TLS, and plain HTTP for everything else.
 
-``build_app(world)`` serves:
+``build_kube_app(world, kube)`` is the API server (HTTPS, its own port, like a real
+kube-apiserver): ``/version``, ``/healthz``, ``/livez``, ``/readyz``, ``/api``, ``/apis``,
+``/openapi/v2``, ``/openapi/v3``; bearer token required (see ``sim.k8s.api``). It writes every
+request to the audit log (``sim.k8s.audit``) and every mutation to the action log.
 
-* the Kubernetes API (``/version``, ``/api``, ``/apis``; bearer token required on
-  ``/api`` and ``/apis``), see ``sim.k8s.api``;
+``build_app(world)`` is the rest of the world on plain HTTP (what in production are other
+services: the gateway's admin API, the engines' metrics, the incident channel):
+
 * ``GET  /sim/v1/clock`` -> ``fleet.protocol.SimClock``;
   ``POST /sim/v1/clock/advance`` ``{"seconds": S}`` jumps sim time ahead;
 * ``GET  /sim/v1/actions?since_seq=N`` -> ``list[fleet.protocol.ActionLogEntry]``: every
-  mutating request (POST/PUT/PATCH/DELETE) this server received, on any path but inference;
+  mutating request (POST/PUT/PATCH/DELETE) either server received, on any path but inference
+  (the Kubernetes API's own record is its audit log; this one is the simulator's, for tests);
 * ``GET|PUT /sim/v1/api-faults`` ``{"rules": [ApiFaultRule...]}``: error rates on chosen verbs;
 * ``POST /sim/v1/nodes/{node}/lose`` and ``/restore``: node loss on demand;
 * whatever ``sim.serving.attach(world, app)`` adds (router, engines' metrics, faults, notify),
   when the ``sim.serving`` package is installed.
 
-``serve(world, host, port)`` runs it with uvicorn on the current loop, with the world's controllers.
+``serve(world, host, port, kube_port=...)`` runs both with uvicorn on the current loop, with the
+world's controllers.
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ import contextlib
 import importlib
 import importlib.util
 import logging
+import tempfile
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -32,8 +41,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.protocol import ActionLogEntry, SimClock
 from sim.actionlog import MUTATING_VERBS
-from sim.k8s.api import KubeApi, build_router
+from sim.k8s.api import KubeApi
+from sim.k8s.api import build_kube_app as build_kube_routes
+from sim.k8s.audit import AuditLog, AuditMiddleware
 from sim.k8s.faults import ApiFaultRuleSet
+from sim.k8s.tls import ServingCerts, generate_serving_certs
 from sim.world import SimWorld
 
 log = logging.getLogger(__name__)
@@ -105,6 +117,13 @@ def client_identity(headers: dict[str, str], token: str) -> str:
     return f"{user}/{agent}"
 
 
+def build_kube_app(world: SimWorld, kube: KubeApi, audit: AuditLog) -> ASGIApp:
+    """The Kubernetes API server app, audited and action-logged."""
+    app: ASGIApp = build_kube_routes(kube)
+    app = ActionLogMiddleware(app, world)
+    return AuditMiddleware(app, audit, world.clock, kube.authenticate)
+
+
 class ClockAdvance(BaseModel):
     model_config = ConfigDict(extra="forbid")
     seconds: float = Field(gt=0, le=7 * 24 * 3600)
@@ -123,7 +142,6 @@ def build_app(world: SimWorld, *, serving: bool = True) -> FastAPI:
         openapi_url="/sim/openapi.json",
     )
     app.state.world = world
-    app.include_router(build_router(KubeApi(world.control, world.api_faults, world.token)))
 
     @app.get("/sim/v1/clock", response_model=SimClock)
     async def clock() -> SimClock:
@@ -180,43 +198,95 @@ def attach_serving_layer(world: SimWorld, app: FastAPI) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class BoundPorts:
+    """Where the two servers listen (the real ports when 0 was asked for)."""
+
+    port: int  # plain HTTP: simulator control, router, engines, notify
+    kube_port: int  # HTTPS: the Kubernetes API
+
+
 async def serve(
     world: SimWorld,
     host: str = "127.0.0.1",
     port: int = 8480,
     *,
-    ready: Callable[[int], None] | None = None,
+    kube_port: int = 0,
+    certs: ServingCerts | None = None,
+    audit_log: Path | None = None,
+    ready: Callable[[BoundPorts], None] | None = None,
     stop: asyncio.Event | None = None,
     serving: bool = True,
 ) -> None:
-    """Run the API server and the world's controllers on this loop until ``stop`` is set (or cancelled).
+    """Run both servers and the world's controllers on this loop until ``stop`` is set (or cancelled).
 
-    ``ready(port)`` is called once the socket listens (with the real port when ``port=0``).
-    Shutdown is graceful: the app's lifespan (and the serving layer's) runs to completion.
+    ``certs``: the API server's CA and serving certificate (generated in a temporary directory when
+    not given). ``audit_log``: where the API server writes its audit events (none: not written).
+    ``ready(BoundPorts)`` is called once both sockets listen.
+    Shutdown is graceful: open watches end, the app's lifespan (and the serving layer's) completes.
     """
+    scratch = None
+    if certs is None:
+        scratch = tempfile.TemporaryDirectory(prefix="fleetmend-sim-pki-")
+        certs = generate_serving_certs(Path(scratch.name))
+    kube = KubeApi(world.control, world.api_faults, world.token)
+    kube.watches.bind(asyncio.get_running_loop())
+    audit = AuditLog(audit_log)
+    world.audit = audit
     app = build_app(world, serving=serving)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on")
+    kube_config = uvicorn.Config(
+        build_kube_app(world, kube, audit),
+        host=host,
+        port=kube_port,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        ssl_certfile=str(certs.server_cert),
+        ssl_keyfile=str(certs.server_key),
+        timeout_graceful_shutdown=3,
+    )
     server = uvicorn.Server(config)
+    kube_server = uvicorn.Server(kube_config)
     world.start()
     serve_task = asyncio.create_task(server.serve())
+    kube_task = asyncio.create_task(kube_server.serve())
+    tasks = {serve_task, kube_task}
     try:
-        while not server.started:
-            if serve_task.done():
-                await serve_task  # re-raises the bind error
-                raise RuntimeError(f"the simulator's HTTP server could not listen on {host}:{port}")
+        while not (server.started and kube_server.started):
+            for task, where in ((serve_task, port), (kube_task, kube_port)):
+                if task.done():
+                    await task  # re-raises the bind error
+                    raise RuntimeError(f"the simulator's HTTP server could not listen on {host}:{where}")
             await asyncio.sleep(0.01)
-        bound = server.servers[0].sockets[0].getsockname()[1]
+        bound = BoundPorts(
+            port=server.servers[0].sockets[0].getsockname()[1],
+            kube_port=kube_server.servers[0].sockets[0].getsockname()[1],
+        )
         if ready is not None:
             ready(bound)
-        if stop is None:
-            await asyncio.shield(serve_task)
-        else:
-            stopper = asyncio.create_task(stop.wait())
-            await asyncio.wait({serve_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        waiters: set[asyncio.Future[Any]] = set(tasks)
+        stopper = asyncio.create_task(stop.wait()) if stop is not None else None
+        if stopper is not None:
+            waiters.add(stopper)
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        if stopper is not None:
             stopper.cancel()
     finally:
-        server.should_exit = True
-        if not serve_task.done():
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(serve_task), timeout=5)
+        kube.watches.close()
+        for each in (server, kube_server):
+            each.should_exit = True
+        # An idle TLS keep-alive connection would hold shutdown until its close_notify times out
+        # (clients' pools do not answer it): drop the API server's connections now.
+        for connection in list(kube_server.server_state.connections):
+            transport = getattr(connection, "transport", None)
+            if transport is not None:
+                transport.abort()
+        for task in tasks:
+            if not task.done():
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(task), timeout=5)
         await world.stop()
+        audit.close()
+        if scratch is not None:
+            scratch.cleanup()

@@ -70,6 +70,11 @@ class SimClock:
         return datetime.fromtimestamp(moment, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def micro_timestamp(at: float) -> str:
+    """RFC 3339 with microseconds: the ``MicroTime`` of Lease renewTime and Event eventTime."""
+    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
 def parse_timestamp(value: str) -> float:
     """Inverse of ``SimClock.timestamp``: an RFC 3339 string to epoch seconds."""
     return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()

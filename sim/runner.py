@@ -4,17 +4,22 @@ Used by the ``fleetmend sim`` command's tests, the workflow tests and the demo::
 
     running = start_sim("sim/scenarios/gpu-node-loss.yaml", speed=50)
     api = kubernetes.config.new_client_from_config(config_file=str(running.kubeconfig), context="sim")
+    # kubectl --kubeconfig running.kubeconfig get pods -o wide   (the same file)
     ...
     running.stop()
 
-The server binds a free loopback port by default (``port=0``), writes a
-kubeconfig (cluster, bearer-token user and context all named ``sim``) and
-returns once it answers.
+Two servers bind free loopback ports by default (``port=0``, ``kube_port=0``): the
+Kubernetes API over HTTPS (``RunningSim.kube_url``, with a CA generated at start) and the
+rest of the simulated world over plain HTTP (``RunningSim.base_url``: router, engines'
+metrics, notify, ``/sim/v1/...``). ``start_sim`` writes a kubeconfig (cluster, bearer-token
+user and context all named ``sim``; the CA as ``certificate-authority-data``), points the API
+server's audit log at ``audit.log`` next to it, and returns once both answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import tempfile
 import threading
@@ -23,18 +28,24 @@ from pathlib import Path
 
 import yaml
 
-from sim.app import serve
+from sim.app import BoundPorts, serve
+from sim.k8s.tls import generate_serving_certs
 from sim.scenario import Scenario, load_scenario
 from sim.world import SimWorld
 
 KUBECONFIG_CONTEXT = "sim"
 
 
-def kubeconfig_document(server: str, token: str, namespace: str = "default") -> dict[str, object]:
+def kubeconfig_document(
+    server: str, token: str, namespace: str = "default", ca_pem: bytes | None = None
+) -> dict[str, object]:
+    cluster: dict[str, str] = {"server": server}
+    if ca_pem is not None:
+        cluster["certificate-authority-data"] = base64.b64encode(ca_pem).decode()
     return {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": KUBECONFIG_CONTEXT, "cluster": {"server": server}}],
+        "clusters": [{"name": KUBECONFIG_CONTEXT, "cluster": cluster}],
         "users": [{"name": KUBECONFIG_CONTEXT, "user": {"token": token}}],
         "contexts": [
             {
@@ -51,17 +62,24 @@ def kubeconfig_document(server: str, token: str, namespace: str = "default") -> 
     }
 
 
-def write_kubeconfig(path: Path, server: str, token: str, namespace: str = "default") -> Path:
+def write_kubeconfig(
+    path: Path, server: str, token: str, namespace: str = "default", ca_pem: bytes | None = None
+) -> Path:
     """Write a kubeconfig for the simulator (readable only by the owner: it holds the token)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(kubeconfig_document(server, token, namespace), sort_keys=False))
+    document = kubeconfig_document(server, token, namespace, ca_pem)
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
     path.chmod(0o600)
     return path
 
 
 @dataclass
 class RunningSim:
-    """A simulator serving in a background thread."""
+    """A simulator serving in a background thread.
+
+    ``base_url`` is the plain-HTTP world (router, engines, ``/sim/v1``); ``kube_url`` the
+    Kubernetes API (HTTPS; trust ``ca_cert``); ``audit_log`` the API server's audit events.
+    """
 
     world: SimWorld
     base_url: str
@@ -71,6 +89,10 @@ class RunningSim:
     _loop: asyncio.AbstractEventLoop
     _stop: asyncio.Event
     _tmpdir: tempfile.TemporaryDirectory[str] | None = field(default=None)
+    kube_url: str = ""
+    kube_port: int = 0
+    ca_cert: Path | None = None
+    audit_log: Path | None = None
 
     @property
     def token(self) -> str:
@@ -98,31 +120,56 @@ def start_sim(
     port: int = 0,
     *,
     host: str = "127.0.0.1",
+    kube_port: int = 0,
     kubeconfig: Path | None = None,
+    audit_log: Path | None = None,
     token: str | None = None,
     serving: bool = True,
+    watch_history: int | None = None,
     startup_timeout: float = 30.0,
 ) -> RunningSim:
-    """Serve ``scenario`` on ``host:port`` (0 = a free port) in a daemon thread; returns when it listens.
+    """Serve ``scenario`` in a daemon thread; returns when both servers listen.
 
-    ``serving=False`` serves the Kubernetes side only (no engines, router or load).
+    ``port`` / ``kube_port``: 0 = a free port. ``kubeconfig``: where to write it (default: a
+    temporary directory); the CA and serving certificate go to ``pki/`` beside it, and the audit
+    log to ``audit_log`` (default ``audit.log`` beside it). ``serving=False`` serves the Kubernetes
+    side only (no engines, router or load). ``watch_history``: watch events kept per resource.
     """
     loaded = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
-    world = SimWorld(loaded, speed=speed, token=token)
+    world = SimWorld(loaded, speed=speed, token=token, watch_history=watch_history)
+    tmpdir = None
+    if kubeconfig is None:
+        tmpdir = tempfile.TemporaryDirectory(prefix="fleetmend-sim-")
+        kubeconfig = Path(tmpdir.name) / "kubeconfig"
+    kubeconfig.parent.mkdir(parents=True, exist_ok=True)
+    audit_path = audit_log if audit_log is not None else kubeconfig.parent / "audit.log"
+    certs = generate_serving_certs(kubeconfig.parent / "pki")
     loop = asyncio.new_event_loop()
-    bound: dict[str, int] = {}
+    bound: dict[str, BoundPorts] = {}
     started = threading.Event()
     failure: list[BaseException] = []
     stop = asyncio.Event()
 
-    def on_ready(actual_port: int) -> None:
-        bound["port"] = actual_port
+    def on_ready(ports: BoundPorts) -> None:
+        bound["ports"] = ports
         started.set()
 
     def run() -> None:
         asyncio.set_event_loop(loop)
         try:
-            loop.run_until_complete(serve(world, host, port, ready=on_ready, stop=stop, serving=serving))
+            loop.run_until_complete(
+                serve(
+                    world,
+                    host,
+                    port,
+                    kube_port=kube_port,
+                    certs=certs,
+                    audit_log=audit_path,
+                    ready=on_ready,
+                    stop=stop,
+                    serving=serving,
+                )
+            )
         except asyncio.CancelledError:
             pass
         except BaseException as exc:  # surfaced to the caller below
@@ -135,14 +182,26 @@ def start_sim(
 
     thread = threading.Thread(target=run, name=f"fleetmend-sim-{loaded.name}", daemon=True)
     thread.start()
-    if not started.wait(startup_timeout) or "port" not in bound:
+    if not started.wait(startup_timeout) or "ports" not in bound:
         detail = f": {failure[0]}" if failure else ""
-        raise RuntimeError(f"the simulator did not start on {host}:{port}{detail}")
-    actual_port = bound["port"]
-    base_url = f"http://{host}:{actual_port}"
-    tmpdir = None
-    if kubeconfig is None:
-        tmpdir = tempfile.TemporaryDirectory(prefix="fleetmend-sim-")
-        kubeconfig = Path(tmpdir.name) / "kubeconfig"
-    write_kubeconfig(kubeconfig, base_url, world.token, loaded.namespace)
-    return RunningSim(world, base_url, actual_port, kubeconfig, thread, loop, stop, tmpdir)
+        if tmpdir is not None:
+            tmpdir.cleanup()
+        raise RuntimeError(f"the simulator did not start on {host}:{port}/{kube_port}{detail}")
+    ports = bound["ports"]
+    base_url = f"http://{host}:{ports.port}"
+    kube_url = f"https://{host}:{ports.kube_port}"
+    write_kubeconfig(kubeconfig, kube_url, world.token, loaded.namespace, certs.ca_pem())
+    return RunningSim(
+        world,
+        base_url,
+        ports.port,
+        kubeconfig,
+        thread,
+        loop,
+        stop,
+        tmpdir,
+        kube_url=kube_url,
+        kube_port=ports.kube_port,
+        ca_cert=certs.ca_cert,
+        audit_log=audit_path,
+    )

@@ -23,6 +23,7 @@ Reading the cluster
     world.control.runtime(ns, pod) -> PodRuntime | None   the kubelet's view (ip, restarts, started_at)
     world.serving                          the serving layer once ``sim.serving.attach`` ran (else None)
     world.actions / world.api_faults       action log and API fault knobs (also over HTTP, see sim.app)
+    world.audit                            the API server's audit log (sim.k8s.audit), while it serves
 
 Acting on it (what faults do)
     world.lose_node(name)                 kubelet stops reporting: Unknown -> tainted -> pods deleted
@@ -64,16 +65,29 @@ from sim.scenario import ModelRevision, ModelSpec, Scenario
 log = logging.getLogger(__name__)
 
 FaultHandler = Callable[[FaultRequest], None]
+# Writes no controller reacts to: they do not wake the controllers (lease heartbeats, events, config).
+QUIET_RESOURCES = frozenset({"leases", "events", "configmaps"})
 
 
 class SimWorld:
     """The simulated cluster built from a scenario, running at ``speed`` x real time."""
 
-    def __init__(self, scenario: Scenario, *, speed: float = 1.0, token: str | None = None) -> None:
+    def __init__(
+        self,
+        scenario: Scenario,
+        *,
+        speed: float = 1.0,
+        token: str | None = None,
+        watch_history: int | None = None,
+    ) -> None:
         self.scenario = scenario
         self.clock = SimClock(speed)
         self.started_at = self.clock.now()
-        self.store = ObjectStore(self.clock)
+        self.store = (
+            ObjectStore(self.clock)
+            if watch_history is None
+            else ObjectStore(self.clock, watch_history=watch_history)
+        )
         self.actions = ActionLog()
         self.api_faults = ApiFaults(seed=scenario.seed)
         self.token = token or secrets.token_urlsafe(24)
@@ -88,6 +102,7 @@ class SimWorld:
             key=lambda item: item[0],
         )
         self.serving: Any = None  # the ServingLayer, once sim.serving.attach() ran
+        self.audit: Any = None  # the API server's sim.k8s.audit.AuditLog, once it serves
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -151,7 +166,8 @@ class SimWorld:
             loop.call_soon_threadsafe(wake.set)
 
     def _on_change(self, event: WatchEvent) -> None:
-        self.kick()
+        if event.resource not in QUIET_RESOURCES:
+            self.kick()
 
     # ------------------------------------------------------------- reading
     def pods(self, namespace: str | None = None, label_selector: str | None = None) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ from fleet.recovery import (
     RetryBudget,
     ServingObjectives,
 )
-from ledger.reconcile import ReconcileReport, reconcile, world_actions_from_sim
+from ledger.reconcile import ReconcileReport, reconcile
 from worker.devstack.rig import FleetRig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -167,20 +167,18 @@ async def fleetmend_actions(rig: FleetRig) -> list[dict[str, Any]]:
 async def reconcile_with_world(
     rig: FleetRig, database_url: str, *, check_missing: bool = False
 ) -> ReconcileReport:
-    """The ledger reconciled against the simulator's own log of fleetmend's requests.
+    """The ledger reconciled against the world's records of fleetmend's requests.
 
     ``check_missing``: also every ``applied`` row's action must be in the world's log (valid
     when the simulator ran for the whole window, as in one test).
     """
-    world = rig.base_url.split("://", 1)[1]
+    from activities.audit import world_record
+
+    # The API server's audit log for Kubernetes actions, the sim's action log for the rest.
+    worlds, actions = await asyncio.to_thread(world_record, rig.settings, None, "fleetmend-worker")
     engine = create_engine(database_url)
     try:
-        return reconcile(
-            engine,
-            world=world,
-            actions=world_actions_from_sim(world, await fleetmend_actions(rig)),
-            check_missing=check_missing,
-        )
+        return reconcile(engine, world=worlds, actions=actions, check_missing=check_missing)
     finally:
         engine.dispose()
 

@@ -129,6 +129,15 @@ class Settings(BaseSettings):
     action_log_url: str | None = Field(
         None, description="A target's own action log (the simulator's /sim/v1/actions) for ledger reconcile"
     )
+    audit_log: Path | None = Field(
+        None,
+        description="The Kubernetes API server's audit log (audit.k8s.io/v1 Event JSON lines, as "
+        "--audit-log-path writes) for ledger reconcile of Kubernetes actions",
+    )
+    audit_log_world: str | None = Field(
+        None,
+        description="host:port of the API server the audit log records (unset = the kubeconfig's server)",
+    )
     notifier_url: str | None = Field(
         None, description="Slack-compatible incoming webhook for the incident channel"
     )
@@ -180,7 +189,10 @@ class Settings(BaseSettings):
     # Embedded dev stack
     state_dir: Path = Field(Path(".fleetmend"), description="Where the embedded stack keeps its state")
     temporal_ui_port: int = Field(8233, description="Embedded Temporal Web UI port")
-    sim_port: int = Field(8480, description="Embedded simulator port")
+    sim_port: int = Field(8480, description="Embedded simulator port (router, metrics, sim API; plain HTTP)")
+    sim_kube_port: int = Field(
+        0, description="Embedded simulator's Kubernetes API port (HTTPS; 0 = any free)"
+    )
     sim_scenario: Path | None = Field(None, description="Scenario the embedded simulator loads")
 
     # Procedure policy: what the worker's incidents use unless a start names its own.

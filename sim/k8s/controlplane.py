@@ -4,7 +4,7 @@ Controllers are level-triggered: each pass compares the desired state with the
 stored objects and writes only differences (no-op writes are dropped by the
 store), so running them every tick is cheap and converges.
 
-Pass order (one reconcile): node lifecycle → taint eviction → garbage collection
+Pass order (one reconcile): node lifecycle → node lease heartbeats → taint eviction → garbage collection
 → Deployments → ReplicaSets → LeaderWorkerSets → scheduler → kubelets →
 EndpointSlices → PodDisruptionBudgets.
 
@@ -101,6 +101,7 @@ class ControlPlane:
 
         self._passes: list[Callable[[ControlPlane], None]] = [
             nodes.reconcile_nodes,
+            nodes.renew_node_leases,
             nodes.evict_tainted_pods,
             nodes.collect_garbage,
             workloads.reconcile_deployments,
@@ -185,8 +186,8 @@ class ControlPlane:
         )
         return pod
 
-    def create_pod(self, pod: Obj) -> Obj:
-        return self.store.create("pods", self.admit_pod(pod))
+    def create_pod(self, pod: Obj, *, dry_run: bool = False) -> Obj:
+        return self.store.create("pods", self.admit_pod(pod), dry_run=dry_run)
 
     def runtime(self, namespace: str, name: str) -> PodRuntime | None:
         pod = self.store.find("pods", namespace, name)

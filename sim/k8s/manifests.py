@@ -302,9 +302,12 @@ def build_pool(scenario: Scenario, workload: WorkloadSpec) -> list[tuple[str, Ob
     return objs
 
 
+NODE_LEASE_NAMESPACE = "kube-node-lease"
+
+
 def build_objects(scenario: Scenario) -> list[tuple[str, Obj]]:
     """(plural, object) pairs in creation order."""
-    namespaces = {"default", "kube-system", scenario.namespace} | {
+    namespaces = {"default", "kube-system", "kube-public", NODE_LEASE_NAMESPACE, scenario.namespace} | {
         scenario.workload_namespace(w) for w in scenario.workloads
     }
     objs: list[tuple[str, Obj]] = [

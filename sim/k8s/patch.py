@@ -155,8 +155,13 @@ def apply_patch(
         try:
             result = jsonpatch.apply_patch(obj, patch)
         except jsonpatch.JsonPatchTestFailed as exc:
+            failed = next(
+                (op.get("path") for op in patch if isinstance(op, dict) and op.get("op") == "test"), ""
+            )
             raise ApiError(
-                422, "Invalid", f"the server rejected our request due to an error in our request: {exc}"
+                422,
+                "Invalid",
+                f"the server rejected our request due to an error in our request: testing value {failed} failed",
             ) from exc
         except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
             raise ApiError(

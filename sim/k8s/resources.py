@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 LWS_GROUP = "leaderworkerset.x-k8s.io"
+# What a real 1.33 apiserver's discovery lists for these resources.
+ALL_VERBS = ("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
+NO_COLLECTION_DELETE = ("create", "delete", "get", "list", "patch", "update", "watch")
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,23 @@ class Resource:
     subresources: tuple[str, ...] = ()
     field_selectors: frozenset[str] = frozenset({"metadata.name", "metadata.namespace"})
     short_names: tuple[str, ...] = ()
+    categories: tuple[str, ...] = ()
+    verbs: tuple[str, ...] = ALL_VERBS
+
+    @property
+    def singular(self) -> str:
+        return self.kind.lower()
+
+    def subresource_kind(self, sub: str) -> tuple[str, str, str]:
+        """(group, version, kind) a subresource is served in (``pods/eviction`` is policy/v1 Eviction)."""
+        if sub == "eviction":
+            return "policy", "v1", "Eviction"
+        if sub == "scale":
+            return "autoscaling", "v1", "Scale"
+        return self.group, self.version, self.kind
+
+    def subresource_verbs(self, sub: str) -> tuple[str, ...]:
+        return ("create",) if sub == "eviction" else ("get", "patch", "update")
 
     @property
     def api_version(self) -> str:
@@ -30,34 +50,108 @@ class Resource:
         return f"{self.kind}List"
 
 
+# The field selectors the apiserver supports per resource (pkg/registry/*/strategy.go ToSelectableFields).
 _POD_FIELDS = frozenset(
-    {"metadata.name", "metadata.namespace", "spec.nodeName", "status.phase", "spec.schedulerName"}
+    {
+        "metadata.name",
+        "metadata.namespace",
+        "spec.nodeName",
+        "spec.restartPolicy",
+        "spec.schedulerName",
+        "spec.serviceAccountName",
+        "spec.hostNetwork",
+        "status.phase",
+        "status.podIP",
+        "status.nominatedNodeName",
+    }
 )
 _EVENT_FIELDS = frozenset(
     {
         "metadata.name",
         "metadata.namespace",
         "involvedObject.kind",
-        "involvedObject.name",
         "involvedObject.namespace",
+        "involvedObject.name",
         "involvedObject.uid",
+        "involvedObject.apiVersion",
+        "involvedObject.resourceVersion",
+        "involvedObject.fieldPath",
         "reason",
-        "type",
+        "reportingComponent",
         "source",
+        "type",
     }
 )
+_NODE_FIELDS = frozenset({"metadata.name", "spec.unschedulable"})
+_NAMESPACE_FIELDS = frozenset({"metadata.name", "status.phase"})
+_REPLICASET_FIELDS = frozenset({"metadata.name", "metadata.namespace", "status.replicas"})
 
 RESOURCES: dict[str, Resource] = {
     r.plural: r
     for r in (
-        Resource("namespaces", "Namespace", "", "v1", namespaced=False),
-        Resource("pods", "Pod", "", "v1", subresources=("status", "eviction"), field_selectors=_POD_FIELDS),
-        Resource("nodes", "Node", "", "v1", namespaced=False, subresources=("status",)),
-        Resource("services", "Service", "", "v1", subresources=("status",)),
-        Resource("events", "Event", "", "v1", field_selectors=_EVENT_FIELDS),
+        Resource(
+            "namespaces",
+            "Namespace",
+            "",
+            "v1",
+            namespaced=False,
+            subresources=("status",),
+            field_selectors=_NAMESPACE_FIELDS,
+            short_names=("ns",),
+            verbs=NO_COLLECTION_DELETE,
+        ),
+        Resource(
+            "pods",
+            "Pod",
+            "",
+            "v1",
+            subresources=("status", "eviction"),
+            field_selectors=_POD_FIELDS,
+            short_names=("po",),
+            categories=("all",),
+        ),
+        Resource(
+            "nodes",
+            "Node",
+            "",
+            "v1",
+            namespaced=False,
+            subresources=("status",),
+            field_selectors=_NODE_FIELDS,
+            short_names=("no",),
+        ),
+        Resource(
+            "services",
+            "Service",
+            "",
+            "v1",
+            subresources=("status",),
+            short_names=("svc",),
+            categories=("all",),
+        ),
+        Resource("events", "Event", "", "v1", field_selectors=_EVENT_FIELDS, short_names=("ev",)),
+        Resource("configmaps", "ConfigMap", "", "v1", short_names=("cm",)),
         Resource("endpointslices", "EndpointSlice", "discovery.k8s.io", "v1"),
-        Resource("deployments", "Deployment", "apps", "v1", subresources=("status", "scale")),
-        Resource("replicasets", "ReplicaSet", "apps", "v1", subresources=("status", "scale")),
+        Resource("leases", "Lease", "coordination.k8s.io", "v1"),
+        Resource(
+            "deployments",
+            "Deployment",
+            "apps",
+            "v1",
+            subresources=("status", "scale"),
+            short_names=("deploy",),
+            categories=("all",),
+        ),
+        Resource(
+            "replicasets",
+            "ReplicaSet",
+            "apps",
+            "v1",
+            subresources=("status", "scale"),
+            field_selectors=_REPLICASET_FIELDS,
+            short_names=("rs",),
+            categories=("all",),
+        ),
         Resource(
             "statefulsets",
             "StatefulSet",
@@ -65,8 +159,16 @@ RESOURCES: dict[str, Resource] = {
             "v1",
             subresources=("status", "scale"),
             short_names=("sts",),
+            categories=("all",),
         ),
-        Resource("poddisruptionbudgets", "PodDisruptionBudget", "policy", "v1", subresources=("status",)),
+        Resource(
+            "poddisruptionbudgets",
+            "PodDisruptionBudget",
+            "policy",
+            "v1",
+            subresources=("status",),
+            short_names=("pdb",),
+        ),
         Resource(
             "leaderworkersets",
             "LeaderWorkerSet",

@@ -111,14 +111,21 @@ def selector_object_to_string(selector: Mapping[str, Any]) -> str:
     return ",".join(parts)
 
 
+# Selectable fields that are not plain paths, and the value an absent field selects as.
+_FIELD_PATHS = {"source": "source.component"}
+_FIELD_DEFAULTS = {"spec.unschedulable": "false", "spec.hostNetwork": "false"}
+
+
 def _field_value(obj: Mapping[str, Any], path: str) -> str:
+    default = _FIELD_DEFAULTS.get(path, "")
+    path = _FIELD_PATHS.get(path, path)
     current: Any = obj
     for part in path.split("."):
         if not isinstance(current, Mapping):
-            return ""
+            return default
         current = current.get(part)
     if current is None:
-        return ""
+        return default
     if isinstance(current, bool):
         return "true" if current else "false"
     return str(current)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -29,6 +30,7 @@ from sim.k8s.selectors import parse_field_selector, parse_label_selector
 
 Obj = dict[str, Any]
 Objs = list[Obj]  # (the store has a method named "list")
+Events = list["WatchEvent"]
 EventType = Literal["ADDED", "MODIFIED", "DELETED"]
 
 
@@ -37,6 +39,23 @@ class WatchEvent:
     type: EventType
     resource: str  # plural, e.g. "pods"
     object: Obj  # deep copy of the object after the change (before removal for DELETED)
+    old: Obj | None = None  # the stored object before a MODIFIED (selector transitions in watches)
+
+    @property
+    def revision(self) -> int:
+        return int(self.object["metadata"]["resourceVersion"])
+
+
+DEFAULT_WATCH_HISTORY = 2000  # events kept per resource for watches that resume (like the watch cache)
+
+
+class TooOldResourceVersion(Exception):
+    """A watch asked to resume before the oldest event still kept (the apiserver's 410 Expired)."""
+
+    def __init__(self, requested: int, oldest: int) -> None:
+        super().__init__(f"too old resource version: {requested} ({oldest})")
+        self.requested = requested
+        self.oldest = oldest
 
 
 Watcher = Callable[[WatchEvent], None]
@@ -70,13 +89,18 @@ def key_of(obj: Obj) -> tuple[str, str]:
 class ObjectStore:
     """All API objects of the simulated cluster."""
 
-    def __init__(self, clock: SimClock) -> None:
+    def __init__(self, clock: SimClock, *, watch_history: int = DEFAULT_WATCH_HISTORY) -> None:
         self.clock = clock
         self._lock = threading.RLock()
         self._objects: dict[str, dict[tuple[str, str], Obj]] = {plural: {} for plural in RESOURCES}
         self._revision = 0
         self._watchers: list[Watcher] = []
         self._created: dict[str, int] = {}  # uid -> revision at creation (creation order)
+        self._history: dict[str, deque[WatchEvent]] = {
+            plural: deque(maxlen=max(1, watch_history)) for plural in RESOURCES
+        }
+        # Per resource: the newest revision whose event was dropped from the history (0 = none yet).
+        self._horizon: dict[str, int] = dict.fromkeys(RESOURCES, 0)
 
     # ----------------------------------------------------------------- reads
     @property
@@ -142,8 +166,11 @@ class ObjectStore:
             ]
 
     # ---------------------------------------------------------------- writes
-    def create(self, plural: str, obj: Obj) -> Obj:
-        """Store a new object: uid, resourceVersion, creationTimestamp and generation are assigned."""
+    def create(self, plural: str, obj: Obj, *, dry_run: bool = False) -> Obj:
+        """Store a new object: uid, resourceVersion, creationTimestamp and generation are assigned.
+
+        ``dry_run``: check and build the object as stored, but store nothing (no resourceVersion).
+        """
         resource = _resource(plural)
         obj = json_copy(obj)
         meta = obj.setdefault("metadata", {})
@@ -170,6 +197,8 @@ class ObjectStore:
             meta.pop("deletionTimestamp", None)
             if "spec" in obj:
                 meta["generation"] = 1
+            if dry_run:
+                return json_copy(obj)
             self._revision += 1
             meta["resourceVersion"] = str(self._revision)
             self._created[meta["uid"]] = self._revision
@@ -177,7 +206,15 @@ class ObjectStore:
             self._notify("ADDED", plural, obj)
             return json_copy(obj)
 
-    def update(self, plural: str, obj: Obj, *, check_version: bool = True, _owned: bool = False) -> Obj:
+    def update(
+        self,
+        plural: str,
+        obj: Obj,
+        *,
+        check_version: bool = True,
+        dry_run: bool = False,
+        _owned: bool = False,
+    ) -> Obj:
         """Replace an object (optimistic concurrency on ``metadata.resourceVersion`` when set).
 
         A stale resourceVersion raises the apiserver's 409 Conflict. Immutable
@@ -214,10 +251,12 @@ class ObjectStore:
             meta["resourceVersion"] = cur_meta["resourceVersion"]
             if obj == current:
                 return json_copy(current)
+            if dry_run:  # the answer a write would give, with the stored resourceVersion
+                return json_copy(obj)
             self._revision += 1
             meta["resourceVersion"] = str(self._revision)
             self._objects[plural][key] = obj
-            self._notify("MODIFIED", plural, obj)
+            self._notify("MODIFIED", plural, obj, current)
             return json_copy(obj)
 
     def mutate(self, plural: str, namespace: str, name: str, change: Callable[[Obj], None]) -> Obj | None:
@@ -246,10 +285,11 @@ class ObjectStore:
             meta["deletionTimestamp"] = timestamp
             meta["deletionGracePeriodSeconds"] = grace_seconds
             key = key_of(obj) if _resource(plural).namespaced else ("", name)
+            old = self._objects[plural].get(key)
             self._revision += 1
             meta["resourceVersion"] = str(self._revision)
             self._objects[plural][key] = obj
-            self._notify("MODIFIED", plural, obj)
+            self._notify("MODIFIED", plural, obj, old)
             return json_copy(obj)
 
     def remove(self, plural: str, namespace: str, name: str) -> Obj | None:
@@ -283,12 +323,30 @@ class ObjectStore:
 
         return unsubscribe
 
-    def _notify(self, event_type: EventType, plural: str, obj: Obj) -> None:
-        if not self._watchers:
-            return
-        event = WatchEvent(event_type, plural, json_copy(obj))
+    def _notify(self, event_type: EventType, plural: str, obj: Obj, old: Obj | None = None) -> None:
+        # Stored objects are never edited in place (writes replace them), so the event may share them.
+        event = WatchEvent(event_type, plural, json_copy(obj), old)
+        history = self._history[plural]
+        if len(history) == history.maxlen:
+            self._horizon[plural] = history[0].revision
+        history.append(event)
         for watcher in list(self._watchers):
             watcher(event)
+
+    def events_since(self, plural: str, revision: int) -> Events:
+        """The kept events of ``plural`` after ``revision``, oldest first (what a resumed watch replays).
+
+        Raises :class:`TooOldResourceVersion` when events after ``revision`` were already dropped.
+        """
+        with self._lock:
+            if revision < self._horizon[plural]:
+                raise TooOldResourceVersion(revision, self._horizon[plural] + 1)
+            return [e for e in self._history[plural] if e.revision > revision]
+
+    def compacted_before(self, plural: str) -> int:
+        """The oldest revision a watch on ``plural`` can still resume from."""
+        with self._lock:
+            return self._horizon[plural]
 
     def all_objects(self) -> Iterable[tuple[str, Obj]]:
         """Every stored object as (plural, copy) — for dumps and debugging."""

@@ -288,6 +288,7 @@ async def test_ten_incidents_on_one_pool_with_crashes_restarts_and_a_refusal(sta
                         dry_run=True,
                         poll_interval_s=0.3,
                         incident_poll_s=0.5,
+                        group_capacity_tokens_per_s=1000.0,  # the pool's load-test figure
                     ),
                     id=f"scale-down-soak-{n}",
                     task_queue="soak",

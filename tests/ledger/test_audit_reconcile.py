@@ -389,3 +389,63 @@ def test_cli_reconcile_reads_the_action_log_from_fleetmend_action_log_url(
         unchecked = runner.invoke(app, ["ledger", "reconcile"])
         assert unchecked.exit_code == 0  # nothing to compare with: the orphan goes unseen, and it says so
         assert "FLEETMEND_ACTION_LOG_URL" in unchecked.output and "not checked" in unchecked.output
+
+
+def test_cli_reconcile_reads_the_api_servers_audit_log(
+    ledger: EffectLedger, ledger_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``ledger reconcile`` against a Kubernetes audit log (the sim's, as ``--audit-log-path`` writes):
+    clean after fleetmend's own cordon, then a planted orphan and a planted duplicate are found."""
+    from activities.kube import USER_AGENT, kube_apis
+    from activities.world_effects import NodePatch
+    from sim.runner import start_sim
+    from sim.scenario import shipped_scenarios
+
+    runner = CliRunner()
+    monkeypatch.setenv("FLEETMEND_DATABASE_URL", ledger_url)
+    monkeypatch.delenv("FLEETMEND_ACTION_LOG_URL", raising=False)
+    with start_sim(
+        shipped_scenarios()["gpu-node-loss"], speed=10.0, serving=False, kubeconfig=tmp_path / "kc"
+    ) as sim:
+
+        class Where:
+            kubeconfig = sim.kubeconfig
+            kube_context = None
+
+        k = kube_apis(Where())
+        cordon = NodePatch(k, "gpu-node-1", unschedulable=True, labels={"fleetmend.io/quarantine": "xid-79"})
+        outcome = ledger.perform(
+            "wf/quarantine/gpu-node-1", "k8s.node.patch", "gpu-node-1", {"node": "gpu-node-1"}, cordon
+        )
+        assert outcome.state == "applied"
+        k.core.patch_node(
+            "gpu-node-2", {"metadata": {"labels": {"x": "y"}}}, dry_run="All"
+        )  # changed nothing
+        monkeypatch.setenv("FLEETMEND_KUBECONFIG", str(sim.kubeconfig))
+        monkeypatch.setenv("FLEETMEND_AUDIT_LOG", str(sim.audit_log))
+        world = sim.kube_url.split("//", 1)[1]
+
+        clean = runner.invoke(app, ["ledger", "reconcile", "--json"])
+        assert clean.exit_code == 0, clean.output
+        report = json.loads(clean.stdout)
+        assert report["world"] == world and report["world_actions_compared"] == 1
+
+        # Planted: the same cordon sent again behind the ledger's back (a duplicate of that op id),
+        # and a patch of another node with no ledger row (an orphan), both by fleetmend's client.
+        k.core.patch_node("gpu-node-1", cordon.body)
+        k.core.patch_node("gpu-node-3", {"spec": {"unschedulable": True}})
+        assert k.core.api_client.user_agent == USER_AGENT
+        found = runner.invoke(app, ["ledger", "reconcile", "--json"])
+        assert found.exit_code == 1, found.output
+        report = json.loads(found.stdout)
+        assert [(o["verb"], o["path"]) for o in report["orphans"]] == [("PATCH", "/api/v1/nodes/gpu-node-3")]
+        assert [(d["op_ids"], d["expected"], d["observed"]) for d in report["duplicates"]] == [
+            (["wf/quarantine/gpu-node-1"], 1, 2)
+        ]
+        text = runner.invoke(app, ["ledger", "reconcile", "--audit-log", str(sim.audit_log)])
+        assert "orphans: actions in" in text.output and "duplicates:" in text.output
+
+        not_audit = tmp_path / "not-audit.log"
+        not_audit.write_text('{"kind": "Pod"}\n')
+        refused = runner.invoke(app, ["ledger", "reconcile", "--audit-log", str(not_audit)])
+        assert refused.exit_code == 2 and "is not a Kubernetes audit log" in " ".join(refused.output.split())

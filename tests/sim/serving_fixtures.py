@@ -10,14 +10,18 @@ import asyncio
 import contextlib
 import copy
 import inspect
+import ssl
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from sim.app import serve
+from sim.app import BoundPorts, serve
+from sim.k8s.tls import generate_serving_certs
 from sim.scenario import Scenario, parse_scenario
 from sim.serving.layer import ServingLayer
 from sim.world import SimWorld
@@ -75,6 +79,7 @@ class RunningServing:
     layer: ServingLayer
     base_url: str
     http: httpx.AsyncClient
+    kube: httpx.AsyncClient  # the Kubernetes API (HTTPS, the sim's CA, the kubeconfig's token)
 
     async def sim_sleep(self, sim_seconds: float) -> None:
         await self.world.clock.sleep(sim_seconds)
@@ -127,14 +132,26 @@ async def running_serving(scn: Scenario, speed: float = 20.0) -> AsyncIterator[R
     """Serve ``scn`` at ``speed`` on a free loopback port, in this event loop."""
     world = SimWorld(scn, speed=speed)
     stop = asyncio.Event()
-    bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(world, "127.0.0.1", 0, ready=bound.set_result, stop=stop))
-    port = await asyncio.wait_for(bound, timeout=30)
-    base_url = f"http://127.0.0.1:{port}"
-    async with httpx.AsyncClient(base_url=base_url, timeout=30.0) as http:
+    bound: asyncio.Future[BoundPorts] = asyncio.get_running_loop().create_future()
+    pki = tempfile.TemporaryDirectory(prefix="fleetmend-serving-pki-")
+    certs = generate_serving_certs(Path(pki.name))
+    task = asyncio.create_task(serve(world, "127.0.0.1", 0, certs=certs, ready=bound.set_result, stop=stop))
+    ports = await asyncio.wait_for(bound, timeout=30)
+    base_url = f"http://127.0.0.1:{ports.port}"
+    trust = ssl.create_default_context(cafile=str(certs.ca_cert))
+    async with (
+        httpx.AsyncClient(base_url=base_url, timeout=30.0) as http,
+        httpx.AsyncClient(
+            base_url=f"https://127.0.0.1:{ports.kube_port}",
+            verify=trust,
+            headers={"Authorization": f"Bearer {world.token}"},
+            timeout=30.0,
+        ) as kube,
+    ):
         try:
-            yield RunningServing(world, world.serving, base_url, http)  # type: ignore[attr-defined]
+            yield RunningServing(world, world.serving, base_url, http, kube)  # type: ignore[attr-defined]
         finally:
             stop.set()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(task, timeout=15)
+            pki.cleanup()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 from typing import Any
 
 import httpx
@@ -68,13 +69,22 @@ def test_label_and_field_selectors(kube: Kube) -> None:
 
 
 def test_requests_without_the_kubeconfig_token_get_401(kube: Kube) -> None:
-    base = kube.sim.base_url
-    assert httpx.get(f"{base}/api/v1/namespaces/{NS}/pods").status_code == 401
+    api = kube.sim.kube_url
+    ca = ssl.create_default_context(cafile=str(kube.sim.ca_cert))
+    assert httpx.get(f"{api}/api/v1/namespaces/{NS}/pods", verify=ca).status_code == 401
     wrong = httpx.get(
-        f"{base}/apis/apps/v1/namespaces/{NS}/deployments", headers={"Authorization": "Bearer nope"}
+        f"{api}/apis/apps/v1/namespaces/{NS}/deployments",
+        headers={"Authorization": "Bearer nope"},
+        verify=ca,
     )
     assert wrong.status_code == 401 and wrong.json()["reason"] == "Unauthorized"
-    assert httpx.get(f"{base}/sim/v1/clock").status_code == 200  # the sim's own API is open
+    assert httpx.get(f"{api}/healthz", verify=ca).text == "ok"  # health and version are open
+    assert httpx.get(f"{api}/version", verify=ca).json()["gitVersion"].startswith("v1.33.")
+    # TLS is verified against the kubeconfig's CA; the Kubernetes API is not served over plain HTTP.
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{api}/version")
+    assert httpx.get(f"{kube.sim.base_url}/api/v1/namespaces/{NS}/pods").status_code == 404
+    assert httpx.get(f"{kube.sim.base_url}/sim/v1/clock").status_code == 200  # the sim's own API is open
 
 
 def test_stale_resource_version_gets_409_conflict(kube: Kube) -> None:

@@ -179,10 +179,7 @@ async def test_deleting_a_pod_drains_with_a_shutdown_timeout_and_cuts_streams_wi
                 replica = response.headers["x-fleetmend-replica"]
                 lines = response.aiter_lines()
                 assert " tok" in await anext(lines)
-                deleted = await sim.http.delete(
-                    f"/api/v1/namespaces/{NAMESPACE}/pods/{replica}",
-                    headers={"Authorization": f"Bearer {sim.world.token}"},
-                )
+                deleted = await sim.kube.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{replica}")
                 assert deleted.status_code == 200, deleted.text
                 engine = sim.layer.supervisor.get(f"{NAMESPACE}/{replica}")
                 assert engine is not None

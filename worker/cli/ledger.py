@@ -2,8 +2,10 @@
 
 The database is ``FLEETMEND_DATABASE_URL``, else the embedded Postgres of ``fleetmend dev``
 under ``FLEETMEND_STATE_DIR/pg`` (started for the command and stopped again when it was
-not already running). ``reconcile`` reads the target's action log from
-``FLEETMEND_ACTION_LOG_URL`` unless ``--actions-url`` / ``--actions-file`` name another.
+not already running). ``reconcile`` compares the ledger with the world's records: the
+Kubernetes API server's audit log (``FLEETMEND_AUDIT_LOG`` or ``--audit-log``: ``audit.k8s.io/v1``
+Event JSON lines, as ``--audit-log-path`` writes) and a target's action log
+(``FLEETMEND_ACTION_LOG_URL`` unless ``--actions-url`` / ``--actions-file`` name another).
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ from ledger.audit import EffectFilter, InvalidQuery, list_effects, show_effect
 from ledger.migrate import is_at_head
 from ledger.models import EffectState
 from ledger.outcome import EffectOutcome
-from ledger.reconcile import ReconcileReport, WorldAction, reconcile, world_actions_from_sim
+from ledger.reconcile import (
+    InvalidAuditEvent,
+    ReconcileReport,
+    WorldAction,
+    reconcile,
+    world_actions_from_sim,
+)
 from ledger.retention import prune as prune_rows
 from worker.config import Settings, load_settings
 
@@ -260,6 +268,35 @@ def _load_world_actions(
     return world, actions
 
 
+def _load_audit_log(
+    audit_log: Path, audit_world: str | None, settings: Settings, client: str
+) -> tuple[str, list[WorldAction]]:
+    """The Kubernetes mutations an API server's audit log records (fleetmend's only, unless ``client``='')."""
+    from activities.audit import read_audit_log
+    from activities.kube import kube_apis
+
+    world = audit_world or settings.audit_log_world
+    if not world:
+        try:
+            world = urlsplit(kube_apis(settings).core.api_client.configuration.host).netloc
+        except Exception as exc:
+            fail(
+                f"cannot tell which API server {audit_log} records: no kubeconfig to read its address from "
+                f"({type(exc).__name__}); pass --audit-world HOST:PORT",
+                2,
+            )
+    assert world is not None
+    try:
+        actions = read_audit_log(audit_log, world)
+    except OSError as exc:
+        fail(f"could not read the audit log {audit_log}: {exc.strerror or exc}", 2)
+    except (ValueError, InvalidAuditEvent, ValidationError) as exc:
+        fail(f"{audit_log} is not a Kubernetes audit log: {exc}", 2)
+    if client:
+        actions = [a for a in actions if client in (a.client or "")]
+    return world, actions
+
+
 def _print_report(report: ReconcileReport) -> None:
     def section(title: str, items: list[EffectOutcome]) -> None:
         if items:
@@ -295,8 +332,8 @@ def _print_report(report: ReconcileReport) -> None:
         f"; {report.world_actions_compared} actions of {report.world} compared"
         if report.world
         else (
-            "; no action log given (FLEETMEND_ACTION_LOG_URL, --actions-url or --actions-file), "
-            "so orphans and duplicates were not checked"
+            "; no record of the world given (FLEETMEND_AUDIT_LOG / --audit-log, FLEETMEND_ACTION_LOG_URL, "
+            "--actions-url or --actions-file), so orphans and duplicates were not checked"
         )
     )
     if report.clean:
@@ -315,6 +352,16 @@ def reconcile_command(
     actions_file: Path | None = typer.Option(None, "--actions-file", help="JSON list of action log entries."),
     world: str | None = typer.Option(
         None, "--world", help="Name of the logged API (default: the URL's host:port)."
+    ),
+    audit_log: Path | None = typer.Option(
+        None,
+        "--audit-log",
+        help="The Kubernetes API server's audit log (audit.k8s.io/v1 JSON lines; default FLEETMEND_AUDIT_LOG).",
+    ),
+    audit_world: str | None = typer.Option(
+        None,
+        "--audit-world",
+        help="host:port of the API server the audit log records (default: the kubeconfig's server).",
     ),
     client: str = typer.Option(
         FLEETMEND_CLIENT_MARK,
@@ -335,14 +382,29 @@ def reconcile_command(
 ) -> None:
     """Report unresolved intents, divergences, orphans and duplicates. Exit status 1 when anything is found."""
     settings = load_settings()
+    worlds: list[str] = []
+    recorded: list[WorldAction] = []
+    audit_path = audit_log or settings.audit_log
+    api_world = None
+    if audit_path is not None:
+        api_world, from_audit = _load_audit_log(audit_path, audit_world, settings, client)
+        worlds.append(api_world)
+        recorded += from_audit
     world_name, actions = _load_world_actions(
         actions_url, actions_file, world, client, setting_url=settings.action_log_url
     )
+    if world_name is not None and actions is not None:
+        if api_world is not None and api_world != world_name:
+            # The audit log is the Kubernetes API's record; the action log is the other targets'.
+            actions = [a for a in actions if not a.path.startswith(("/api/", "/apis/"))]
+        if world_name not in worlds:
+            worlds.append(world_name)
+        recorded += actions
     with ledger_engine(settings) as engine:
         report = reconcile(
             engine,
-            world=world_name,
-            actions=actions,
+            world=worlds or None,
+            actions=recorded if worlds else None,
             unresolved_after=timedelta(seconds=unresolved_after),
             window=timedelta(hours=window_hours),
             check_missing=check_missing,

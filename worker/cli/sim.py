@@ -1,9 +1,10 @@
 """``fleetmend sim``: serve a simulated GPU cluster from a scenario file.
 
-The simulator speaks the Kubernetes REST API (plus the serving layer's router,
-metrics and fault APIs) on one loopback port, writes a kubeconfig for it and
-prints that file's path, so ``kubectl`` / the official client / fleetmend's
-worker can point at it::
+The simulator speaks the Kubernetes REST API over TLS on one loopback port (a CA
+generated at start, in the kubeconfig), the serving layer's router, metrics and
+fault APIs over plain HTTP on another, writes a kubeconfig and the API server's
+audit log, and prints their paths, so ``kubectl`` / the official client /
+fleetmend's worker can point at it::
 
     fleetmend sim --scenario sim/scenarios/gpu-node-loss.yaml --speed 10
     export KUBECONFIG=<printed path>
@@ -40,9 +41,18 @@ def register(app: typer.Typer) -> None:
         kubeconfig: Path | None = typer.Option(
             None, "--kubeconfig", help="Where to write the kubeconfig (default <state_dir>/sim-kubeconfig)."
         ),
+        kube_port: int = typer.Option(
+            0, "--kube-port", help="Port of the Kubernetes API (HTTPS; default 0 = any free port)."
+        ),
+        tls_san: list[str] = typer.Option(
+            [],
+            "--tls-san",
+            help="Another name (or IP) the API server's certificate names, e.g. a service name.",
+        ),
     ) -> None:
         """Serve a simulated Kubernetes cluster + inference fleet; prints the kubeconfig path."""
-        from sim.app import serve
+        from sim.app import BoundPorts, serve
+        from sim.k8s.tls import generate_serving_certs
         from sim.runner import write_kubeconfig
         from sim.scenario import ScenarioError, load_scenario
         from sim.world import SimWorld
@@ -57,14 +67,32 @@ def register(app: typer.Typer) -> None:
         listen_port = settings.sim_port if port is None else port
         config_path = (kubeconfig or settings.state_dir / "sim-kubeconfig").resolve()
         world = SimWorld(loaded, speed=speed)
+        import ipaddress
 
-        def ready(bound: int) -> None:
-            url = f"http://{host}:{bound}"
-            write_kubeconfig(config_path, url, world.token, loaded.namespace)
+        def is_ip(value: str) -> bool:
+            try:
+                ipaddress.ip_address(value)
+            except ValueError:
+                return False
+            return True
+
+        certs = generate_serving_certs(
+            config_path.parent / f"{config_path.name}.pki",
+            extra_ips=tuple(v for v in tls_san if is_ip(v)),
+            extra_names=tuple(v for v in tls_san if not is_ip(v)),
+        )
+        audit_log = config_path.parent / f"{config_path.name}.audit.log"
+
+        def ready(bound: BoundPorts) -> None:
+            url = f"http://{host}:{bound.port}"
+            api = f"https://{host}:{bound.kube_port}"
+            write_kubeconfig(config_path, api, world.token, loaded.namespace, certs.ca_pem())
             typer.echo(
-                f"fleetmend sim: scenario {loaded.name!r} at {url} (speed x{speed:g}); Ctrl-C stops it"
+                f"fleetmend sim: scenario {loaded.name!r}: Kubernetes API {api}, router and sim API {url} "
+                f"(speed x{speed:g}); Ctrl-C stops it"
             )
             typer.echo(f"kubeconfig: {config_path}", color=False)
+            typer.echo(f"audit log: {audit_log}", color=False)
             typer.echo(f"export KUBECONFIG={config_path}")
 
         async def main() -> None:
@@ -73,7 +101,16 @@ def register(app: typer.Typer) -> None:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 with contextlib.suppress(NotImplementedError):
                     loop.add_signal_handler(sig, stop.set)
-            await serve(world, host, listen_port, ready=ready, stop=stop)
+            await serve(
+                world,
+                host,
+                listen_port,
+                kube_port=kube_port,
+                certs=certs,
+                audit_log=audit_log,
+                ready=ready,
+                stop=stop,
+            )
 
         try:
             asyncio.run(main())

@@ -585,15 +585,17 @@ async def fleetmend_metrics(settings: Settings) -> dict[str, float]:
     return samples
 
 
-def reconcile_with_world(database_url: str, sim_url: str, actions: list[dict[str, Any]]) -> Any:
+def reconcile_with_world(database_url: str, settings: Settings) -> Any:
+    """The ledger against the world's records: the API server's audit log, the sim's action log."""
     from sqlalchemy import create_engine
 
-    from ledger.reconcile import reconcile, world_actions_from_sim
+    from activities.audit import world_record
+    from ledger.reconcile import reconcile
 
-    world = sim_url.split("://", 1)[1].rstrip("/")
+    worlds, actions = world_record(settings, None, WORKER_CLIENT_MARK)
     engine = create_engine(database_url)
     try:
-        return reconcile(engine, world=world, actions=world_actions_from_sim(world, actions))
+        return reconcile(engine, world=worlds, actions=actions)
     finally:
         engine.dispose()
 
@@ -794,9 +796,7 @@ async def run_demo(
             actions = await world.fleetmend_actions()
             mutations = sum(1 for a in actions if a.get("verb", "").upper() != "GET")
             assert s.database_url_value() is not None
-            rec = await asyncio.to_thread(
-                reconcile_with_world, s.database_url_value() or "", s.router_admin_url, actions
-            )
+            rec = await asyncio.to_thread(reconcile_with_world, s.database_url_value() or "", s)
             orphans = await orphan_pods(world, pool.namespace)
             verdict = final_verdict(
                 scenario, status, duplicates=len(rec.duplicates), orphans=orphans, mutations=mutations
@@ -822,6 +822,11 @@ async def run_demo(
                 console.print(f"report written to {report_path}")
             if keep_running:
                 console.print(keep_running_hint(env_file), soft_wrap=True, highlight=False)
+                console.print(
+                    f"Watch the incident with kubectl:\n  export KUBECONFIG={Path(s.kubeconfig).resolve()}",
+                    soft_wrap=True,
+                    markup=False,
+                )
                 await (stop or asyncio.Event()).wait()
     return report
 

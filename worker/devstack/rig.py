@@ -34,7 +34,7 @@ from fleet.protocol import FaultRequest
 from fleet.recovery import IncidentInput
 from fleet.vocabulary import FaultKind
 from worker.config import Settings, load_settings
-from worker.devstack.sim_wiring import settings_for_sim
+from worker.devstack.sim_wiring import settings_for_running_sim
 from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
 
 
@@ -135,7 +135,7 @@ async def fleet_rig(
             task_queue=task_queue,
             database_url=database_url,
             worker_metrics_port=0,
-            **{**settings_for_sim(sim.base_url, sim.kubeconfig), **overrides},
+            **{**settings_for_running_sim(sim), **overrides},
         )
         async with httpx.AsyncClient(base_url=sim.base_url, timeout=10.0) as http:
             rig = FleetRig(client=client, settings=settings, sim=sim, http=http)

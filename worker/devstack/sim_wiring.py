@@ -1,8 +1,9 @@
-"""Point fleetmend at the simulated fleet: every URL setting derived from the simulator's one base URL.
+"""Point fleetmend at the simulated fleet: every URL setting derived from the simulator's addresses.
 
-In production each of these is a real endpoint (the pod's metrics port, the
-DCGM exporter, the gateway's admin API...); the simulator serves them all on
-one port under distinct paths, and this is the one place that says which.
+In production each of these is a real endpoint (the pod's metrics port, the DCGM exporter,
+the gateway's admin API, the API server's audit log...); the simulator serves the Kubernetes
+API over TLS (through the kubeconfig it writes) and everything else on one plain-HTTP port
+under distinct paths, and this is the one place that says which.
 """
 
 from __future__ import annotations
@@ -11,9 +12,14 @@ from pathlib import Path
 from typing import Any
 
 
-def settings_for_sim(base_url: str, kubeconfig: Path) -> dict[str, Any]:
+def settings_for_sim(base_url: str, kubeconfig: Path, audit_log: Path | None = None) -> dict[str, Any]:
+    """Settings for a simulator serving the world at ``base_url`` and its API through ``kubeconfig``.
+
+    ``audit_log``: the API server's audit log, which ``ledger reconcile`` and the recovery's
+    verification step read for Kubernetes actions (the world's record, as on a real cluster).
+    """
     base = base_url.rstrip("/")
-    return {
+    settings: dict[str, Any] = {
         "kubeconfig": kubeconfig,
         "kube_context": None,
         "router_admin_url": base,
@@ -24,3 +30,11 @@ def settings_for_sim(base_url: str, kubeconfig: Path) -> dict[str, Any]:
         "notifier_url": base + "/sim/v1/notify",
         "action_log_url": base + "/sim/v1/actions",
     }
+    if audit_log is not None:
+        settings["audit_log"] = audit_log
+    return settings
+
+
+def settings_for_running_sim(sim: Any) -> dict[str, Any]:
+    """``settings_for_sim`` for a ``sim.runner.RunningSim``."""
+    return settings_for_sim(sim.base_url, Path(sim.kubeconfig), getattr(sim, "audit_log", None))

@@ -219,7 +219,11 @@ class _SimPart:
         kubeconfig.parent.mkdir(parents=True, exist_ok=True)
         try:
             self.handle = await asyncio.to_thread(
-                start_sim, scenario, port=self.settings.sim_port, kubeconfig=kubeconfig
+                start_sim,
+                scenario,
+                port=self.settings.sim_port,
+                kube_port=self.settings.sim_kube_port,
+                kubeconfig=kubeconfig,
             )
         except Exception as err:
             raise StackError(f"the sim did not start with {scenario}: {err}".splitlines()[0]) from err
@@ -239,18 +243,21 @@ class _SimPart:
 
         Without the metric and health URLs the worker would probe ``{pod_ip}:8000``, which the sim
         does not serve: every engine would look unanswering."""
-        from worker.devstack.sim_wiring import settings_for_sim
+        from worker.devstack.sim_wiring import settings_for_running_sim
 
-        update = settings_for_sim(self.handle.base_url, Path(self.handle.kubeconfig))
-        if self.settings.kubeconfig is not None:  # an explicit kubeconfig wins
+        update = settings_for_running_sim(self.handle)
+        if self.settings.kubeconfig is not None:  # an explicit kubeconfig wins (and its cluster's audit log)
             update.pop("kubeconfig")
             update.pop("kube_context")
+            update.pop("audit_log", None)
         return update
 
     def endpoints(self) -> list[Endpoint]:
         return [
             Endpoint("sim", f"Sim ({self.scenario().stem})", self.handle.base_url),
+            Endpoint("sim", "Sim Kubernetes API", self.handle.kube_url),
             Endpoint("sim", "Sim kubeconfig", str(self.handle.kubeconfig)),
+            Endpoint("sim", "Sim audit log", str(self.handle.audit_log)),
         ]
 
 

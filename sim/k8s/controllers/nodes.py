@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from sim.clock import parse_timestamp
+from sim.clock import micro_timestamp, parse_timestamp
 from sim.k8s import objects as o
 
 if TYPE_CHECKING:
@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 Obj = dict[str, Any]
 COMPONENT = "node-controller"
+NODE_LEASE_NAMESPACE = "kube-node-lease"
+LEASE_DURATION_S = 40  # the kubelet's --node-lease-duration-seconds default
+LEASE_RENEW_S = 10.0  # the kubelet renews at a quarter of the duration
 _NODE_CONDITIONS = (
     ("MemoryPressure", "False", "KubeletHasSufficientMemory", "kubelet has sufficient memory available"),
     ("DiskPressure", "False", "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
@@ -188,3 +191,43 @@ def collect_garbage(cp: ControlPlane) -> None:
             refs = [r for r in obj["metadata"].get("ownerReferences") or [] if r.get("kind") in owner_plurals]
             if refs and all(r.get("uid") not in live_uids for r in refs) and not o.is_terminating(obj):
                 cp.delete(plural, o.namespace_of(obj), o.name_of(obj))
+
+
+def renew_node_leases(cp: ControlPlane) -> None:
+    """Each reachable node's kubelet renews its Lease in ``kube-node-lease`` every 10 s (heartbeat).
+
+    A lost node's lease stops being renewed, so ``kubectl describe node`` shows its last RenewTime.
+    """
+    now = cp.now()
+    for node in cp.store.list_view("nodes"):
+        name = o.name_of(node)
+        if cp.is_node_lost(name):
+            continue
+        lease = cp.store.list_view("leases", NODE_LEASE_NAMESPACE, field_selector=f"metadata.name={name}")
+        if lease:
+            renewed = lease[0].get("spec", {}).get("renewTime")
+            if renewed and now - parse_timestamp(renewed) < LEASE_RENEW_S:
+                continue
+
+            def renew(obj: Obj) -> None:
+                obj["spec"]["renewTime"] = micro_timestamp(now)
+
+            cp.store.mutate("leases", NODE_LEASE_NAMESPACE, name, renew)
+            continue
+        cp.store.create(
+            "leases",
+            {
+                "metadata": {
+                    "name": name,
+                    "namespace": NODE_LEASE_NAMESPACE,
+                    "ownerReferences": [
+                        {"apiVersion": "v1", "kind": "Node", "name": name, "uid": o.uid_of(node)}
+                    ],
+                },
+                "spec": {
+                    "holderIdentity": name,
+                    "leaseDurationSeconds": LEASE_DURATION_S,
+                    "renewTime": micro_timestamp(now),
+                },
+            },
+        )
