@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleet.pool import GroupRole, PoolSnapshot, ReplicaGroup
+from fleet.pool import GroupRole, PoolSnapshot, ReplicaGroup, WorkloadKind
 
 
 class GroupLoad(BaseModel):
@@ -91,6 +91,14 @@ def _resolve(snapshot: PoolSnapshot, name: str) -> ReplicaGroup:
     return group
 
 
+def _lws_index_rank(group: ReplicaGroup) -> int:
+    """Order of removal a workload imposes: a LeaderWorkerSet's highest group index first; others 0."""
+    if group.workload_kind is not WorkloadKind.LEADER_WORKER_SET:
+        return 0
+    tail = group.id.rsplit("-", 1)[-1]
+    return -int(tail) if tail.isdigit() else 0
+
+
 def choose_victims(
     snapshot: PoolSnapshot,
     target_groups: int | None = None,
@@ -113,7 +121,8 @@ def choose_victims(
         if target_groups < 0:
             raise ValueError(f"target replica-group count must be >= 0, got {target_groups}")
         wanted = max(0, len(serving) - target_groups)
-        ordered = sorted(serving, key=lambda g: _preference(g, loads))
+        # A LeaderWorkerSet scales down from its highest group index: only those groups can go.
+        ordered = sorted(serving, key=lambda g: (_lws_index_rank(g), _preference(g, loads)))
 
     chosen: list[str] = []
     blocked: dict[str, str] = {}

@@ -370,6 +370,17 @@ class Procedure:
             if await self.escalate(refusal) == "skip":
                 return seen
 
+    async def route(
+        self, pool: PoolRef, pods: Iterable[str], label: str, value: str, *, step: str, why: str
+    ) -> None:
+        """Add the router-only label to ``pods`` (nothing else about them changes: a role label may be a selector)."""
+        for pod in pods:
+            await self.act(
+                ActActivities.patch_pod_metadata,
+                PodLabelsChange(step=step, namespace=pool.namespace, pod=pod, labels={label: value}),
+                f"{why}: route to {pod} ({label}={value})",
+            )
+
     async def annotate(
         self, pool: PoolRef, pod: str, annotations: dict[str, str | None], *, step: str, why: str
     ) -> None:

@@ -28,7 +28,6 @@ with workflow.unsafe.imports_passed_through():
         NodeRelease,
         NodeTaint,
         PodDeletion,
-        PodLabelsChange,
         QualificationRequest,
         RetryPolicyChangeRequest,
         ScaleChange,
@@ -354,17 +353,14 @@ class ReplicaLossRecovery(Procedure):
         promoted: list[ReplicaGroup] = []
         for lost_id, spare_id in pick.promotions.items():
             spare = obs.snapshot.group(spare_id)
-            for pod in spare.pods:
-                await self.act(
-                    ActActivities.patch_pod_metadata,
-                    PodLabelsChange(
-                        step="promote",
-                        namespace=inp.pool.namespace,
-                        pod=pod,
-                        labels={obs.router_label: self._router_value()},
-                    ),
-                    f"promote spare {pod} in place of {lost_id}",
-                )
+            await self.route(
+                inp.pool,
+                spare.pods,
+                obs.router_label,
+                self._router_value(),
+                step="promote",
+                why=f"promote spare {spare_id} in place of {lost_id}",
+            )
             promoted.append(spare)
         self.figure("promoted", [g.id for g in promoted])
         self._unmatched = list(pick.unmatched)

@@ -224,3 +224,15 @@ def test_reports_match_a_named_group_a_pods_group_and_every_group_on_a_node() ->
     assert sorted(match_reports(snap, [by_pod])) == ["g3"]
     gone = LossReport(pool=POOL, fingerprint="f", alert_name="a", pod="g9-0")
     assert match_reports(snap, [gone]) == {}
+
+
+def test_a_leader_worker_set_scale_down_picks_its_highest_group_index() -> None:
+    from fleet.victims import GroupLoad, choose_victims
+
+    groups = [group(f"llama-lws-{i}", pods=2, kind=WorkloadKind.LEADER_WORKER_SET) for i in range(3)]
+    idle_first = {
+        "llama-lws-0": GroupLoad(running=0, waiting=0),
+        "llama-lws-2": GroupLoad(running=9, waiting=3),
+    }
+    choice = choose_victims(snapshot(groups), target_groups=2, loads=idle_first, warm_floor=1)
+    assert choice.victims == ("llama-lws-2",)  # not the idle group 0: the LWS would remove index 2 anyway

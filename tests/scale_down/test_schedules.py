@@ -40,7 +40,9 @@ def _env(client: Client, task_queue: str) -> dict[str, str]:
 
 async def _open_incident(rig: FleetRig, cooldown_s: float) -> str:
     """A real FleetIncident on the pool: the reported pod is not lost, so it stays open only for its cool-down."""
-    timings = RecoveryTimings(correlation_window_s=1, poll_interval_s=0.3, cooldown_s=cooldown_s)
+    timings = RecoveryTimings(
+        correlation_window_s=1, poll_interval_s=0.3, cooldown_s=cooldown_s, reappear_timeout_s=1
+    )
     report = LossReport(
         pool=POOL, fingerprint="fp-maybe", alert_name="FleetmendEndpointUnroutable", pod="llama-x"
     )
