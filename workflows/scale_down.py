@@ -433,6 +433,11 @@ class PlannedScaleDown(Procedure):
     async def verify(self, before: PoolObservation) -> None:
         inp = self._inp
         await self.enter(Phase.VERIFYING, "Verifying: remaining ready, no stream cut, ledger clean")
+        if inp.dry_run:
+            self.decide(
+                "dry-run: nothing was removed, so nothing to verify; the plan is in the ledger as planned"
+            )
+            return
         obs = await self._observe("verify: remaining replica groups")
         victim_ids = {g.id for g in self._victims}
         target = len([g for g in before.snapshot.serving if g.id not in victim_ids])

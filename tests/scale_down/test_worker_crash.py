@@ -6,55 +6,27 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import signal
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
-import pytest
 from temporalio.client import Client
 
 from fleet.recovery import Phase
 from tests.scale_down.helpers import cut_streams_on, scale_down_input, start_scale_down, vllm_default_scenario
-from tests.support import POOL, decisions, finish, reconcile_with_world, status_of, wait_for_phase
-from worker.config import Settings
+from tests.support import (
+    POOL,
+    decisions,
+    finish,
+    reconcile_with_world,
+    start_worker_process,
+    status_of,
+    stop_processes,
+    wait_for_phase,
+)
 from worker.devstack.rig import fleet_rig
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _worker_env(settings: Settings, database_url: str) -> dict[str, str]:
-    env = dict(os.environ)
-    for name in (
-        "temporal_address",
-        "temporal_namespace",
-        "task_queue",
-        "kubeconfig",
-        "router_admin_url",
-        "metrics_url_template",
-        "health_url_template",
-        "node_telemetry_url_template",
-        "qualification_url_template",
-        "notifier_url",
-        "action_log_url",
-    ):
-        env[f"FLEETMEND_{name.upper()}"] = str(getattr(settings, name))
-    env["FLEETMEND_DATABASE_URL"] = database_url
-    env["FLEETMEND_WORKER_METRICS_PORT"] = "0"
-    return env
-
-
-def _start_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "worker", "--log-level", "WARNING"],
-        cwd=REPO,
-        env=env,
-        stdout=log.open("ab"),
-        stderr=subprocess.STDOUT,
-    )
 
 
 async def test_worker_killed_mid_drain_resumes_with_no_duplicate_action(
@@ -67,9 +39,8 @@ async def test_worker_killed_mid_drain_resumes_with_no_duplicate_action(
         task_queue=task_queue,
         run_worker=False,
     ) as rig:
-        env = _worker_env(rig.settings, ledger_url)
         log = tmp_path / "workers.log"
-        first = _start_worker(env, log)
+        first = start_worker_process(rig, log)
         second = None
         try:
             # Generations of 300-500 tokens (7.5-12.5 s each) keep the victims busy for several seconds.
@@ -87,7 +58,7 @@ async def test_worker_killed_mid_drain_resumes_with_no_duplicate_action(
             first.send_signal(signal.SIGKILL)
             first.wait(10)
 
-            second = _start_worker(env, log)
+            second = start_worker_process(rig, log)
             status = await finish(handle, 120)
             text = decisions(status)
             assert status.phase == Phase.DONE, text + "\n" + log.read_text()[-3000:]
@@ -106,10 +77,4 @@ async def test_worker_killed_mid_drain_resumes_with_no_duplicate_action(
             per_victim_status = [a for a in mine if a["path"].endswith("/status")]
             assert len(per_victim_status) == len(victims)
         finally:
-            for proc in (first, second):
-                if proc is not None and proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-                    try:
-                        proc.wait(15)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
+            stop_processes(first, second)
