@@ -30,7 +30,6 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-import yaml
 from pydantic import SecretStr
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from temporalio.client import Client
@@ -52,6 +51,7 @@ from worker.devstack.rig import fleet_rig
 from worker.processes import free_port
 from worker.webhook.app import ALERTMANAGER_PATH, create_app
 from worker.webhook.examples import alertmanager_fingerprint
+from worker.webhook.pipeline import fast_rules, loopback_alertmanager, loopback_prometheus
 from workflows.incident import FleetIncident
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,50 +68,6 @@ pytestmark = [
         "`make system-deps` installs them",
     ),
 ]
-
-
-def templated_rules(target: Path) -> Path:
-    """deploy/prometheus/rules.yml with every non-zero ``for:`` cut to 2 s."""
-    rules = yaml.safe_load((REPO / "deploy/prometheus/rules.yml").read_text())
-    for group in rules["groups"]:
-        group["interval"] = "1s"
-        for rule in group["rules"]:
-            if rule.get("for") not in (None, "0m", "0s"):
-                rule["for"] = "2s"
-    target.write_text(yaml.safe_dump(rules, sort_keys=False))
-    return target
-
-
-def templated_prometheus(target: Path, rules: Path, sim: str, alertmanager: str, webhook: str) -> Path:
-    """deploy/prometheus/prometheus.yml pointed at loopback addresses, scraping every second."""
-    text = (REPO / "deploy/prometheus/prometheus.yml").read_text()
-    text = (
-        text.replace("sim:8480", sim)
-        .replace("alertmanager:9093", alertmanager)
-        .replace("webhook:8088", webhook)
-    )
-    config = yaml.safe_load(text)
-    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
-    config["rule_files"] = [str(rules)]
-    for job in config["scrape_configs"]:
-        for sd in job.get("http_sd_configs", []):
-            sd["refresh_interval"] = "2s"
-        for static in job.get("static_configs", []):
-            static["targets"] = [t for t in static["targets"] if not t.startswith("worker:")]
-    target.write_text(yaml.safe_dump(config, sort_keys=False))
-    return target
-
-
-def templated_alertmanager(target: Path, webhook_url: str, token_file: Path) -> Path:
-    """deploy/alertmanager/alertmanager.yml with the test webhook, its token file and 1-2 s group timings."""
-    config = yaml.safe_load((REPO / "deploy/alertmanager/alertmanager.yml").read_text())
-    [route] = [r for r in config["route"]["routes"] if r["receiver"] == "fleetmend"]
-    route.update(group_wait="1s", group_interval="2s", repeat_interval="1m")
-    [hook] = next(r for r in config["receivers"] if r["name"] == "fleetmend")["webhook_configs"]
-    hook["url"] = webhook_url
-    hook["http_config"]["authorization"]["credentials_file"] = str(token_file)
-    target.write_text(yaml.safe_dump(config, sort_keys=False))
-    return target
 
 
 @contextmanager
@@ -174,13 +130,17 @@ async def alert_pipeline(
     token_file = tmp_path / "fleetmend-token"
     token_file.write_text(webhook.token)
     token_file.chmod(0o600)
-    am_config = templated_alertmanager(tmp_path / "alertmanager.yml", webhook.url, token_file)
-    prom_config = templated_prometheus(
+    # The same templating of deploy/ as the demo's pipeline: what is tested is what ships.
+    am_config = loopback_alertmanager(
+        tmp_path / "alertmanager.yml", webhook_url=webhook.url, token_file=token_file
+    )
+    prom_config = loopback_prometheus(
         tmp_path / "prometheus.yml",
-        templated_rules(tmp_path / "rules.yml"),
+        rules=fast_rules(tmp_path / "rules.yml"),
         sim=f"127.0.0.1:{sim_port}",
         alertmanager=f"127.0.0.1:{am_port}",
         webhook=webhook.base_url.removeprefix("http://"),
+        worker=None,
     )
     logs = [tmp_path / "alertmanager.log", tmp_path / "prometheus.log"]
     am_argv = [
