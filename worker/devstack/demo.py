@@ -48,7 +48,7 @@ from worker.webhook.app import ALERTMANAGER_PATH
 from worker.webhook.examples import example_payload
 from worker.webhook.pipeline import RunningPipeline, alert_pipeline, pipeline_binaries
 
-# The procedure's waits for a demo (the values tests/recovery/helpers.py uses): the sim runs at
+# The procedure's waits for a demo (close to tests/support.py's FAST): the sim runs at
 # real speed with a compressed start-up, so a whole recovery takes tens of seconds.
 DEMO_TIMINGS = RecoveryTimings(
     correlation_window_s=5,
