@@ -21,6 +21,7 @@ line naming the setting, not with a handshake error deep in the SDK.
 
 from __future__ import annotations
 
+import socket
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -222,6 +223,30 @@ def connection(settings: Settings) -> TemporalConnection:
     )
 
 
+def probe_wants_client_certificate(conn: TemporalConnection, timeout_s: float = 3.0) -> bool:
+    """Whether the frontend, dialled with the configured CA and no client certificate, completes the
+    handshake and then refuses for want of one (TLS 1.3 alert ``certificate_required``, or a close).
+
+    The SDK's own error text for this case depends on timing (rustls reports an unexpected EOF, a
+    broken pipe or a reset); one handshake of our own makes the diagnosis deterministic. Only called
+    after a failed connect, so it never delays a healthy start.
+    """
+    host, _, port = conn.address.rpartition(":")
+    context = ssl.create_default_context(
+        cafile=str(conn.server_ca_cert_path) if conn.server_ca_cert_path else None
+    )
+    context.set_alpn_protocols(["h2"])
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as raw:
+            with context.wrap_socket(raw, server_hostname=conn.server_name or host) as tls:
+                tls.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+                return tls.recv(1) == b""
+    except ssl.SSLError as err:
+        return "CERTIFICATE_REQUIRED" in str(err).upper() or "HANDSHAKE_FAILURE" in str(err).upper()
+    except (OSError, ValueError):
+        return False
+
+
 def handshake_hint(conn: TemporalConnection, error: BaseException) -> str | None:
     """The setting to fix when a connect error is a TLS failure, else None."""
     text = str(error).lower()
@@ -247,9 +272,14 @@ def handshake_hint(conn: TemporalConnection, error: BaseException) -> str | None
         )
     if "notvalidforname" in text or "not valid for name" in text:
         return "the frontend's certificate does not carry the name dialled: set TEMPORAL_TLS_SERVER_NAME"
-    dropped = ("connection closed", "connectionreset", "connection reset", "unexpectedeof", "close_notify")
+    dropped = (
+        "connection closed", "connectionreset", "connection reset", "unexpectedeof", "close_notify",
+        "broken pipe", "brokenpipe",
+    )  # fmt: skip
     if conn.client_cert_path is None and (
-        "certificate required" in text or ("after connection" in text and any(s in text for s in dropped))
+        "certificate required" in text
+        or ("after connection" in text and any(s in text for s in dropped))
+        or probe_wants_client_certificate(conn)
     ):
         # TLS 1.3: a server that wants a client certificate drops the connection after the handshake.
         return (

@@ -148,7 +148,7 @@ def test_no_client_certificate_against_an_mtls_front_names_the_client_settings(
     front: TLSFront, pki: PKI
 ) -> None:
     lines = [line for line in failed_start(tls_env(front, pki.ca.ca.cert, None)).splitlines() if line.strip()]
-    assert len(lines) == 1 and "TEMPORAL_TLS_CLIENT_CERT_PATH" in lines[0], lines
+    assert len(lines) == 1 and "TEMPORAL_TLS_CLIENT_CERT_PATH" in lines[0], lines[0]
 
 
 def test_a_key_of_another_certificate_and_a_non_pem_ca_are_refused_before_dialling(pki: PKI) -> None:
