@@ -36,7 +36,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fleet.vocabulary import FaultKind, Tier
 
@@ -46,10 +46,35 @@ class _Wire(BaseModel):
 
 
 class Admission(_Wire):
-    """Gateway admission: tiers refused outright and the per-replica queue bound."""
+    """Gateway admission: tiers refused outright, part of one tier refused, and the queue bound.
+
+    ``shed_tiers`` are refused whole. ``partial_shed`` refuses that share (0..1) of one more tier's
+    requests, so the gateway can refuse exactly the capacity gap instead of a whole tier (on
+    Envoy: a direct-response route taken for a runtime fraction of the tier's requests).
+    """
 
     shed_tiers: list[Tier] = Field(default_factory=list)
+    partial_shed: dict[Tier, float] = Field(
+        default_factory=dict, description="tier -> share of its requests refused (0 < share < 1)"
+    )
     queue_bound: int | None = Field(default=None, ge=0)
+
+    @field_validator("partial_shed")
+    @classmethod
+    def _shares_are_partial(cls, value: dict[Tier, float]) -> dict[Tier, float]:
+        bad = {tier: share for tier, share in value.items() if not 0.0 < share < 1.0}
+        if bad:
+            raise ValueError(
+                f"partial_shed shares must lie strictly between 0 and 1 (got {bad}); "
+                "list a tier refused whole in shed_tiers, and leave out a tier not shed at all"
+            )
+        return value
+
+    def shed_share(self, tier: Tier) -> float:
+        """The share of ``tier``'s requests this admission refuses (1.0 for a whole shed tier)."""
+        if tier in self.shed_tiers:
+            return 1.0
+        return self.partial_shed.get(tier, 0.0)
 
 
 class RetryPolicy(_Wire):
