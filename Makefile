@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(BIN)/fleetmend demo
 
 test: $(STAMP) system-deps
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=30
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
