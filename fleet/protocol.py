@@ -102,6 +102,18 @@ class RouterState(_Wire):
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
 
 
+class GatewayPolicy(_Wire):
+    """What fleetmend sets in the gateway for one pool: ramp weights, admission, retry policy.
+
+    Absolute values, replaced whole: re-applying the same policy is a no-op, so a retried write
+    cannot compound. A pod the weights do not name gets the mean of the named ones.
+    """
+
+    weights: dict[str, float] = Field(default_factory=dict)
+    admission: Admission = Field(default_factory=Admission)
+    retry: RetryPolicy = Field(default_factory=RetryPolicy)
+
+
 class WeightsChange(_Wire):
     replaces_version: int
     weights: dict[str, float]

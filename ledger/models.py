@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     ForeignKey,
@@ -23,6 +24,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Table,
     Text,
     UniqueConstraint,
     func,
@@ -163,3 +165,38 @@ class DivergenceRecord(Base):
 
 effects_table = EffectRecord.__table__
 divergences_table = DivergenceRecord.__table__
+
+
+class GatewayPolicyRecord(Base):
+    """The gateway policy fleetmend wants for one pool (weights, admission, retry), one row per pool.
+
+    Written by the gateway adapter (``activities/envoy_gateway.py``) inside a ledger effect; read by
+    the xDS control plane (``gateway/``), which renders it into Envoy resources. ``revision`` comes from
+    one sequence, so a single number orders every change across pools and the Envoy resource
+    versions carry it: an Envoy that ACKed version ``p<r>`` has every change up to ``r``.
+    """
+
+    __tablename__ = "gateway_policies"
+
+    pool: Mapped[str] = mapped_column(String(255), primary_key=True)
+    revision: Mapped[int] = mapped_column(BigInteger)
+    policy: Mapped[dict[str, Any]] = mapped_column(JSONB(none_as_null=True))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+
+class GatewayAckRecord(Base):
+    """What each Envoy last answered the control plane, per resource type (ACK or NACK, with Envoy's text)."""
+
+    __tablename__ = "gateway_acks"
+
+    node_id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    type_url: Mapped[str] = mapped_column(String(255), primary_key=True)
+    acked_version: Mapped[str | None] = mapped_column(String(255))
+    nacked_version: Mapped[str | None] = mapped_column(String(255))
+    error: Mapped[str | None] = mapped_column(Text)
+    connected: Mapped[bool] = mapped_column(Boolean, server_default=text("true"))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+
+gateway_policies_table = cast(Table, GatewayPolicyRecord.__table__)
+gateway_acks_table = cast(Table, GatewayAckRecord.__table__)

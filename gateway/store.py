@@ -1,0 +1,129 @@
+"""The gateway's desired state and Envoy's answers, in the ledger's Postgres database.
+
+``PolicyStore`` is shared by the two sides: the gateway adapter writes a pool's policy (inside a
+ledger effect) and reads Envoy's ACKs to know it was applied; the control plane reads policies
+to render Envoy resources and records every ACK or NACK it receives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import Engine, select, text, update
+from sqlalchemy.dialects.postgresql import insert
+
+from fleet.protocol import GatewayPolicy
+from ledger.models import gateway_acks_table, gateway_policies_table
+
+
+def version_string(revision: int, digest: str) -> str:
+    """An xDS resource version: ``p<policy revision>.<content digest>``."""
+    return f"p{revision}.{digest}"
+
+
+def revision_of(version: str | None) -> int:
+    """The policy revision a version string carries (-1 for none or a foreign one)."""
+    if not version or not version.startswith("p"):
+        return -1
+    head = version[1:].partition(".")[0]
+    return int(head) if head.isdigit() else -1
+
+
+@dataclass(frozen=True)
+class StoredPolicy:
+    pool: str
+    revision: int
+    policy: GatewayPolicy
+
+
+@dataclass(frozen=True)
+class EnvoyAnswer:
+    """The last thing one Envoy said about one resource type."""
+
+    node_id: str
+    type_url: str
+    acked_version: str | None
+    nacked_version: str | None
+    error: str | None
+    connected: bool
+    updated_at: datetime
+
+
+class PolicyStore:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    # ------------------------------------------------------------- policies
+    def put(self, pool: str, policy: GatewayPolicy) -> int:
+        """Store ``policy`` as the pool's whole policy; returns its revision (unchanged if equal)."""
+        body = policy.model_dump(mode="json")
+        with self.engine.begin() as conn:
+            current = conn.execute(
+                select(gateway_policies_table.c.revision, gateway_policies_table.c.policy)
+                .where(gateway_policies_table.c.pool == pool)
+                .with_for_update()
+            ).first()
+            if current is not None and current.policy == body:
+                return int(current.revision)
+            revision = int(conn.execute(text("SELECT nextval('gateway_policy_revision')")).scalar_one())
+            stmt = insert(gateway_policies_table).values(pool=pool, revision=revision, policy=body)
+            conn.execute(
+                stmt.on_conflict_do_update(
+                    index_elements=["pool"],
+                    set_={"revision": revision, "policy": body, "updated_at": text("now()")},
+                )
+            )
+            return revision
+
+    def get(self, pool: str) -> StoredPolicy | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                select(gateway_policies_table).where(gateway_policies_table.c.pool == pool)
+            ).first()
+        if row is None:
+            return None
+        return StoredPolicy(row.pool, int(row.revision), GatewayPolicy.model_validate(row.policy))
+
+    def all(self) -> list[StoredPolicy]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(gateway_policies_table)).all()
+        return [StoredPolicy(r.pool, int(r.revision), GatewayPolicy.model_validate(r.policy)) for r in rows]
+
+    # ---------------------------------------------------------------- acks
+    def record_answer(
+        self, node_id: str, type_url: str, *, acked: str | None = None, nacked: str | None = None,
+        error: str | None = None,
+    ) -> None:  # fmt: skip
+        values: dict[str, object] = {"connected": True, "updated_at": text("now()")}
+        if acked is not None:
+            values.update(acked_version=acked, nacked_version=None, error=None)
+        if nacked is not None:
+            values.update(nacked_version=nacked, error=error)
+        stmt = insert(gateway_acks_table).values(node_id=node_id, type_url=type_url, **values)
+        with self.engine.begin() as conn:
+            conn.execute(stmt.on_conflict_do_update(index_elements=["node_id", "type_url"], set_=values))
+
+    def mark_connected(self, node_id: str, connected: bool) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(
+                update(gateway_acks_table)
+                .where(gateway_acks_table.c.node_id == node_id)
+                .values(connected=connected, updated_at=text("now()"))
+            )
+
+    def answers(self) -> list[EnvoyAnswer]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(gateway_acks_table)).all()
+        return [
+            EnvoyAnswer(
+                r.node_id,
+                r.type_url,
+                r.acked_version,
+                r.nacked_version,
+                r.error,
+                bool(r.connected),
+                r.updated_at,
+            )
+            for r in rows
+        ]

@@ -1,0 +1,44 @@
+"""Gateway policies (what fleetmend wants Envoy to apply per pool) and Envoy's ACK/NACK answers.
+
+Revision ID: 0002_gateway_policies
+Revises: 0001_effect_ledger
+Create Date: 2026-12-01
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+from sqlalchemy.dialects.postgresql import JSONB
+
+revision = "0002_gateway_policies"
+down_revision = "0001_effect_ledger"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.execute("CREATE SEQUENCE gateway_policy_revision")
+    op.create_table(
+        "gateway_policies",
+        sa.Column("pool", sa.String(255), primary_key=True),
+        sa.Column("revision", sa.BigInteger(), nullable=False),
+        sa.Column("policy", JSONB(), nullable=False),
+        sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
+    )
+    op.create_table(
+        "gateway_acks",
+        sa.Column("node_id", sa.String(255), primary_key=True),
+        sa.Column("type_url", sa.String(255), primary_key=True),
+        sa.Column("acked_version", sa.String(255), nullable=True),
+        sa.Column("nacked_version", sa.String(255), nullable=True),
+        sa.Column("error", sa.Text(), nullable=True),
+        sa.Column("connected", sa.Boolean(), nullable=False, server_default=sa.text("true")),
+        sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
+    )
+
+
+def downgrade() -> None:
+    op.drop_table("gateway_acks")
+    op.drop_table("gateway_policies")
+    op.execute("DROP SEQUENCE gateway_policy_revision")
