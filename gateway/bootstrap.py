@@ -23,6 +23,7 @@ ACCESS_LOG_FORMAT: dict[str, str] = {
     "path": "%REQ(:PATH)%",
     "cluster": "%UPSTREAM_CLUSTER%",
     "upstream_host": "%UPSTREAM_HOST%",
+    "upstream_host_name": "%UPSTREAM_HOST_NAME%",
     "response_code": "%RESPONSE_CODE%",
     "response_flags": "%RESPONSE_FLAGS%",
     "response_code_details": "%RESPONSE_CODE_DETAILS%",

@@ -1,0 +1,212 @@
+"""The gateway port on Envoy: policies through fleetmend's xDS control plane, facts from Envoy itself.
+
+* **Set** a pool's policy: write it to ``gateway_policies`` (``gateway.store``); the control plane
+  renders it (``gateway.resources``) and pushes it over ADS to every Envoy.
+* **Applied?** Every Envoy connected to the control plane has ACKed a version carrying that
+  policy's revision, for clusters, endpoints and routes. A NACK is a refusal: the previous policy
+  is put back (so the next snapshot is one Envoy accepts) and the effect fails with Envoy's text;
+  nothing is retried blindly. No Envoy connected, or no answer yet: the outcome is unknown, and
+  the ledger's probe asks again later.
+* **Routing set**: Envoy's admin ``/clusters`` — the hosts each Envoy has for the pool's cluster,
+  minus those its active health check or outlier detection took out of rotation (the data plane
+  reacts before any alert).
+* **Request outcomes**: Envoy's JSON access log (``gateway.bootstrap.ACCESS_LOG_FORMAT``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from fleet.incident import PoolRef
+from fleet.protocol import GatewayPolicy, JournalEntry, Outcome, RoutedEndpoint, RoutingSet
+from fleet.vocabulary import Tier
+from gateway.resources import CLUSTER_TYPE, ENDPOINT_TYPE, ROUTE_TYPE, WEIGHT_SCALE
+from gateway.store import EnvoyAnswer, PolicyStore, revision_of
+from ledger.errors import PermanentEffectError
+
+APPLIED_TYPES = (CLUSTER_TYPE, ENDPOINT_TYPE, ROUTE_TYPE)
+# Envoy response flags that mean the upstream went away under the request (Envoy docs, access log).
+_UPSTREAM_GONE = {"UC", "UF", "UH", "UR", "URX", "UT", "UMSDR", "UPE"}
+
+
+class GatewayNotApplied(RuntimeError):
+    """The policy is stored but not every Envoy runs it yet: the outcome is unknown (retry, probe)."""
+
+
+def pending_envoys(answers: Sequence[EnvoyAnswer], revision: int) -> tuple[list[str], list[str]]:
+    """(Envoys that have not ACKed ``revision`` yet, "node type: error" for each NACK of it or later)."""
+    connected = {a.node_id for a in answers if a.connected}
+    waiting: set[str] = set()
+    refused: list[str] = []
+    for node in sorted(connected):
+        mine = {a.type_url: a for a in answers if a.node_id == node}
+        for type_url in APPLIED_TYPES:
+            answer = mine.get(type_url)
+            if answer is not None and revision_of(answer.nacked_version) >= revision:
+                refused.append(f"{node} {type_url.rsplit('.', 1)[-1]}: {answer.error}")
+            elif answer is None or revision_of(answer.acked_version) < revision:
+                waiting.add(node)
+    return sorted(waiting), refused
+
+
+class EnvoyGateway:
+    def __init__(
+        self,
+        store: PolicyStore,
+        admin_urls: Sequence[str],
+        access_logs: Sequence[Path] = (),
+        *,
+        http: httpx.Client | None = None,
+        apply_timeout_s: float = 5.0,
+    ) -> None:
+        self.store = store
+        self.admin_urls = [u.rstrip("/") for u in admin_urls]
+        self.access_logs = list(access_logs)
+        self.http = http or httpx.Client(timeout=httpx.Timeout(3.0, connect=1.0))
+        self.apply_timeout_s = apply_timeout_s
+
+    # ---------------------------------------------------------------- policy
+    def policy(self, pool: PoolRef) -> GatewayPolicy:
+        stored = self.store.get(pool.key)
+        return stored.policy if stored is not None else GatewayPolicy()
+
+    def apply(self, pool: PoolRef, policy: GatewayPolicy) -> dict[str, Any]:
+        previous = self.store.get(pool.key)
+        revision = self.store.put(pool.key, policy)
+        deadline = time.monotonic() + self.apply_timeout_s
+        while True:
+            waiting, refused = pending_envoys(self.store.answers(), revision)
+            if refused:
+                restored = self.store.put(pool.key, previous.policy if previous else GatewayPolicy())
+                raise PermanentEffectError(
+                    f"Envoy refused the config for {pool.key} (revision {revision}): {'; '.join(refused)}; "
+                    f"fleetmend put the previous policy back (revision {restored})"
+                )
+            connected = any(a.connected for a in self.store.answers())
+            if connected and not waiting:
+                return {"revision": revision, "policy": policy.model_dump(mode="json")}
+            if time.monotonic() > deadline:
+                who = ", ".join(waiting) if connected else "no Envoy is connected to the control plane"
+                raise GatewayNotApplied(
+                    f"policy revision {revision} for {pool.key} not yet running everywhere ({who}) after "
+                    f"{self.apply_timeout_s:.0f} s: check `fleetmend gateway serve` and the Envoys' logs"
+                )
+            time.sleep(0.05)
+
+    def applied(self, pool: PoolRef, policy: GatewayPolicy) -> dict[str, Any] | None:
+        stored = self.store.get(pool.key)
+        if stored is None or stored.policy != policy:
+            return None
+        answers = self.store.answers()
+        waiting, refused = pending_envoys(answers, stored.revision)
+        if refused or waiting or not any(a.connected for a in answers):
+            return None
+        return {"revision": stored.revision, "policy": policy.model_dump(mode="json")}
+
+    # ------------------------------------------------------------ routing set
+    def routing_set(self, pool: PoolRef) -> RoutingSet:
+        """Hosts any Envoy would send a new request to (union: a pod routed anywhere is still routed)."""
+        routed: dict[str, RoutedEndpoint] = {}
+        for admin in self.admin_urls:
+            r = self.http.get(f"{admin}/clusters", params={"format": "json"})
+            r.raise_for_status()
+            for status in r.json().get("cluster_statuses", []):
+                if status.get("name") != pool.key:
+                    continue
+                for host in status.get("host_statuses", []):
+                    health = host.get("health_status") or {}
+                    if any(
+                        health.get(flag)
+                        for flag in (
+                            "failed_active_health_check",
+                            "failed_outlier_check",
+                            "pending_dynamic_removal",
+                        )
+                    ) or health.get("eds_health_status") not in (None, "HEALTHY"):
+                        continue
+                    sock = (host.get("address") or {}).get("socket_address") or {}
+                    name = host.get("hostname") or sock.get("address", "")
+                    routed[name] = RoutedEndpoint(
+                        pod=name,
+                        address=f"{sock.get('address', '')}:{sock.get('port_value', '')}",
+                        weight=float(host.get("weight", WEIGHT_SCALE)) / WEIGHT_SCALE,
+                    )
+        return RoutingSet(pool=pool.key, version=0, endpoints=sorted(routed.values(), key=lambda e: e.pod))
+
+    # -------------------------------------------------------- request outcomes
+    def request_outcomes(
+        self, pool: PoolRef, *, replica: str | None = None, since: float | None = None
+    ) -> list[JournalEntry]:
+        out: list[JournalEntry] = []
+        for path in self.access_logs:
+            try:
+                lines = path.read_text(errors="replace").splitlines()
+            except FileNotFoundError:
+                continue
+            for line in lines:
+                entry = journal_entry(line, pool.key)
+                if entry is None or (since is not None and entry.started_at < since):
+                    continue
+                if replica is not None and entry.replica != replica:
+                    continue
+                out.append(entry)
+        return out
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def journal_entry(line: str, pool: str) -> JournalEntry | None:
+    """One access-log line of ``pool`` as a journal entry, or None for another pool or a bad line."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(rec, dict):
+        return None
+    route = str(rec.get("route") or "")
+    cluster = rec.get("cluster")
+    namespace, _, service = pool.partition("/")
+    authority = str(rec.get("authority") or "").split(":")[0]
+    if cluster != pool and not authority.startswith(f"{service}.{namespace}"):
+        return None
+    flags = set(str(rec.get("response_flags") or "-").split(","))
+    code = _int(rec.get("response_code"))
+    started = float(rec.get("start_time") or 0.0)
+    duration_s = _int(rec.get("duration_ms")) / 1000.0
+    first_byte = rec.get("first_byte_ms")
+    tier_value = rec.get("tier")
+    tier = Tier(tier_value) if tier_value in {t.value for t in Tier} else Tier.STANDARD
+    truncated = bool(flags & _UPSTREAM_GONE) and code == 200
+    if route.startswith("shed-"):
+        outcome = Outcome.SHED
+    elif code == 200 and not truncated:
+        outcome = Outcome.COMPLETED
+    elif code in (429, 503) and not (flags & _UPSTREAM_GONE) and "UO" in flags:
+        outcome = Outcome.REJECTED
+    else:
+        outcome = Outcome.TERMINAL_ERROR
+    return JournalEntry(
+        request_id=str(rec.get("request_id") or ""),
+        pool=pool,
+        tier=tier,
+        outcome=outcome,
+        replica=str(rec.get("upstream_host_name") or "") or None,
+        attempt=max(1, _int(rec.get("attempts"))),
+        started_at=started,
+        ended_at=started + duration_s,
+        ttft_s=_int(first_byte) / 1000.0 if first_byte not in (None, "-") else None,
+        tokens_streamed=0,
+        truncated=truncated,
+        detail=f"{code} {','.join(sorted(flags))} {rec.get('response_code_details') or ''}".strip(),
+    )

@@ -1,0 +1,74 @@
+"""The gateway port: everything the runbook asks of the gateway in front of a pool.
+
+Five questions and one action, whatever the gateway is:
+
+* ``policy(pool)`` — the weights, admission and retry policy fleetmend last set;
+* ``apply(pool, policy)`` — set the whole policy and return once the gateway runs it (raise
+  ``PermanentEffectError`` with the gateway's own words when it refuses the config);
+* ``applied(pool, policy)`` — the probe for an unknown outcome: is exactly this running?;
+* ``routing_set(pool)`` — the engines the gateway would send a new request to, now;
+* ``request_outcomes(pool, replica, since)`` — what happened to each request (the in-flight record).
+
+Adapters: ``activities.envoy_gateway.EnvoyGateway`` (Envoy through fleetmend's xDS control plane,
+the one the dev stack, the demo and the production docs use) and ``SimRouterGateway`` below (the
+simulator's own router, kept while its last users move to Envoy). A new gateway is one file that
+implements ``Gateway``; ``activities.deps`` picks it from the ``gateway`` setting.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from activities.router_client import RouterClient
+from fleet.incident import PoolRef
+from fleet.protocol import GatewayPolicy, JournalEntry, RoutingSet
+
+
+class Gateway(Protocol):
+    def policy(self, pool: PoolRef) -> GatewayPolicy: ...
+
+    def apply(self, pool: PoolRef, policy: GatewayPolicy) -> dict[str, Any]: ...
+
+    def applied(self, pool: PoolRef, policy: GatewayPolicy) -> dict[str, Any] | None: ...
+
+    def routing_set(self, pool: PoolRef) -> RoutingSet: ...
+
+    def request_outcomes(
+        self, pool: PoolRef, *, replica: str | None = None, since: float | None = None
+    ) -> list[JournalEntry]: ...
+
+
+class SimRouterGateway:
+    """The simulator's router through its admin API (``activities.router_client``)."""
+
+    def __init__(self, router: RouterClient) -> None:
+        self.router = router
+
+    def policy(self, pool: PoolRef) -> GatewayPolicy:
+        state = self.router.state(pool)
+        return GatewayPolicy(weights=state.weights, admission=state.admission, retry=state.retry)
+
+    def apply(self, pool: PoolRef, policy: GatewayPolicy) -> dict[str, Any]:
+        current = self.policy(pool)
+        state = self.router.state(pool)
+        if policy.weights != current.weights:
+            state = self.router.set_weights(pool, policy.weights)
+        if policy.admission != current.admission:
+            state = self.router.set_admission(pool, policy.admission)
+        if policy.retry != current.retry:
+            state = self.router.set_retry_policy(pool, policy.retry)
+        return {"version": state.version, "policy": policy.model_dump(mode="json")}
+
+    def applied(self, pool: PoolRef, policy: GatewayPolicy) -> dict[str, Any] | None:
+        state = self.router.state(pool)
+        if GatewayPolicy(weights=state.weights, admission=state.admission, retry=state.retry) == policy:
+            return {"version": state.version, "policy": policy.model_dump(mode="json")}
+        return None
+
+    def routing_set(self, pool: PoolRef) -> RoutingSet:
+        return self.router.routing_set(pool)
+
+    def request_outcomes(
+        self, pool: PoolRef, *, replica: str | None = None, since: float | None = None
+    ) -> list[JournalEntry]:
+        return self.router.journal(pool, replica=replica, since=since)
