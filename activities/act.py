@@ -229,24 +229,21 @@ class ActActivities:
 
     @activity.defn(name="set_admission")
     def set_admission(self, req: AdmissionChangeRequest) -> EffectReport:
-        s = self.deps.settings
-        effect = SetAdmission(self.deps.router, s.router_admin_url, req.pool, req.admission)
+        effect = SetAdmission(self.deps.gateway, req.pool, req.admission)
         return self._perform(
             req, "router.admission", f"router/{req.pool.key}", req.admission.model_dump(mode="json"), effect
         )
 
     @activity.defn(name="set_retry_policy")
     def set_retry_policy(self, req: RetryPolicyChangeRequest) -> EffectReport:
-        s = self.deps.settings
-        effect = SetRetryPolicy(self.deps.router, s.router_admin_url, req.pool, req.retry)
+        effect = SetRetryPolicy(self.deps.gateway, req.pool, req.retry)
         return self._perform(
             req, "router.retry-policy", f"router/{req.pool.key}", req.retry.model_dump(mode="json"), effect
         )
 
     @activity.defn(name="set_weights")
     def set_weights(self, req: WeightsChangeRequest) -> EffectReport:
-        s = self.deps.settings
-        effect = SetWeights(self.deps.router, s.router_admin_url, req.pool, req.weights)
+        effect = SetWeights(self.deps.gateway, req.pool, req.weights)
         return self._perform(
             req, "router.weights", f"router/{req.pool.key}", {"weights": req.weights}, effect
         )

@@ -8,6 +8,7 @@ imports activity *references*) never drags the worker's configuration along.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,6 +25,10 @@ class ActivityConfig(BaseModel):
     kube_context: str | None = None
     router_label: str = ROUTER_LABEL
     router_label_value: str = ROUTER_LABEL_VALUE
+    gateway: Literal["envoy", "sim-router"] = "envoy"
+    gateway_admin_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:9901"])
+    gateway_access_logs: list[Path] = Field(default_factory=list)
+    gateway_apply_timeout_s: float = 5.0
     router_admin_url: str = "http://127.0.0.1:8480"
     metrics_url_template: str = "http://{pod_ip}:8000/metrics"
     health_url_template: str = "http://{pod_ip}:8000/health"

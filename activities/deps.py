@@ -15,9 +15,12 @@ import httpx
 from temporalio import activity
 
 from activities.config import ActivityConfig
+from activities.envoy_gateway import EnvoyGateway
+from activities.gateway import Gateway, SimRouterGateway
 from activities.kube import USER_AGENT, KubeApis, kube_apis
 from activities.router_client import RouterClient
 from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX
+from gateway.store import PolicyStore
 from ledger.effect import EffectContext
 from ledger.store import EffectLedger
 
@@ -42,15 +45,27 @@ class ActivityDeps:
             _ = self.kube
         except Exception as exc:  # any configuration error: reported here, raised again per activity
             log.warning("Kubernetes client not configured at start-up: %s", exc)
-        _ = self.router, self.http
+        _ = self.gateway, self.http
 
     @cached_property
     def kube(self) -> KubeApis:
         return kube_apis(self.settings)
 
     @cached_property
-    def router(self) -> RouterClient:
-        return RouterClient(self.settings.router_admin_url, user_agent=USER_AGENT)
+    def gateway(self) -> Gateway:
+        """The gateway adapter the ``gateway`` setting names (activities.gateway)."""
+        s = self.settings
+        if s.gateway == "sim-router":
+            return SimRouterGateway(
+                RouterClient(s.router_admin_url, user_agent=USER_AGENT), s.router_admin_url
+            )
+        return EnvoyGateway(
+            PolicyStore(self.ledger.engine),
+            s.gateway_admin_urls,
+            s.gateway_access_logs,
+            http=self.http,
+            apply_timeout_s=s.gateway_apply_timeout_s,
+        )
 
     @property
     def http(self) -> httpx.Client:

@@ -59,7 +59,7 @@ class DrainActivities:
         """What the gateway journaled for the replicas: how many streams were cut, and which."""
         out = CutStreams()
         for replica in req.replicas:
-            for e in self.deps.router.journal(req.pool, replica=replica, since=req.since):
+            for e in self.deps.gateway.request_outcomes(req.pool, replica=replica, since=req.since):
                 out.requests += 1
                 if e.outcome in (Outcome.COMPLETED, Outcome.LATE):
                     out.completed += 1

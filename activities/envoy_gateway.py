@@ -28,6 +28,7 @@ from fleet.protocol import GatewayPolicy, JournalEntry, Outcome, RoutedEndpoint,
 from fleet.vocabulary import Tier
 from gateway.resources import CLUSTER_TYPE, ENDPOINT_TYPE, ROUTE_TYPE, WEIGHT_SCALE
 from gateway.store import EnvoyAnswer, PolicyStore, revision_of
+from ledger.effect import ActionSignature
 from ledger.errors import PermanentEffectError
 
 APPLIED_TYPES = (CLUSTER_TYPE, ENDPOINT_TYPE, ROUTE_TYPE)
@@ -108,6 +109,10 @@ class EnvoyGateway:
         if refused or waiting or not any(a.connected for a in answers):
             return None
         return {"revision": stored.revision, "policy": policy.model_dump(mode="json")}
+
+    def action_signature(self, pool: PoolRef, what: str) -> ActionSignature | None:
+        # Envoy's record of a change is its ACK in gateway_acks, not a request log reconcile reads.
+        return None
 
     # ------------------------------------------------------------ routing set
     def routing_set(self, pool: PoolRef) -> RoutingSet:

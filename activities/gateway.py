@@ -18,10 +18,12 @@ implements ``Gateway``; ``activities.deps`` picks it from the ``gateway`` settin
 from __future__ import annotations
 
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from activities.router_client import RouterClient
 from fleet.incident import PoolRef
 from fleet.protocol import GatewayPolicy, JournalEntry, RoutingSet
+from ledger.effect import ActionSignature
 
 
 class Gateway(Protocol):
@@ -37,12 +39,24 @@ class Gateway(Protocol):
         self, pool: PoolRef, *, replica: str | None = None, since: float | None = None
     ) -> list[JournalEntry]: ...
 
+    def action_signature(self, pool: PoolRef, what: str) -> ActionSignature | None:
+        """How the gateway's own record shows a change (ledger reconcile), or None if it keeps none."""
+        ...
+
 
 class SimRouterGateway:
     """The simulator's router through its admin API (``activities.router_client``)."""
 
-    def __init__(self, router: RouterClient) -> None:
+    def __init__(self, router: RouterClient, base_url: str) -> None:
         self.router = router
+        self.world = urlsplit(base_url).netloc
+
+    def action_signature(self, pool: PoolRef, what: str) -> ActionSignature | None:
+        # The body names the router version it replaces, known only at apply time: match on verb + path.
+        return ActionSignature(
+            world=self.world, verb="PUT", path=f"/router/v1/pools/{pool.namespace}/{pool.service}/{what}",
+            body_digest="*",
+        )  # fmt: skip
 
     def policy(self, pool: PoolRef) -> GatewayPolicy:
         state = self.router.state(pool)

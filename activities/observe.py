@@ -20,7 +20,7 @@ from fleet.incident import PoolRef
 from fleet.loss import EndpointConditions, EngineHealth, PodObservation
 from fleet.observation import PoolObservation, WorkloadSelector
 from fleet.pool import GroupRole, NodeInfo, PoolSnapshot, ReplicaGroup, Taint, WorkloadKind
-from fleet.protocol import JournalEntry, Qualification
+from fleet.protocol import JournalEntry, Qualification, RouterState
 from fleet.recovery import IncidentInput
 from fleet.vocabulary import (
     GPU_RESOURCE,
@@ -183,10 +183,11 @@ class ObserveActivities:
         router_state = None
         routed: list[str] = []
         try:
-            router_state = self.deps.router.state(req.pool)
-            routed = [e.pod for e in self.deps.router.routing_set(req.pool).endpoints]
+            policy = self.deps.gateway.policy(req.pool)
+            router_state = RouterState(pool=req.pool.key, version=0, **policy.model_dump())
+            routed = [e.pod for e in self.deps.gateway.routing_set(req.pool).endpoints]
         except httpx.HTTPError as exc:
-            warnings.append(f"router admin API unreachable: {exc}")
+            warnings.append(f"gateway unreachable: {exc}")
 
         # Nodes, with GPUs allocated by every non-terminated pod on them (all namespaces).
         allocated: dict[str, int] = {}
@@ -504,7 +505,7 @@ class ObserveActivities:
 
     @activity.defn(name="routed_pods")
     def routed_pods(self, pool: PoolRef) -> list[str]:
-        return [e.pod for e in self.deps.router.routing_set(pool).endpoints]
+        return [e.pod for e in self.deps.gateway.routing_set(pool).endpoints]
 
     @activity.defn(name="await_derouted")
     def await_derouted(self, req: DerouteWait) -> DerouteSeen:
@@ -515,7 +516,7 @@ class ObserveActivities:
         """
         deadline = time.monotonic() + req.timeout_s
         while True:
-            routed = {e.pod for e in self.deps.router.routing_set(req.pool).endpoints}
+            routed = {e.pod for e in self.deps.gateway.routing_set(req.pool).endpoints}
             still = sorted(routed & set(req.pods))
             if not still:
                 return DerouteSeen(at=time.time(), still_routed=[])
@@ -529,5 +530,5 @@ class ObserveActivities:
         """The gateway's journal of requests the named replicas served (the in-flight record)."""
         out: list[JournalEntry] = []
         for replica in req.replicas:
-            out.extend(self.deps.router.journal(req.pool, replica=replica, since=req.since))
+            out.extend(self.deps.gateway.request_outcomes(req.pool, replica=replica, since=req.since))
         return out

@@ -22,10 +22,10 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from activities import kube_reads as kr
+from activities.gateway import Gateway
 from activities.kube import LWS_GROUP, LWS_PLURAL, LWS_VERSION, KubeApis
-from activities.router_client import RouterClient
 from fleet.incident import PoolRef
-from fleet.protocol import Admission, RetryPolicy
+from fleet.protocol import Admission, GatewayPolicy, RetryPolicy
 from ledger.effect import ActionSignature, Attempt, Effect
 from ledger.errors import PermanentEffectError
 
@@ -283,77 +283,65 @@ class DeletePod(Effect):
         )
 
 
-class _RouterEffect(Effect):
-    """A versioned, absolute router change: re-applying the same value is harmless, and the probe compares."""
+class _GatewayEffect(Effect):
+    """One part of a pool's gateway policy, set absolutely through the gateway port.
+
+    At apply time the rest of the policy is read back and kept, so re-applying the same value is
+    harmless; the probe asks the gateway whether exactly that value is running (activities.gateway).
+    """
 
     what = ""
 
-    def __init__(self, router: RouterClient, base_url: str, pool: PoolRef) -> None:
-        self.router, self.pool = router, pool
-        self.world = urlsplit(base_url).netloc
+    def __init__(self, gateway: Gateway, pool: PoolRef) -> None:
+        self.gateway, self.pool = gateway, pool
 
-    def action_signature(self, attempt: Attempt) -> ActionSignature:
-        # The body names the router version it replaces, known only at apply time: match on verb + path.
-        return ActionSignature(
-            world=self.world,
-            verb="PUT",
-            path=f"/router/v1/pools/{self.pool.namespace}/{self.pool.service}/{self.what}",
-            body_digest="*",
-        )
+    def desired(self, current: GatewayPolicy) -> GatewayPolicy:
+        raise NotImplementedError
+
+    def apply(self, attempt: Attempt) -> dict[str, Any]:
+        return self.gateway.apply(self.pool, self.desired(self.gateway.policy(self.pool)))
+
+    def probe(self, attempt: Attempt) -> dict[str, Any] | None:
+        current = self.gateway.policy(self.pool)
+        if self.desired(current) != current:
+            return None
+        return self.gateway.applied(self.pool, current)
+
+    def action_signature(self, attempt: Attempt) -> ActionSignature | None:
+        return self.gateway.action_signature(self.pool, self.what)
 
 
-class SetAdmission(_RouterEffect):
+class SetAdmission(_GatewayEffect):
     what = "admission"
 
-    def __init__(self, router: RouterClient, base_url: str, pool: PoolRef, admission: Admission) -> None:
-        super().__init__(router, base_url, pool)
+    def __init__(self, gateway: Gateway, pool: PoolRef, admission: Admission) -> None:
+        super().__init__(gateway, pool)
         self.admission = admission
 
-    def apply(self, attempt: Attempt) -> dict[str, Any]:
-        state = self.router.set_admission(self.pool, self.admission)
-        return {"version": state.version, "admission": state.admission.model_dump(mode="json")}
-
-    def probe(self, attempt: Attempt) -> dict[str, Any] | None:
-        state = self.router.state(self.pool)
-        if state.admission == self.admission:
-            return {"version": state.version, "admission": state.admission.model_dump(mode="json")}
-        return None
+    def desired(self, current: GatewayPolicy) -> GatewayPolicy:
+        return current.model_copy(update={"admission": self.admission})
 
 
-class SetRetryPolicy(_RouterEffect):
+class SetRetryPolicy(_GatewayEffect):
     what = "retry-policy"
 
-    def __init__(self, router: RouterClient, base_url: str, pool: PoolRef, retry: RetryPolicy) -> None:
-        super().__init__(router, base_url, pool)
+    def __init__(self, gateway: Gateway, pool: PoolRef, retry: RetryPolicy) -> None:
+        super().__init__(gateway, pool)
         self.retry = retry
 
-    def apply(self, attempt: Attempt) -> dict[str, Any]:
-        state = self.router.set_retry_policy(self.pool, self.retry)
-        return {"version": state.version, "retry": state.retry.model_dump(mode="json")}
-
-    def probe(self, attempt: Attempt) -> dict[str, Any] | None:
-        state = self.router.state(self.pool)
-        if state.retry == self.retry:
-            return {"version": state.version, "retry": state.retry.model_dump(mode="json")}
-        return None
+    def desired(self, current: GatewayPolicy) -> GatewayPolicy:
+        return current.model_copy(update={"retry": self.retry})
 
 
-class SetWeights(_RouterEffect):
+class SetWeights(_GatewayEffect):
     what = "weights"
 
-    def __init__(self, router: RouterClient, base_url: str, pool: PoolRef, weights: dict[str, float]) -> None:
-        super().__init__(router, base_url, pool)
+    def __init__(self, gateway: Gateway, pool: PoolRef, weights: dict[str, float]) -> None:
+        super().__init__(gateway, pool)
         self.weights = weights
 
-    def apply(self, attempt: Attempt) -> dict[str, Any]:
-        state = self.router.set_weights(self.pool, self.weights)
-        return {"version": state.version, "weights": state.weights}
-
-    def probe(self, attempt: Attempt) -> dict[str, Any] | None:
-        state = self.router.state(self.pool)
-        if all(abs(state.weights.get(k, -1.0) - v) < 1e-9 for k, v in self.weights.items()):
-            return {"version": state.version, "weights": state.weights}
-        return None
+    def desired(self, current: GatewayPolicy) -> GatewayPolicy:
+        return current.model_copy(update={"weights": dict(self.weights)})
 
 
 class StartQualification(Effect):

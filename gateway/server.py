@@ -33,7 +33,6 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import any_pb2, json_format
 from google.protobuf.message import Message
 
-from fleet.protocol import GatewayPolicy
 from gateway.resources import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
@@ -44,6 +43,7 @@ from gateway.resources import (
     cluster,
     load_assignment,
     route_configuration,
+    virtual_host,
 )
 from gateway.store import PolicyStore, StoredPolicy, version_string
 
@@ -68,21 +68,38 @@ class Snapshot:
 def build_snapshot(
     hosts: dict[str, tuple[RoutedHost, ...]], policies: list[StoredPolicy], dp: DataPlaneSettings
 ) -> Snapshot:
-    """Pure: the pools Kubernetes has, each with fleetmend's policy for it (or the defaults)."""
+    """The pools Kubernetes has, each with fleetmend's policy for it (or the defaults).
+
+    A policy that cannot even be turned into Envoy's protos is left out (the pool keeps the default
+    policy) and so is its revision: no Envoy ACK can then be mistaken for having applied it, and
+    the adapter waiting for it reports it as not applied.
+    """
     by_pool = {p.pool: p for p in policies}
-    revision = max((p.revision for p in policies), default=0)
-    pools = tuple(
-        PoolSnapshot(
-            pool=pool, hosts=routed, policy=by_pool[pool].policy if pool in by_pool else GatewayPolicy()
-        )
-        for pool, routed in sorted(hosts.items())
-    )
+    pools: list[PoolSnapshot] = []
+    revision = 0
+    for pool, routed in sorted(hosts.items()):
+        stored = by_pool.get(pool)
+        if stored is not None:
+            candidate = PoolSnapshot(pool=pool, hosts=routed, policy=stored.policy)
+            try:
+                _packed(CLUSTER_TYPE, cluster(candidate, dp))
+                _packed(ENDPOINT_TYPE, load_assignment(candidate))
+                _packed(ROUTE_TYPE, {"name": "check", "virtual_hosts": [virtual_host(candidate, dp)]})
+            except json_format.ParseError as err:
+                log.warning(
+                    "policy revision %s of %s cannot be rendered for Envoy: %s", stored.revision, pool, err
+                )
+            else:
+                pools.append(candidate)
+                revision = max(revision, stored.revision)
+                continue
+        pools.append(PoolSnapshot(pool=pool, hosts=routed))
     resources: dict[str, dict[str, dict[str, Any]]] = {
         CLUSTER_TYPE: {p.pool: cluster(p, dp) for p in pools},
         ENDPOINT_TYPE: {p.pool: load_assignment(p) for p in pools},
         ROUTE_TYPE: {},
     }
-    routes = route_configuration(list(pools), dp)
+    routes = route_configuration(pools, dp)
     resources[ROUTE_TYPE][str(routes["name"])] = routes
     versions = {
         type_url: version_string(
@@ -90,7 +107,7 @@ def build_snapshot(
         )
         for type_url, named in resources.items()
     }
-    return Snapshot(versions=versions, resources=resources, pools=pools)
+    return Snapshot(versions=versions, resources=resources, pools=tuple(pools))
 
 
 def _packed(type_url: str, body: dict[str, Any]) -> any_pb2.Any:

@@ -7,14 +7,18 @@ to render Envoy resources and records every ACK or NACK it receives.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import datetime
 
+from pydantic import ValidationError
 from sqlalchemy import Engine, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 
 from fleet.protocol import GatewayPolicy
 from ledger.models import gateway_acks_table, gateway_policies_table
+
+log = logging.getLogger("fleetmend.xds")
 
 
 def version_string(revision: int, digest: str) -> str:
@@ -53,12 +57,15 @@ class EnvoyAnswer:
 class PolicyStore:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        # The ledger's engine autocommits each statement; a policy write is read-then-write, so it
+        # runs in a real transaction (the row lock serializes two writers of one pool).
+        self._transactional = engine.execution_options(isolation_level="READ COMMITTED")
 
     # ------------------------------------------------------------- policies
     def put(self, pool: str, policy: GatewayPolicy) -> int:
         """Store ``policy`` as the pool's whole policy; returns its revision (unchanged if equal)."""
         body = policy.model_dump(mode="json")
-        with self.engine.begin() as conn:
+        with self._transactional.begin() as conn:
             current = conn.execute(
                 select(gateway_policies_table.c.revision, gateway_policies_table.c.policy)
                 .where(gateway_policies_table.c.pool == pool)
@@ -86,9 +93,18 @@ class PolicyStore:
         return StoredPolicy(row.pool, int(row.revision), GatewayPolicy.model_validate(row.policy))
 
     def all(self) -> list[StoredPolicy]:
+        """Every pool's policy; a row that no longer validates (written by another version) is skipped."""
         with self.engine.connect() as conn:
             rows = conn.execute(select(gateway_policies_table)).all()
-        return [StoredPolicy(r.pool, int(r.revision), GatewayPolicy.model_validate(r.policy)) for r in rows]
+        out: list[StoredPolicy] = []
+        for r in rows:
+            try:
+                out.append(StoredPolicy(r.pool, int(r.revision), GatewayPolicy.model_validate(r.policy)))
+            except ValidationError as err:
+                log.warning(
+                    "gateway policy of %s (revision %s) is invalid, ignored: %s", r.pool, r.revision, err
+                )
+        return out
 
     # ---------------------------------------------------------------- acks
     def record_answer(

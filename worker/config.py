@@ -12,7 +12,7 @@ import re
 import shlex
 from collections.abc import MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -111,7 +111,30 @@ class Settings(BaseSettings):
     router_label_value: str = Field(ROUTER_LABEL_VALUE, description="Value of the router-only label")
 
     # Serving layer
-    router_admin_url: str = Field("http://127.0.0.1:8480", description="Router/gateway admin API base URL")
+    gateway: Literal["envoy", "sim-router"] = Field(
+        "envoy",
+        description="The gateway adapter: envoy (Envoy through fleetmend's xDS control plane) or "
+        "sim-router (the simulator's own router, tests only)",
+    )
+    gateway_admin_urls: list[str] = Field(
+        default_factory=lambda: ["http://127.0.0.1:9901"],
+        description="Envoy admin URLs (routing set, host health); every Envoy of the gateway",
+    )
+    gateway_access_logs: list[Path] = Field(
+        default_factory=list, description="Envoy JSON access log files (request outcomes)"
+    )
+    gateway_apply_timeout_s: float = Field(
+        5.0, gt=0, description="How long a gateway change may take to be ACKed by every Envoy"
+    )
+    xds_host: str = Field("0.0.0.0", description="Address `fleetmend gateway serve` binds its ADS server to")
+    xds_port: int = Field(18000, ge=0, le=65535, description="Port of the ADS server Envoy dials")
+    xds_refresh_s: float = Field(0.25, gt=0, description="How often the control plane re-reads the world")
+    gateway_service_selector: str | None = Field(
+        None, description="Label selector of the Services the gateway serves (unset: every Service)"
+    )
+    router_admin_url: str = Field(
+        "http://127.0.0.1:8480", description="The simulator's router admin API (gateway=sim-router only)"
+    )
     metrics_url_template: str = Field(
         "http://{pod_ip}:8000/metrics",
         description="Replica metrics URL; placeholders {pod_ip} {namespace} {pod}",

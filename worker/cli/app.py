@@ -18,6 +18,7 @@ from worker.cli import (
     common,
     demo,
     dev,
+    gateway,
     ledger,
     model,
     operate,
@@ -53,7 +54,7 @@ app = _Fleetmend(
 console = Console()
 
 # Commands that start their own stack or server: they read only their own settings, never a kept demo's.
-STACK_COMMANDS = frozenset({"dev", "demo", "worker", "webhook", "sim"})
+STACK_COMMANDS = frozenset({"dev", "demo", "worker", "webhook", "sim", "gateway"})
 
 
 @app.callback()
@@ -66,6 +67,7 @@ def _root(ctx: typer.Context) -> None:
 
 app.add_typer(ledger.app, name="ledger", help="Audit and reconcile the effect ledger.")
 app.add_typer(model.app, name="model", help="Capacity what-if models (ramp-back planning).")
+app.add_typer(gateway.app, name="gateway", help="The Envoy gateway's control plane and bootstrap.")
 dev.register(app)
 demo.register(app)
 operate.register(app)

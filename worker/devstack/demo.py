@@ -149,6 +149,9 @@ STACK_ENV_SETTINGS = (
     "webhook_host",
     "webhook_port",
     "kubeconfig",
+    "gateway",
+    "gateway_admin_urls",
+    "gateway_access_logs",
     "router_admin_url",
     "action_log_url",
 )
@@ -165,6 +168,8 @@ def stack_env_lines(settings: Settings) -> list[str]:
             value = settings.database_url_value()
         elif isinstance(value, Path):
             value = value.resolve()
+        elif isinstance(value, list):  # pydantic-settings reads list settings as JSON
+            value = json.dumps([str(v.resolve() if isinstance(v, Path) else v) for v in value])
         lines.append(f"export FLEETMEND_{name.upper()}={shlex.quote(str(value))}")
     return lines
 

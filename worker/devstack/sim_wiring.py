@@ -22,6 +22,7 @@ def settings_for_sim(base_url: str, kubeconfig: Path, audit_log: Path | None = N
     settings: dict[str, Any] = {
         "kubeconfig": kubeconfig,
         "kube_context": None,
+        "gateway": "sim-router",
         "router_admin_url": base,
         "metrics_url_template": base + "/pods/{namespace}/{pod}/metrics",
         "health_url_template": base + "/pods/{namespace}/{pod}/health",

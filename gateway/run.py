@@ -1,0 +1,128 @@
+"""Running the control plane: as ``fleetmend gateway serve`` (its own process, a Deployment in a
+cluster) or on a background thread of another process (the dev stack, tests, benches).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from activities.kube import kube_apis
+from gateway.resources import DataPlaneSettings, RoutedHost
+from gateway.server import ControlPlane, serve
+from gateway.store import PolicyStore
+from gateway.world import routed_hosts
+from ledger.store import make_engine
+
+
+@dataclass(frozen=True)
+class _Cluster:
+    kubeconfig: Path | None
+    kube_context: str | None
+
+
+def hosts_reader(
+    kubeconfig: Path | None,
+    kube_context: str | None,
+    *,
+    service_selector: str | None = None,
+    router_label: str | None = None,
+    router_label_value: str | None = None,
+) -> Callable[[], dict[str, tuple[RoutedHost, ...]]]:
+    """Reads every pool's routed hosts from the cluster the kubeconfig (or in-cluster config) names."""
+    kube = kube_apis(_Cluster(kubeconfig, kube_context))
+    kwargs: dict[str, str] = {}
+    if router_label:
+        kwargs["router_label"] = router_label
+    if router_label_value:
+        kwargs["router_label_value"] = router_label_value
+    return functools.partial(routed_hosts, kube, service_selector=service_selector, **kwargs)  # type: ignore[arg-type]
+
+
+async def run_forever(
+    plane: ControlPlane,
+    host: str,
+    port: int,
+    started: Callable[[int], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until ``stop`` is set (or forever); the first snapshot is built before Envoy can connect."""
+    await plane.refresh()
+    server, bound = await serve(plane, host, port)
+    if started is not None:
+        started(bound)
+    refresher = asyncio.create_task(plane.run_refresh())
+    try:
+        if stop is None:
+            await server.wait_for_termination()
+        else:
+            await stop.wait()
+    finally:
+        refresher.cancel()
+        await server.stop(grace=0.5)
+
+
+@dataclass
+class ControlPlaneThread:
+    """The control plane on its own thread and event loop; ``start()`` returns once it listens."""
+
+    read_hosts: Callable[[], dict[str, tuple[RoutedHost, ...]]]
+    database_url: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    data_plane: DataPlaneSettings = field(default_factory=DataPlaneSettings)
+    refresh_s: float = 0.1
+    plane: ControlPlane | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+    _stop: asyncio.Event | None = None
+
+    def start(self, timeout_s: float = 30.0) -> ControlPlaneThread:
+        ready = threading.Event()
+        failure: list[BaseException] = []
+        store = PolicyStore(make_engine(self.database_url, pool_size=2, max_overflow=2))
+        self.plane = ControlPlane(self.read_hosts, store, self.data_plane, self.refresh_s)
+
+        def bound(port: int) -> None:
+            self.port = port
+            ready.set()
+
+        def main() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            assert self.plane is not None
+            self._stop = asyncio.Event()
+            try:
+                loop.run_until_complete(run_forever(self.plane, self.host, self.port, bound, self._stop))
+            except BaseException as err:  # reported to start(), or ends a stopped plane
+                failure.append(err)
+                ready.set()
+            finally:
+                with contextlib.suppress(Exception):
+                    loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.close()
+
+        self._thread = threading.Thread(target=main, name="fleetmend-xds", daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout_s) or failure:
+            raise RuntimeError(
+                f"the gateway control plane did not start: {failure[0] if failure else 'timeout'}"
+            )
+        return self
+
+    def stop(self) -> None:
+        if self._loop is None or self._thread is None:
+            return
+        stop = self._stop
+        if stop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop already ended
+                self._loop.call_soon_threadsafe(stop.set)
+        self._thread.join(15)
+        if self.plane is not None:
+            self.plane.store.engine.dispose()
+        self._loop = self._thread = None
