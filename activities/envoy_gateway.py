@@ -114,11 +114,23 @@ class EnvoyGateway:
         # Envoy's record of a change is its ACK in gateway_acks, not a request log reconcile reads.
         return None
 
+    def _admins(self) -> list[str]:
+        """The configured admin URLs, else those of every Envoy connected to the control plane."""
+        if self.admin_urls:
+            return self.admin_urls
+        found = sorted({a.admin_url.rstrip("/") for a in self.store.answers() if a.connected and a.admin_url})
+        if not found:
+            raise GatewayNotApplied(
+                "no Envoy is connected to the control plane (gateway_acks): cannot read the routing set; "
+                "check `fleetmend gateway serve` and the Envoys, or set FLEETMEND_GATEWAY_ADMIN_URLS"
+            )
+        return found
+
     # ------------------------------------------------------------ routing set
     def routing_set(self, pool: PoolRef) -> RoutingSet:
         """Hosts any Envoy would send a new request to (union: a pod routed anywhere is still routed)."""
         routed: dict[str, RoutedEndpoint] = {}
-        for admin in self.admin_urls:
+        for admin in self._admins():
             r = self.http.get(f"{admin}/clusters", params={"format": "json"})
             r.raise_for_status()
             for status in r.json().get("cluster_statuses", []):

@@ -47,6 +47,9 @@ class BootstrapSettings(BaseModel):
     xds_host: str = Field(description="the control plane's address (a Service in a cluster)")
     xds_port: int = 18000
     access_log_path: str = "/dev/stdout"
+    admin_url: str | None = Field(
+        default=None, description="How fleetmend reaches this Envoy's admin (default: admin address:port)"
+    )
 
 
 def bootstrap(s: BootstrapSettings) -> dict[str, object]:
@@ -81,7 +84,12 @@ def bootstrap(s: BootstrapSettings) -> dict[str, object]:
         ],
     }
     return {
-        "node": {"id": s.node_id, "cluster": "fleetmend-gateway"},
+        # The control plane records admin_url with this Envoy's ACKs; fleetmend reads host health there.
+        "node": {
+            "id": s.node_id,
+            "cluster": "fleetmend-gateway",
+            "metadata": {"admin_url": s.admin_url or f"http://{s.admin_address}:{s.admin_port}"},
+        },
         "admin": {"address": {"socket_address": {"address": s.admin_address, "port_value": s.admin_port}}},
         "dynamic_resources": {
             "ads_config": {

@@ -128,6 +128,7 @@ class _TypeState:
 @dataclass
 class _Stream:
     node_id: str | None = None
+    admin_url: str | None = None
     types: dict[str, _TypeState] = field(default_factory=dict)
 
 
@@ -200,7 +201,9 @@ class ControlPlane:
     async def _on_request(self, stream: _Stream, req: discovery_pb2.DiscoveryRequest) -> None:
         if stream.node_id is None and req.node.id:
             stream.node_id = req.node.id
-            log.info("envoy %s connected", stream.node_id)
+            admin = req.node.metadata.fields.get("admin_url")
+            stream.admin_url = admin.string_value if admin is not None else None
+            log.info("envoy %s connected (admin %s)", stream.node_id, stream.admin_url or "unknown")
         state = stream.types.setdefault(req.type_url, _TypeState())
         if req.response_nonce:
             if req.response_nonce != state.nonce:
@@ -213,12 +216,13 @@ class ControlPlane:
                     )  # fmt: skip
                     await asyncio.to_thread(
                         self.store.record_answer, stream.node_id, req.type_url,
-                        nacked=state.sent_version, error=req.error_detail.message,
+                        nacked=state.sent_version, error=req.error_detail.message, admin_url=stream.admin_url,
                     )  # fmt: skip
                 else:
                     await asyncio.to_thread(
-                        self.store.record_answer, stream.node_id, req.type_url, acked=req.version_info
-                    )
+                        self.store.record_answer, stream.node_id, req.type_url, acked=req.version_info,
+                        admin_url=stream.admin_url,
+                    )  # fmt: skip
         names = frozenset(req.resource_names)
         state.names = None if not names or req.type_url == CLUSTER_TYPE else names
 
@@ -237,10 +241,12 @@ class ControlPlane:
 
         reader = asyncio.create_task(read())
         seen: Snapshot | None = None
+        waits: set[asyncio.Future[Any]] = set()
         try:
             while True:
                 next_request = asyncio.ensure_future(incoming.get())
                 changed = asyncio.ensure_future(self._wait_for_change(seen))
+                waits = {next_request, changed}
                 done, _ = await asyncio.wait({next_request, changed}, return_when=asyncio.FIRST_COMPLETED)
                 if next_request in done:
                     changed.cancel()
@@ -262,6 +268,8 @@ class ControlPlane:
                             yield response
         finally:
             reader.cancel()
+            for wait in waits:
+                wait.cancel()
             if stream.node_id is not None:
                 log.info("envoy %s disconnected", stream.node_id)
                 with contextlib.suppress(Exception):

@@ -52,6 +52,7 @@ class EnvoyAnswer:
     error: str | None
     connected: bool
     updated_at: datetime
+    admin_url: str | None = None
 
 
 class PolicyStore:
@@ -109,9 +110,11 @@ class PolicyStore:
     # ---------------------------------------------------------------- acks
     def record_answer(
         self, node_id: str, type_url: str, *, acked: str | None = None, nacked: str | None = None,
-        error: str | None = None,
+        error: str | None = None, admin_url: str | None = None,
     ) -> None:  # fmt: skip
         values: dict[str, object] = {"connected": True, "updated_at": text("now()")}
+        if admin_url:
+            values["admin_url"] = admin_url
         if acked is not None:
             values.update(acked_version=acked, nacked_version=None, error=None)
         if nacked is not None:
@@ -140,6 +143,7 @@ class PolicyStore:
                 r.error,
                 bool(r.connected),
                 r.updated_at,
+                r.admin_url,
             )
             for r in rows
         ]

@@ -194,6 +194,9 @@ class GatewayAckRecord(Base):
     acked_version: Mapped[str | None] = mapped_column(String(255))
     nacked_version: Mapped[str | None] = mapped_column(String(255))
     error: Mapped[str | None] = mapped_column(Text)
+    # Where this Envoy's admin answers (its bootstrap's node metadata ``admin_url``): the adapter
+    # reads the routing set and host health there.
+    admin_url: Mapped[str | None] = mapped_column(String(255))
     connected: Mapped[bool] = mapped_column(Boolean, server_default=text("true"))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 

@@ -117,8 +117,9 @@ class Settings(BaseSettings):
         "sim-router (the simulator's own router, tests only)",
     )
     gateway_admin_urls: list[str] = Field(
-        default_factory=lambda: ["http://127.0.0.1:9901"],
-        description="Envoy admin URLs (routing set, host health); every Envoy of the gateway",
+        default_factory=list,
+        description="Envoy admin URLs (routing set, host health); unset: those the Envoys connected to "
+        "the control plane announced (their bootstrap's node metadata admin_url)",
     )
     gateway_access_logs: list[Path] = Field(
         default_factory=list, description="Envoy JSON access log files (request outcomes)"

@@ -123,7 +123,7 @@ class Gateway:
             tmp / "envoy",
         ).start()
         self.store = PolicyStore(make_engine(self.url, pool_size=2))
-        self.adapter = EnvoyGateway(self.store, [self.envoy.admin_url], [self.access_log])
+        self.adapter = EnvoyGateway(self.store, [], [self.access_log])  # admin URL as Envoy announced it
 
     def restart_plane(self, data_plane: DataPlaneSettings | None = None) -> None:
         self.plane.stop()

@@ -38,7 +38,9 @@ def settle(read: object, want: int, timeout_s: float = 60.0) -> tuple[RoutedHost
     raise AssertionError(f"{POOL} has {len(hosts)} routed hosts, not {want}: {hosts}")
 
 
-def test_the_routing_set_is_ready_endpoints_with_the_router_label_and_follows_a_deroute(sim: RunningSim) -> None:
+def test_the_routing_set_is_ready_endpoints_with_the_router_label_and_follows_a_deroute(
+    sim: RunningSim,
+) -> None:
     read = hosts_reader(sim.kubeconfig, None)
     hosts = settle(read, 5)  # 5 serving replicas; the warm spare carries no router label
     api = client.CoreV1Api(config.new_client_from_config(config_file=str(sim.kubeconfig)))

@@ -33,6 +33,7 @@ def upgrade() -> None:
         sa.Column("acked_version", sa.String(255), nullable=True),
         sa.Column("nacked_version", sa.String(255), nullable=True),
         sa.Column("error", sa.Text(), nullable=True),
+        sa.Column("admin_url", sa.String(255), nullable=True),
         sa.Column("connected", sa.Boolean(), nullable=False, server_default=sa.text("true")),
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
     )
