@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import kubernetes_validate
@@ -95,6 +96,7 @@ def test_secrets_are_referenced_never_inlined(overlay: str) -> None:
 def test_every_setting_the_manifests_pass_exists(overlay: str) -> None:
     known = {f"FLEETMEND_{name.upper()}" for name in Settings.model_fields} | set(SETTING_NAMES.values())
     known |= {"WAIT_S"}  # register-search-attributes.sh's own
+    known |= {"POD_NAME", "POD_IP"}  # the Envoy container's own (expanded in its args, not settings)
     objects = render(overlay)
     passed = set()
     for o in objects:
@@ -147,6 +149,22 @@ def test_fleetmend_lives_in_its_namespace_and_the_pool_binding_in_the_serving_on
             assert o["metadata"]["namespace"] == "inference"  # where the pools are (the sim's namespace)
         else:
             assert o["metadata"]["namespace"] == "fleetmend", (o["kind"], o["metadata"]["name"])
+
+
+def test_the_envoy_bootstrap_is_what_fleetmend_gateway_bootstrap_renders() -> None:
+    shipped = json.loads((K8S / "base" / "gateway" / "envoy-bootstrap.json").read_text())
+    rendered = subprocess.run(
+        [str(Path(sys.executable).parent / "fleetmend"), "gateway", "bootstrap", "--node-id", "envoy",
+         "--xds-host", "fleetmend-xds.fleetmend.svc", "--access-log", "/dev/stdout"],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout  # fmt: skip
+    assert shipped == json.loads(rendered), "regenerate deploy/k8s/base/gateway/envoy-bootstrap.json"
+    objects = render("in-cluster-temporal")
+    xds = find(objects, "Service", "fleetmend-xds")["spec"]["ports"][0]["port"]
+    cluster = shipped["static_resources"]["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    assert cluster["endpoint"]["address"]["socket_address"] == {
+        "address": "fleetmend-xds.fleetmend.svc", "port_value": xds,
+    }  # fmt: skip
 
 
 def test_alert_wiring_is_the_shipped_prometheus_rules_and_alertmanager_route() -> None:

@@ -1,0 +1,94 @@
+"""The gateway of a local fleet: fleetmend's control plane and a real Envoy, in front of the sim.
+
+``LocalGateway`` is what ``fleetmend dev``, ``fleetmend demo`` and the integration tests put in the
+data path: user traffic goes load generator → Envoy (``url``, a virtual host per pool, the pool's
+Service names in ``Host``) → the engines on their pod IPs. The control plane runs on a thread of
+this process and reads the routing set from the sim's Kubernetes API, exactly as
+``fleetmend gateway serve`` reads a real cluster's; Envoy is a child process.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gateway.bootstrap import BootstrapSettings
+from gateway.resources import DataPlaneSettings
+from gateway.run import ControlPlaneThread, hosts_reader
+from worker.devstack.envoy import EnvoyProcess
+from worker.processes import free_port
+
+
+@dataclass
+class LocalGateway:
+    kubeconfig: Path
+    database_url: str
+    workdir: Path
+    listen_port: int = 0
+    admin_port: int = 0
+    xds_port: int = 0
+    data_plane: DataPlaneSettings = field(default_factory=DataPlaneSettings)
+    plane: ControlPlaneThread | None = None
+    envoy: EnvoyProcess | None = None
+
+    @property
+    def access_log(self) -> Path:
+        return self.workdir / "envoy-access.log"
+
+    @property
+    def url(self) -> str:
+        assert self.envoy is not None, "the gateway is not started"
+        return self.envoy.url
+
+    @property
+    def admin_url(self) -> str:
+        assert self.envoy is not None, "the gateway is not started"
+        return self.envoy.admin_url
+
+    def start(self) -> LocalGateway:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.plane = ControlPlaneThread(
+            hosts_reader(self.kubeconfig, None),
+            self.database_url,
+            port=self.xds_port,
+            data_plane=self.data_plane,
+        ).start()
+        self.envoy = EnvoyProcess(
+            BootstrapSettings(
+                node_id=f"envoy-{uuid.uuid4().hex[:6]}",
+                listen_address="127.0.0.1",
+                listen_port=self.listen_port or free_port(),
+                admin_port=self.admin_port or free_port(),
+                xds_host="127.0.0.1",
+                xds_port=self.plane.port,
+                access_log_path=str(self.access_log),
+            ),
+            self.workdir,
+        )
+        try:
+            self.envoy.start()
+        except BaseException:
+            self.plane.stop()
+            raise
+        return self
+
+    def restart_envoy(self, *, crash: bool = True) -> None:
+        """Kill (or stop) Envoy and start it again with the same bootstrap: it starts with nothing."""
+        assert self.envoy is not None
+        if crash:
+            self.envoy.kill()
+        else:
+            self.envoy.stop()
+        self.envoy.start()
+
+    def stop(self) -> None:
+        if self.envoy is not None:
+            self.envoy.stop()
+        if self.plane is not None:
+            self.plane.stop()
+
+    def settings_for_clients(self) -> dict[str, Any]:
+        """What the worker needs: the Envoy adapter and where Envoy logs each request."""
+        return {"gateway": "envoy", "gateway_admin_urls": [], "gateway_access_logs": [self.access_log]}
