@@ -26,6 +26,7 @@ from kubernetes.client import rest
 
 WORKER = "worker"
 WEBHOOK = "webhook"
+GATEWAY = "gateway"
 
 # Discovery documents are readable by every authenticated identity through the cluster's own
 # default ClusterRole system:discovery; fleetmend's RBAC does not (and need not) grant them.
@@ -97,6 +98,8 @@ def _component() -> str | None:
     frames = [f.filename for f in traceback.extract_stack()]
     if any("/worker/webhook/" in f for f in frames):
         return WEBHOOK
+    if any(f.endswith("/gateway/world.py") for f in frames):
+        return GATEWAY
     if threading.current_thread().name.startswith("fleetmend-activity"):
         return WORKER
     return None

@@ -18,6 +18,7 @@ OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomiz
 SERVICE_ACCOUNTS = {
     "worker": ("fleetmend", "fleetmend-worker"),
     "webhook": ("fleetmend", "fleetmend-webhook"),
+    "gateway": ("fleetmend", "fleetmend-gateway"),
 }
 
 

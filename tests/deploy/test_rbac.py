@@ -54,6 +54,10 @@ NEEDED_ELSEWHERE = {
     ("worker", "patch", "leaderworkerset.x-k8s.io", "leaderworkersets/scale"): "scale LeaderWorkerSet groups",
     ("worker", "list", "", "events"): "bad-rollout evidence (image pull / crash events)",
     ("webhook", "get", "", "pods"): "alerts that name a pod (tests/webhook/test_routing_k8s.py)",
+    **{
+        ("gateway", "list", group, resource): "the gateway control plane's routing set (test below)"
+        for group, resource in (("", "services"), ("", "pods"), ("discovery.k8s.io", "endpointslices"))
+    },
 }
 
 
@@ -104,7 +108,7 @@ async def test_a_real_recovery_and_the_webhook_lookups_stay_within_the_shipped_r
             survivor = next(g for g in await topology.groups_on_node("gpu-node-1"))
             assert await topology.groups_of_pod(survivor.pool.namespace, survivor.pods[0])  # a pod alert
     calls = recorder.distinct()
-    assert {c.component for c in calls} == {"worker", "webhook"}
+    assert {"worker", "webhook"} <= {c.component for c in calls}
     objects = {overlay: render(overlay) for overlay in OVERLAYS}
     for overlay, rendered in objects.items():
         rbac = Rbac(rendered, SERVICE_ACCOUNTS)
@@ -163,3 +167,27 @@ async def test_a_call_outside_the_role_fails_and_names_the_rule(
             "RBAC denies fleetmend/fleetmend-worker (worker): list secrets (core) in namespace inference; "
             "needs {apiGroups: [''], resources: [secrets], verbs: [list]} in a Role/RoleBinding in namespace inference"
         ], overlay
+
+
+def test_the_gateway_control_plane_reads_only_what_its_role_grants() -> None:
+    """The control plane's cluster-wide lists (Services, EndpointSlices, labelled Pods), recorded
+    against the simulated API server: all allowed, every rule of fleetmend-gateway used."""
+    from gateway.run import hosts_reader
+    from sim.runner import start_sim
+    from sim.scenario import shipped_scenarios
+
+    sim = start_sim(shipped_scenarios()["gpu-node-loss"], 1.0, serving=False)
+    try:
+        read = hosts_reader(sim.kubeconfig, None)
+        with recording() as recorder:
+            assert "inference/llama" in read()
+    finally:
+        sim.stop()
+    calls = recorder.distinct()
+    assert {(c.verb, c.group, c.resource) for c in calls} == {
+        ("list", "", "services"), ("list", "", "pods"), ("list", "discovery.k8s.io", "endpointslices"),
+    }  # fmt: skip
+    for overlay in OVERLAYS:
+        rbac = Rbac(render(overlay), SERVICE_ACCOUNTS)
+        assert rbac.denied(calls) == [], overlay
+        assert [line for line in rbac.unused(calls) if "that gateway never called" in line] == [], overlay
