@@ -27,7 +27,6 @@ class ActivityConfig(BaseModel):
     router_label_value: str = ROUTER_LABEL_VALUE
     gateway: Literal["envoy", "sim-router"] = "envoy"
     gateway_admin_urls: list[str] = Field(default_factory=list)
-    gateway_access_logs: list[Path] = Field(default_factory=list)
     gateway_apply_timeout_s: float = 5.0
     router_admin_url: str = "http://127.0.0.1:8480"
     metrics_url_template: str = "http://{pod_ip}:8000/metrics"

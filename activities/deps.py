@@ -20,7 +20,7 @@ from activities.gateway import Gateway, SimRouterGateway
 from activities.kube import USER_AGENT, KubeApis, kube_apis
 from activities.router_client import RouterClient
 from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX
-from gateway.store import PolicyStore
+from gateway.store import GatewayStore
 from ledger.effect import EffectContext
 from ledger.store import EffectLedger
 
@@ -60,9 +60,8 @@ class ActivityDeps:
                 RouterClient(s.router_admin_url, user_agent=USER_AGENT), s.router_admin_url
             )
         return EnvoyGateway(
-            PolicyStore(self.ledger.engine),
+            GatewayStore(self.ledger.engine),
             s.gateway_admin_urls,
-            s.gateway_access_logs,
             http=self.http,
             apply_timeout_s=s.gateway_apply_timeout_s,
         )

@@ -10,30 +10,26 @@
 * **Routing set**: Envoy's admin ``/clusters`` — the hosts each Envoy has for the pool's cluster,
   minus those its active health check or outlier detection took out of rotation (the data plane
   reacts before any alert).
-* **Request outcomes**: Envoy's JSON access log (``gateway.bootstrap.ACCESS_LOG_FORMAT``).
+* **Request outcomes**: what every Envoy reported through its access-log service to the control
+  plane, which names the engine that served each request (``gateway.outcomes``).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from fleet.incident import PoolRef
-from fleet.protocol import GatewayPolicy, JournalEntry, Outcome, RoutedEndpoint, RoutingSet
-from fleet.vocabulary import Tier
+from fleet.protocol import GatewayPolicy, JournalEntry, RoutedEndpoint, RoutingSet
 from gateway.resources import CLUSTER_TYPE, ENDPOINT_TYPE, ROUTE_TYPE, WEIGHT_SCALE
-from gateway.store import EnvoyAnswer, PolicyStore, revision_of
+from gateway.store import EnvoyAnswer, GatewayStore, revision_of
 from ledger.effect import ActionSignature
 from ledger.errors import PermanentEffectError
 
 APPLIED_TYPES = (CLUSTER_TYPE, ENDPOINT_TYPE, ROUTE_TYPE)
-# Envoy response flags that mean the upstream went away under the request (Envoy docs, access log).
-_UPSTREAM_GONE = {"UC", "UF", "UH", "UR", "URX", "UT", "UMSDR", "UPE"}
 
 
 class GatewayNotApplied(RuntimeError):
@@ -59,16 +55,14 @@ def pending_envoys(answers: Sequence[EnvoyAnswer], revision: int) -> tuple[list[
 class EnvoyGateway:
     def __init__(
         self,
-        store: PolicyStore,
-        admin_urls: Sequence[str],
-        access_logs: Sequence[Path] = (),
+        store: GatewayStore,
+        admin_urls: Sequence[str] = (),
         *,
         http: httpx.Client | None = None,
         apply_timeout_s: float = 5.0,
     ) -> None:
         self.store = store
         self.admin_urls = [u.rstrip("/") for u in admin_urls]
-        self.access_logs = list(access_logs)
         self.http = http or httpx.Client(timeout=httpx.Timeout(3.0, connect=1.0))
         self.apply_timeout_s = apply_timeout_s
 
@@ -160,70 +154,5 @@ class EnvoyGateway:
     def request_outcomes(
         self, pool: PoolRef, *, replica: str | None = None, since: float | None = None
     ) -> list[JournalEntry]:
-        out: list[JournalEntry] = []
-        for path in self.access_logs:
-            try:
-                lines = path.read_text(errors="replace").splitlines()
-            except FileNotFoundError:
-                continue
-            for line in lines:
-                entry = journal_entry(line, pool.key)
-                if entry is None or (since is not None and entry.started_at < since):
-                    continue
-                if replica is not None and entry.replica != replica:
-                    continue
-                out.append(entry)
-        return out
-
-
-def _int(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0
-
-
-def journal_entry(line: str, pool: str) -> JournalEntry | None:
-    """One access-log line of ``pool`` as a journal entry, or None for another pool or a bad line."""
-    try:
-        rec = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(rec, dict):
-        return None
-    route = str(rec.get("route") or "")
-    cluster = rec.get("cluster")
-    namespace, _, service = pool.partition("/")
-    authority = str(rec.get("authority") or "").split(":")[0]
-    if cluster != pool and not authority.startswith(f"{service}.{namespace}"):
-        return None
-    flags = set(str(rec.get("response_flags") or "-").split(","))
-    code = _int(rec.get("response_code"))
-    started = float(rec.get("start_time") or 0.0)
-    duration_s = _int(rec.get("duration_ms")) / 1000.0
-    first_byte = rec.get("first_byte_ms")
-    tier_value = rec.get("tier")
-    tier = Tier(tier_value) if tier_value in {t.value for t in Tier} else Tier.STANDARD
-    truncated = bool(flags & _UPSTREAM_GONE) and code == 200
-    if route.startswith("shed-"):
-        outcome = Outcome.SHED
-    elif code == 200 and not truncated:
-        outcome = Outcome.COMPLETED
-    elif code in (429, 503) and not (flags & _UPSTREAM_GONE) and "UO" in flags:
-        outcome = Outcome.REJECTED
-    else:
-        outcome = Outcome.TERMINAL_ERROR
-    return JournalEntry(
-        request_id=str(rec.get("request_id") or ""),
-        pool=pool,
-        tier=tier,
-        outcome=outcome,
-        replica=str(rec.get("upstream_host_name") or "") or None,
-        attempt=max(1, _int(rec.get("attempts"))),
-        started_at=started,
-        ended_at=started + duration_s,
-        ttft_s=_int(first_byte) / 1000.0 if first_byte not in (None, "-") else None,
-        tokens_streamed=0,
-        truncated=truncated,
-        detail=f"{code} {','.join(sorted(flags))} {rec.get('response_code_details') or ''}".strip(),
-    )
+        """What Envoy reported for each finished request (its access-log service, gateway.outcomes)."""
+        return self.store.requests(pool.key, replica=replica, since=since)

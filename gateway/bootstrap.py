@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from fleet.vocabulary import TIER_HEADER
 from gateway.resources import ROUTE_CONFIG_NAME
 
-# The access log's fields: Envoy's own record of every request (command operators, Envoy docs
-# "Access logging"). ``request_outcomes`` in activities/envoy_gateway.py reads them.
+# The JSON access log's fields, for people reading Envoy's log (command operators, Envoy docs
+# "Access logging"); fleetmend itself reads the same facts from the access-log service.
 ACCESS_LOG_FORMAT: dict[str, str] = {
     "start_time": "%START_TIME(%s.%3f)%",
     "request_id": "%REQ(X-REQUEST-ID)%",
@@ -73,6 +73,21 @@ def bootstrap(s: BootstrapSettings) -> dict[str, object]:
             }
         ],
         "access_log": [
+            # Every request to the control plane's access-log service (fleetmend's in-flight record) ...
+            {
+                "name": "envoy.access_loggers.http_grpc",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+                    "common_config": {
+                        "log_name": "fleetmend",
+                        "grpc_service": {"envoy_grpc": {"cluster_name": "fleetmend_xds"}},
+                        "transport_api_version": "V3",
+                        "buffer_flush_interval": "0.2s",
+                    },
+                    "additional_request_headers_to_log": [TIER_HEADER],
+                },
+            },
+            # ... and as JSON lines for people (stdout in a cluster).
             {
                 "name": "envoy.access_loggers.file",
                 "typed_config": {
@@ -80,7 +95,7 @@ def bootstrap(s: BootstrapSettings) -> dict[str, object]:
                     "path": s.access_log_path,
                     "log_format": {"json_format": ACCESS_LOG_FORMAT},
                 },
-            }
+            },
         ],
     }
     return {

@@ -15,7 +15,7 @@ from pathlib import Path
 from activities.kube import kube_apis
 from gateway.resources import DataPlaneSettings, RoutedHost
 from gateway.server import ControlPlane, serve
-from gateway.store import PolicyStore
+from gateway.store import GatewayStore
 from gateway.world import routed_hosts
 from ledger.store import make_engine
 
@@ -85,7 +85,7 @@ class ControlPlaneThread:
     def start(self, timeout_s: float = 30.0) -> ControlPlaneThread:
         ready = threading.Event()
         failure: list[BaseException] = []
-        store = PolicyStore(make_engine(self.database_url, pool_size=2, max_overflow=2))
+        store = GatewayStore(make_engine(self.database_url, pool_size=2, max_overflow=2))
         self.plane = ControlPlane(self.read_hosts, store, self.data_plane, self.refresh_s)
 
         def bound(port: int) -> None:

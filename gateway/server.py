@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -29,10 +30,12 @@ import grpc
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.route.v3 import route_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import any_pb2, json_format
 from google.protobuf.message import Message
 
+from gateway.outcomes import request_row
 from gateway.resources import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
@@ -45,7 +48,7 @@ from gateway.resources import (
     route_configuration,
     virtual_host,
 )
-from gateway.store import PolicyStore, StoredPolicy, version_string
+from gateway.store import GatewayStore, StoredPolicy, version_string
 
 log = logging.getLogger("fleetmend.xds")
 
@@ -138,7 +141,7 @@ class ControlPlane:
     def __init__(
         self,
         read_hosts: Callable[[], dict[str, tuple[RoutedHost, ...]]],
-        store: PolicyStore,
+        store: GatewayStore,
         data_plane: DataPlaneSettings | None = None,
         refresh_s: float = 0.25,
     ) -> None:
@@ -149,6 +152,11 @@ class ControlPlane:
         self.snapshot: Snapshot | None = None
         self._changed = asyncio.Condition()
         self.refresh_errors = 0
+        # "ip:port" -> (pool, pod) of every host seen since start: a stream cut by a host that has
+        # since left the routing set is still attributed to it when Envoy reports the request.
+        self.known_hosts: dict[str, tuple[str, str]] = {}
+        self.request_retention_s = 6 * 3600.0
+        self._last_prune = 0.0
 
     async def refresh(self) -> Snapshot:
         """Rebuild from Kubernetes and Postgres; wakes every stream when a version moved."""
@@ -156,6 +164,15 @@ class ControlPlane:
             asyncio.to_thread(self._read_hosts), asyncio.to_thread(self.store.all)
         )
         fresh = build_snapshot(hosts, policies, self.data_plane)
+        for pool in fresh.pools:
+            for h in pool.hosts:
+                self.known_hosts[f"{h.address}:{h.port}"] = (pool.pool, h.pod)
+        if len(self.known_hosts) > 100_000:  # bound the memory: keep the newest half
+            self.known_hosts = dict(list(self.known_hosts.items())[-50_000:])
+        now = time.time()
+        if now - self._last_prune > 60:
+            self._last_prune = now
+            await asyncio.to_thread(self.store.prune_requests, now - self.request_retention_s)
         if self.snapshot is None or fresh.versions != self.snapshot.versions:
             async with self._changed:
                 self.snapshot = fresh
@@ -276,6 +293,31 @@ class ControlPlane:
                     await asyncio.to_thread(self.store.mark_connected, stream.node_id, False)
 
 
+class _AccessLogs(als_pb2_grpc.AccessLogServiceServicer):
+    """Envoy's access-log service: every finished request, stored for the in-flight record."""
+
+    def __init__(self, plane: ControlPlane) -> None:
+        self._plane = plane
+
+    async def StreamAccessLogs(
+        self,
+        request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> als_pb2.StreamAccessLogsResponse:
+        envoy = ""
+        async for message in request_iterator:
+            if message.HasField("identifier") and message.identifier.node.id:
+                envoy = message.identifier.node.id
+            rows = [
+                row
+                for entry in message.http_logs.log_entry
+                if (row := request_row(entry, envoy, self._plane.known_hosts)) is not None
+            ]
+            if rows:
+                await asyncio.to_thread(self._plane.store.add_requests, rows)
+        return als_pb2.StreamAccessLogsResponse()
+
+
 class _Servicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
     def __init__(self, plane: ControlPlane) -> None:
         self._plane = plane
@@ -293,6 +335,7 @@ async def serve(plane: ControlPlane, host: str, port: int) -> tuple[grpc.aio.Ser
     """Start the ADS server on ``host:port`` (0: a free port); returns the server and its port."""
     server = grpc.aio.server()
     ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(_Servicer(plane), server)  # type: ignore[no-untyped-call]
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(_AccessLogs(plane), server)  # type: ignore[no-untyped-call]
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     return server, bound

@@ -1,6 +1,6 @@
 """The gateway's desired state and Envoy's answers, in the ledger's Postgres database.
 
-``PolicyStore`` is shared by the two sides: the gateway adapter writes a pool's policy (inside a
+``GatewayStore`` is shared by the two sides: the gateway adapter writes a pool's policy (inside a
 ledger effect) and reads Envoy's ACKs to know it was applied; the control plane reads policies
 to render Envoy resources and records every ACK or NACK it receives.
 """
@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from pydantic import ValidationError
-from sqlalchemy import Engine, select, text, update
+from sqlalchemy import Engine, delete, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 
-from fleet.protocol import GatewayPolicy
-from ledger.models import gateway_acks_table, gateway_policies_table
+from fleet.protocol import GatewayPolicy, JournalEntry
+from gateway.outcomes import journal_entry
+from ledger.models import gateway_acks_table, gateway_policies_table, gateway_requests_table
 
 log = logging.getLogger("fleetmend.xds")
 
@@ -55,7 +56,7 @@ class EnvoyAnswer:
     admin_url: str | None = None
 
 
-class PolicyStore:
+class GatewayStore:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         # The ledger's engine autocommits each statement; a policy write is read-then-write, so it
@@ -147,3 +148,28 @@ class PolicyStore:
             )
             for r in rows
         ]
+
+    # ------------------------------------------------------------ requests
+    def add_requests(self, rows: list[dict[str, object]]) -> None:
+        if rows:
+            with self.engine.begin() as conn:
+                conn.execute(gateway_requests_table.insert(), rows)
+
+    def requests(
+        self, pool: str, *, replica: str | None = None, since: float | None = None
+    ) -> list[JournalEntry]:
+        t = gateway_requests_table
+        query = select(t).where(t.c.pool == pool).order_by(t.c.started_at)
+        if replica is not None:
+            query = query.where(t.c.replica == replica)
+        if since is not None:
+            query = query.where(t.c.started_at >= since)
+        with self.engine.connect() as conn:
+            rows = conn.execute(query).mappings().all()
+        return [journal_entry(dict(r)) for r in rows]
+
+    def prune_requests(self, older_than: float) -> int:
+        """Delete requests that started before ``older_than`` (unix s); returns how many."""
+        t = gateway_requests_table
+        with self.engine.begin() as conn:
+            return int(conn.execute(delete(t).where(t.c.started_at < older_than)).rowcount or 0)

@@ -19,6 +19,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -201,5 +202,32 @@ class GatewayAckRecord(Base):
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 
 
+class GatewayRequestRecord(Base):
+    """One request as an Envoy reported it (access-log service), kept for the in-flight record.
+
+    ``started_at`` is unix seconds; rows older than the retention are pruned by the control plane.
+    """
+
+    __tablename__ = "gateway_requests"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    pool: Mapped[str] = mapped_column(String(255))
+    request_id: Mapped[str] = mapped_column(String(255))
+    tier: Mapped[str | None] = mapped_column(String(32))
+    replica: Mapped[str | None] = mapped_column(String(255))
+    route: Mapped[str | None] = mapped_column(String(64))
+    response_code: Mapped[int] = mapped_column(Integer)
+    flags: Mapped[str] = mapped_column(String(128))
+    started_at: Mapped[float] = mapped_column(Float)
+    duration_s: Mapped[float] = mapped_column(Float)
+    first_byte_s: Mapped[float | None] = mapped_column(Float)
+    attempts: Mapped[int] = mapped_column(Integer)
+    bytes_sent: Mapped[int] = mapped_column(BigInteger)
+    envoy: Mapped[str] = mapped_column(String(255))
+
+    __table_args__ = (Index("ix_gateway_requests_pool_started", "pool", "started_at"),)
+
+
 gateway_policies_table = cast(Table, GatewayPolicyRecord.__table__)
 gateway_acks_table = cast(Table, GatewayAckRecord.__table__)
+gateway_requests_table = cast(Table, GatewayRequestRecord.__table__)

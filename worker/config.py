@@ -121,9 +121,6 @@ class Settings(BaseSettings):
         description="Envoy admin URLs (routing set, host health); unset: those the Envoys connected to "
         "the control plane announced (their bootstrap's node metadata admin_url)",
     )
-    gateway_access_logs: list[Path] = Field(
-        default_factory=list, description="Envoy JSON access log files (request outcomes)"
-    )
     gateway_apply_timeout_s: float = Field(
         5.0, gt=0, description="How long a gateway change may take to be ACKed by every Envoy"
     )

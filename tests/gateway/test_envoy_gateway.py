@@ -29,7 +29,7 @@ from fleet.vocabulary import TIER_HEADER, Tier
 from gateway.bootstrap import BootstrapSettings
 from gateway.resources import DataPlaneSettings, RoutedHost
 from gateway.run import ControlPlaneThread
-from gateway.store import PolicyStore
+from gateway.store import GatewayStore
 from ledger.errors import PermanentEffectError
 from ledger.migrate import upgrade_head
 from ledger.scratch import PgServer
@@ -122,8 +122,8 @@ class Gateway:
             ),
             tmp / "envoy",
         ).start()
-        self.store = PolicyStore(make_engine(self.url, pool_size=2))
-        self.adapter = EnvoyGateway(self.store, [], [self.access_log])  # admin URL as Envoy announced it
+        self.store = GatewayStore(make_engine(self.url, pool_size=2))
+        self.adapter = EnvoyGateway(self.store)  # admin URL as Envoy announced it
 
     def restart_plane(self, data_plane: DataPlaneSettings | None = None) -> None:
         self.plane.stop()
@@ -182,6 +182,13 @@ def served_by(gw: Gateway, n: int, tier: Tier = Tier.STANDARD) -> collections.Co
     return seen
 
 
+def weighted(seen: collections.Counter[str], pod: str, share: float) -> bool:
+    """``pod`` served ``share`` of the requests, give or take one (where a weighted round robin
+    starts its schedule after a restart or an update is Envoy's business)."""
+    total = sum(seen.values())
+    return set(seen) <= {"llama-0", "llama-1"} and abs(seen[pod] - share * total) <= 1.01
+
+
 def config_dump(gw: Gateway) -> dict[str, object]:
     return dict(httpx.get(gw.envoy.admin_url + "/config_dump", params={"include_eds": ""}).json())
 
@@ -193,7 +200,7 @@ def test_weights_are_envoy_endpoint_weights_and_steer_traffic(gw: Gateway) -> No
     dump = json.dumps(config_dump(gw))
     assert '"load_balancing_weight": 300' in dump and '"load_balancing_weight": 100' in dump
     seen = served_by(gw, 40)
-    assert seen["llama-0"] == 30 and seen["llama-1"] == 10, seen  # round robin, weighted 3:1
+    assert weighted(seen, "llama-0", 0.75), seen  # round robin, weighted 3:1
 
 
 def test_shed_tiers_are_answered_by_envoy_with_retry_after_and_a_share_of_a_tier(gw: Gateway) -> None:
@@ -212,6 +219,7 @@ def test_shed_tiers_are_answered_by_envoy_with_retry_after_and_a_share_of_a_tier
 
     gw.adapter.apply(POOL, GatewayPolicy())  # the gap closed: nothing refused
     assert served_by(gw, 50, Tier.SHEDDABLE)["503"] == 0
+    wait_for(lambda: len(gw.adapter.request_outcomes(POOL)) == 501)  # every request, reported by Envoy
     outcomes = gw.adapter.request_outcomes(POOL)
     assert any(o.outcome == Outcome.SHED and o.tier == Tier.SHEDDABLE for o in outcomes)
     assert {o.replica for o in outcomes if o.outcome == Outcome.COMPLETED} == {"llama-0", "llama-1"}
@@ -232,11 +240,11 @@ def test_a_config_envoy_refuses_fails_with_its_own_words_and_nothing_is_retried_
     text = str(refused.value)
     assert "Envoy refused" in text and "Cluster" in text and "Interval" in text, text  # Envoy's own words
     assert gw.adapter.policy(POOL) == good  # put back: the change is not left half-applied
-    assert served_by(gw, 30) == {"llama-0": 20, "llama-1": 10}  # Envoy still runs the last good config
+    assert weighted(served_by(gw, 30), "llama-0", 2 / 3)  # Envoy still runs the last good config
 
     gw.restart_plane()
     assert gw.adapter.apply(POOL, change)["policy"]["weights"] == {"llama-0": 1.0, "llama-1": 2.0}
-    assert served_by(gw, 30) == {"llama-0": 10, "llama-1": 20}
+    assert weighted(served_by(gw, 30), "llama-1", 2 / 3)
 
 
 def test_deroute_and_a_dead_engine_leave_the_routing_set(gw: Gateway, engines: list[Engine]) -> None:
@@ -262,7 +270,7 @@ def test_envoy_killed_and_restarted_gets_the_current_policy_back(gw: Gateway) ->
     wait_for(lambda: gw.adapter.applied(POOL, policy) is not None)
     wait_for(lambda: len(gw.adapter.routing_set(POOL).endpoints) == 2)
     seen = served_by(gw, 40)
-    assert (seen["llama-0"], seen["llama-1"]) == (10, 30), seen
+    assert weighted(seen, "llama-1", 0.75), seen
     assert served_by(gw, 5, Tier.SHEDDABLE)["503"] == 5
 
 
@@ -272,8 +280,7 @@ def test_a_restarted_control_plane_serves_the_same_state_and_takes_new_changes(g
     changed = GatewayPolicy(weights={"llama-0": 1.0, "llama-1": 4.0})
     wait_for(lambda: any(a.connected for a in gw.store.answers()))
     gw.adapter.apply(POOL, changed)
-    seen = served_by(gw, 50)
-    assert (seen["llama-0"], seen["llama-1"]) == (10, 40), seen
+    assert weighted(served_by(gw, 50), "llama-1", 0.8)
 
 
 def test_retries_happen_only_before_a_response_started(gw: Gateway, engines: list[Engine]) -> None:

@@ -26,7 +26,7 @@ def serve_command() -> None:
     """Serve xDS to every Envoy of the gateway: pools from Kubernetes, policies from the ledger database."""
     from gateway.run import hosts_reader, run_forever
     from gateway.server import ControlPlane
-    from gateway.store import PolicyStore
+    from gateway.store import GatewayStore
     from ledger.store import make_engine
 
     settings = load_settings()
@@ -45,7 +45,7 @@ def serve_command() -> None:
         router_label=settings.router_label,
         router_label_value=settings.router_label_value,
     )
-    plane = ControlPlane(read, PolicyStore(make_engine(url, pool_size=2)), refresh_s=settings.xds_refresh_s)
+    plane = ControlPlane(read, GatewayStore(make_engine(url, pool_size=2)), refresh_s=settings.xds_refresh_s)
 
     def started(port: int) -> None:
         typer.echo(f"fleetmend gateway control plane: ADS on {settings.xds_host}:{port}", err=True)

@@ -151,7 +151,6 @@ STACK_ENV_SETTINGS = (
     "kubeconfig",
     "gateway",
     "gateway_admin_urls",
-    "gateway_access_logs",
     "router_admin_url",
     "action_log_url",
 )

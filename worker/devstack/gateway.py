@@ -90,5 +90,5 @@ class LocalGateway:
             self.plane.stop()
 
     def settings_for_clients(self) -> dict[str, Any]:
-        """What the worker needs: the Envoy adapter and where Envoy logs each request."""
-        return {"gateway": "envoy", "gateway_admin_urls": [], "gateway_access_logs": [self.access_log]}
+        """What the worker needs: the Envoy adapter (admin URLs and outcomes come through the control plane)."""
+        return {"gateway": "envoy", "gateway_admin_urls": []}

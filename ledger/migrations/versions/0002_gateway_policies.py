@@ -1,4 +1,5 @@
-"""Gateway policies (what fleetmend wants Envoy to apply per pool) and Envoy's ACK/NACK answers.
+"""Gateway policies (what fleetmend wants Envoy to apply per pool), Envoy's ACK/NACK answers, and
+the requests Envoy reports through its access-log service.
 
 Revision ID: 0002_gateway_policies
 Revises: 0001_effect_ledger
@@ -38,8 +39,29 @@ def upgrade() -> None:
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
     )
 
+    op.create_table(
+        "gateway_requests",
+        sa.Column("id", sa.BigInteger(), primary_key=True, autoincrement=True),
+        sa.Column("pool", sa.String(255), nullable=False),
+        sa.Column("request_id", sa.String(255), nullable=False),
+        sa.Column("tier", sa.String(32), nullable=True),
+        sa.Column("replica", sa.String(255), nullable=True),
+        sa.Column("route", sa.String(64), nullable=True),
+        sa.Column("response_code", sa.Integer(), nullable=False),
+        sa.Column("flags", sa.String(128), nullable=False),
+        sa.Column("started_at", sa.Float(), nullable=False),
+        sa.Column("duration_s", sa.Float(), nullable=False),
+        sa.Column("first_byte_s", sa.Float(), nullable=True),
+        sa.Column("attempts", sa.Integer(), nullable=False),
+        sa.Column("bytes_sent", sa.BigInteger(), nullable=False),
+        sa.Column("envoy", sa.String(255), nullable=False),
+    )
+    op.create_index("ix_gateway_requests_pool_started", "gateway_requests", ["pool", "started_at"])
+
 
 def downgrade() -> None:
+    op.drop_index("ix_gateway_requests_pool_started", table_name="gateway_requests")
+    op.drop_table("gateway_requests")
     op.drop_table("gateway_acks")
     op.drop_table("gateway_policies")
     op.execute("DROP SEQUENCE gateway_policy_revision")
