@@ -215,6 +215,12 @@ class Settings(BaseSettings):
         0, description="Embedded simulator's Kubernetes API port (HTTPS; 0 = any free)"
     )
     sim_scenario: Path | None = Field(None, description="Scenario the embedded simulator loads")
+    gateway_listen_port: int = Field(
+        8080, ge=0, le=65535, description="The embedded Envoy's user-traffic port (0 = any free)"
+    )
+    gateway_admin_port: int = Field(
+        9901, ge=0, le=65535, description="The embedded Envoy's admin port (0 = any free)"
+    )
 
     # Procedure policy: what the worker's incidents use unless a start names its own.
     dry_run: bool = Field(False, description="Compute and record every effect as planned; perform none")

@@ -34,7 +34,7 @@ from worker.worker import metrics_runtime, run_worker
 
 log = logging.getLogger("fleetmend.devstack")
 
-ALL_PARTS: tuple[str, ...] = ("temporal", "postgres", "sim", "webhook", "worker")
+ALL_PARTS: tuple[str, ...] = ("temporal", "postgres", "sim", "gateway", "webhook", "worker")
 DEFAULT_SIM_SCENARIO = "gpu-node-loss.yaml"
 
 
@@ -261,6 +261,66 @@ class _SimPart:
         ]
 
 
+class _GatewayPart:
+    """Envoy in front of the sim's engines, configured by fleetmend's control plane (worker.devstack.gateway)."""
+
+    name = "gateway"
+
+    def __init__(self, stack: DevStack) -> None:
+        self.stack = stack
+        self.gateway: Any = None
+
+    def preflight(self) -> None:
+        s = self.stack.settings
+        for port, what, setting in (
+            (s.gateway_listen_port, "Envoy", "FLEETMEND_GATEWAY_LISTEN_PORT"),
+            (s.gateway_admin_port, "Envoy admin", "FLEETMEND_GATEWAY_ADMIN_PORT"),
+            (s.xds_port, "the gateway control plane", "FLEETMEND_XDS_PORT"),
+        ):
+            if port:
+                require_free_port("127.0.0.1", port, what=what, setting=setting)
+
+    async def start(self) -> None:
+        from worker.devstack.gateway import LocalGateway
+
+        s = self.stack.settings
+        url = s.database_url_value()
+        if s.kubeconfig is None or not url:
+            raise StackError("the gateway needs the sim (or FLEETMEND_KUBECONFIG) and the ledger database")
+        self.gateway = LocalGateway(
+            kubeconfig=s.kubeconfig,
+            database_url=url,
+            workdir=s.state_dir / "gateway",
+            listen_port=s.gateway_listen_port,
+            admin_port=s.gateway_admin_port,
+            xds_port=s.xds_port,
+        )
+        try:
+            await asyncio.to_thread(self.gateway.start)
+        except Exception as err:
+            raise StackError(f"the gateway did not start: {err}".splitlines()[0]) from err
+
+    async def stop(self) -> None:
+        if self.gateway is not None:
+            await asyncio.to_thread(self.gateway.stop)
+            self.gateway = None
+
+    def failure(self) -> str | None:
+        envoy = self.gateway.envoy if self.gateway is not None else None
+        if envoy is not None and envoy.proc is not None and envoy.proc.poll() is not None:
+            return f"Envoy exited with {envoy.proc.returncode}; see {envoy.log_file}"
+        return None
+
+    def settings_for_clients(self) -> dict[str, Any]:
+        return dict(self.gateway.settings_for_clients())
+
+    def endpoints(self) -> list[Endpoint]:
+        return [
+            Endpoint("gateway", "Gateway (Envoy)", self.gateway.url),
+            Endpoint("gateway", "Envoy admin", self.gateway.admin_url),
+        ]
+
+
 class _WebhookPart:
     """The alert webhook API (``worker.webhook.app``), served in-process by uvicorn."""
 
@@ -484,6 +544,8 @@ class DevStack:
                 parts.append(_PostgresPart(self.settings))
             elif name == "sim":
                 parts.append(_SimPart(self))
+            elif name == "gateway":
+                parts.append(_GatewayPart(self))
             elif name == "webhook":
                 parts.append(_WebhookPart(self))
             elif name == "worker":
@@ -513,7 +575,7 @@ class DevStack:
                         self.settings = self.settings.model_copy(
                             update={"temporal_ui_url": part.server.ui_url}
                         )
-                if isinstance(part, _SimPart):
+                if isinstance(part, (_SimPart, _GatewayPart)):
                     self.settings = self.settings.model_copy(update=part.settings_for_clients())
         except BaseException:
             await self.stop()
