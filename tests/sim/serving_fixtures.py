@@ -110,8 +110,20 @@ class RunningServing:
         await self.wait_for(routed, timeout_sim_s, f"{count} routed replicas")
         return self.serving_pods()
 
+    def pod_url(self, pod: str, namespace: str = NAMESPACE) -> str:
+        """``http://{podIP}:{engine_port}``: where the pod's engine listens (as in a cluster)."""
+        obj = self.world.pod(namespace, pod)
+        ip = (obj or {}).get("status", {}).get("podIP")
+        if not ip:
+            raise AssertionError(f"pod {namespace}/{pod} has no IP")
+        return f"http://{ip}:{self.layer.settings.engine_port}"
+
+    async def engine_get(self, pod: str, path: str, namespace: str = NAMESPACE) -> httpx.Response:
+        """GET ``path`` from the pod's own engine server, at its pod IP."""
+        return await self.http.get(self.pod_url(pod, namespace) + path)
+
     async def metrics(self, pod: str, namespace: str = NAMESPACE) -> dict[str, Any]:
-        r = await self.http.get(f"/pods/{namespace}/{pod}/metrics")
+        r = await self.engine_get(pod, "/metrics", namespace)
         r.raise_for_status()
         return {f.name: f for f in text_string_to_metric_families(r.text)}
 

@@ -89,14 +89,22 @@ async def test_kubernetes_default_path_needs_failure_threshold_probes_to_deroute
         assert measured.sim_seconds_to_deroute <= probe.period_s * probe.failure_threshold + 1.0
 
 
-async def test_prometheus_http_service_discovery_lists_every_replica_and_node() -> None:
+async def test_prometheus_http_service_discovery_lists_every_engine_at_its_pod_ip_and_every_node() -> None:
     async with running_serving(scenario(), speed=20) as sim:
         pods = await sim.wait_serving(2)
         targets = (await sim.http.get("/sim/v1/prometheus/targets")).json()
-        paths = {t["labels"]["__metrics_path__"] for t in targets}
-        assert {f"/pods/{NAMESPACE}/{p}/metrics" for p in pods} <= paths
-        assert {"/nodes/gpu-node-0/metrics", "/nodes/gpu-node-1/metrics"} <= paths
-        for path in paths:
+        engines = {t["labels"]["pod"]: t for t in targets if t["labels"]["job"] == "vllm"}
+        assert set(pods) <= set(engines)
+        for pod in pods:
+            # The engine's own address, as kubernetes_sd would find it; Prometheus' default path.
+            (target,) = engines[pod]["targets"]
+            assert f"http://{target}" == sim.pod_url(pod)
+            assert "__metrics_path__" not in engines[pod]["labels"]
+            page = await sim.http.get(f"http://{target}/metrics")
+            assert page.status_code == 200 and "vllm:num_requests_running" in page.text
+        nodes = {t["labels"]["__metrics_path__"] for t in targets if t["labels"]["job"] == "dcgm-exporter"}
+        assert nodes == {"/nodes/gpu-node-0/metrics", "/nodes/gpu-node-1/metrics"}
+        for path in nodes:
             assert (await sim.http.get(path)).status_code == 200
 
 
