@@ -84,7 +84,7 @@ async def test_kv_over_the_ceiling_loses_readiness_gets_no_new_requests_and_reco
         # Not ready, yet live: the container is ready, nothing restarted, /health answers.
         assert conditions["Ready"] == "False" and conditions["ContainersReady"] == "True", conditions
         assert conditions["restarts"] == "0"
-        assert (await rig.http.get(f"/pods/{POOL.namespace}/{hot}/health")).status_code == 200
+        assert (await rig.engine_get(POOL.namespace, hot, "/health")).status_code == 200
         await asyncio.sleep(0.5)
         assert hot not in await rig.routing_set(POOL)
 
@@ -95,7 +95,7 @@ async def test_kv_over_the_ceiling_loses_readiness_gets_no_new_requests_and_reco
         )
         late_starts = [e for e in r.json()["entries"] if e["started_at"] > went_false + 0.5]
         assert late_starts == [], late_starts
-        metrics = (await rig.http.get(f"/pods/{POOL.namespace}/{hot}/metrics")).text
+        metrics = (await rig.engine_get(POOL.namespace, hot, "/metrics")).text
         assert "num_requests_running" in metrics
 
         # It recovers: the slowdown clears, its queue drains, the gate turns true after the hysteresis.
