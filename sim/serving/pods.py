@@ -40,6 +40,7 @@ import logging
 import socket
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -126,6 +127,9 @@ class EngineServers:
         self.opened = 0
         self.closed = 0
         self.connections_cut = 0
+        # Requests answered, by "METHOD path" and by (path, User-Agent): who reached the engines.
+        self.served: Counter[str] = Counter()
+        self.served_to: Counter[tuple[str, str]] = Counter()
 
     # ---- what is listening ---------------------------------------------------------------
     def address_of(self, replica: str) -> str | None:
@@ -226,6 +230,8 @@ class EngineServers:
             return
         engine = server.engine
         method, path = scope["method"], scope["path"]
+        self.served[f"{method} {path}"] += 1
+        self.served_to[(path, headers.get("user-agent", ""))] += 1
         if path == "/health" and method in ("GET", "HEAD"):
             await reply.raw(engine.health_status(), b"", b"application/json")
         elif path == "/metrics" and method == "GET":
