@@ -24,6 +24,7 @@ from sim.app import BoundPorts, serve
 from sim.k8s.tls import generate_serving_certs
 from sim.scenario import Scenario, parse_scenario
 from sim.serving.layer import ServingLayer
+from sim.serving.telemetry import gpu_assignment
 from sim.world import SimWorld
 
 NAMESPACE = "inference"
@@ -137,6 +138,15 @@ class RunningServing:
 
     async def fault(self, kind: str, target: str, **params: Any) -> httpx.Response:
         return await self.http.post("/sim/v1/faults", json={"kind": kind, "target": target, "params": params})
+
+
+def pod_node_and_gpu(sim: RunningServing, pod: str) -> tuple[str, int]:
+    """The node a serving pod runs on and the (first) GPU it holds there."""
+    obj = sim.layer.kube.pod(NAMESPACE, pod)
+    assert obj is not None
+    node = obj["spec"]["nodeName"]
+    gpu = next(i for i, p in gpu_assignment(sim.layer.kube, node).items() if p["metadata"]["name"] == pod)
+    return node, gpu
 
 
 @contextlib.asynccontextmanager

@@ -8,8 +8,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sim.serving.telemetry import gpu_assignment
-from tests.sim.serving_fixtures import NAMESPACE, POOL, RunningServing, running_serving, scenario
+from tests.sim.serving_fixtures import (
+    NAMESPACE,
+    POOL,
+    RunningServing,
+    pod_node_and_gpu,
+    running_serving,
+    scenario,
+)
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -29,14 +35,6 @@ async def ksm_value(sim: RunningServing, name: str, **labels: str) -> float:
     if name not in fams:
         return 0.0
     return sum(s.value for s in samples(fams[name], **labels))
-
-
-def pod_node_and_gpu(sim: RunningServing, pod: str) -> tuple[str, int]:
-    obj = sim.layer.kube.pod(NAMESPACE, pod)
-    assert obj is not None
-    node = obj["spec"]["nodeName"]
-    gpu = next(i for i, p in gpu_assignment(sim.layer.kube, node).items() if p["metadata"]["name"] == pod)
-    return node, gpu
 
 
 async def test_gpu_xid_79_kills_the_replica_on_that_gpu_shows_in_dcgm_and_fails_qualification() -> None:

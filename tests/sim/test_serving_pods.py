@@ -14,7 +14,7 @@ import pytest
 from sim.k8s.podips import PodIpAllocator
 from sim.serving.loadgen import GatewayTarget, LoadSpec, arrivals, start_load
 from sim.world import SimWorld
-from tests.sim.serving_fixtures import NAMESPACE, RunningServing, running_serving, scenario
+from tests.sim.serving_fixtures import NAMESPACE, RunningServing, pod_node_and_gpu, running_serving, scenario
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -119,6 +119,41 @@ async def test_a_lost_node_refuses_connections_and_cuts_an_in_flight_stream() ->
             assert not any('"finish_reason": "length"' in line for line in head + rest)
             with pytest.raises(httpx.ConnectError):
                 await client.get(url + "/health")
+
+
+async def test_an_engine_that_dies_under_a_running_server_ends_its_stream_as_vllm_does_then_the_process_exits() -> (
+    None
+):
+    """Xid 79: the engine core dies, the API server lingers (launcher watchdog) answering 503: the stream
+    gets vLLM's error chunk and [DONE]; then the process exits and the address refuses connections."""
+    async with running_serving(scenario(), speed=20) as sim:
+        pod, _ = await sim.wait_serving(2)
+        url = sim.pod_url(pod)
+        node, gpu = pod_node_and_gpu(sim, pod)
+        async with httpx.AsyncClient(timeout=10) as client:
+            response, lines = await open_stream(client, url, 600)
+            await read_until_text(lines)
+            assert (await sim.fault("gpu-xid", node, code=79, gpu=gpu)).status_code == 202
+            rest, error = await drain(lines)
+            await response.aclose()
+            assert error is None
+            data = [line[6:] for line in rest if line.startswith("data: ")]
+            assert data[-1] == "[DONE]"
+            assert json.loads(data[-2])["error"]["type"] == "EngineDeadError"
+            assert (await client.get(url + "/health")).status_code == 503
+            refused = await client.post(url + "/v1/completions", json={"model": MODEL, "max_tokens": 4})
+            assert refused.status_code == 503 and refused.json()["error"]["type"] == "EngineDeadError"
+
+            async def exited() -> bool:
+                try:
+                    await client.get(url + "/health")
+                except httpx.ConnectError:
+                    return True
+                except httpx.TransportError:
+                    return False
+                return False
+
+            await sim.wait_for(exited, 30, "the watchdog to end the process")
 
 
 async def test_an_oom_killed_container_restarts_and_serves_again_on_the_same_pod_ip() -> None:
