@@ -25,10 +25,13 @@ async def test_load_over_http_reports_goodput_shed_and_per_replica_ttft() -> Non
         pods = await sim.wait_serving(2)
         await sim.set_state("admission", "admission", {"shed_tiers": ["sheddable"]})
         spec = LoadSpec(rate=4.0, duration_s=10.0, seed=9)
-        report = await start_load(sim.base_url, spec).wait()
+        run = start_load(sim.base_url, spec)
+        report = await run.wait()
         expected = arrivals(spec)
         assert report.sent == report.finished == len(expected)
+        # The tier travels in the x-fleetmend-tier header; the shed answers carry Retry-After.
         assert report.shed == sum(1 for a in expected if a.tier == Tier.SHEDDABLE)
+        assert {r.retry_after_s for r in run.results if r.outcome == "shed"} == {1.0}
         assert report.goodput == report.sent - report.shed
         assert report.late == report.terminal_errors == report.truncated_streams == 0
         assert set(report.per_replica) == set(pods)
