@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import resource
 import socket
 import time
 import uuid
@@ -105,10 +106,22 @@ class _PodServer:
         return cut
 
 
+def raise_open_file_limit(wanted: int = 65536) -> int:
+    """Lift the soft RLIMIT_NOFILE towards the hard limit: every pod socket and every connection to it
+    is a file descriptor of this one process (a default soft limit of 1024 would cap the fleet)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 class EngineServers:
     """The pod-IP servers of one serving layer, kept in step with the running engine processes."""
 
     def __init__(self, layer: ServingLayer, port: int) -> None:
+        raise_open_file_limit()
         self.layer = layer
         self.port = port
         self._servers: dict[str, _PodServer] = {}
