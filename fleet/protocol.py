@@ -14,10 +14,13 @@ Router / gateway, per pool (``{namespace}/{service}``):
   PUT  /router/v1/pools/{ns}/{svc}/retry-policy    <- RetryPolicyChange  (409 if stale)
   GET  /router/v1/pools/{ns}/{svc}/routing-set     -> RoutingSet
   GET  /router/v1/journal?pool=&replica=&since=&until=&outcome=  -> JournalPage
-  POST /v1/completions                             OpenAI-compatible, SSE when stream=true
+  POST /v1/completions                             OpenAI-compatible, SSE when stream=true;
+                                                   the tier in the x-fleetmend-tier header
 
-Engines and nodes (in production: the pod's and the node exporter's own ports):
-  GET  /pods/{ns}/{pod}/metrics   vLLM Prometheus text      GET /pods/{ns}/{pod}/health
+Engines, each at its own pod IP as in a cluster (``http://{podIP}:8000``, the port configurable):
+  POST /v1/completions  GET /v1/models  GET /metrics (vLLM Prometheus text)  GET /health
+
+Nodes (in production: the node exporter's own port):
   GET  /nodes/{node}/metrics      DCGM-exporter text
   POST /nodes/{node}/qualification -> Qualification (starts diagnostics)
   GET  /nodes/{node}/qualification -> Qualification

@@ -58,6 +58,10 @@ class Tier(StrEnum):
 # Lowest priority first: the order in which admission control sheds tiers.
 SHED_ORDER: tuple[Tier, ...] = (Tier.SHEDDABLE, Tier.STANDARD)
 
+# The request header that carries a request's tier (a ``Tier`` value) to the gateway, where
+# routes match on it (e.g. Envoy: shed a tier with a direct 429/503 response).
+TIER_HEADER = "x-fleetmend-tier"
+
 
 class FaultKind(StrEnum):
     """Faults the simulated fleet can suffer (and fleetmend must recognise)."""

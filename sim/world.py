@@ -59,6 +59,7 @@ from sim.clock import SimClock
 from sim.k8s.controlplane import ControlPlane, StartupProfile
 from sim.k8s.faults import ApiFaults
 from sim.k8s.manifests import build_objects, rollout_patch
+from sim.k8s.podips import DEFAULT_ENGINE_PORT
 from sim.k8s.store import ObjectStore, WatchEvent
 from sim.scenario import ModelRevision, ModelSpec, Scenario
 
@@ -67,6 +68,14 @@ log = logging.getLogger(__name__)
 FaultHandler = Callable[[FaultRequest], None]
 # Writes no controller reacts to: they do not wake the controllers (lease heartbeats, events, config).
 QUIET_RESOURCES = frozenset({"leases", "events", "configmaps"})
+
+
+def engine_port_of(scenario: Scenario) -> int:
+    """The port every engine listens on at its pod IP (the scenario's ``load.engine_port``, default 8000)."""
+    value = (scenario.load or {}).get("engine_port", DEFAULT_ENGINE_PORT)
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 65535:
+        raise ValueError(f"load.engine_port must be a TCP port number 1-65535 (got {value!r})")
+    return value
 
 
 class SimWorld:
@@ -92,7 +101,12 @@ class SimWorld:
         self.api_faults = ApiFaults(seed=scenario.seed)
         self.token = token or secrets.token_urlsafe(24)
         self.control = ControlPlane(
-            self.store, self.clock, scenario.timings, self._startup_profile, seed=scenario.seed
+            self.store,
+            self.clock,
+            scenario.timings,
+            self._startup_profile,
+            seed=scenario.seed,
+            engine_port=engine_port_of(scenario),
         )
         self.control.gates_set_on_first_ready.add(SERVING_READY_CONDITION)
         self._fault_handlers: dict[FaultKind, FaultHandler] = {}

@@ -26,6 +26,7 @@ from sim.clock import SimClock, parse_timestamp
 from sim.k8s import objects as o
 from sim.k8s.errors import ApiError, not_found
 from sim.k8s.events import EventRecorder
+from sim.k8s.podips import PodIpAllocator
 from sim.k8s.resources import RESOURCES
 from sim.k8s.store import ObjectStore
 from sim.scenario import Timings
@@ -82,6 +83,7 @@ class ControlPlane:
         profile_for: Callable[[Obj], StartupProfile | None],
         *,
         seed: int = 0,
+        engine_port: int = 8000,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -93,7 +95,7 @@ class ControlPlane:
         self.lost_nodes: dict[str, float] = {}
         self.runtimes: dict[str, PodRuntime] = {}
         self.gates_set_on_first_ready: set[str] = set()  # readiness-gate condition types the sim admits
-        self._next_ip = 0
+        self.pod_ips = PodIpAllocator(engine_port)
         self.scheduler_memory: dict[str, tuple[str, float]] = {}  # pod uid -> (last message, last event time)
         self.instant_start: bool = False
         # imported here to keep each controller in its own module without import cycles
@@ -131,11 +133,8 @@ class ControlPlane:
         return self.clock.now()
 
     def allocate_ip(self) -> str:
-        """Pod IPs from 127.10.0.0/16 (loopback, so they are valid addresses on this host)."""
-        with self.lock:
-            index = self._next_ip
-            self._next_ip += 1
-        return f"127.10.{(index // 254) % 256}.{index % 254 + 1}"
+        """A pod IP: a bindable loopback address from this world's own random block (``sim.k8s.podips``)."""
+        return self.pod_ips.allocate()
 
     # -------------------------------------------------------------- nodes
     def is_node_lost(self, name: str) -> bool:

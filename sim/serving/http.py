@@ -1,13 +1,11 @@
 """HTTP API of the serving layer (paths and shapes from ``fleet.protocol``).
 
-Mounted on the simulator's one port by ``sim.serving.attach``.
+Mounted on the simulator's one port by ``sim.serving.attach``. The engines are not here:
+each listens on its own pod IP (``sim.serving.pods``).
 """
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request
@@ -26,12 +24,13 @@ from fleet.protocol import (
     RoutingSet,
     WeightsChange,
 )
-from fleet.vocabulary import MODEL_LABEL
+from fleet.vocabulary import MODEL_LABEL, TIER_HEADER, Tier
 from sim.serving.faults import FaultError
 from sim.serving.kubeview import pod_labels
 from sim.serving.layer import ServingLayer
 from sim.serving.loadgen import install_load_routes
-from sim.serving.router import Completion, CompletionRequest, GatewayError, StaleVersion
+from sim.serving.router import CompletionRequest, GatewayError, StaleVersion
+from sim.serving.streams import collect, completion_body, error_body, sse_chunks
 from sim.serving.supervisor import is_leader
 from sim.serving.telemetry import gpu_assignment, render_dcgm, render_kube_state
 
@@ -65,10 +64,6 @@ class TicketBody(BaseModel):
 
 def _error(status: int, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"detail": message, **extra}, status_code=status)
-
-
-def _sse(payload: Any) -> bytes:
-    return b"data: " + (payload if isinstance(payload, bytes) else json.dumps(payload).encode()) + b"\n\n"
 
 
 def build_router(layer: ServingLayer) -> APIRouter:
@@ -142,9 +137,26 @@ def build_router(layer: ServingLayer) -> APIRouter:
         }
 
     @api.post("/v1/completions", tags=["gateway"])
-    async def completions(body: CompletionRequest, x_request_id: str | None = Header(None)) -> Response:
+    async def completions(
+        body: CompletionRequest,
+        x_request_id: str | None = Header(None),
+        x_fleetmend_tier: str | None = Header(None),
+    ) -> Response:
         if x_request_id and not body.request_id:
             body.request_id = x_request_id
+        if x_fleetmend_tier is not None:
+            try:
+                body.tier = Tier(x_fleetmend_tier)
+            except ValueError:
+                known = [t.value for t in Tier]
+                return JSONResponse(
+                    error_body(
+                        400,
+                        "invalid_tier",
+                        f"{TIER_HEADER}: {x_fleetmend_tier!r} is not a tier; use one of {known}",
+                    ),
+                    status_code=400,
+                )
         try:
             completion = await router.complete(body)
         except GatewayError as exc:
@@ -156,27 +168,23 @@ def build_router(layer: ServingLayer) -> APIRouter:
         }
         if body.stream:
             return StreamingResponse(
-                _stream(completion),
+                sse_chunks(
+                    completion.request_id, completion.model, completion.events(), completion.first_tokens
+                ),
                 media_type="text/event-stream",
                 headers={**headers, "cache-control": "no-cache"},
             )
-        return await _collect(completion, headers)
+        tokens, finish, error = await collect(completion.events(), completion.first_tokens)
+        if error is not None:
+            return JSONResponse(
+                error_body(502, "upstream_failed", error.message), status_code=502, headers=headers
+            )
+        return JSONResponse(
+            completion_body(completion.request_id, completion.model, tokens, finish), headers=headers
+        )
 
     # ---- engines and nodes ----------------------------------------------------------------------
-    @api.get("/pods/{ns}/{pod}/metrics", tags=["engines"])
-    async def pod_metrics(ns: str, pod: str) -> Response:
-        engine = layer.supervisor.get(f"{ns}/{pod}")
-        if engine is None or (engine.node and layer.world.is_node_lost(engine.node)):
-            return PlainTextResponse(f"replica {ns}/{pod} is not answering\n", status_code=503)
-        return Response(engine.render_metrics(), media_type=PROMETHEUS_TEXT)
-
-    @api.get("/pods/{ns}/{pod}/health", tags=["engines"])
-    async def pod_health(ns: str, pod: str) -> Response:
-        engine = layer.supervisor.get(f"{ns}/{pod}")
-        if engine is None or (engine.node and layer.world.is_node_lost(engine.node)):
-            return PlainTextResponse(f"replica {ns}/{pod} is not answering\n", status_code=503)
-        return Response(status_code=engine.health_status())
-
+    # ---- nodes ---------------------------------------------------------------------------------
     @api.get("/nodes/{node}/metrics", tags=["nodes"])
     async def node_metrics(node: str) -> Response:
         try:
@@ -214,26 +222,24 @@ def build_router(layer: ServingLayer) -> APIRouter:
 
     @api.get("/sim/v1/prometheus/targets", tags=["sim"])
     async def prometheus_targets(request: Request) -> list[dict[str, Any]]:
-        """Prometheus HTTP service discovery: one target per replica's and node's metrics page."""
+        """Prometheus HTTP service discovery: every engine at its pod IP, every node's DCGM page.
+
+        Engines are listed as kubernetes_sd (role pod) would find them: every serving pod with
+        an IP (leaders of multi-node groups), started or not, at ``{podIP}:{engine_port}``, so a
+        pod whose engine is loading, crashed or gone scrapes as down."""
         host = request.headers.get("host", request.url.netloc)
         out: list[dict[str, Any]] = []
-        # Every serving pod (leaders of multi-node groups), started or not: a pod whose engine is
-        # loading or crashed scrapes as down, as it would through kubernetes_sd.
+        port = layer.settings.engine_port
         replicas = sorted(
-            (p["metadata"]["namespace"], p["metadata"]["name"])
+            (p["metadata"]["namespace"], p["metadata"]["name"], (p.get("status") or {}).get("podIP"))
             for p in layer.kube.pods()
-            if MODEL_LABEL in pod_labels(p) and is_leader(p)
+            if MODEL_LABEL in pod_labels(p) and is_leader(p) and (p.get("status") or {}).get("podIP")
         )
-        for ns, pod in replicas:
+        for ns, pod, ip in replicas:
             out.append(
                 {
-                    "targets": [host],
-                    "labels": {
-                        "__metrics_path__": f"/pods/{ns}/{pod}/metrics",
-                        "job": "vllm",
-                        "namespace": ns,
-                        "pod": pod,
-                    },
+                    "targets": [f"{ip}:{port}"],
+                    "labels": {"job": "vllm", "namespace": ns, "pod": pod},
                 }
             )
         for node in sorted(n["metadata"]["name"] for n in layer.kube.nodes()):
@@ -311,65 +317,3 @@ def build_router(layer: ServingLayer) -> APIRouter:
 
     install_load_routes(api, layer)
     return api
-
-
-async def _stream(completion: Completion) -> AsyncIterator[bytes]:
-    created = int(time.time())
-    base = {
-        "id": completion.request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": completion.model,
-    }
-
-    def chunk(text: str, finish: str | None) -> bytes:
-        return _sse(
-            {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
-        )
-
-    events = completion.events()
-    try:
-        yield chunk(" tok" * completion.first_tokens, None)
-        async for event in events:
-            if event.kind == "tokens":
-                yield chunk(" tok" * event.count, None)
-            elif event.kind == "done":
-                yield chunk("", event.finish_reason)
-                yield _sse(b"[DONE]")
-            else:
-                yield _sse(
-                    {"error": {"message": event.message, "type": "terminal_stream_error", "code": 502}}
-                )
-    finally:
-        await events.aclose()  # type: ignore[attr-defined]
-
-
-async def _collect(completion: Completion, headers: dict[str, str]) -> Response:
-    tokens = completion.first_tokens
-    finish: str | None = None
-    events = completion.events()
-    try:
-        async for event in events:
-            if event.kind == "tokens":
-                tokens += event.count
-            elif event.kind == "done":
-                finish = event.finish_reason
-            else:
-                return JSONResponse(
-                    {"error": {"message": event.message, "type": "upstream_failed", "code": 502}},
-                    status_code=502,
-                    headers=headers,
-                )
-    finally:
-        await events.aclose()  # type: ignore[attr-defined]
-    return JSONResponse(
-        {
-            "id": completion.request_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": completion.model,
-            "choices": [{"index": 0, "text": " tok" * tokens, "logprobs": None, "finish_reason": finish}],
-            "usage": {"completion_tokens": tokens},
-        },
-        headers=headers,
-    )

@@ -19,10 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fleet.protocol import FaultRequest, NotifyMessage, Qualification, QualificationState
 from fleet.vocabulary import FaultKind, Tier
+from sim.k8s.podips import DEFAULT_ENGINE_PORT
 from sim.serving.faults import FaultError, FaultInjector
 from sim.serving.journal import Journal
 from sim.serving.kubeview import KubeView
 from sim.serving.loadgen import LoadSpec, start_load
+from sim.serving.pods import EngineServers
 from sim.serving.probes import ProbeSettings, ReadinessProber
 from sim.serving.router import Router, RouterConfig
 from sim.serving.supervisor import EngineSupervisor
@@ -56,6 +58,15 @@ class ServingSettings(BaseModel):
     probe_failure_threshold: int = Field(default=3, ge=1)
     qualification_s: float = Field(default=120.0, ge=0, description="how long node diagnostics take")
     tick_s: float = Field(default=0.05, gt=0, description="engine tick in sim seconds (at least 5 ms wall)")
+    engine_port: int = Field(
+        default=DEFAULT_ENGINE_PORT,
+        ge=1,
+        le=65535,
+        description="port every engine listens on at its pod IP (vLLM's --port)",
+    )
+    serve_engines: bool = Field(
+        default=True, description="run each engine's HTTP server on its pod IP (off: in-process only)"
+    )
     tickets_honour_idempotency_key: bool = True
     traffic: TrafficSpec | None = None
 
@@ -86,6 +97,10 @@ class ServingLayer:
             self.supervisor,
             ProbeSettings(self.settings.probe_period_s, self.settings.probe_failure_threshold),
         )
+        self.engine_servers = EngineServers(self, self.settings.engine_port)
+        control = getattr(world, "control", None)
+        if control is not None:  # pod IPs are checked free on the port the engines will listen on
+            control.pod_ips.port = self.settings.engine_port
         self.telemetry: dict[str, NodeTelemetry] = {}
         self.thermal_nodes: dict[str, float] = {}
         self.qualifications: dict[str, tuple[Qualification, float]] = {}
@@ -129,6 +144,7 @@ class ServingLayer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        await self.engine_servers.aclose()
         await self.router.aclose()
 
     def tick_real_seconds(self) -> float:
@@ -150,6 +166,7 @@ class ServingLayer:
         self.prober.tick(now)
         self._apply_due_faults(now)
         self._finish_qualifications(now)
+        self.sync_engine_servers()
 
     # ---- faults ---------------------------------------------------------------------------
     def _world_fault_handler(self, fault: FaultRequest) -> None:
@@ -172,8 +189,20 @@ class ServingLayer:
     def _apply_logged(self, fault: FaultRequest) -> None:
         try:
             self.faults.apply(fault)
+            self.sync_engine_servers()
         except Exception:
             log.exception("fault %s on %s failed", fault.kind.value, fault.target)
+
+    def sync_engine_servers(self) -> None:
+        """Open/close the engines' pod-IP servers now (a fault's effect on them is immediate)."""
+        if not self.settings.serve_engines or self._loop is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if running is self._loop:
+            self.engine_servers.sync()
 
     def submit_fault(self, fault: FaultRequest) -> dict[str, Any]:
         """Validate now; apply now or at ``fault.at`` (sim time). Raises FaultError on bad input."""
@@ -190,6 +219,7 @@ class ServingLayer:
             }
         self.faults.apply(fault)
         self.kick_world()
+        self.sync_engine_servers()
         return {"accepted": True, "applied_at": now, "kind": fault.kind.value, "target": fault.target}
 
     def _apply_due_faults(self, now: float) -> None:

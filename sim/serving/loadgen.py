@@ -2,9 +2,19 @@
 
 Arrivals are a pure function of the seed (same seed, same arrivals: inter-arrival
 times, tiers, prompt and output lengths, request ids), independent of how the
-fleet responds — open loop, as real users behave. Requests go through the
-router's own code path in-process by default (cheap enough for a loaded demo
-fleet on two cores) or over real HTTP/SSE (``base_url``).
+fleet responds — open loop, as real users behave. Targets:
+
+* a ``ServingLayer`` (or a ``SimWorld`` with one): the router's own code path,
+  in-process (cheap enough for a loaded demo fleet on two cores);
+* ``GatewayTarget(url)``: any OpenAI-compatible HTTP endpoint — a gateway such as
+  Envoy, or one engine at its pod IP — over real HTTP/SSE (httpx, streaming). Each
+  request names its tier in the ``x-fleetmend-tier`` header (``TIER_HEADER``), its id in
+  ``x-request-id`` and the model in the body; per request it records the status, time to
+  first token, tokens streamed, whether the stream ended without ``[DONE]``, a refusal's
+  ``retry-after``, and the upstream that served it when the gateway names it in a
+  response header (``upstream_header``, e.g. one Envoy adds with ``%UPSTREAM_HOST%``);
+* a base URL string: the simulator's own gateway (its sim clock speed is read from
+  ``/sim/v1/clock``; it names the replica in ``x-fleetmend-replica``).
 
 The report counts goodput (completed within deadline), late, shed, rejected,
 terminal errors, truncated streams and retries, and per-replica TTFT
@@ -27,8 +37,9 @@ import httpx
 from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fleet.vocabulary import Tier
+from fleet.vocabulary import TIER_HEADER, Tier
 from sim.serving.router import CompletionRequest, GatewayError
+from sim.serving.streams import TOKEN_TEXT
 
 DEFAULT_DEADLINES: dict[Tier, float] = {Tier.CRITICAL: 5.0, Tier.STANDARD: 10.0, Tier.SHEDDABLE: 20.0}
 
@@ -95,6 +106,43 @@ def arrivals(spec: LoadSpec) -> list[Arrival]:
         )
 
 
+@dataclass(frozen=True)
+class GatewayTarget:
+    """An OpenAI-compatible HTTP endpoint to send the load to (a gateway, or one engine's pod IP).
+
+    ``speed``: sim seconds per wall second of the world behind it (arrival times and
+    latencies are in sim seconds); None asks the simulator at ``url`` (``/sim/v1/clock``).
+    ``upstream_header``: the response header naming the upstream that served a request;
+    without one the target itself (``host:port``) is taken as the server.
+    ``attempt_header``: the response header with the attempt that served it, if any.
+    """
+
+    url: str
+    speed: float | None = 1.0
+    upstream_header: str | None = None
+    attempt_header: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"GatewayTarget url must be an http(s) URL (got {self.url!r})")
+        if self.speed is not None and self.speed <= 0:
+            raise ValueError(f"GatewayTarget speed must be > 0 (got {self.speed})")
+
+    @property
+    def authority(self) -> str:
+        return httpx.URL(self.url).netloc.decode()
+
+
+# The simulator's own gateway as an HTTP target: its speed from /sim/v1/clock, its replica header.
+def sim_gateway(url: str) -> GatewayTarget:
+    return GatewayTarget(
+        url.rstrip("/"),
+        speed=None,
+        upstream_header="x-fleetmend-replica",
+        attempt_header="x-fleetmend-attempt",
+    )
+
+
 @dataclass
 class RequestResult:
     request_id: str
@@ -108,6 +156,8 @@ class RequestResult:
     expected_tokens: int = 0
     attempts: int = 1
     status: int | None = None
+    truncated: bool = False  # the stream started and ended without [DONE]
+    retry_after_s: float | None = None  # a refusal's Retry-After
 
 
 class ReplicaLatency(BaseModel):
@@ -155,7 +205,7 @@ def summarize(results: list[RequestResult], sent: int, window: tuple[float, floa
         count[r.outcome] = count.get(r.outcome, 0) + 1
         by_tier.setdefault(r.tier.value, {}).setdefault(r.outcome, 0)
         by_tier[r.tier.value][r.outcome] += 1
-        if r.tokens and r.tokens < r.expected_tokens and r.outcome == "terminal_error":
+        if r.tokens and r.outcome == "terminal_error" and (r.truncated or r.tokens < r.expected_tokens):
             truncated += 1
         if r.attempts > 1 and r.outcome in ("goodput", "late"):
             retried += 1
@@ -195,9 +245,11 @@ class LoadRun:
         self.spec = spec
         self.results: list[RequestResult] = []
         self.sent = 0
+        if isinstance(target, str):
+            target = sim_gateway(target)
         self._target = target
-        self._layer: Any = target if not isinstance(target, str) else None
-        self._base_url = target if isinstance(target, str) else None
+        self._layer: Any = target if not isinstance(target, GatewayTarget) else None
+        self._gateway: GatewayTarget | None = target if isinstance(target, GatewayTarget) else None
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner: asyncio.Task[None] | None = None
         self._http: httpx.AsyncClient | None = None
@@ -223,19 +275,22 @@ class LoadRun:
         return self
 
     async def _run(self) -> None:
-        if self._base_url is not None:
+        if self._gateway is not None:
             # Open loop: never let the client's connection pool queue requests (that would be closed-loop).
             self._http = httpx.AsyncClient(
-                base_url=self._base_url,
+                base_url=self._gateway.url,
                 timeout=httpx.Timeout(300.0, connect=10.0),
                 limits=httpx.Limits(max_connections=2000, max_keepalive_connections=200),
             )
-            reply = await self._http.get("/sim/v1/clock")
-            if reply.status_code != 200:
-                raise RuntimeError(
-                    f"{self._base_url} is not a fleetmend simulator (GET /sim/v1/clock -> {reply.status_code})"
-                )
-            self._speed = float(reply.json()["speed"])
+            if self._gateway.speed is not None:
+                self._speed = self._gateway.speed
+            else:
+                reply = await self._http.get("/sim/v1/clock")
+                if reply.status_code != 200:
+                    raise RuntimeError(
+                        f"{self._gateway.url} is not a fleetmend simulator (GET /sim/v1/clock -> {reply.status_code})"
+                    )
+                self._speed = float(reply.json()["speed"])
         else:
             self._speed = float(self._layer.clock.speed)
             self._start_sim = float(self._layer.clock.now())
@@ -325,44 +380,76 @@ class LoadRun:
                 result.outcome = "goodput"
             else:
                 result.outcome = "terminal_error"
+                result.truncated = True  # the gateway cut a started stream
         result.e2e_s = self.sim_now() - sent_at
 
+    def _http_request(self, arrival: Arrival, model: str) -> tuple[dict[str, str], dict[str, Any]]:
+        """Headers and body of one request over HTTP: tier and id in headers, the model in the body.
+
+        ``prompt_tokens`` / ``output_tokens`` / ``deadline_s`` are the simulator's body extensions
+        (simulated lengths, the sim gateway's first-token deadline); a real vLLM ignores them, and
+        ``max_tokens`` + ``ignore_eos`` ask it for the same output length."""
+        headers = {TIER_HEADER: arrival.tier.value, "x-request-id": arrival.request_id}
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": "",
+            "max_tokens": arrival.output_tokens,
+            "ignore_eos": True,
+            "stream": self.spec.stream,
+            "prompt_tokens": arrival.prompt_tokens,
+            "output_tokens": arrival.output_tokens,
+            "deadline_s": self.spec.deadlines_s.get(arrival.tier, DEFAULT_DEADLINES[arrival.tier]),
+        }
+        if self.spec.pool:
+            body["pool"] = self.spec.pool
+        return headers, body
+
     async def _over_http(self, arrival: Arrival, model: str, result: RequestResult) -> None:
-        assert self._http is not None
+        assert self._http is not None and self._gateway is not None
+        gateway = self._gateway
         sent_at = self.sim_now()
-        async with self._http.stream("POST", "/v1/completions", json=self._body(arrival, model)) as response:
+        headers, body = self._http_request(arrival, model)
+        async with self._http.stream("POST", "/v1/completions", json=body, headers=headers) as response:
             result.status = response.status_code
             if response.status_code != 200:
                 await response.aread()
                 result.outcome = _refusal_outcome(response.status_code)
+                result.retry_after_s = _retry_after(response.headers.get("retry-after"))
                 return
-            result.replica = response.headers.get("x-fleetmend-replica")
-            result.attempts = int(response.headers.get("x-fleetmend-attempt", "1"))
+            upstream = response.headers.get(gateway.upstream_header) if gateway.upstream_header else None
+            result.replica = upstream or (None if gateway.upstream_header else gateway.authority)
+            if gateway.attempt_header and response.headers.get(gateway.attempt_header, "").isdigit():
+                result.attempts = int(response.headers[gateway.attempt_header])
             if not self.spec.stream:
-                body = json.loads(await response.aread())
-                result.tokens = body.get("usage", {}).get("completion_tokens", 0)
+                answer = json.loads(await response.aread())
+                if "error" in answer:
+                    return  # terminal_error
+                result.tokens = answer.get("usage", {}).get("completion_tokens", 0)
                 result.ttft_s = self.sim_now() - sent_at
                 result.outcome = "goodput"
                 result.e2e_s = result.ttft_s
                 return
-            done = False
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    done = True
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    result.outcome = "terminal_error"
-                    break
-                text = event["choices"][0]["text"]
-                if text and result.ttft_s is None:
-                    result.ttft_s = self.sim_now() - sent_at
-                result.tokens += text.count(" tok")
-            if done:
-                result.outcome = "goodput"
+            done = errored = False
+            try:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        errored = True  # vLLM ends a failed stream with an error chunk, then [DONE]
+                        continue
+                    text = event["choices"][0]["text"]
+                    if text and result.ttft_s is None:
+                        result.ttft_s = self.sim_now() - sent_at
+                    result.tokens += text.count(TOKEN_TEXT)
+            except httpx.HTTPError:
+                done = False  # the connection was cut mid-stream (upstream died, reset)
+            result.truncated = not done
+            result.outcome = "goodput" if done and not errored else "terminal_error"
             result.e2e_s = self.sim_now() - sent_at
 
     async def wait(self) -> LoadReport:
@@ -395,20 +482,33 @@ class LoadRun:
         return self._runner is not None and self._runner.done()
 
 
+def _retry_after(value: str | None) -> float | None:
+    """``Retry-After`` in seconds (the delay form; an HTTP date is not used by gateways here)."""
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
 def _refusal_outcome(status: int) -> str:
     return {429: "shed", 503: "rejected", 504: "late", 404: "not_found"}.get(status, "terminal_error")
 
 
 def _resolve_target(target: Any) -> Any:
     if isinstance(target, str):
-        return target.rstrip("/")
+        return sim_gateway(target)
+    if isinstance(target, GatewayTarget):
+        return target
     layer = getattr(target, "serving", None)  # a SimWorld the serving layer is attached to
     if layer is not None and hasattr(layer, "router"):
         return layer
     if hasattr(target, "router") and hasattr(target, "clock"):
         return target
     raise TypeError(
-        "start_load needs a base URL, a ServingLayer, or a SimWorld with the serving layer attached"
+        "start_load needs a GatewayTarget, the simulator's base URL, a ServingLayer, "
+        "or a SimWorld with the serving layer attached"
     )
 
 
@@ -417,9 +517,10 @@ def start_load(
 ) -> LoadRun:
     """Start open-loop load on the running event loop; ``await run.wait()`` for the report.
 
-    ``target``: a base URL (requests go over HTTP/SSE), a ``ServingLayer``, or a
-    ``SimWorld`` with the serving layer attached (requests go through the router
-    in-process, the same code path as the HTTP handler).
+    ``target``: a ``GatewayTarget`` (any OpenAI-compatible URL: a gateway, one engine's
+    pod IP), the simulator's base URL (its own gateway), both over HTTP/SSE; or a
+    ``ServingLayer`` / ``SimWorld`` with the serving layer attached (requests go through
+    the router in-process, the same code path as its HTTP handler).
     """
     spec = (
         rate

@@ -48,6 +48,7 @@ from sim.clock import SimClock
 from sim.serving.engine import Engine, EngineRefused, EngineRequest
 from sim.serving.journal import Journal
 from sim.serving.kubeview import KubeView, pod_labels
+from sim.serving.streams import StreamEvent, TokenStream
 
 
 class RouterConfig(BaseModel):
@@ -113,45 +114,6 @@ class GatewayError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
-
-
-@dataclass
-class StreamEvent:
-    kind: Literal["tokens", "done", "error"]
-    count: int = 0
-    finish_reason: str | None = None
-    message: str = ""
-
-
-class _Attempt:
-    """The router's side of one engine request: the sink the engine writes into."""
-
-    def __init__(self) -> None:
-        self.pending_tokens = 0
-        self.total_tokens = 0
-        self.first_token_at: float | None = None
-        self.finished: str | None = None
-        self.aborted: str | None = None
-        self.last_event_at = 0.0
-        self.wakeup = asyncio.Event()
-
-    def on_tokens(self, count: int, now: float) -> None:
-        if self.first_token_at is None:
-            self.first_token_at = now
-        self.pending_tokens += count
-        self.total_tokens += count
-        self.last_event_at = now
-        self.wakeup.set()
-
-    def on_finished(self, reason: str, now: float) -> None:
-        self.finished = reason
-        self.last_event_at = now
-        self.wakeup.set()
-
-    def on_aborted(self, reason: str, now: float) -> None:
-        self.aborted = reason
-        self.last_event_at = now
-        self.wakeup.set()
 
 
 @dataclass
@@ -391,7 +353,7 @@ class Router:
             tried.add(replica)
             namespace = key.partition("/")[0]
             engine = self.engine_for(f"{namespace}/{replica}")
-            sink = _Attempt()
+            sink = TokenStream()
             ereq = EngineRequest(request_id, prompt_tokens, output_tokens, req.max_tokens, sink)
             failure: str | None = None
             effects: list[str] = []
@@ -402,10 +364,10 @@ class Router:
                     engine.submit(ereq, self.clock.now())
                 except EngineRefused as refused:
                     failure = refused.message
-            if failure is None:
+            if failure is None and engine is not None:
                 try:
                     effects = await self._propose_effects(request_id)
-                    failure = await self._await_first_token(sink, deadline, ereq, engine)
+                    failure = await sink.first_token(self.clock, deadline, engine, ereq)
                 except asyncio.CancelledError:
                     # The caller went away before its first token: free the engine's slot.
                     if engine is not None:
@@ -451,8 +413,7 @@ class Router:
             )
 
         assert engine is not None and sink.first_token_at is not None
-        first = sink.pending_tokens
-        sink.pending_tokens = 0
+        first = sink.take_pending()
         ttft = sink.first_token_at - started
         served_by = replica
         n_attempt = attempt
@@ -460,39 +421,27 @@ class Router:
         async def events() -> AsyncIterator[StreamEvent]:
             outcome: Outcome | None = None
             detail = ""
+            inner = sink.events(self.clock, engine, ereq, self.config.stream_idle_timeout_s)
             try:
-                while True:
-                    if sink.pending_tokens:
-                        count, sink.pending_tokens = sink.pending_tokens, 0
-                        yield StreamEvent("tokens", count=count)
-                        continue
-                    if sink.finished is not None:
+                async for event in inner:
+                    if event.kind == "done":
                         late = self.clock.now() > deadline
                         outcome = Outcome.LATE if late else Outcome.COMPLETED
                         detail = f"finished ({sink.finished})" + (" after its deadline" if late else "")
-                        yield StreamEvent("done", finish_reason=sink.finished)
-                        return
-                    if sink.aborted is not None:
+                    elif event.kind == "error":
                         outcome = Outcome.TERMINAL_ERROR
-                        detail = f"replica {served_by} failed after {sink.total_tokens} streamed token(s): {sink.aborted}"
-                        yield StreamEvent("error", message=detail)
-                        return
-                    sink.wakeup.clear()
-                    idle = self.clock.real_seconds(self.config.stream_idle_timeout_s)
-                    try:
-                        await asyncio.wait_for(sink.wakeup.wait(), timeout=max(idle, 0.001))
-                    except TimeoutError:
-                        engine.cancel(ereq, self.clock.now())
-                        outcome = Outcome.TERMINAL_ERROR
-                        detail = (
-                            f"replica {served_by} stalled: no token for {self.config.stream_idle_timeout_s:g}s "
-                            f"after {sink.total_tokens} token(s)"
-                        )
-                        yield StreamEvent("error", message=detail)
-                        return
+                        if event.cause == "stalled":
+                            detail = (
+                                f"replica {served_by} stalled: no token for {self.config.stream_idle_timeout_s:g}s "
+                                f"after {sink.total_tokens} token(s)"
+                            )
+                        else:
+                            detail = f"replica {served_by} failed after {sink.total_tokens} streamed token(s): {event.message}"
+                        event = StreamEvent("error", message=detail, cause=event.cause)
+                    yield event
             finally:
+                await inner.aclose()  # type: ignore[attr-defined]
                 if outcome is None:
-                    engine.cancel(ereq, self.clock.now())
                     outcome, detail = Outcome.TERMINAL_ERROR, "caller disconnected mid-stream"
                 journal(
                     outcome,
@@ -518,29 +467,6 @@ class Router:
             events=events,
             attempt=attempt,
         )
-
-    async def _await_first_token(
-        self, sink: _Attempt, deadline: float, ereq: EngineRequest, engine: Engine | None
-    ) -> str | None:
-        """None once a token exists; a failure text if the engine aborted; "deadline" on timeout."""
-        while True:
-            if sink.first_token_at is not None:
-                return None
-            if sink.aborted is not None:
-                return sink.aborted
-            if sink.finished is not None:  # zero-token completion: treat as served
-                sink.first_token_at = self.clock.now()
-                return None
-            remaining = deadline - self.clock.now()
-            if remaining <= 0:
-                if engine is not None:
-                    engine.cancel(ereq, self.clock.now())
-                return "deadline"
-            sink.wakeup.clear()
-            try:
-                await asyncio.wait_for(sink.wakeup.wait(), timeout=self.clock.real_seconds(remaining) + 0.001)
-            except TimeoutError:
-                pass
 
     def _choose(self, key: str, pool: PoolRouter, tried: set[str]) -> str | None:
         namespace = key.partition("/")[0]

@@ -118,6 +118,18 @@ class EngineSupervisor:
     def engines(self) -> dict[str, Engine]:
         return {k: t.engine for k, t in self._tracked.items()}
 
+    def process_up(self, replica: str) -> bool:
+        """Is the replica's engine process (its API server) running? True from the end of the weight
+        load until the process exits: a dead engine's server lingers for ``watchdog_s`` (or for good
+        with keep-alive) answering 503; a lost node, an OOM kill, an exit after SIGTERM end it."""
+        tracked = self._tracked.get(replica)
+        if tracked is None:
+            return False
+        engine = tracked.engine
+        if engine.node and self.world.is_node_lost(engine.node):
+            return False
+        return not (engine.state is EngineState.DEAD and tracked.exit_reported)
+
     def reconcile(self, now: float, force: bool = False) -> None:
         # Re-read the pods when the cluster changed, or while an engine is due to finish loading
         # (a time-based transition that writes nothing to the store).

@@ -180,6 +180,14 @@ async def cluster_state_scraped(pipeline: dict[str, Any]) -> bool:
     return len(response.json()["data"]["result"]) >= 4
 
 
+async def engines_scraped(pipeline: dict[str, Any], up: float) -> dict[str, str]:
+    """``{pod: instance}`` of the vLLM targets whose ``up`` is ``up`` (Prometheus' own view)."""
+    response = await pipeline["http"].get(
+        pipeline["prometheus"] + "/api/v1/query", params={"query": f'up{{job="vllm"}} == {up:g}'}
+    )
+    return {r["metric"]["pod"]: r["metric"]["instance"] for r in response.json()["data"]["result"]}
+
+
 async def test_a_lost_node_reaches_exactly_one_incident_through_prometheus_and_alertmanager(
     sim: RunningSim, webhook: ServedWebhook, pipeline: dict[str, Any], temporal_client: Client
 ) -> None:
@@ -193,10 +201,32 @@ async def test_a_lost_node_reaches_exactly_one_incident_through_prometheus_and_a
     )
     assert await workflow_ids(temporal_client, f'WorkflowId = "{workflow_id}"') == []  # healthy: no incident
 
+    # Prometheus scrapes every engine where a cluster's Prometheus would: at its pod IP.
+    port = sim.world.serving.settings.engine_port
+    engines = {
+        p["metadata"]["name"]: f"{p['status']['podIP']}:{port}"
+        for p in sim.world.pods(namespace)
+        if sim.world.serving.supervisor.process_up(f"{namespace}/{p['metadata']['name']}")
+    }
+    assert len(engines) >= 5
+
+    async def all_engines_up() -> bool:
+        return await engines_scraped(pipeline, 1) == engines
+
+    await wait_for("Prometheus to scrape every engine at its pod IP", all_engines_up, 30, logs)
+
     lost_pods = sorted(
         p["metadata"]["name"] for p in sim.world.pods(namespace) if p["spec"].get("nodeName") == LOST_NODE
     )
     (await http.post(sim.base_url + f"/sim/v1/nodes/{LOST_NODE}/lose")).raise_for_status()
+
+    async def lost_engines_down() -> bool:
+        up = await engines_scraped(pipeline, 1)
+        return not set(lost_pods) & set(up) and set(up) <= set(engines) - set(lost_pods) != set()
+
+    # The node's engine processes are gone with it: their pod IPs refuse, the scrapes fail (or the
+    # evicted pod is no target any more), while the survivors still scrape.
+    await wait_for("the lost node's engines to scrape as down", lost_engines_down, 30, logs)
 
     async def node_loss_signalled() -> list[dict[str, Any]]:
         if not await workflow_ids(temporal_client, f'WorkflowId = "{workflow_id}"', timeout_s=0):

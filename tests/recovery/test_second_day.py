@@ -13,6 +13,7 @@ from kubernetes import config as kconfig
 from sqlalchemy import create_engine, text
 from temporalio.client import Client, WorkflowExecutionStatus
 
+from activities.kube import USER_AGENT
 from fleet.recovery import IncidentCause, OperatorAction, Phase, ProcedureStatus, RecoveryInput, RetryBudget
 from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX, QUARANTINE_LABEL, QUARANTINE_TAINT_KEY, FaultKind
 from tests.support import (
@@ -129,6 +130,13 @@ async def test_a_second_loss_on_the_same_pool_recovers_with_its_own_operation_id
         assert len(scales) >= 4, scales  # two per incident at least: retire, then replace or rebuild
         report = await reconcile_with_world(rig, ledger_url)
         assert report.duplicates == [] and report.orphans == [], report
+        # fleetmend read the engines where a cluster has them: at their pod IPs (the load is in-process,
+        # so every engine /health and /metrics request came from the worker).
+        served = rig.sim.world.serving.engine_servers.served_to
+        for path in ("/health", "/metrics"):
+            assert sum(n for (p, agent), n in served.items() if p == path and agent.startswith(USER_AGENT)), (
+                served
+            )
 
 
 async def test_a_refused_deroute_stops_and_asks_and_retry_after_the_fix_completes(

@@ -24,6 +24,7 @@ from sim.app import BoundPorts, serve
 from sim.k8s.tls import generate_serving_certs
 from sim.scenario import Scenario, parse_scenario
 from sim.serving.layer import ServingLayer
+from sim.serving.telemetry import gpu_assignment
 from sim.world import SimWorld
 
 NAMESPACE = "inference"
@@ -110,8 +111,20 @@ class RunningServing:
         await self.wait_for(routed, timeout_sim_s, f"{count} routed replicas")
         return self.serving_pods()
 
+    def pod_url(self, pod: str, namespace: str = NAMESPACE) -> str:
+        """``http://{podIP}:{engine_port}``: where the pod's engine listens (as in a cluster)."""
+        obj = self.world.pod(namespace, pod)
+        ip = (obj or {}).get("status", {}).get("podIP")
+        if not ip:
+            raise AssertionError(f"pod {namespace}/{pod} has no IP")
+        return f"http://{ip}:{self.layer.settings.engine_port}"
+
+    async def engine_get(self, pod: str, path: str, namespace: str = NAMESPACE) -> httpx.Response:
+        """GET ``path`` from the pod's own engine server, at its pod IP."""
+        return await self.http.get(self.pod_url(pod, namespace) + path)
+
     async def metrics(self, pod: str, namespace: str = NAMESPACE) -> dict[str, Any]:
-        r = await self.http.get(f"/pods/{namespace}/{pod}/metrics")
+        r = await self.engine_get(pod, "/metrics", namespace)
         r.raise_for_status()
         return {f.name: f for f in text_string_to_metric_families(r.text)}
 
@@ -125,6 +138,15 @@ class RunningServing:
 
     async def fault(self, kind: str, target: str, **params: Any) -> httpx.Response:
         return await self.http.post("/sim/v1/faults", json={"kind": kind, "target": target, "params": params})
+
+
+def pod_node_and_gpu(sim: RunningServing, pod: str) -> tuple[str, int]:
+    """The node a serving pod runs on and the (first) GPU it holds there."""
+    obj = sim.layer.kube.pod(NAMESPACE, pod)
+    assert obj is not None
+    node = obj["spec"]["nodeName"]
+    gpu = next(i for i, p in gpu_assignment(sim.layer.kube, node).items() if p["metadata"]["name"] == pod)
+    return node, gpu
 
 
 @contextlib.asynccontextmanager

@@ -44,7 +44,11 @@ def test_every_shipped_scenario_starts_in_steady_state(name: str) -> None:
             status = world.store.get("leaderworkersets", namespace, workload.name)["status"]
             assert status["readyReplicas"] == workload.replicas
     pods = world.pods()
-    assert pods and all(p["status"]["podIP"].startswith("127.10.") for p in pods)
+    # Every pod IP is a distinct loopback address of the world's own block(s).
+    ips = [p["status"]["podIP"] for p in pods]
+    blocks = {b.rsplit(".", 1)[0] for b in world.control.pod_ips.blocks}
+    assert pods and len(set(ips)) == len(ips)
+    assert all(ip.startswith("127.") and ip.rsplit(".", 1)[0] in blocks for ip in ips)
 
 
 def test_gpu_node_loss_layout_puts_two_serving_replicas_on_the_first_node() -> None:

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sim.serving.telemetry import gpu_assignment
-from tests.sim.serving_fixtures import NAMESPACE, POOL, RunningServing, running_serving, scenario
+from tests.sim.serving_fixtures import (
+    NAMESPACE,
+    POOL,
+    RunningServing,
+    pod_node_and_gpu,
+    running_serving,
+    scenario,
+)
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -29,14 +37,6 @@ async def ksm_value(sim: RunningServing, name: str, **labels: str) -> float:
     return sum(s.value for s in samples(fams[name], **labels))
 
 
-def pod_node_and_gpu(sim: RunningServing, pod: str) -> tuple[str, int]:
-    obj = sim.layer.kube.pod(NAMESPACE, pod)
-    assert obj is not None
-    node = obj["spec"]["nodeName"]
-    gpu = next(i for i, p in gpu_assignment(sim.layer.kube, node).items() if p["metadata"]["name"] == pod)
-    return node, gpu
-
-
 async def test_gpu_xid_79_kills_the_replica_on_that_gpu_shows_in_dcgm_and_fails_qualification() -> None:
     async with running_serving(scenario(), speed=40) as sim:
         victim, _ = await sim.wait_serving(2)
@@ -54,7 +54,7 @@ async def test_gpu_xid_79_kills_the_replica_on_that_gpu_shows_in_dcgm_and_fails_
         node_obj = sim.world.store.find("nodes", "", node)
         assert node_obj is not None and node_obj["status"]["allocatable"]["nvidia.com/gpu"] == "7"
         # The engine is dead: /health 503 while the API server lingers, then the container exits.
-        assert (await sim.http.get(f"/pods/{NAMESPACE}/{victim}/health")).status_code == 503
+        assert (await sim.engine_get(victim, "/health")).status_code == 503
         restarts = {"namespace": NAMESPACE, "pod": victim}
         await sim.wait_for(
             lambda: ksm_value(sim, "kube_pod_container_status_restarts", **restarts), 60, "a restart"
@@ -126,7 +126,9 @@ async def test_node_lost_silences_its_exporters_then_kubernetes_marks_it_unknown
         node, _ = pod_node_and_gpu(sim, pod)
         assert (await sim.fault("node-lost", node)).status_code == 202
         assert (await sim.http.get(f"/nodes/{node}/metrics")).status_code == 503
-        assert (await sim.http.get(f"/pods/{NAMESPACE}/{pod}/health")).status_code == 503
+        # Its engines' processes are gone with it: their pod IPs refuse connections.
+        with pytest.raises(httpx.ConnectError):
+            await sim.engine_get(pod, "/health")
         unknown = {"node": node, "condition": "Ready", "status": "unknown"}
         await sim.wait_for(
             lambda: ksm_value(sim, "kube_node_status_condition", **unknown), 120, "Ready=Unknown"
@@ -172,7 +174,7 @@ async def test_slow_wedged_thermal_and_nvlink_faults_show_their_signals() -> Non
         waiting = tokens_after["vllm:num_requests_waiting"].samples[0].value
         running = tokens_after["vllm:num_requests_running"].samples[0].value
         assert waiting + running == 3
-        assert (await sim.http.get(f"/pods/{NAMESPACE}/{wedged}/health")).status_code == 200
+        assert (await sim.engine_get(wedged, "/health")).status_code == 200
         assert await ksm_value(sim, "kube_pod_status_ready", pod=wedged, condition="true") == 1
         for task in pending:
             task.cancel()
@@ -273,7 +275,7 @@ async def test_losing_one_rank_of_a_multi_node_group_takes_the_whole_group_down_
         assert (await sim.fault("rank-lost", f"{NAMESPACE}/{worker}")).status_code == 202
         # The leader's engine aborts at once (NCCL), so the group stops serving...
         assert not engine.alive and "rank" in engine.death_reason
-        assert (await sim.http.get(f"/pods/{NAMESPACE}/{leader}/health")).status_code == 503
+        assert (await sim.engine_get(leader, "/health")).status_code == 503
 
         # ...and the LeaderWorkerSet recreates the whole group (a new leader pod), which serves again.
         def recreated() -> bool:
@@ -295,7 +297,7 @@ async def test_fleetmends_own_parsers_read_the_simulators_pages() -> None:
             assert (
                 await sim.http.post("/v1/completions", json={"model": MODEL, "max_tokens": 8})
             ).status_code == 200
-        snap = parse_engine_metrics((await sim.http.get(f"/pods/{NAMESPACE}/{pod}/metrics")).text)
+        snap = parse_engine_metrics((await sim.engine_get(pod, "/metrics")).text)
         assert snap.engines == 1 and snap.model_names == (MODEL,)
         assert snap.request_success_total == 2 and snap.generation_tokens_total == 16
         assert snap.kv_usage is not None and snap.kv_era.value != "none"

@@ -25,10 +25,13 @@ async def test_load_over_http_reports_goodput_shed_and_per_replica_ttft() -> Non
         pods = await sim.wait_serving(2)
         await sim.set_state("admission", "admission", {"shed_tiers": ["sheddable"]})
         spec = LoadSpec(rate=4.0, duration_s=10.0, seed=9)
-        report = await start_load(sim.base_url, spec).wait()
+        run = start_load(sim.base_url, spec)
+        report = await run.wait()
         expected = arrivals(spec)
         assert report.sent == report.finished == len(expected)
+        # The tier travels in the x-fleetmend-tier header; the shed answers carry Retry-After.
         assert report.shed == sum(1 for a in expected if a.tier == Tier.SHEDDABLE)
+        assert {r.retry_after_s for r in run.results if r.outcome == "shed"} == {1.0}
         assert report.goodput == report.sent - report.shed
         assert report.late == report.terminal_errors == report.truncated_streams == 0
         assert set(report.per_replica) == set(pods)
@@ -89,14 +92,22 @@ async def test_kubernetes_default_path_needs_failure_threshold_probes_to_deroute
         assert measured.sim_seconds_to_deroute <= probe.period_s * probe.failure_threshold + 1.0
 
 
-async def test_prometheus_http_service_discovery_lists_every_replica_and_node() -> None:
+async def test_prometheus_http_service_discovery_lists_every_engine_at_its_pod_ip_and_every_node() -> None:
     async with running_serving(scenario(), speed=20) as sim:
         pods = await sim.wait_serving(2)
         targets = (await sim.http.get("/sim/v1/prometheus/targets")).json()
-        paths = {t["labels"]["__metrics_path__"] for t in targets}
-        assert {f"/pods/{NAMESPACE}/{p}/metrics" for p in pods} <= paths
-        assert {"/nodes/gpu-node-0/metrics", "/nodes/gpu-node-1/metrics"} <= paths
-        for path in paths:
+        engines = {t["labels"]["pod"]: t for t in targets if t["labels"]["job"] == "vllm"}
+        assert set(pods) <= set(engines)
+        for pod in pods:
+            # The engine's own address, as kubernetes_sd would find it; Prometheus' default path.
+            (target,) = engines[pod]["targets"]
+            assert f"http://{target}" == sim.pod_url(pod)
+            assert "__metrics_path__" not in engines[pod]["labels"]
+            page = await sim.http.get(f"http://{target}/metrics")
+            assert page.status_code == 200 and "vllm:num_requests_running" in page.text
+        nodes = {t["labels"]["__metrics_path__"] for t in targets if t["labels"]["job"] == "dcgm-exporter"}
+        assert nodes == {"/nodes/gpu-node-0/metrics", "/nodes/gpu-node-1/metrics"}
+        for path in nodes:
             assert (await sim.http.get(path)).status_code == 200
 
 

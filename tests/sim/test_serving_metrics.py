@@ -81,7 +81,7 @@ async def test_each_engine_era_exposes_exactly_its_names_and_every_page_parses()
             }
             assert families["vllm:generation_tokens"].type == "counter"
             # fleetmend's own reader recognises the era from the names alone.
-            text = (await sim.http.get(f"/pods/{key}/metrics")).text
+            text = (await sim.engine_get(key.split("/", 1)[1], "/metrics")).text
             snapshot = parse_engine_metrics(text)
             assert snapshot.kv_era == KV_ERA[era] and snapshot.kv_usage is not None
             assert snapshot.request_success_total == 1

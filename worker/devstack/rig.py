@@ -107,6 +107,18 @@ class FleetRig:
         r.raise_for_status()
         return [e["pod"] for e in r.json()["endpoints"]]
 
+    def engine_url(self, namespace: str, pod: str) -> str:
+        """``http://{podIP}:{engine port}``: where the pod's engine listens, as fleetmend reaches it."""
+        obj = self.sim.world.pod(namespace, pod)
+        ip = ((obj or {}).get("status") or {}).get("podIP")
+        if not ip:
+            raise LookupError(f"pod {namespace}/{pod} has no IP (not bound to a node, or gone)")
+        return f"http://{ip}:{self.sim.world.serving.settings.engine_port}"
+
+    async def engine_get(self, namespace: str, pod: str, path: str) -> httpx.Response:
+        """GET ``path`` (``/health``, ``/metrics``) from the pod's own engine at its pod IP."""
+        return await self.http.get(self.engine_url(namespace, pod) + path)
+
     async def router_state(self, pool: PoolRef) -> dict[str, Any]:
         r = await self.http.get(f"/router/v1/pools/{pool.namespace}/{pool.service}/state")
         r.raise_for_status()

@@ -1,9 +1,10 @@
 """Point fleetmend at the simulated fleet: every URL setting derived from the simulator's addresses.
 
 In production each of these is a real endpoint (the pod's metrics port, the DCGM exporter,
-the gateway's admin API, the API server's audit log...); the simulator serves the Kubernetes
-API over TLS (through the kubeconfig it writes) and everything else on one plain-HTTP port
-under distinct paths, and this is the one place that says which.
+the gateway's admin API, the API server's audit log...). The simulator serves the Kubernetes
+API over TLS (through the kubeconfig it writes); each engine listens on its own pod IP, as in
+a cluster (``http://{pod_ip}:<engine port>/metrics`` and ``/health``); everything else is on
+one plain-HTTP port under distinct paths, and this is the one place that says which.
 """
 
 from __future__ import annotations
@@ -11,12 +12,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+DEFAULT_ENGINE_PORT = 8000  # vLLM's default --port, and the simulator's (sim.k8s.podips)
 
-def settings_for_sim(base_url: str, kubeconfig: Path, audit_log: Path | None = None) -> dict[str, Any]:
+
+def settings_for_sim(
+    base_url: str,
+    kubeconfig: Path,
+    audit_log: Path | None = None,
+    engine_port: int = DEFAULT_ENGINE_PORT,
+) -> dict[str, Any]:
     """Settings for a simulator serving the world at ``base_url`` and its API through ``kubeconfig``.
 
     ``audit_log``: the API server's audit log, which ``ledger reconcile`` and the recovery's
     verification step read for Kubernetes actions (the world's record, as on a real cluster).
+    ``engine_port``: the port every engine listens on at its pod IP (the scenario's
+    ``load.engine_port``); the worker fills in ``{pod_ip}`` from the pod's status.
     """
     base = base_url.rstrip("/")
     settings: dict[str, Any] = {
@@ -24,8 +34,8 @@ def settings_for_sim(base_url: str, kubeconfig: Path, audit_log: Path | None = N
         "kube_context": None,
         "gateway": "sim-router",
         "router_admin_url": base,
-        "metrics_url_template": base + "/pods/{namespace}/{pod}/metrics",
-        "health_url_template": base + "/pods/{namespace}/{pod}/health",
+        "metrics_url_template": f"http://{{pod_ip}}:{engine_port}/metrics",
+        "health_url_template": f"http://{{pod_ip}}:{engine_port}/health",
         "node_telemetry_url_template": base + "/nodes/{node}/metrics",
         "qualification_url_template": base + "/nodes/{node}/qualification",
         "notifier_url": base + "/sim/v1/notify",
@@ -38,4 +48,6 @@ def settings_for_sim(base_url: str, kubeconfig: Path, audit_log: Path | None = N
 
 def settings_for_running_sim(sim: Any) -> dict[str, Any]:
     """``settings_for_sim`` for a ``sim.runner.RunningSim``."""
-    return settings_for_sim(sim.base_url, Path(sim.kubeconfig), getattr(sim, "audit_log", None))
+    serving = getattr(getattr(sim, "world", None), "serving", None)
+    port = serving.settings.engine_port if serving is not None else DEFAULT_ENGINE_PORT
+    return settings_for_sim(sim.base_url, Path(sim.kubeconfig), getattr(sim, "audit_log", None), port)

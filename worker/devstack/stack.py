@@ -241,8 +241,8 @@ class _SimPart:
     def settings_for_clients(self) -> dict[str, Any]:
         """Point the worker and webhook at the sim: kubeconfig, router admin API, engine/node metrics, health.
 
-        Without the metric and health URLs the worker would probe ``{pod_ip}:8000``, which the sim
-        does not serve: every engine would look unanswering."""
+        Engines are read at ``{pod_ip}:<the scenario's engine port>`` (each listens on its pod IP);
+        node telemetry, qualification and the router admin API at the sim's HTTP port."""
         from worker.devstack.sim_wiring import settings_for_running_sim
 
         update = settings_for_running_sim(self.handle)

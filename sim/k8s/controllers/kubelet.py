@@ -1,6 +1,6 @@
 """Kubelet-ish pod start-up, readiness and termination on every live node.
 
-A bound pod gets an IP from 127.10.0.0/16 at once (sandbox ready), its
+A bound pod gets an IP at once (a loopback address of the world's own block, ``sim.k8s.podips``) (sandbox ready), its
 container starts after the image pull (phase ``Running``), and the container
 turns ready after the model's weight load plus distributed init (the readiness
 probe answers once the engine has loaded). ``Ready`` = all containers ready AND
