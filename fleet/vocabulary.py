@@ -86,6 +86,3 @@ REMOVE_FIRST_DELETION_COST = "-1000"
 # (``POST /v1/effects``) refuses to claim any id in this namespace (403), so no caller
 # can pre-claim a future recovery's action.
 PROCEDURE_OPERATION_PREFIX = "fleetmend:"
-
-# Request header carrying a request's tier to the gateway (Envoy routes shed tiers on it).
-TIER_HEADER = "x-fleetmend-tier"
