@@ -23,7 +23,7 @@ from sim.k8s.podips import DEFAULT_ENGINE_PORT
 from sim.serving.faults import FaultError, FaultInjector
 from sim.serving.journal import Journal
 from sim.serving.kubeview import KubeView
-from sim.serving.loadgen import LoadSpec, start_load
+from sim.serving.loadgen import GatewayTarget, LoadSpec, start_load
 from sim.serving.pods import EngineServers
 from sim.serving.probes import ProbeSettings, ReadinessProber
 from sim.serving.router import Router, RouterConfig
@@ -111,6 +111,7 @@ class ServingLayer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self.background_load: Any = None
+        self.gateway: GatewayTarget | None = None
         self.supervisor.start_blocker = self._start_blocker
         self.supervisor.node_factor = lambda node: self.thermal_nodes.get(node or "", 1.0)
         register = getattr(world, "register_fault_handler", None)
@@ -119,6 +120,40 @@ class ServingLayer:
                 if kind != FaultKind.NODE_LOST:
                     register(kind, self._world_fault_handler)
         self.supervisor.reconcile(self.clock.now(), force=True)
+
+    # ---- the gateway users' requests go through --------------------------------------------
+    def use_gateway(self, url: str | None, upstream_header: str | None = None) -> None:
+        """Send load (``/sim/v1/load``) through the gateway at ``url`` (e.g. Envoy) instead of the
+        simulator's own router; None goes back to the router."""
+        self.gateway = (
+            None
+            if url is None
+            else GatewayTarget(
+                url.rstrip("/"),
+                upstream_header=upstream_header,
+                host_for=self._pool_host,
+                replica_of=self._pod_at,
+            )
+        )
+
+    def load_target(self) -> Any:
+        return self.gateway if self.gateway is not None else self
+
+    def _pool_host(self, model: str) -> str | None:
+        """The Host a user sends for ``model``: its pool Service's name, as cluster DNS spells it."""
+        pool = self.router.served_models().get(model)
+        if pool is None:
+            return None
+        namespace, _, service = pool.partition("/")
+        return f"{service}.{namespace}"
+
+    def _pod_at(self, upstream: str) -> str | None:
+        """The pod whose IP a gateway named as a request's upstream ("ip:port")."""
+        ip = upstream.rsplit(":", 1)[0]
+        for pod in self.kube.pods():
+            if (pod.get("status") or {}).get("podIP") == ip:
+                return str(pod["metadata"]["name"])
+        return None
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> asyncio.Task[None]:

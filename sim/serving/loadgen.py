@@ -30,6 +30,7 @@ import math
 import random
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,11 @@ class GatewayTarget:
     speed: float | None = 1.0
     upstream_header: str | None = None
     attempt_header: str | None = None
+    # The Host a request for a model carries (a gateway routes pools by it: Envoy's virtual hosts
+    # answer the pool Service's names); None sends the URL's own host.
+    host_for: Callable[[str], str | None] | None = None
+    # The replica's name for what ``upstream_header`` says (e.g. Envoy's "ip:port" → the pod).
+    replica_of: Callable[[str], str | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -240,7 +246,9 @@ def summarize(results: list[RequestResult], sent: int, window: tuple[float, floa
 class LoadRun:
     """A running (or finished) load; ``await run.wait()`` for the final report."""
 
-    def __init__(self, target: Any, spec: LoadSpec) -> None:
+    def __init__(self, target: Any, spec: LoadSpec, *, world: Any = None) -> None:
+        """``world``: the serving layer behind a ``GatewayTarget``, when the load runs inside the
+        simulator (its clock and the models it serves are then read in-process)."""
         self.id = uuid.uuid4().hex[:12]
         self.spec = spec
         self.results: list[RequestResult] = []
@@ -248,8 +256,8 @@ class LoadRun:
         if isinstance(target, str):
             target = sim_gateway(target)
         self._target = target
-        self._layer: Any = target if not isinstance(target, GatewayTarget) else None
         self._gateway: GatewayTarget | None = target if isinstance(target, GatewayTarget) else None
+        self._layer: Any = target if self._gateway is None else world
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner: asyncio.Task[None] | None = None
         self._http: httpx.AsyncClient | None = None
@@ -282,7 +290,9 @@ class LoadRun:
                 timeout=httpx.Timeout(300.0, connect=10.0),
                 limits=httpx.Limits(max_connections=2000, max_keepalive_connections=200),
             )
-            if self._gateway.speed is not None:
+            if self._layer is not None:
+                self._speed = float(self._layer.clock.speed)
+            elif self._gateway.speed is not None:
                 self._speed = self._gateway.speed
             else:
                 reply = await self._http.get("/sim/v1/clock")
@@ -349,7 +359,7 @@ class LoadRun:
         )
         deadline = self.spec.deadlines_s.get(arrival.tier, DEFAULT_DEADLINES[arrival.tier])
         try:
-            if self._layer is not None:
+            if self._gateway is None:
                 await self._in_process(arrival, model, result)
             else:
                 await self._over_http(arrival, model, result)
@@ -390,6 +400,9 @@ class LoadRun:
         (simulated lengths, the sim gateway's first-token deadline); a real vLLM ignores them, and
         ``max_tokens`` + ``ignore_eos`` ask it for the same output length."""
         headers = {TIER_HEADER: arrival.tier.value, "x-request-id": arrival.request_id}
+        host = self._gateway.host_for(model) if self._gateway and self._gateway.host_for else None
+        if host:
+            headers["host"] = host
         body: dict[str, Any] = {
             "model": model,
             "prompt": "",
@@ -417,6 +430,8 @@ class LoadRun:
                 result.retry_after_s = _retry_after(response.headers.get("retry-after"))
                 return
             upstream = response.headers.get(gateway.upstream_header) if gateway.upstream_header else None
+            if upstream and gateway.replica_of is not None:
+                upstream = gateway.replica_of(upstream) or upstream
             result.replica = upstream or (None if gateway.upstream_header else gateway.authority)
             if gateway.attempt_header and response.headers.get(gateway.attempt_header, "").isdigit():
                 result.attempts = int(response.headers[gateway.attempt_header])
@@ -530,14 +545,34 @@ def start_load(
     return LoadRun(_resolve_target(target), spec).start()
 
 
+class GatewaySetting(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str | None = Field(
+        description="the gateway users send to (http://host:port), or null for the sim's router"
+    )
+    upstream_header: str | None = Field(
+        default=None, description="response header naming the engine that served a request (ip:port)"
+    )
+
+
 def install_load_routes(api: APIRouter, layer: Any) -> None:
     runs: dict[str, LoadRun] = {}
 
     @api.post("/sim/v1/load", status_code=202, tags=["sim"])
     async def post_load(spec: LoadSpec) -> dict[str, Any]:
-        run = LoadRun(layer, spec).start()
+        run = LoadRun(layer.load_target(), spec, world=layer).start()
         runs[run.id] = run
         return {"id": run.id, "arrivals": len(arrivals(spec))}
+
+    @api.put("/sim/v1/gateway", tags=["sim"])
+    async def put_gateway(body: GatewaySetting) -> GatewaySetting:
+        """Where users' requests go: a gateway URL (e.g. Envoy), or null for the simulator's router."""
+        try:
+            layer.use_gateway(body.url, body.upstream_header)
+        except ValueError as err:
+            raise HTTPException(422, f"{err}: give the gateway's http(s)://host:port, or null") from None
+        return body
 
     @api.get("/sim/v1/load/{run_id}", response_model=LoadReport, tags=["sim"])
     async def get_load(run_id: str, since_s: float = 0.0, until_s: float | None = None) -> LoadReport:

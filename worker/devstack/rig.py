@@ -23,6 +23,7 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
+from activities.envoy_gateway import EnvoyGateway
 from fleet.incident import (
     FLEET_INCIDENT_WORKFLOW,
     REPORT_LOSS_SIGNAL,
@@ -33,7 +34,11 @@ from fleet.incident import (
 from fleet.protocol import FaultRequest
 from fleet.recovery import IncidentInput
 from fleet.vocabulary import FaultKind
+from gateway.resources import UPSTREAM_HEADER
+from gateway.store import GatewayStore
+from ledger.store import make_engine
 from worker.config import Settings, load_settings
+from worker.devstack.gateway import LocalGateway
 from worker.devstack.sim_wiring import settings_for_running_sim
 from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
 
@@ -45,7 +50,9 @@ class FleetRig:
     sim: Any  # sim.runner.RunningSim
     http: httpx.AsyncClient
     worker: Worker | None = None
+    gateway: LocalGateway | None = None
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    _envoy: EnvoyGateway | None = None
 
     @property
     def base_url(self) -> str:
@@ -102,10 +109,18 @@ class FleetRig:
         r.raise_for_status()
         return list(r.json())
 
+    @property
+    def envoy(self) -> EnvoyGateway:
+        """The gateway adapter, as the worker's activities use it (Envoy through the control plane)."""
+        if self._envoy is None:
+            self._envoy = EnvoyGateway(
+                GatewayStore(make_engine(self.settings.database_url_value() or "", pool_size=2))
+            )
+        return self._envoy
+
     async def routing_set(self, pool: PoolRef) -> list[str]:
-        r = await self.http.get(f"/router/v1/pools/{pool.namespace}/{pool.service}/routing-set")
-        r.raise_for_status()
-        return [e["pod"] for e in r.json()["endpoints"]]
+        """The pods Envoy would send a new request of the pool to, now."""
+        return [e.pod for e in (await asyncio.to_thread(self.envoy.routing_set, pool)).endpoints]
 
     def engine_url(self, namespace: str, pod: str) -> str:
         """``http://{podIP}:{engine port}``: where the pod's engine listens, as fleetmend reaches it."""
@@ -120,9 +135,8 @@ class FleetRig:
         return await self.http.get(self.engine_url(namespace, pod) + path)
 
     async def router_state(self, pool: PoolRef) -> dict[str, Any]:
-        r = await self.http.get(f"/router/v1/pools/{pool.namespace}/{pool.service}/state")
-        r.raise_for_status()
-        return dict(r.json())
+        """The pool's gateway policy (weights, admission, retry) as fleetmend last set it in Envoy."""
+        return (await asyncio.to_thread(self.envoy.policy, pool)).model_dump(mode="json")
 
 
 @contextlib.asynccontextmanager
@@ -140,17 +154,30 @@ async def fleet_rig(
     from sim.runner import start_sim
 
     sim = await asyncio.to_thread(start_sim, scenario, speed)
+    gateway: LocalGateway | None = None
+    rig: FleetRig | None = None
     try:
+        # Users' requests go through a real Envoy that fleetmend configures (worker.devstack.gateway).
+        gateway = LocalGateway(
+            kubeconfig=Path(sim.kubeconfig),
+            database_url=database_url,
+            workdir=Path(sim.kubeconfig).parent / "gateway",
+        )
+        await asyncio.to_thread(gateway.start)
         settings = load_settings(
             temporal_address=client.service_client.config.target_host,
             temporal_namespace=client.namespace,
             task_queue=task_queue,
             database_url=database_url,
             worker_metrics_port=0,
-            **{**settings_for_running_sim(sim), **overrides},
+            **{**settings_for_running_sim(sim), **gateway.settings_for_clients(), **overrides},
         )
         async with httpx.AsyncClient(base_url=sim.base_url, timeout=10.0) as http:
-            rig = FleetRig(client=client, settings=settings, sim=sim, http=http)
+            reply = await http.put(
+                "/sim/v1/gateway", json={"url": gateway.url, "upstream_header": UPSTREAM_HEADER}
+            )
+            reply.raise_for_status()
+            rig = FleetRig(client=client, settings=settings, sim=sim, http=http, gateway=gateway)
             if not run_worker:
                 yield rig
                 return
@@ -162,6 +189,10 @@ async def fleet_rig(
                     rig.worker = worker
                     yield rig
     finally:
+        if rig is not None and rig._envoy is not None:
+            rig._envoy.store.engine.dispose()
+        if gateway is not None:
+            await asyncio.to_thread(gateway.stop)
         await asyncio.to_thread(sim.stop)
 
 

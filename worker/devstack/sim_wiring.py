@@ -32,7 +32,6 @@ def settings_for_sim(
     settings: dict[str, Any] = {
         "kubeconfig": kubeconfig,
         "kube_context": None,
-        "gateway": "sim-router",
         "router_admin_url": base,
         "metrics_url_template": f"http://{{pod_ip}}:{engine_port}/metrics",
         "health_url_template": f"http://{{pod_ip}}:{engine_port}/health",
