@@ -163,6 +163,13 @@ class ReplicaLossRecovery(Procedure):
 
     async def confirm_and_size(self) -> tuple[PoolObservation, list[ReplicaGroup]]:
         await self.enter(Phase.CONFIRMING, "Confirming the loss: is the endpoint gone, or merely slow?")
+        for r in self._reports:
+            if r.source == "fastpath":  # the evidence the fast path opened the incident on
+                self.decide(
+                    f"reported by the fast path ({r.alert_name}, {r.replica_group or r.pod or r.node}): "
+                    + r.labels.get("fleetmend_evidence", "no evidence given"),
+                    {"report": r.model_dump(mode="json")},
+                )
         timings = self._inp.timings
         give_up = self.now() + timings.reappear_timeout_s
         looked_again = False
