@@ -299,3 +299,32 @@ def recovery_observations(
         warm_groups=sum(1 for g in after.snapshot.groups if g.ready),
         failed_nodes=failed_nodes,
     )
+
+
+def admitted_rate(
+    before: Mapping[str, EngineSnapshot], after: Mapping[str, EngineSnapshot], seconds: float
+) -> float:
+    """Requests/s the routed engines took in over the interval: completions plus in-flight growth."""
+    total = 0.0
+    for pod, now in after.items():
+        prev = before.get(pod)
+        if prev is None or seconds <= 0:
+            continue
+        total += completion_rate(prev, now, seconds) + max(0.0, now.in_flight - prev.in_flight) / seconds
+    return total
+
+
+def ramp_capacity_shape(plan: RampPlan, new_pods: Iterable[str]) -> tuple[int, dict[str, float]]:
+    """(established groups, new replica -> warmth 0..1) from a ramp plan's measured rates.
+
+    Warmth is a new replica's measured rate against the established replicas' median rate.
+    """
+    new = set(new_pods)
+    established = [r for p, r in plan.rates.items() if p not in new]
+    ref = median(established) if established else 0.0
+    warmth = {
+        p: (min(1.0, r / ref) if ref > 0 else (1.0 if plan.all_warm else 0.0))
+        for p, r in plan.rates.items()
+        if p in new
+    }
+    return len(established), warmth

@@ -1,19 +1,31 @@
 """Step 3 of the replica-loss procedure: protect the survivors by tightening admission.
 
 The pool lost service rate but keeps its arrival rate. ``decide_shedding``
-compares what the survivors can carry with what arrives, reads the survivors'
-pressure (queue, KV-cache usage, preemptions), and picks the gateway tiers to
-refuse, lowest first (``fleet.vocabulary.SHED_ORDER``; critical traffic is never
-shed). The arithmetic is written out in ``ShedDecision.reason`` so the incident
-record says *why* a tier was dropped.
+compares what the survivors can carry with what arrives and refuses **exactly
+the gap**: ``(arrivals - usable capacity) / arrivals`` of the arrivals, taken
+from the lowest tiers first (``fleet.vocabulary.SHED_ORDER``; critical traffic
+is never shed) and partially within a tier (``Admission.partial_shed``), so a
+32 % gap refuses 32 % of arrivals rather than every request of the tiers it
+touches. The arithmetic is written out in ``ShedDecision.reason`` so the
+incident record says *why* each share was refused.
+
+``decide_readmission`` recomputes the same arithmetic at every capacity change
+(spare promoted, replacement ready, each ramp step, survivors' measured rate):
+the refused share follows the gap down and is zero once capacity covers the
+arrivals, while the queue bound stays armed until the warm floor is restored
+(the gateway can still reject excess at once). ``admission_changed`` says when a
+new decision is worth re-applying (a shed level moved by at least
+``REAPPLY_STEP`` of arrivals, or protection was armed/disarmed), so the gateway
+is not rewritten at every measurement wobble.
 
 Pressure rules (defaults in line with the gateway inference extension's
 saturation detector, reference/peers.md): a survivor's saturation is
 ``max(waiting / queue_bound, kv_usage / kv_ceiling)``; the pool is saturated when
 the mean is >= 1. **Thrash** is a rising queue with KV near its ceiling and a
 climbing preemption count: the engine evicts and recomputes instead of serving.
-Saturation or any thrash sheds at least the lowest tier even when the capacity
-arithmetic alone would not; thrash on most survivors sheds one tier more.
+Saturation or thrash arms the queue bound even when the capacity arithmetic
+says the survivors fit: the excess is rejected at once by the bound, but no
+tier is refused for it (at zero gap nothing is refused).
 
 ``can_lift_shedding`` says when the emergency admission may be lifted: only once
 the warm floor is restored, the replacement is warm and the survivors are calm.
@@ -29,6 +41,10 @@ from fleet.protocol import Admission
 from fleet.vocabulary import SHED_ORDER, Tier
 
 DEFAULT_TIER_MIX: dict[Tier, float] = {Tier.CRITICAL: 0.2, Tier.STANDARD: 0.5, Tier.SHEDDABLE: 0.3}
+# Partial shares are rounded to this many decimals (the gateway's runtime fraction resolution).
+SHARE_DECIMALS = 4
+# A recomputed admission is re-applied when the refused share of arrivals moved at least this much.
+REAPPLY_STEP = 0.01
 
 
 class SurvivorLoad(BaseModel):
@@ -80,22 +96,153 @@ def survivor_pressure(load: SurvivorLoad, t: PressureThresholds) -> SurvivorPres
 class ShedDecision(BaseModel):
     model_config = ConfigDict(frozen=True)
 
-    shed_tiers: tuple[Tier, ...]
+    shed_tiers: tuple[Tier, ...] = Field(description="Tiers refused whole")
+    partial_shed: dict[Tier, float] = Field(
+        default_factory=dict, description="Tier -> share of its requests refused (0 < share < 1)"
+    )
     admission: Admission
     arrival_rps: float
-    survivor_capacity_rps: float
-    deficit_fraction: float = Field(description="Share of arrivals the survivors cannot carry")
-    shed_fraction: float = Field(description="Share of arrivals in the shed tiers")
+    survivor_capacity_rps: float = Field(description="Capacity the pool has now (survivors + what came back)")
+    deficit_fraction: float = Field(description="Share of arrivals the pool cannot carry (the gap)")
+    shed_fraction: float = Field(description="Share of arrivals refused by admission")
     residual_shortfall_rps: float = Field(
         description="Excess still arriving after shedding (bounded queue rejects it)"
     )
-    mean_saturation: float
-    thrashing: tuple[str, ...]
+    mean_saturation: float = 0.0
+    thrashing: tuple[str, ...] = ()
     reason: str
 
     @property
     def shedding(self) -> bool:
-        return bool(self.shed_tiers)
+        """Admission refuses some share of some tier."""
+        return bool(self.shed_tiers or self.partial_shed)
+
+    @property
+    def tiers_touched(self) -> tuple[Tier, ...]:
+        """Every tier admission refuses any of, lowest first."""
+        return tuple(t for t in SHED_ORDER if t in self.shed_tiers or t in self.partial_shed)
+
+
+class GapShares(BaseModel):
+    """How a gap is taken out of the tiers: whole tiers, one partial tier, and the share refused."""
+
+    model_config = ConfigDict(frozen=True)
+
+    whole: tuple[Tier, ...]
+    partial: dict[Tier, float]
+    refused_fraction: float
+
+
+def normalised_mix(tier_mix: Mapping[Tier, float] | None) -> dict[Tier, float]:
+    mix = dict(tier_mix or DEFAULT_TIER_MIX)
+    if any(v < 0 for v in mix.values()) or sum(mix.values()) <= 0:
+        raise ValueError(f"tier mix must be non-negative shares with a positive sum, got {mix}")
+    total = sum(mix.values())
+    return {tier: share / total for tier, share in mix.items()}
+
+
+def shares_for_gap(gap: float, mix: Mapping[Tier, float]) -> GapShares:
+    """Refuse ``gap`` (a share of arrivals) from the lowest tiers first, the last one partially.
+
+    ``mix`` is the tier mix of arrivals (normalised). Critical is never refused: a gap
+    bigger than the non-critical share refuses every non-critical tier and no more.
+    """
+    if gap < 0:
+        raise ValueError(f"gap must be >= 0, got {gap}")
+    whole: list[Tier] = []
+    partial: dict[Tier, float] = {}
+    remaining = gap
+    refused = 0.0
+    for tier in SHED_ORDER:
+        weight = mix.get(tier, 0.0)
+        if remaining <= 0 or weight <= 0:
+            continue
+        if remaining >= weight:
+            whole.append(tier)
+            refused += weight
+            remaining -= weight
+            continue
+        share = round(remaining / weight, SHARE_DECIMALS)
+        if share >= 1.0:
+            whole.append(tier)
+            refused += weight
+        elif share > 0.0:
+            partial[tier] = share
+            refused += share * weight
+        remaining = 0.0
+    return GapShares(whole=tuple(whole), partial=partial, refused_fraction=refused)
+
+
+def _pressure(survivors: Sequence[SurvivorLoad], t: PressureThresholds) -> tuple[float, tuple[str, ...]]:
+    pressures = [survivor_pressure(s, t) for s in survivors]
+    mean_sat = sum(p.saturation for p in pressures) / len(pressures) if pressures else 0.0
+    return mean_sat, tuple(p.group_id for p in pressures if p.thrashing)
+
+
+def _decide(
+    *,
+    arrival_rps: float,
+    capacity_rps: float,
+    head: str,
+    mix: dict[Tier, float],
+    t: PressureThresholds,
+    keep_armed: bool,
+    survivors: Sequence[SurvivorLoad] = (),
+) -> ShedDecision:
+    usable = capacity_rps * t.target_utilization
+    deficit = max(0.0, 1.0 - usable / arrival_rps) if arrival_rps > 0 else 0.0
+    mean_sat, thrashing = _pressure(survivors, t)
+    pressured = mean_sat >= 1.0 or bool(thrashing)
+    shares = shares_for_gap(deficit, mix)
+    refused = shares.refused_fraction
+    residual = max(0.0, arrival_rps * (1.0 - refused) - usable)
+    armed = keep_armed or pressured or bool(shares.whole or shares.partial)
+
+    parts = [
+        f"{head}; arrivals {arrival_rps:.1f} req/s vs capacity {capacity_rps:.1f} req/s at "
+        f"{t.target_utilization:.0%} = {usable:.1f} req/s -> {deficit:.1%} of arrivals cannot be carried"
+    ]
+    if survivors:
+        parts.append(
+            f"survivor saturation {mean_sat:.2f} (max(waiting/{t.queue_bound}, KV/{t.kv_ceiling:g}))"
+            + (f"; thrashing: {', '.join(thrashing)}" if thrashing else "")
+        )
+    if shares.whole or shares.partial:
+        terms = [f"{tier.value} {mix.get(tier, 0.0):.0%} whole" for tier in shares.whole]
+        terms += [
+            f"{share:.1%} of {tier.value} ({mix.get(tier, 0.0):.0%} of arrivals)"
+            for tier, share in shares.partial.items()
+        ]
+        parts.append(f"refuse {' + '.join(terms)} = {refused:.1%} of arrivals (the gap, lowest tiers first)")
+        if residual > 1e-9:
+            parts.append(
+                f"still {residual:.1f} req/s over capacity after shedding every sheddable tier: "
+                f"critical traffic is not shed; the per-replica queue bound of {t.queue_bound} rejects the excess"
+            )
+    elif armed:
+        why = "survivors are saturated/thrashing" if pressured else "the warm floor is not restored yet"
+        parts.append(
+            f"nothing refused (no capacity gap); queue bound {t.queue_bound} stays armed because {why}"
+        )
+    else:
+        parts.append("no shedding needed")
+    return ShedDecision(
+        shed_tiers=shares.whole,
+        partial_shed=shares.partial,
+        admission=Admission(
+            shed_tiers=list(shares.whole),
+            partial_shed=dict(shares.partial),
+            queue_bound=t.queue_bound if armed else None,
+        ),
+        arrival_rps=arrival_rps,
+        survivor_capacity_rps=capacity_rps,
+        deficit_fraction=deficit,
+        shed_fraction=refused,
+        residual_shortfall_rps=residual,
+        mean_saturation=mean_sat,
+        thrashing=thrashing,
+        reason="; ".join(parts),
+    )
 
 
 def decide_shedding(
@@ -105,74 +252,81 @@ def decide_shedding(
     per_group_capacity_rps: float,
     tier_mix: Mapping[Tier, float] | None = None,
     thresholds: PressureThresholds | None = None,
+    *,
+    keep_armed: bool = False,
 ) -> ShedDecision:
-    """Which tiers to refuse so the survivors carry the load (``per_group_capacity_rps`` fills unknown capacities)."""
+    """What share of which tiers to refuse so the survivors carry the load (the gap, exactly).
+
+    ``per_group_capacity_rps`` fills the survivors' unknown capacities. ``keep_armed`` keeps the
+    queue bound on even with no gap (a recovery passes True: its warm floor is not restored).
+    """
     t = thresholds or PressureThresholds()
-    mix = dict(tier_mix or DEFAULT_TIER_MIX)
+    mix = normalised_mix(tier_mix)
     if arrival_rps < 0 or lost_capacity_rps < 0 or per_group_capacity_rps < 0:
         raise ValueError("arrival rate and capacities must be >= 0")
-    if any(v < 0 for v in mix.values()) or sum(mix.values()) <= 0:
-        raise ValueError(f"tier mix must be non-negative shares with a positive sum, got {mix}")
-    total = sum(mix.values())
-    mix = {tier: share / total for tier, share in mix.items()}
-
     capacity = sum(
         s.capacity_rps if s.capacity_rps is not None else per_group_capacity_rps for s in survivors
     )
-    usable = capacity * t.target_utilization
-    deficit = max(0.0, 1.0 - usable / arrival_rps) if arrival_rps > 0 else 0.0
-
-    pressures = [survivor_pressure(s, t) for s in survivors]
-    mean_sat = sum(p.saturation for p in pressures) / len(pressures) if pressures else 0.0
-    thrashing = tuple(p.group_id for p in pressures if p.thrashing)
-    min_tiers = 0
-    if mean_sat >= 1.0 or thrashing:
-        min_tiers = 1
-    if pressures and len(thrashing) * 2 > len(pressures):
-        min_tiers = 2
-
-    shed: list[Tier] = []
-    shed_fraction = 0.0
-    for tier in SHED_ORDER:
-        if shed_fraction >= deficit and len(shed) >= min_tiers:
-            break
-        shed.append(tier)
-        shed_fraction += mix.get(tier, 0.0)
-    if deficit == 0.0 and min_tiers == 0:
-        shed, shed_fraction = [], 0.0
-    residual = max(0.0, arrival_rps * (1.0 - shed_fraction) - usable)
-
-    parts = [
-        f"lost {lost_capacity_rps:.1f} req/s of capacity; arrivals {arrival_rps:.1f} req/s vs "
-        f"{len(survivors)} survivor(s) x capacity = {capacity:.1f} req/s at {t.target_utilization:.0%} "
-        f"= {usable:.1f} req/s -> {deficit:.1%} of arrivals cannot be carried"
-    ]
-    parts.append(
-        f"survivor saturation {mean_sat:.2f} (max(waiting/{t.queue_bound}, KV/{t.kv_ceiling:g}))"
-        + (f"; thrashing: {', '.join(thrashing)}" if thrashing else "")
-    )
-    if shed:
-        mix_text = " + ".join(f"{tier.value} {mix.get(tier, 0.0):.0%}" for tier in shed)
-        parts.append(f"shed {mix_text} = {shed_fraction:.0%} of arrivals")
-        if residual > 0:
-            parts.append(
-                f"still {residual:.1f} req/s over capacity after shedding every sheddable tier: "
-                f"critical traffic is not shed; the per-replica queue bound of {t.queue_bound} rejects the excess"
-            )
-    else:
-        parts.append("no shedding needed")
-    return ShedDecision(
-        shed_tiers=tuple(shed),
-        admission=Admission(shed_tiers=list(shed), queue_bound=t.queue_bound if shed else None),
+    return _decide(
         arrival_rps=arrival_rps,
-        survivor_capacity_rps=capacity,
-        deficit_fraction=deficit,
-        shed_fraction=shed_fraction,
-        residual_shortfall_rps=residual,
-        mean_saturation=mean_sat,
-        thrashing=thrashing,
-        reason="; ".join(parts),
+        capacity_rps=capacity,
+        head=f"lost {lost_capacity_rps:.1f} req/s of capacity; {len(survivors)} survivor(s)",
+        mix=mix,
+        t=t,
+        keep_armed=keep_armed,
+        survivors=survivors,
     )
+
+
+def decide_readmission(
+    arrival_rps: float,
+    capacity_rps: float,
+    change: str,
+    *,
+    warm_floor_restored: bool,
+    tier_mix: Mapping[Tier, float] | None = None,
+    thresholds: PressureThresholds | None = None,
+) -> ShedDecision:
+    """The admission after a capacity change: refuse the new gap; keep the queue bound until the floor is back."""
+    t = thresholds or PressureThresholds()
+    mix = normalised_mix(tier_mix)
+    if arrival_rps < 0 or capacity_rps < 0:
+        raise ValueError("arrival rate and capacity must be >= 0")
+    return _decide(
+        arrival_rps=arrival_rps,
+        capacity_rps=capacity_rps,
+        head=change,
+        mix=mix,
+        t=t,
+        keep_armed=not warm_floor_restored,
+    )
+
+
+def refused_fraction(admission: Admission, tier_mix: Mapping[Tier, float] | None = None) -> float:
+    """The share of arrivals ``admission`` refuses, given the tier mix."""
+    mix = normalised_mix(tier_mix)
+    return sum(admission.shed_share(tier) * share for tier, share in mix.items())
+
+
+def admission_changed(
+    current: Admission, new: Admission, tier_mix: Mapping[Tier, float] | None = None
+) -> bool:
+    """Re-apply ``new``? When protection is armed/disarmed, shedding starts/stops, or the level moves enough."""
+    if (current.queue_bound is None) != (new.queue_bound is None):
+        return True
+    was, now = refused_fraction(current, tier_mix), refused_fraction(new, tier_mix)
+    if (was > 0) != (now > 0):
+        return True
+    return abs(was - now) >= REAPPLY_STEP
+
+
+def pool_capacity_rps(
+    per_group_rps: float, established: int, warmth: Mapping[str, float] | None = None
+) -> float:
+    """Capacity of the routed pool: ``established`` warm groups plus new ones at their measured warmth (0..1)."""
+    if per_group_rps < 0 or established < 0:
+        raise ValueError("capacity and group count must be >= 0")
+    return per_group_rps * (established + sum(min(1.0, max(0.0, w)) for w in (warmth or {}).values()))
 
 
 class LiftDecision(BaseModel):
@@ -205,4 +359,72 @@ def can_lift_shedding(
     return LiftDecision(
         lift=True,
         reason=f"warm floor restored ({warm_groups}/{warm_floor}), replacement warm, survivors calm",
+    )
+
+
+def estimate_arrivals(
+    admitted_rps: float,
+    admission: Admission,
+    previous_rps: float | None,
+    tier_mix: Mapping[Tier, float] | None = None,
+    smoothing: float = 0.5,
+) -> float:
+    """Arrivals at the gateway from what the engines admitted under ``admission`` (EWMA with the last estimate).
+
+    The engines see only what admission let through: arrivals = admitted / (1 - refused share).
+    """
+    if admitted_rps < 0 or not 0.0 < smoothing <= 1.0:
+        raise ValueError("admitted rate must be >= 0 and smoothing in (0, 1]")
+    kept = 1.0 - refused_fraction(admission, tier_mix)
+    if kept <= 1e-6:
+        return previous_rps if previous_rps is not None else admitted_rps
+    measured = admitted_rps / kept
+    if previous_rps is None:
+        return measured
+    return smoothing * measured + (1.0 - smoothing) * previous_rps
+
+
+class ShedLevel(BaseModel):
+    """One shed level as the incident recorded it: from ``at`` on, ``refused`` of arrivals (the ``gap``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    at: float
+    gap: float = Field(ge=0)
+    refused: float = Field(ge=0, le=1)
+
+
+class SheddingAccount(BaseModel):
+    """What users were refused against what the capacity gap called for, as shares of all arrivals."""
+
+    model_config = ConfigDict(frozen=True)
+
+    arrivals: int
+    shed: int
+    refused_share: float
+    gap_share: float = Field(description="Arrivals the recorded gap called for refusing, over all arrivals")
+    over_shed_share: float = Field(description="(shed - gap's refusals) / arrivals, >= 0")
+
+
+def account_shedding(
+    levels: Sequence[ShedLevel], *, arrivals: int, shed: int, arrival_rps: float, until: float
+) -> SheddingAccount:
+    """Compare the users' shed count with the gap the incident recorded (levels held until the next one)."""
+    if arrivals < 0 or shed < 0 or arrival_rps < 0:
+        raise ValueError("counts and rates must be >= 0")
+    ordered = sorted(levels, key=lambda lv: lv.at)
+    called_for = 0.0
+    for level, nxt in zip(ordered, [*ordered[1:], None], strict=True):
+        end = nxt.at if nxt is not None else until
+        called_for += min(level.gap, 1.0) * max(0.0, end - level.at) * arrival_rps
+
+    def share(n: float) -> float:
+        return n / arrivals if arrivals else 0.0
+
+    return SheddingAccount(
+        arrivals=arrivals,
+        shed=shed,
+        refused_share=share(shed),
+        gap_share=share(called_for),
+        over_shed_share=max(0.0, share(shed - called_for)),
     )

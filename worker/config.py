@@ -222,6 +222,29 @@ class Settings(BaseSettings):
         9901, ge=0, le=65535, description="The embedded Envoy's admin port (0 = any free)"
     )
 
+    # Fast path: Kubernetes watches + engine /health, beside the alert path (README "Fast path").
+    fastpath_enabled: bool = Field(
+        False,
+        description="Run the fast path in the worker (watches + /health probes; one leader per cluster)",
+    )
+    fastpath_lease_namespace: str = Field("default", description="Namespace of the fast path's Lease")
+    fastpath_lease_name: str = Field("fleetmend-fastpath", description="Name of the fast path's Lease")
+    fastpath_identity: str | None = Field(None, description="Leader-election identity (default host-pid)")
+    fastpath_lease_duration_s: float = Field(
+        15.0, gt=0, description="Lease duration (client-go default 15 s)"
+    )
+    fastpath_renew_deadline_s: float = Field(
+        10.0, gt=0, description="Holder steps down if not renewed within"
+    )
+    fastpath_retry_period_s: float = Field(2.0, gt=0, description="Lease renew / acquire attempt interval")
+    fastpath_health_interval_s: float = Field(0.5, gt=0, description="Engine /health probe interval")
+    fastpath_health_timeout_s: float = Field(1.0, gt=0, description="Engine /health probe timeout")
+    fastpath_failures_to_confirm: int = Field(2, ge=1, description="Consecutive failed /health checks = loss")
+    fastpath_slow_health_s: float = Field(
+        0.5, gt=0, description="A /health slower than this is 'slow but present' (not a loss)"
+    )
+    fastpath_watch_timeout_s: int = Field(60, ge=1, description="Server-side watch timeout before re-watch")
+
     # Procedure policy: what the worker's incidents use unless a start names its own.
     dry_run: bool = Field(False, description="Compute and record every effect as planned; perform none")
     recovery_timings: RecoveryTimings = Field(

@@ -229,9 +229,21 @@ async def run_worker(
                 )
                 if health is not None:
                     health.polling(client, database_url)
+                fast_path = None
+                if settings.fastpath_enabled:
+                    from worker.fastpath.service import build_fast_path
+
+                    async def same_client() -> Client:
+                        return client
+
+                    fast_path = asyncio.create_task(
+                        build_fast_path(settings, same_client).run(stop), name="fastpath"
+                    )
                 if ready is not None:
                     ready.set()
                 await stop.wait()
+                if fast_path is not None:
+                    await asyncio.wait_for(fast_path, timeout=15)
                 if health is not None:
                     health.stopping()
                 log.info("worker stopping", extra={"task_queue": settings.task_queue})

@@ -65,7 +65,15 @@ with workflow.unsafe.imports_passed_through():
         VerificationReport,
     )
     from fleet.retry_budget import decide_retry_policy
-    from fleet.shedding import ShedDecision, can_lift_shedding, decide_shedding
+    from fleet.shedding import (
+        ShedDecision,
+        admission_changed,
+        can_lift_shedding,
+        decide_readmission,
+        decide_shedding,
+        estimate_arrivals,
+        pool_capacity_rps,
+    )
     from fleet.spares import pick_spares
     from fleet.triage import PodFault, triage_node
     from fleet.verification import verify_recovery
@@ -104,6 +112,12 @@ class ReplicaLossRecovery(Procedure):
         self._initial_obs: PoolObservation | None = None
         self._baseline: dict[str, float] = {}
         self._shed: ShedDecision | None = None
+        # The admission the gateway has now (as this procedure set it), and what it is computed from.
+        self._admission = Admission()
+        self._arrival_rps = 0.0
+        self._per_group_rps = 0.0
+        self._serving_groups = 0
+        self._readmissions = 0
         self._unmatched: list[str] = []
         self._expected_new = 0
         self._quarantined: list[str] = []
@@ -125,7 +139,7 @@ class ReplicaLossRecovery(Procedure):
             if self._correlation is not None and not self._correlation.replace:
                 await self.bad_rollout(lost)
                 return self.finish(Phase.BAD_ROLLOUT)
-            # 3. Protect the survivors: shed by the arithmetic of lost capacity.
+            # 3. Protect the survivors: refuse exactly the capacity gap (re-computed at every capacity change).
             obs = await self.protect_survivors(lost)
             # 4. In-flight requests: retry budget before first byte; collect the record.
             await self.decide_in_flight(obs, lost)
@@ -149,6 +163,13 @@ class ReplicaLossRecovery(Procedure):
 
     async def confirm_and_size(self) -> tuple[PoolObservation, list[ReplicaGroup]]:
         await self.enter(Phase.CONFIRMING, "Confirming the loss: is the endpoint gone, or merely slow?")
+        for r in self._reports:
+            if r.source == "fastpath":  # the evidence the fast path opened the incident on
+                self.decide(
+                    f"reported by the fast path ({r.alert_name}, {r.replica_group or r.pod or r.node}): "
+                    + r.labels.get("fleetmend_evidence", "no evidence given"),
+                    {"report": r.model_dump(mode="json")},
+                )
         timings = self._inp.timings
         give_up = self.now() + timings.reappear_timeout_s
         looked_again = False
@@ -288,21 +309,51 @@ class ReplicaLossRecovery(Procedure):
         )
         arrival = measurements.arrival_rate(before, obs, seconds, lost_ids)
         self.decide(f"arrivals {arrival:.1f} req/s; {capacity_note}")
+        survivors = measurements.survivor_loads(before, obs, lost_ids)
+        self._arrival_rps, self._per_group_rps, self._serving_groups = arrival, per_group, len(survivors)
         self._shed = decide_shedding(
             arrival_rps=arrival,
-            survivors=measurements.survivor_loads(before, obs, lost_ids),
+            survivors=survivors,
             lost_capacity_rps=per_group * len([g for g in lost if g.role is GroupRole.SERVING]),
             per_group_capacity_rps=per_group,
+            keep_armed=True,  # the warm floor is short until the replacement is back
         )
-        self.figure("shed_tiers", [t.value for t in self._shed.shed_tiers])
-        self.decide(self._shed.reason, {"shed": self._shed.model_dump(mode="json")})
-        if self._shed.shedding:
-            await self.act(
-                ActActivities.set_admission,
-                AdmissionChangeRequest(step="protect-shed", pool=inp.pool, admission=self._shed.admission),
-                f"shed {', '.join(t.value for t in self._shed.shed_tiers)} at the gateway",
-            )
+        self.figure("shed_tiers", [t.value for t in self._shed.tiers_touched])
+        await self._apply_shedding(self._shed, step="protect-shed")
         return obs
+
+    async def _readmit(self, change: str, capacity_rps: float, arrival_rps: float | None = None) -> None:
+        """A capacity change: recompute the gap and re-apply admission when the shed level moved."""
+        if arrival_rps is not None:
+            self._arrival_rps = arrival_rps
+        decision = decide_readmission(self._arrival_rps, capacity_rps, change, warm_floor_restored=False)
+        if not admission_changed(self._admission, decision.admission):
+            return
+        self._readmissions += 1
+        await self._apply_shedding(decision, step=f"readmit-{self._readmissions}")
+
+    def _record_shed_level(self, gap: float, refused: float) -> None:
+        """The shed level over time (figure ``shed_levels``: at = epoch seconds, shares of arrivals)."""
+        levels = list(self._status.figures.get("shed_levels") or [])
+        levels.append({"at": round(self.now(), 3), "gap": round(gap, 4), "refused": round(refused, 4)})
+        self.figure("shed_levels", levels)
+
+    async def _apply_shedding(self, decision: ShedDecision, *, step: str) -> None:
+        """Every change of the shed level is a decision in the incident record, and one ledger effect."""
+        self.decide(decision.reason, {"shed": decision.model_dump(mode="json")})
+        self._record_shed_level(decision.deficit_fraction, decision.shed_fraction)
+        if decision.admission == self._admission:
+            return
+        refused = ", ".join(
+            f"{t.value} {decision.admission.shed_share(t):.0%}" for t in decision.tiers_touched
+        )
+        await self.act(
+            ActActivities.set_admission,
+            AdmissionChangeRequest(step=step, pool=self._inp.pool, admission=decision.admission),
+            f"admission: refuse {refused or 'nothing'} ({decision.shed_fraction:.1%} of arrivals); "
+            f"queue bound {decision.admission.queue_bound}",
+        )
+        self._admission = decision.admission
 
     # ---------------------------------------------------------------- step 4
 
@@ -363,6 +414,13 @@ class ReplicaLossRecovery(Procedure):
             )
             promoted.append(spare)
         self.figure("promoted", [g.id for g in promoted])
+        if promoted:
+            self._serving_groups += len(promoted)
+            await self._readmit(
+                f"promoted {', '.join(g.id for g in promoted)} (warm): {self._serving_groups} serving group(s) "
+                f"x {self._per_group_rps:.1f} req/s",
+                pool_capacity_rps(self._per_group_rps, self._serving_groups),
+            )
         self._unmatched = list(pick.unmatched)
         return promoted
 
@@ -708,6 +766,7 @@ class ReplicaLossRecovery(Procedure):
                 )
                 backoff = dict(plan.backoff)
                 step += 1
+                await self._readmit_from_ramp(step, previous, current, previous_at, new_pods, plan)
                 await self.act(
                     ActActivities.set_weights,
                     WeightsChangeRequest(step=f"ramp-{step}", pool=inp.pool, weights=plan.weights),
@@ -723,6 +782,28 @@ class ReplicaLossRecovery(Procedure):
                     return
             previous, previous_at = current, self.now()
             await workflow.sleep(inp.timings.ramp_interval_s, summary=f"ramp interval (step {step})")
+
+    async def _readmit_from_ramp(
+        self,
+        step: int,
+        previous: dict[str, EngineSnapshot],
+        current: dict[str, EngineSnapshot],
+        previous_at: float,
+        new_pods: set[str],
+        plan: measurements.RampPlan,
+    ) -> None:
+        """Each ramp step re-measures capacity (new replicas at their warmth) and arrivals, and re-admits."""
+        seconds = max(1e-3, self.now() - previous_at)
+        admitted = measurements.admitted_rate(previous, current, seconds)
+        arrival = estimate_arrivals(admitted, self._admission, self._arrival_rps)
+        established, warmth = measurements.ramp_capacity_shape(plan, new_pods)
+        await self._readmit(
+            f"ramp step {step}: {established} established group(s) + new "
+            + (", ".join(f"{p} {w:.0%} warm" for p, w in sorted(warmth.items())) or "none")
+            + f" x {self._per_group_rps:.1f} req/s; admitted {admitted:.1f} req/s",
+            pool_capacity_rps(self._per_group_rps, established, warmth),
+            arrival,
+        )
 
     # ---------------------------------------------------------------- step 10
 
@@ -745,7 +826,7 @@ class ReplicaLossRecovery(Procedure):
             if await self.escalate(refusal) == "skip":
                 break
         await self.enter(Phase.ROLLING_BACK, "Rolling back the emergency measures")
-        if self._shed is not None and self._shed.shedding:
+        if self._admission != Admission():
             lift = can_lift_shedding(
                 warm_groups=sum(1 for g in obs.snapshot.groups if g.ready),
                 warm_floor=self._warm_target(),
@@ -761,6 +842,8 @@ class ReplicaLossRecovery(Procedure):
                     ),
                     "lift shedding: warm floor restored",
                 )
+                self._admission = Admission()
+                self._record_shed_level(0.0, 0.0)
                 self.figure("shedding_lifted", True)
 
     async def _verify(

@@ -3,7 +3,9 @@
 One ``Router`` serves every pool (``namespace/service``). For each request it
 
 1. resolves the pool (``pool`` field or the model the pool serves),
-2. sheds it at once if its tier is shed (429) or nothing can take it (503),
+2. sheds it at once if its tier is shed (429) - a partially shed tier refuses that share of
+   its requests, chosen by a hash of the request id (``admission_draw``), so the same request
+   gets the same answer on every retry - or nothing can take it (503),
 3. picks a replica by weight from the routing set — EndpointSlice ``ready``
    endpoints of the pool's Service whose pods carry the router-only label —
    skipping replicas whose queue is at the admission bound,
@@ -49,6 +51,12 @@ from sim.serving.engine import Engine, EngineRefused, EngineRequest
 from sim.serving.journal import Journal
 from sim.serving.kubeview import KubeView, pod_labels
 from sim.serving.streams import StreamEvent, TokenStream
+
+
+def admission_draw(request_id: str) -> float:
+    """A request's admission draw in [0, 1): refused when below its tier's shed share (deterministic)."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
 
 
 class RouterConfig(BaseModel):
@@ -323,8 +331,14 @@ class Router:
                 )
             )
 
-        if req.tier in state.admission.shed_tiers:
-            journal(Outcome.SHED, None, 1, f"tier {req.tier.value} is shed by admission control")
+        share = state.admission.shed_share(req.tier)
+        if share > 0.0 and (share >= 1.0 or admission_draw(request_id) < share):
+            detail = (
+                f"tier {req.tier.value} is shed by admission control"
+                if share >= 1.0
+                else f"{share:.1%} of tier {req.tier.value} is shed by admission control"
+            )
+            journal(Outcome.SHED, None, 1, detail)
             raise GatewayError(
                 429,
                 "shed",

@@ -82,8 +82,17 @@ async def test_gpu_node_lost_under_load_alert_storm_one_recovery(
         after = set(await _serving_pods(rig))
         lost = set(before) - after
         assert len(lost) == 2, (before, after)  # both replicas of the lost node are out of routing
-        # Shedding applied while short of capacity, then lifted after the warm floor was restored.
-        assert status.figures["shed_tiers"] == [Tier.SHEDDABLE.value], text_
+        # Shedding refused exactly the gap while short of capacity (lowest tier first), followed capacity
+        # back to zero refused, and admission was lifted after the warm floor was restored.
+        assert status.figures["shed_tiers"][0] == Tier.SHEDDABLE.value, text_
+        levels = status.figures["shed_levels"]
+        assert levels[0]["gap"] > 0 and levels[0]["refused"] == pytest.approx(
+            min(levels[0]["gap"], 0.8), abs=1e-3
+        ), levels
+        assert any(lv["refused"] == 0 for lv in levels[1:-1]), levels  # nothing refused before the lift
+        assert levels[-1] == {"at": levels[-1]["at"], "gap": 0.0, "refused": 0.0}
+        # Every change of the shed level is a decision in the incident record.
+        assert text_.count("of arrivals cannot be carried") == len(levels) - 1, text_
         assert status.figures.get("shedding_lifted") is True, text_
         assert (await rig.router_state(POOL))["admission"] == Admission().model_dump(mode="json")
         # A warm spare was promoted; the new spare and the replacement are placed and routed.

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from sim.serving.engine import EngineRefused, EngineRequest
+from sim.serving.router import admission_draw
 from tests.sim.serving_fixtures import NAMESPACE, POOL, RunningServing, running_serving, scenario
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -150,6 +151,34 @@ async def test_shedding_refuses_sheddable_requests_and_serves_the_others() -> No
         assert outcomes["critical"] == [200] * 4 and outcomes["standard"] == [200] * 4
         shed = await journal(sim, pool=POOL, outcome="shed")
         assert sorted(e["request_id"] for e in shed) == ["shed-11", "shed-2", "shed-5", "shed-8"]
+
+
+async def test_a_partially_shed_tier_refuses_that_share_of_its_requests_by_request_id() -> None:
+    async with running_serving(scenario(), speed=20) as sim:
+        await sim.wait_serving(2)
+        state = await sim.set_state(
+            "admission", "admission", {"partial_shed": {"sheddable": 0.25}, "queue_bound": None}
+        )
+        assert state["admission"]["partial_shed"] == {"sheddable": 0.25}
+        ids = [f"part-{i}" for i in range(80)]
+        expected = {rid for rid in ids if admission_draw(rid) < 0.25}
+        assert 10 <= len(expected) <= 30  # the hash spreads ids evenly enough to test a share
+        codes: dict[str, int] = {}
+        for rid in [*ids, *ids[:20]]:  # the same id gets the same answer again
+            body = {"model": MODEL, "max_tokens": 2, "tier": "sheddable", "request_id": rid}
+            response = await sim.http.post("/v1/completions", json=body)
+            assert codes.setdefault(rid, response.status_code) == response.status_code
+        assert {rid for rid, code in codes.items() if code == 429} == expected
+        assert all(codes[rid] == 200 for rid in ids if rid not in expected)
+        shed = await journal(sim, pool=POOL, outcome="shed")
+        assert {e["request_id"] for e in shed} == expected
+        assert all(e["detail"] == "25.0% of tier sheddable is shed by admission control" for e in shed)
+        # A whole tier is only ever listed in shed_tiers: a share of 1 is a clear 422.
+        bad = await sim.http.put(
+            f"/router/v1/pools/{POOL}/admission",
+            json={"replaces_version": state["version"], "admission": {"partial_shed": {"standard": 1.0}}},
+        )
+        assert bad.status_code == 422 and "strictly between 0 and 1" in bad.text
 
 
 async def test_admin_api_rejects_bad_input_with_a_clear_error_and_changes_nothing() -> None:

@@ -38,6 +38,7 @@ from temporalio.service import RPCError
 from fleet.incident import PoolRef, incident_workflow_id, scale_down_workflow_id
 from fleet.protocol import FaultRequest, JournalEntry, JournalPage
 from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, RecoveryTimings, ServingObjectives
+from fleet.shedding import ShedLevel, account_shedding
 from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL, LWS_WORKER_INDEX_LABEL, REVISION_LABEL
 from worker.config import KEPT_STACK_FILE, Settings, kept_stack_env
 from worker.devstack.rig import compressed_scenario
@@ -668,6 +669,7 @@ def build_report(
         "mutating_requests": mutations,
         "lead_time_announced_seconds": f.get("lead_time_announced_seconds"),
         "shed_tiers": f.get("shed_tiers"),
+        "shedding": _shedding_account(run, f, load),
         "shedding_lifted": f.get("shedding_lifted"),
         "promoted": f.get("promoted"),
         "fault_class": f.get("fault_class"),
@@ -679,6 +681,26 @@ def build_report(
         ],
         "notices": run.notices,
         "duration_seconds": round(elapsed_s, 1),
+    }
+
+
+def _shedding_account(run: DemoRun, figures: dict[str, Any], load: dict[str, Any]) -> dict[str, Any] | None:
+    """Users refused vs the capacity gap the incident recorded (shares of all arrivals), at the users' rate."""
+    levels = [ShedLevel.model_validate(lv) for lv in figures.get("shed_levels") or []]
+    if not levels:
+        return None
+    account = account_shedding(
+        levels,
+        arrivals=int(load.get("sent", 0)),
+        shed=int(load.get("shed", 0)),
+        arrival_rps=float(run.scenario.load_rate),
+        until=time.time(),
+    )
+    return {
+        "refused": f"{account.refused_share:.1%}",
+        "gap": f"{account.gap_share:.1%}",
+        "over_shed": f"{account.over_shed_share:.1%}",
+        "levels": " ".join(f"{lv.at - run.t0:+.1f}s:{lv.refused:.1%}" for lv in levels),
     }
 
 
@@ -701,6 +723,7 @@ SUMMARY_KEYS = (
     "orphan_pods",
     "lead_time_announced_seconds",
     "shed_tiers",
+    "shedding",
     "promoted",
     "fault_class",
     "ramp_weights",

@@ -246,6 +246,8 @@ class _SimPart:
         from worker.devstack.sim_wiring import settings_for_running_sim
 
         update = settings_for_running_sim(self.handle)
+        if "fastpath_enabled" not in self.settings.model_fields_set:  # on in `fleetmend dev` unless set
+            update["fastpath_enabled"] = True
         if self.settings.kubeconfig is not None:  # an explicit kubeconfig wins (and its cluster's audit log)
             update.pop("kubeconfig")
             update.pop("kube_context")

@@ -190,6 +190,13 @@ class AlertIntake:
             )
         return result
 
+    async def deliver(self, reports: list[RoutedReport]) -> list[Delivery | None]:
+        """Deliver reports that come from elsewhere than an alert (the fast path), exactly as alerts' are.
+
+        Raises ``TemporalUnavailable`` when Temporal did not take one.
+        """
+        return list(await asyncio.gather(*(self._deliver(r) for r in reports)))
+
     def _account(
         self, alert: AlertmanagerAlert, deliveries: list[Delivery | None], result: IntakeResult
     ) -> None:

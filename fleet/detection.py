@@ -1,0 +1,155 @@
+"""The fast path's loss detection: evidence about one entity in, loss / not-a-loss / wait out.
+
+The alert path learns of a loss after the node-monitor grace, a Prometheus scrape
+and rule ``for:``, and Alertmanager's ``group_wait``. The fast path watches the
+same world directly (Nodes, Pods and EndpointSlices of the managed pools, the
+engines' ``/health``) and feeds what it sees here, one ``Evidence`` at a time,
+per entity (a pod or a node). ``observe`` is pure: the caller keeps the
+``EntityState`` and acts on the ``Detection``.
+
+Policy (``DetectionPolicy``):
+
+* a node whose Ready condition is Unknown or False is lost at once (the node
+  controller already waited its grace period);
+* a pod that is gone while it was still routed (deleted with the router-only
+  label on: nobody derouted it first) is lost at once;
+* an engine is lost after ``failures_to_confirm`` consecutive failed health checks
+  (an EndpointSlice endpoint turning not-ready counts as one failure);
+* a health check that answers, however slowly, resets the failure count: a slow
+  but present replica is **not a loss** (recorded once per slow spell, so the
+  record says why nothing was opened);
+* **hysteresis**: once a loss is reported for an entity, further failures report
+  nothing (the incident is open and absorbs them); the entity is re-armed only
+  after ``successes_to_clear`` consecutive good checks. A flapping check
+  (fail, ok, fail, ok, ...) never reaches two consecutive failures, so it opens
+  nothing; one that flaps after a confirmed loss does not report it again.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# How many pieces of evidence a state keeps for the record (the most recent ones).
+EVIDENCE_KEPT = 6
+
+
+class EvidenceKind(StrEnum):
+    HEALTH_OK = "health-ok"
+    HEALTH_FAILED = "health-failed"
+    ENDPOINT_NOT_READY = "endpoint-not-ready"
+    NODE_NOT_READY = "node-not-ready"
+    NODE_READY = "node-ready"
+    POD_GONE = "pod-gone"
+
+
+class Verdict(StrEnum):
+    LOSS = "loss"
+    NOT_A_LOSS = "not-a-loss"
+    WAIT = "wait"
+
+
+class Evidence(BaseModel):
+    """One observation about one entity (``pod:<ns>/<name>`` or ``node:<name>``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    entity: str = Field(min_length=1)
+    kind: EvidenceKind
+    at: float = Field(description="Unix seconds it was observed")
+    latency_s: float | None = Field(None, ge=0, description="Health check round trip, when it answered")
+    detail: str = ""
+
+    def describe(self) -> str:
+        took = f" in {self.latency_s:.2f} s" if self.latency_s is not None else ""
+        return f"{self.kind.value}{took}" + (f" ({self.detail})" if self.detail else "")
+
+
+class DetectionPolicy(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    failures_to_confirm: int = Field(default=2, ge=1, description="Consecutive failed health checks = loss")
+    successes_to_clear: int = Field(
+        default=3, ge=1, description="Consecutive good checks before a reported entity can be reported again"
+    )
+    slow_health_s: float = Field(
+        default=0.5, gt=0, description="A health check answering slower than this is 'slow but present'"
+    )
+
+
+class EntityState(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    entity: str
+    failures: int = 0
+    successes: int = 0
+    reported: bool = Field(default=False, description="A loss was reported and not yet cleared")
+    slow: bool = Field(default=False, description="In a slow spell (not-a-loss already recorded)")
+    evidence: tuple[Evidence, ...] = ()
+
+
+class Detection(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    entity: str
+    verdict: Verdict
+    reason: str
+    evidence: tuple[Evidence, ...] = ()
+
+    @property
+    def loss(self) -> bool:
+        return self.verdict is Verdict.LOSS
+
+
+def observe(
+    state: EntityState | None, evidence: Evidence, policy: DetectionPolicy | None = None
+) -> tuple[EntityState, Detection]:
+    """Fold one piece of evidence into the entity's state; say whether it is a loss now."""
+    p = policy or DetectionPolicy()
+    s = state or EntityState(entity=evidence.entity)
+    if s.entity != evidence.entity:
+        raise ValueError(f"evidence about {evidence.entity} given to the state of {s.entity}")
+    kept = (*s.evidence, evidence)[-EVIDENCE_KEPT:]
+    kind = evidence.kind
+
+    def wait(new: EntityState, reason: str) -> tuple[EntityState, Detection]:
+        return new, Detection(entity=s.entity, verdict=Verdict.WAIT, reason=reason, evidence=kept)
+
+    def lost(new: EntityState, reason: str) -> tuple[EntityState, Detection]:
+        if s.reported:
+            return wait(new, f"{reason}; already reported (the open incident absorbs it)")
+        return new.model_copy(update={"reported": True}), Detection(
+            entity=s.entity, verdict=Verdict.LOSS, reason=reason, evidence=kept
+        )
+
+    if kind in (EvidenceKind.NODE_NOT_READY, EvidenceKind.POD_GONE):
+        what = "node Ready is not True" if kind is EvidenceKind.NODE_NOT_READY else "pod gone while routed"
+        return lost(
+            s.model_copy(update={"failures": s.failures + 1, "successes": 0, "evidence": kept}),
+            f"{s.entity}: {what} ({evidence.describe()})",
+        )
+    if kind in (EvidenceKind.HEALTH_FAILED, EvidenceKind.ENDPOINT_NOT_READY):
+        failures = s.failures + 1
+        new = s.model_copy(update={"failures": failures, "successes": 0, "slow": False, "evidence": kept})
+        if failures >= p.failures_to_confirm:
+            checks = ", ".join(e.describe() for e in kept[-failures:])
+            return lost(new, f"{s.entity}: {failures} consecutive failed checks ({checks})")
+        return wait(new, f"{s.entity}: {failures} of {p.failures_to_confirm} failed checks to confirm")
+    # HEALTH_OK / NODE_READY: present.
+    successes = s.successes + 1
+    reported = s.reported and successes < p.successes_to_clear
+    new = s.model_copy(update={"failures": 0, "successes": successes, "reported": reported, "evidence": kept})
+    slow = kind is EvidenceKind.HEALTH_OK and (evidence.latency_s or 0.0) >= p.slow_health_s
+    if slow and not s.slow and not s.reported:
+        return new.model_copy(update={"slow": True}), Detection(
+            entity=s.entity,
+            verdict=Verdict.NOT_A_LOSS,
+            reason=f"{s.entity}: slow but present — {evidence.describe()} "
+            f"(>= {p.slow_health_s:g} s); not a loss, nothing opened",
+            evidence=kept,
+        )
+    new = new.model_copy(update={"slow": slow and s.slow})
+    if s.reported and not reported:
+        return wait(new, f"{s.entity}: {successes} consecutive good checks: re-armed")
+    return wait(new, f"{s.entity}: present ({evidence.describe()})")

@@ -1,0 +1,134 @@
+"""The fast path's Kubernetes side against the simulated API server, through the official client:
+an informer whose watch falls behind (410 Gone) re-lists and still sees the loss, and the Lease
+election (one holder; a standby takes over once the holder stops renewing; a race has one winner)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client, config
+
+from fleet.detection import EvidenceKind, observe
+from fleet.vocabulary import MODEL_LABEL, ROUTER_LABEL
+from sim.runner import RunningSim, start_sim
+from sim.scenario import shipped_scenarios
+from worker.config import load_settings
+from worker.devstack.sim_wiring import settings_for_running_sim
+from worker.fastpath.informer import Informer
+from worker.fastpath.lease import LeaderElector
+from worker.fastpath.service import FastPath
+
+NS = "inference"
+
+
+@pytest.fixture
+def short_history() -> Iterator[RunningSim]:
+    """A sim whose watch history keeps only 20 events per resource (so a watch can fall behind)."""
+    running = start_sim(shipped_scenarios()["gpu-node-loss"], speed=100.0, serving=False, watch_history=20)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def _core(sim: RunningSim) -> client.CoreV1Api:
+    return client.CoreV1Api(config.new_client_from_config(config_file=str(sim.kubeconfig), context="sim"))
+
+
+async def _no_delivery(reports: list[Any]) -> list[Any]:
+    raise AssertionError(f"nothing is delivered in this test: {reports}")
+
+
+async def test_a_watch_that_falls_behind_relists_and_still_reports_the_routed_pod_that_went(
+    short_history: RunningSim,
+) -> None:
+    sim = short_history
+    core = _core(sim)
+    settings = load_settings(**settings_for_running_sim(sim))
+    fast = FastPath(settings, _no_delivery, topology=None)  # type: ignore[arg-type]  # no lookup here
+    fast._loop, fast._queue = asyncio.get_running_loop(), asyncio.Queue()
+    pods = Informer("pods", core.list_pod_for_all_namespaces, fast._on_pod, label_selector=MODEL_LABEL)
+    fast.informers = [pods]
+    await asyncio.to_thread(pods.sync)
+    stale = pods.resource_version
+    routed = sorted(p.metadata.name for p in core.list_namespaced_pod(NS, label_selector=ROUTER_LABEL).items)
+    spare = core.list_namespaced_pod(NS, label_selector="fleetmend.io/role=spare").items[0].metadata.name
+    # While the watch is down: more changes than the API server's history keeps, and a routed pod goes.
+    for step in range(30):
+        core.patch_namespaced_pod(spare, NS, {"metadata": {"labels": {"step": str(step)}}})
+    core.delete_namespaced_pod(routed[0], NS, grace_period_seconds=0)
+    await asyncio.sleep(0.5)
+
+    await asyncio.to_thread(pods.watch_once, threading.Event())  # from the stale resourceVersion
+
+    assert pods.relists_after_gone == 1 and pods.lists == 2
+    assert pods.resource_version != stale
+    assert f"{NS}/{routed[0]}" not in pods.cache
+    evidence = [fast._queue.get_nowait() for _ in range(fast._queue.qsize())]
+    gone = [e for e in evidence if e.kind is EvidenceKind.POD_GONE]
+    assert [e.entity for e in gone] == [f"pod:{NS}/{routed[0]}"], evidence
+    _, detection = observe(None, gone[0])
+    assert detection.loss and "deleted while carrying fleetmend.io/serving" in detection.reason
+
+
+def test_one_lease_holder_a_standby_takes_over_after_the_holder_stops_renewing_a_race_has_one_winner(
+    short_history: RunningSim,
+) -> None:
+    api = client.CoordinationV1Api(
+        config.new_client_from_config(config_file=str(short_history.kubeconfig), context="sim")
+    )
+
+    def elector(identity: str) -> LeaderElector:
+        return LeaderElector(
+            lambda: api,
+            namespace=NS,
+            name="fleetmend-fastpath",
+            identity=identity,
+            lease_duration_s=1.5,
+            renew_deadline_s=1.0,
+            retry_period_s=0.2,
+        )
+
+    a, b = elector("worker-a"), elector("worker-b")
+    assert a.try_acquire_or_renew()  # creates the Lease
+    assert not b.try_acquire_or_renew()  # a valid Lease held by a: b stands by
+    assert a.try_acquire_or_renew()  # renew
+    lease = api.read_namespaced_lease("fleetmend-fastpath", NS)
+    assert lease.spec.holder_identity == "worker-a" and lease.spec.lease_duration_seconds == 2
+    # a dies (kill -9: it simply stops renewing). b judges expiry by its own clock since the record last changed.
+    assert not b.try_acquire_or_renew()
+    time.sleep(2.2)
+    assert b.try_acquire_or_renew()
+    lease = api.read_namespaced_lease("fleetmend-fastpath", NS)
+    assert lease.spec.holder_identity == "worker-b" and lease.spec.lease_transitions == 1
+    assert not a.try_acquire_or_renew()  # a back from the dead finds b's valid Lease
+    # A race on a stale read: the update conditioned on the old resourceVersion loses with 409.
+    c = elector("worker-c")
+    stale = api.read_namespaced_lease("fleetmend-fastpath", NS)
+    assert b.try_acquire_or_renew()  # b renews: the resourceVersion moves on
+    body = {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {
+            "name": "fleetmend-fastpath",
+            "namespace": NS,
+            "resourceVersion": stale.metadata.resource_version,
+        },
+        "spec": {"holderIdentity": "worker-c", "leaseDurationSeconds": 2},
+    }
+    with pytest.raises(client.exceptions.ApiException) as conflict:
+        api.replace_namespaced_lease("fleetmend-fastpath", NS, body)
+    assert conflict.value.status == 409
+    assert not c.try_acquire_or_renew()
+    # A graceful stop releases the Lease: a standby takes it at once.
+    b.release()
+    assert c.try_acquire_or_renew()
+    with pytest.raises(ValueError, match="retry period < renew deadline < lease duration"):
+        LeaderElector(
+            lambda: api, namespace=NS, name="x", identity="y", lease_duration_s=1, renew_deadline_s=2
+        )

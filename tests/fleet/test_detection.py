@@ -1,0 +1,94 @@
+"""The fast path's detection policy: evidence -> loss / not-a-loss / wait, with hysteresis."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fleet.detection import (
+    DetectionPolicy,
+    EntityState,
+    Evidence,
+    EvidenceKind,
+    Verdict,
+    observe,
+)
+
+POD = "pod:inference/llama-0"
+
+
+def _run(kinds: list[EvidenceKind], latency: float | None = 0.01) -> list[Verdict]:
+    state: EntityState | None = None
+    verdicts = []
+    for i, kind in enumerate(kinds):
+        ok = kind in (EvidenceKind.HEALTH_OK, EvidenceKind.NODE_READY)
+        state, d = observe(
+            state, Evidence(entity=POD, kind=kind, at=float(i), latency_s=latency if ok else None)
+        )
+        verdicts.append(d.verdict)
+    return verdicts
+
+
+FAIL, OK = EvidenceKind.HEALTH_FAILED, EvidenceKind.HEALTH_OK
+
+
+def test_two_consecutive_failed_health_checks_are_a_loss_with_the_evidence() -> None:
+    s, first = observe(None, Evidence(entity=POD, kind=FAIL, at=1.0, detail="connection refused"))
+    assert first.verdict is Verdict.WAIT and "1 of 2" in first.reason
+    s, second = observe(s, Evidence(entity=POD, kind=FAIL, at=1.5, detail="HTTP 503"))
+    assert second.loss and s.reported
+    assert "2 consecutive failed checks" in second.reason and "HTTP 503" in second.reason
+    assert [e.at for e in second.evidence] == [1.0, 1.5]
+
+
+def test_node_not_ready_and_a_routed_pod_gone_are_losses_at_once() -> None:
+    _, d = observe(
+        None, Evidence(entity="node:gpu-node-0", kind=EvidenceKind.NODE_NOT_READY, at=1, detail="Unknown")
+    )
+    assert d.loss and "node Ready is not True" in d.reason
+    _, d = observe(None, Evidence(entity=POD, kind=EvidenceKind.POD_GONE, at=1))
+    assert d.loss and "pod gone while routed" in d.reason
+
+
+def test_a_slow_but_present_replica_is_not_a_loss_recorded_once_per_slow_spell() -> None:
+    assert _run([OK, OK, OK], latency=1.2) == [Verdict.NOT_A_LOSS, Verdict.WAIT, Verdict.WAIT]
+    s, d = observe(None, Evidence(entity=POD, kind=OK, at=0, latency_s=1.2))
+    assert "slow but present" in d.reason and "not a loss" in d.reason
+    s, _ = observe(s, Evidence(entity=POD, kind=OK, at=1, latency_s=0.01))  # fast again: the spell ends
+    _, again = observe(s, Evidence(entity=POD, kind=OK, at=2, latency_s=1.2))
+    assert again.verdict is Verdict.NOT_A_LOSS
+
+
+def test_a_flapping_health_check_opens_nothing() -> None:
+    assert Verdict.LOSS not in _run([FAIL, OK] * 20)
+
+
+def test_a_loss_is_reported_once_while_its_check_flaps_and_again_only_after_it_was_healthy() -> None:
+    verdicts = _run([FAIL, FAIL, OK, FAIL, FAIL, OK, OK, FAIL, FAIL, OK, OK, OK, FAIL, FAIL])
+    assert verdicts.count(Verdict.LOSS) == 2
+    assert verdicts[1] is Verdict.LOSS and verdicts[-1] is Verdict.LOSS  # re-armed by 3 good checks
+
+
+def test_evidence_for_another_entity_is_refused() -> None:
+    s, _ = observe(None, Evidence(entity=POD, kind=FAIL, at=0))
+    with pytest.raises(ValueError, match="given to the state of"):
+        observe(s, Evidence(entity="pod:inference/other", kind=FAIL, at=1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.booleans(), max_size=60))
+def test_losses_need_consecutive_failures_and_a_clear_spell_between_them(oks: list[bool]) -> None:
+    policy = DetectionPolicy()
+    verdicts = _run([OK if ok else FAIL for ok in oks])
+    losses = [i for i, v in enumerate(verdicts) if v is Verdict.LOSS]
+    for i in losses:
+        assert i >= 1 and not oks[i] and not oks[i - 1]  # two consecutive failures end in a loss
+    for a, b in itertools.pairwise(losses):
+        run = best = 0
+        for ok in oks[a:b]:
+            run = run + 1 if ok else 0
+            best = max(best, run)
+        assert best >= policy.successes_to_clear  # re-armed only by enough good checks in between

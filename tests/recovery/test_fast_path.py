@@ -1,0 +1,162 @@
+"""The fast path beside the alert path: Kubernetes watches + engine /health open the pool's incident.
+
+Real Temporal dev server, real Postgres, the simulated cluster over the official ``kubernetes``
+client (list + watch, Leases), the engines' /health over HTTP, the webhook's own intake for the
+signal-with-start. Each test asserts what an SRE checks: which path opened the incident, that the
+later alert landed in it, that a slow replica opened nothing, and the evidence on record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from temporalio.client import Client
+
+from fleet.detection import Verdict
+from fleet.incident import incident_workflow_id
+from fleet.recovery import Phase, ProcedureStatus, ServingObjectives
+from fleet.vocabulary import FaultKind
+from tests.support import FAST, GROUP_CAPACITY_RPS, POOL, decisions, finish, wait_for_child
+from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
+from worker.fastpath.service import FAST_PATH_ALERT, FastPath, build_fast_path
+from worker.webhook.alertmanager import AlertmanagerPayload
+from worker.webhook.examples import alert, notification
+from worker.webhook.intake import AlertIntake
+from worker.webhook.metrics import WebhookMetrics
+from worker.webhook.routing import AlertRouter
+from worker.webhook.rules import load_alert_rules
+from worker.webhook.topology import PoolTopology
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+FAST_PATH_SETTINGS: dict[str, Any] = {
+    "recovery_timings": FAST,
+    "serving_objectives": ServingObjectives(group_capacity_rps=GROUP_CAPACITY_RPS),
+    "fastpath_lease_namespace": "inference",
+    "fastpath_lease_duration_s": 3.0,
+    "fastpath_renew_deadline_s": 2.0,
+    "fastpath_retry_period_s": 0.5,
+    "fastpath_watch_timeout_s": 5,
+}
+
+
+@contextlib.asynccontextmanager
+async def running_fast_path(rig: FleetRig, identity: str = "fastpath-a") -> AsyncIterator[FastPath]:
+    client = rig.client
+
+    async def same_client() -> Client:
+        return client
+
+    fast = build_fast_path(rig.settings, same_client, identity=identity)
+    stop = asyncio.Event()
+    task = asyncio.create_task(fast.run(stop))
+    try:
+        deadline = time.monotonic() + 20
+        while not (fast.elector.leading and all(i.lists for i in fast.informers)):
+            assert time.monotonic() < deadline, "the fast path never led and listed"
+            assert not task.done(), task
+            await asyncio.sleep(0.1)
+        yield fast
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+
+
+def _webhook_intake(rig: FleetRig) -> AlertIntake:
+    """The webhook's intake as ``create_app`` builds it (rules, topology, Temporal client)."""
+    client = rig.client
+
+    async def same_client() -> Client:
+        return client
+
+    topology = PoolTopology.from_settings(rig.settings)
+    rules = load_alert_rules(rig.settings.alert_rules_file)
+    return AlertIntake(rig.settings, AlertRouter(rules, topology), same_client, WebhookMetrics())
+
+
+async def _incident_running(client: Client) -> bool:
+    try:
+        desc = await client.get_workflow_handle(incident_workflow_id(POOL)).describe()
+    except Exception:
+        return False
+    return desc.status is not None and desc.status.name == "RUNNING"
+
+
+async def test_gpu_node_lost_under_load_opens_the_incident_by_the_fast_path_and_the_alert_is_absorbed(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    async with fleet_rig(
+        temporal_client,
+        scenario=compressed_scenario("gpu-node-loss"),
+        database_url=ledger_url,
+        task_queue=task_queue,
+        **FAST_PATH_SETTINGS,
+    ) as rig:
+        await asyncio.sleep(8)  # the pool comes up Ready
+        async with running_fast_path(rig) as fast:
+            await rig.start_load(rate=52, duration_s=90, seed=3)
+            await asyncio.sleep(3)
+            assert not await _incident_running(temporal_client)  # healthy load opens nothing
+            fault_at = time.time()
+            assert (await rig.inject(FaultKind.NODE_LOST, "gpu-node-0"))["accepted"]
+            deadline = time.monotonic() + 30
+            while not await _incident_running(temporal_client):
+                assert time.monotonic() < deadline, f"no incident; fast path saw {fast.detections}"
+                await asyncio.sleep(0.1)
+            opened = (
+                await temporal_client.get_workflow_handle(incident_workflow_id(POOL)).describe()
+            ).start_time
+            assert opened is not None
+            print(f"fault -> incident opened by the fast path: {opened.timestamp() - fault_at:.2f} s")
+            incident = temporal_client.get_workflow_handle(incident_workflow_id(POOL))
+            child = await wait_for_child(temporal_client, incident)
+            # The alert path's KubeNodeNotReady arrives later (Alertmanager's notification through the
+            # webhook's intake: node -> replica groups) and lands in the same open incident.
+            payload = AlertmanagerPayload.model_validate(
+                notification(
+                    [alert({"alertname": "KubeNodeNotReady", "node": "gpu-node-0", "severity": "critical"})]
+                )
+            )
+            delivered = await _webhook_intake(rig).handle(payload)
+            assert delivered.workflows == [incident_workflow_id(POOL)], delivered
+            status = await finish(child)
+            text_ = decisions(status)
+            inc = await incident.query("status", result_type=ProcedureStatus)
+
+        assert status.phase == Phase.DONE, text_
+        assert len(inc.children) == 1, inc.children  # one incident, one recovery
+        assert inc.figures["alerts_absorbed"] >= 1, inc.figures
+        losses = [d for d in fast.detections if d.verdict is Verdict.LOSS]
+        assert losses and all(d.entity.startswith(("pod:inference/", "node:gpu-node-0")) for d in losses)
+        # The evidence the fast path acted on is in the incident's record.
+        assert f"{FAST_PATH_ALERT}" in text_ and "consecutive failed checks" in text_, text_
+        assert fast.counts["reports_delivered"] >= 2  # both groups on the node
+
+
+async def test_a_slow_replica_opens_nothing_its_health_answers(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    async with fleet_rig(
+        temporal_client,
+        scenario=compressed_scenario("gpu-node-loss"),
+        database_url=ledger_url,
+        task_queue=task_queue,
+        **FAST_PATH_SETTINGS,
+    ) as rig:
+        await asyncio.sleep(8)
+        pods = await rig.routing_set(POOL)
+        async with running_fast_path(rig) as fast:
+            await rig.start_load(rate=40, duration_s=30, seed=5)
+            fault = await rig.inject(FaultKind.SLOW_REPLICA, f"{POOL.namespace}/{pods[0]}", factor=0.3)
+            assert fault["accepted"], fault
+            await asyncio.sleep(6)
+            assert not await _incident_running(temporal_client)
+            state = fast.state(f"pod:{POOL.namespace}/{pods[0]}")
+        # Slow at 0.3x, but present: every /health answered, no failure counted, no loss reported.
+        assert state is not None and state.successes >= 5 and state.failures == 0 and not state.reported
+        assert not [d for d in fast.detections if d.verdict is Verdict.LOSS], fast.detections

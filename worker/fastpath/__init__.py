@@ -1,0 +1,1 @@
+"""The fast path: Kubernetes watches and engine health probes that open incidents in seconds."""

@@ -1,0 +1,383 @@
+"""The fast path beside the alert path: watch the world directly and open the pool's incident in seconds.
+
+Once per cluster (``LeaderElector`` on a Lease) the worker runs three informers
+(Nodes; Pods of the managed pools, i.e. carrying the model label; EndpointSlices)
+and probes the ``/health`` of every routed pod (``health_url_template``). Each
+observation becomes ``fleet.detection.Evidence``; the pure policy decides; a
+confirmed loss is delivered through the webhook's own ``AlertIntake`` — the same
+signal-with-start into the pool's ``FleetIncident`` — with one report per
+affected replica group (resolved by the webhook's ``PoolTopology``), so the
+Alertmanager alert that arrives later names the same groups and is absorbed by
+the open incident. A slow-but-present replica is recorded as not-a-loss
+(logged and counted) and opens nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+from kubernetes import client as k8s
+
+from activities.kube import kube_apis
+from fleet.detection import Detection, DetectionPolicy, EntityState, Evidence, EvidenceKind, observe
+from fleet.incident import LossReport, PoolRef, Severity, incident_workflow_id
+from fleet.vocabulary import MODEL_LABEL
+from worker.config import Settings
+from worker.fastpath.informer import Informer
+from worker.fastpath.lease import LeaderElector
+from worker.webhook.intake import Delivery
+from worker.webhook.routing import RoutedReport
+from worker.webhook.rules import RuleAction
+from worker.webhook.topology import PodNotFound, PoolTopology
+
+log = logging.getLogger("fleetmend.fastpath")
+
+FAST_PATH_ALERT = "FleetmendFastPathLoss"
+EVIDENCE_LABEL = "fleetmend_evidence"
+LEASE_USER_AGENT = "fleetmend-leader-election/0.1"
+
+Deliver = Callable[[list[RoutedReport]], Awaitable[list[Delivery | None]]]
+
+
+def default_identity() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class FastPath:
+    def __init__(
+        self,
+        settings: Settings,
+        deliver: Deliver,
+        topology: PoolTopology,
+        *,
+        identity: str | None = None,
+        policy: DetectionPolicy | None = None,
+    ) -> None:
+        self.settings = settings
+        self._deliver = deliver
+        self._topology = topology
+        self.identity = identity or settings.fastpath_identity or default_identity()
+        self.policy = policy or DetectionPolicy(
+            failures_to_confirm=settings.fastpath_failures_to_confirm,
+            slow_health_s=settings.fastpath_slow_health_s,
+        )
+        self._coordination: k8s.CoordinationV1Api | None = None
+        self.elector = LeaderElector(
+            self._coordination_api,
+            namespace=settings.fastpath_lease_namespace,
+            name=settings.fastpath_lease_name,
+            identity=self.identity,
+            lease_duration_s=settings.fastpath_lease_duration_s,
+            renew_deadline_s=settings.fastpath_renew_deadline_s,
+            retry_period_s=settings.fastpath_retry_period_s,
+        )
+        self._states: dict[str, EntityState] = {}
+        self._gone: dict[str, dict[str, Any]] = {}  # routed pods deleted, by ns/name (their last state)
+        self.detections: list[Detection] = []  # the record of every loss / not-a-loss verdict
+        self.counts: Counter[str] = Counter()
+        self.informers: list[Informer] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue[Evidence] | None = None
+
+    def _coordination_api(self) -> k8s.CoordinationV1Api:
+        """The Lease client: its own user agent, so ledger reconcile does not take lease renewals for
+        unledgered actions on the world (they are fleetmend's coordination, like client-go's)."""
+        if self._coordination is None:
+            api = k8s.ApiClient(kube_apis(self.settings).core.api_client.configuration)
+            api.user_agent = LEASE_USER_AGENT
+            self._coordination = k8s.CoordinationV1Api(api)
+        return self._coordination
+
+    def state(self, entity: str) -> EntityState | None:
+        """What the detector holds about ``entity`` (``pod:<ns>/<name>`` or ``node:<name>``)."""
+        return self._states.get(entity)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Campaign for the Lease; lead (watch + probe) while holding it."""
+        log.info("fast path: campaigning", extra={"identity": self.identity})
+        await self.elector.run(stop, self._lead)
+
+    async def _lead(self, lost: asyncio.Event) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue = asyncio.Queue()
+        self._states.clear()
+        core = kube_apis(self.settings).core
+        discovery = kube_apis(self.settings).discovery
+        timeout = self.settings.fastpath_watch_timeout_s
+        self.informers = [
+            Informer("nodes", core.list_node, self._on_node, watch_timeout_s=timeout),
+            Informer(
+                "pods",
+                core.list_pod_for_all_namespaces,
+                self._on_pod,
+                label_selector=MODEL_LABEL,
+                watch_timeout_s=timeout,
+            ),
+            Informer(
+                "endpointslices",
+                discovery.list_endpoint_slice_for_all_namespaces,
+                self._on_slice,
+                watch_timeout_s=timeout,
+            ),
+        ]
+        halt = threading.Event()
+        threads = [
+            threading.Thread(target=i.run, args=(halt,), name=f"fastpath-{i.name}", daemon=True)
+            for i in self.informers
+        ]
+        for t in threads:
+            t.start()
+        tasks = [
+            asyncio.create_task(self._consume(), name="fastpath-detect"),
+            asyncio.create_task(self._probe_loop(lost), name="fastpath-probe"),
+        ]
+        try:
+            await lost.wait()
+        finally:
+            halt.set()
+            for i in self.informers:
+                i.stop()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- informer handlers (informer threads) -------------------------------------------------
+
+    def _push(self, evidence: Evidence) -> None:
+        loop, queue = self._loop, self._queue
+        if loop is not None and queue is not None:
+            loop.call_soon_threadsafe(queue.put_nowait, evidence)
+
+    def _routed(self, pod: dict[str, Any]) -> bool:
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        return bool(labels.get(self.settings.router_label) == self.settings.router_label_value)
+
+    def _pods(self) -> list[dict[str, Any]]:
+        informer = next((i for i in self.informers if i.name == "pods"), None)
+        return list(informer.cache.values()) if informer is not None else []
+
+    def _on_node(self, kind: str, node: dict[str, Any]) -> None:
+        name = (node.get("metadata") or {}).get("name") or ""
+        if not any((p.get("spec") or {}).get("nodeName") == name and self._routed(p) for p in self._pods()):
+            return  # no routed pod of a managed pool there
+        ready = next(
+            (c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), None
+        )
+        status = ready.get("status") if ready else "Unknown"
+        at = time.time()
+        if kind != "DELETED" and status == "True":
+            self._push(Evidence(entity=f"node:{name}", kind=EvidenceKind.NODE_READY, at=at))
+            return
+        detail = "node deleted" if kind == "DELETED" else f"Ready={status}: {(ready or {}).get('reason', '')}"
+        self._push(Evidence(entity=f"node:{name}", kind=EvidenceKind.NODE_NOT_READY, at=at, detail=detail))
+
+    def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
+        if kind != "DELETED" or not self._routed(pod):
+            return
+        meta = pod.get("metadata") or {}
+        self._gone[f"{meta.get('namespace')}/{meta.get('name')}"] = pod
+        node = (pod.get("spec") or {}).get("nodeName") or ""
+        self._push(
+            Evidence(
+                entity=f"pod:{meta.get('namespace')}/{meta.get('name')}",
+                kind=EvidenceKind.POD_GONE,
+                at=time.time(),
+                detail=f"deleted while carrying {self.settings.router_label}"
+                + (f" on {node}" if node else ""),
+            )
+        )
+
+    def _on_slice(self, kind: str, eps: dict[str, Any]) -> None:
+        if kind == "DELETED":
+            return
+        routed = {
+            f"{(p.get('metadata') or {}).get('namespace')}/{(p.get('metadata') or {}).get('name')}"
+            for p in self._pods()
+            if self._routed(p)
+        }
+        namespace = (eps.get("metadata") or {}).get("namespace")
+        for ep in eps.get("endpoints") or []:
+            ref = ep.get("targetRef") or {}
+            key = f"{ref.get('namespace') or namespace}/{ref.get('name')}"
+            if (
+                ref.get("kind") == "Pod"
+                and key in routed
+                and (ep.get("conditions") or {}).get("ready") is False
+            ):
+                self._push(
+                    Evidence(
+                        entity=f"pod:{key}",
+                        kind=EvidenceKind.ENDPOINT_NOT_READY,
+                        at=time.time(),
+                        detail="EndpointSlice endpoint ready=false",
+                    )
+                )
+
+    # -- health probes -------------------------------------------------------------------------
+
+    async def _probe_loop(self, lost: asyncio.Event) -> None:
+        interval = self.settings.fastpath_health_interval_s
+        timeout = self.settings.fastpath_health_timeout_s
+        async with httpx.AsyncClient(timeout=timeout) as http:
+            while not lost.is_set():
+                started = time.monotonic()
+                pods = [p for p in self._pods() if self._probed(p)]
+                await asyncio.gather(*(self._probe(http, p) for p in pods))
+                await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    def _probed(self, pod: dict[str, Any]) -> bool:
+        """Routed, not terminating, and Ready (a pod still starting is not lost because it cannot answer yet)."""
+        if not self._routed(pod) or (pod.get("metadata") or {}).get("deletionTimestamp"):
+            return False
+        conditions = (pod.get("status") or {}).get("conditions") or []
+        return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+    async def _probe(self, http: httpx.AsyncClient, pod: dict[str, Any]) -> None:
+        meta = pod.get("metadata") or {}
+        ns, name = meta.get("namespace") or "", meta.get("name") or ""
+        ip = (pod.get("status") or {}).get("podIP") or ""
+        if not ip and "{pod_ip}" in self.settings.health_url_template:
+            return  # not started yet
+        url = self.settings.health_url_template.format(pod_ip=ip, namespace=ns, pod=name)
+        entity = f"pod:{ns}/{name}"
+        at = time.time()
+        started = time.monotonic()
+        try:
+            r = await http.get(url)
+        except httpx.HTTPError as err:
+            self._queue_put(
+                Evidence(
+                    entity=entity, kind=EvidenceKind.HEALTH_FAILED, at=at, detail=f"{type(err).__name__}"
+                )
+            )
+            return
+        took = time.monotonic() - started
+        if r.status_code == 200:
+            self._queue_put(Evidence(entity=entity, kind=EvidenceKind.HEALTH_OK, at=at, latency_s=took))
+        else:
+            self._queue_put(
+                Evidence(
+                    entity=entity,
+                    kind=EvidenceKind.HEALTH_FAILED,
+                    at=at,
+                    detail=f"/health HTTP {r.status_code}",
+                )
+            )
+
+    def _queue_put(self, evidence: Evidence) -> None:
+        if self._queue is not None:
+            self._queue.put_nowait(evidence)
+
+    # -- detection and delivery ----------------------------------------------------------------
+
+    async def _consume(self) -> None:
+        assert self._queue is not None
+        while True:
+            evidence = await self._queue.get()
+            state, detection = observe(self._states.get(evidence.entity), evidence, self.policy)
+            self._states[evidence.entity] = state
+            if detection.verdict.value == "wait":
+                continue
+            self.detections.append(detection)
+            self.counts[detection.verdict.value] += 1
+            log.info(
+                f"fast path: {detection.verdict.value}",
+                extra={"entity": detection.entity, "reason": detection.reason},
+            )
+            if detection.loss:
+                try:
+                    await self._report(detection)
+                except Exception as err:
+                    # Not lost: the alert path still opens the incident; the next evidence retries here.
+                    log.warning(
+                        "fast path: delivery failed",
+                        extra={"entity": detection.entity, "error": str(err)[:300]},
+                    )
+                    self._states[evidence.entity] = state.model_copy(update={"reported": False})
+
+    async def _report(self, detection: Detection) -> None:
+        kind, _, name = detection.entity.partition(":")
+        first = detection.evidence[0].at if detection.evidence else time.time()
+        # (pool, replica group or None, node, pod) for every affected group.
+        targets: list[tuple[PoolRef, str | None, str | None, str | None]] = []
+        if kind == "node":
+            for g in await self._topology.groups_on_node(name):
+                targets.append((g.pool, g.replica_group, name, g.pods[0] if len(g.pods) == 1 else None))
+        else:
+            ns, _, pod = name.partition("/")
+            try:
+                groups = await self._topology.groups_of_pod(ns, pod)
+            except PodNotFound:
+                groups = []
+            for g in groups:
+                targets.append((g.pool, g.replica_group, g.nodes[0] if len(g.nodes) == 1 else None, pod))
+            if not groups:  # deleted: no group to resolve any more; the pod and its node name the loss
+                targets.extend(await asyncio.to_thread(self._gone_pod_pools, ns, pod))
+        routed = []
+        for pool, group, node, pod_name in targets:
+            report = LossReport(
+                pool=pool,
+                fingerprint=f"fastpath/{detection.entity}/{group or ''}"[:200],
+                alert_name=FAST_PATH_ALERT,
+                severity=Severity.CRITICAL,
+                node=node,
+                pod=pod_name,
+                replica_group=group,
+                observed_at=first,
+                source="fastpath",
+                labels={EVIDENCE_LABEL: detection.reason[:500]},
+            )
+            routed.append(RoutedReport(incident_workflow_id(pool), RuleAction.START_INCIDENT, report))
+        if not routed:
+            log.info("fast path: the lost entity serves no managed pool", extra={"entity": detection.entity})
+            return
+        await self._deliver(routed)
+        self.counts["reports_delivered"] += len(routed)
+
+    def _gone_pod_pools(
+        self, namespace: str, pod: str
+    ) -> list[tuple[PoolRef, str | None, str | None, str | None]]:
+        """A deleted pod's pools: the Services whose selector its last labels match."""
+        gone = self._gone.pop(f"{namespace}/{pod}", None)
+        if gone is None:
+            return []
+        labels = (gone.get("metadata") or {}).get("labels") or {}
+        node = (gone.get("spec") or {}).get("nodeName") or None
+        services = kube_apis(self.settings).core.list_namespaced_service(namespace, _request_timeout=5.0)
+        out: list[tuple[PoolRef, str | None, str | None, str | None]] = []
+        for svc in services.items:
+            selector = (svc.spec.selector if svc.spec else None) or {}
+            name = svc.metadata.name if svc.metadata else None
+            if name and selector and all(labels.get(k) == v for k, v in selector.items()):
+                out.append((PoolRef(namespace=namespace, service=name), None, node, pod))
+        return out
+
+
+def build_fast_path(
+    settings: Settings, client_factory: Callable[[], Awaitable[Any]], *, identity: str | None = None
+) -> FastPath:
+    """The fast path wired like the webhook: its topology, and its intake for the signal-with-start."""
+    from worker.webhook.intake import AlertIntake
+    from worker.webhook.metrics import WebhookMetrics
+    from worker.webhook.routing import AlertRouter
+    from worker.webhook.rules import load_alert_rules
+
+    topology = PoolTopology.from_settings(settings)
+    intake = AlertIntake(
+        settings,
+        AlertRouter(load_alert_rules(settings.alert_rules_file), topology),
+        client_factory,
+        WebhookMetrics(),
+    )
+    return FastPath(settings, intake.deliver, topology, identity=identity)
