@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from activities.kube import kube_apis
+from fleet.vocabulary import ROUTER_LABEL, ROUTER_LABEL_VALUE
 from gateway.resources import DataPlaneSettings, RoutedHost
 from gateway.server import ControlPlane, serve
 from gateway.store import GatewayStore
-from gateway.world import routed_hosts
+from gateway.world import RoutingWatch
 from ledger.store import make_engine
 
 
@@ -33,15 +33,16 @@ def hosts_reader(
     service_selector: str | None = None,
     router_label: str | None = None,
     router_label_value: str | None = None,
-) -> Callable[[], dict[str, tuple[RoutedHost, ...]]]:
-    """Reads every pool's routed hosts from the cluster the kubeconfig (or in-cluster config) names."""
+) -> RoutingWatch:
+    """The routing set of the cluster the kubeconfig (or in-cluster config) names, kept current by
+    watches (started here; ``stop()`` it, or let the control plane's stop do it)."""
     kube = kube_apis(_Cluster(kubeconfig, kube_context))
-    kwargs: dict[str, str] = {}
-    if router_label:
-        kwargs["router_label"] = router_label
-    if router_label_value:
-        kwargs["router_label_value"] = router_label_value
-    return functools.partial(routed_hosts, kube, service_selector=service_selector, **kwargs)  # type: ignore[arg-type]
+    return RoutingWatch(
+        kube,
+        service_selector=service_selector,
+        router_label=router_label or ROUTER_LABEL,
+        router_label_value=router_label_value or ROUTER_LABEL_VALUE,
+    ).start()
 
 
 async def run_forever(
@@ -123,6 +124,9 @@ class ControlPlaneThread:
             with contextlib.suppress(RuntimeError):  # the loop already ended
                 self._loop.call_soon_threadsafe(stop.set)
         self._thread.join(15)
+        stop_reader = getattr(self.read_hosts, "stop", None)
+        if callable(stop_reader):
+            stop_reader()
         if self.plane is not None:
             self.plane.store.engine.dispose()
         self._loop = self._thread = None

@@ -3,48 +3,45 @@
 A pool is a Service. Its hosts are the EndpointSlice endpoints that are ready (and serving, by
 default), whose pods carry the router-only label (``fleet.vocabulary.ROUTER_LABEL``): removing
 that label is how fleetmend deroutes a pod without orphaning it from its workload. Read with three
-cluster-wide LISTs per refresh (Services, EndpointSlices, labelled Pods), not a request per pool.
+cluster-wide watches (Services, EndpointSlices, labelled Pods: ``RoutingWatch``), not a request per
+pool and not a poll.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
 
 from activities import kube_reads as kr
 from activities.kube import KubeApis
 from fleet.vocabulary import ROUTER_LABEL, ROUTER_LABEL_VALUE
 from gateway.resources import RoutedHost
+from worker.fastpath.informer import Informer
+
+Obj = dict[str, Any]
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 
-def routed_hosts(
-    kube: KubeApis,
+def hosts_from(
+    services: Iterable[Obj],
+    slices: Iterable[Obj],
+    pods: Iterable[Obj],
     *,
-    service_selector: str | None = None,
     router_label: str = ROUTER_LABEL,
     router_label_value: str = ROUTER_LABEL_VALUE,
     require_serving: bool = True,
 ) -> dict[str, tuple[RoutedHost, ...]]:
-    """pool ("ns/svc") -> its routed hosts, for every Service matching ``service_selector``."""
-    services = kr._load(
-        kube.core.list_service_for_all_namespaces(
-            label_selector=service_selector or "", _preload_content=False
-        )
-    ).get("items", [])
+    """Pure: pool ("ns/svc") -> its routed hosts, from Services, EndpointSlices and Pods as listed."""
     pools = {f"{s['metadata']['namespace']}/{s['metadata']['name']}" for s in services}
     routed_pods = {
         (p["metadata"]["namespace"], p["metadata"]["name"])
-        for p in kr._load(
-            kube.core.list_pod_for_all_namespaces(
-                label_selector=f"{router_label}={router_label_value}", _preload_content=False
-            )
-        ).get("items", [])
-        if not p["metadata"].get("deletionTimestamp")
+        for p in pods
+        if (p["metadata"].get("labels") or {}).get(router_label) == router_label_value
+        and not p["metadata"].get("deletionTimestamp")
     }
-    slices = kr._load(kube.discovery.list_endpoint_slice_for_all_namespaces(_preload_content=False)).get(
-        "items", []
-    )
     hosts: dict[str, dict[str, RoutedHost]] = defaultdict(dict)
     for eps in slices:
         namespace = eps["metadata"]["namespace"]
@@ -67,3 +64,95 @@ def routed_hosts(
                 pod=pod, address=addresses[0], port=int(port), node=ep.get("nodeName")
             )
     return {pool: tuple(sorted(hosts[pool].values(), key=lambda h: h.pod)) for pool in sorted(pools)}
+
+
+def routed_hosts(
+    kube: KubeApis,
+    *,
+    service_selector: str | None = None,
+    router_label: str = ROUTER_LABEL,
+    router_label_value: str = ROUTER_LABEL_VALUE,
+) -> dict[str, tuple[RoutedHost, ...]]:
+    """One read of the routing set: three cluster-wide LISTs (``RoutingWatch`` keeps it current instead)."""
+
+    def items(listed: Any) -> list[Obj]:
+        return list(kr._load(listed).get("items", []))
+
+    return hosts_from(
+        items(
+            kube.core.list_service_for_all_namespaces(
+                label_selector=service_selector or "", _preload_content=False
+            )
+        ),
+        items(kube.discovery.list_endpoint_slice_for_all_namespaces(_preload_content=False)),
+        items(
+            kube.core.list_pod_for_all_namespaces(
+                label_selector=f"{router_label}={router_label_value}", _preload_content=False
+            )
+        ),
+        router_label=router_label,
+        router_label_value=router_label_value,
+    )
+
+
+class RoutingWatch:
+    """The routing set kept current by three informers (list + watch: Services, EndpointSlices and
+    router-labelled Pods), one watch per resource type whatever the number of pools; reading it
+    costs the API server nothing. ``generation`` moves on every change."""
+
+    def __init__(
+        self,
+        kube: KubeApis,
+        *,
+        service_selector: str | None = None,
+        router_label: str = ROUTER_LABEL,
+        router_label_value: str = ROUTER_LABEL_VALUE,
+    ) -> None:
+        self.router_label, self.router_label_value = router_label, router_label_value
+        self.generation = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.informers = [
+            Informer(
+                "services",
+                kube.core.list_service_for_all_namespaces,
+                self._changed,
+                label_selector=service_selector,
+            ),
+            Informer("endpointslices", kube.discovery.list_endpoint_slice_for_all_namespaces, self._changed),
+            Informer(
+                "pods",
+                kube.core.list_pod_for_all_namespaces,
+                self._changed,
+                label_selector=f"{router_label}={router_label_value}",
+            ),
+        ]
+        self._threads: list[threading.Thread] = []
+
+    def _changed(self, kind: str, obj: Obj) -> None:
+        with self._lock:
+            self.generation += 1
+
+    def start(self) -> RoutingWatch:
+        for informer in self.informers:
+            informer.sync()  # the first snapshot is complete before anyone reads it
+        for informer in self.informers:
+            thread = threading.Thread(
+                target=informer.run, args=(self._stop,), name=f"gateway-watch-{informer.name}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for informer in self.informers:
+            informer.stop()
+        for thread in self._threads:
+            thread.join(5)
+
+    def __call__(self) -> dict[str, tuple[RoutedHost, ...]]:
+        services, slices, pods = (list(i.cache.values()) for i in self.informers)
+        return hosts_from(
+            services, slices, pods, router_label=self.router_label, router_label_value=self.router_label_value
+        )

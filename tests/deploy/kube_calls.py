@@ -98,7 +98,9 @@ def _component() -> str | None:
     frames = [f.filename for f in traceback.extract_stack()]
     if any("/worker/webhook/" in f for f in frames):
         return WEBHOOK
-    if any(f.endswith("/gateway/world.py") for f in frames):
+    if any(f.endswith("/gateway/world.py") for f in frames) or threading.current_thread().name.startswith(
+        "gateway-watch"
+    ):
         return GATEWAY
     if threading.current_thread().name.startswith("fleetmend-activity"):
         return WORKER

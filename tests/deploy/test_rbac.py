@@ -10,6 +10,7 @@ rule to add. For the whole integration suite: ``pytest -p tests.deploy.rbac_audi
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -55,8 +56,9 @@ NEEDED_ELSEWHERE = {
     ("worker", "list", "", "events"): "bad-rollout evidence (image pull / crash events)",
     ("webhook", "get", "", "pods"): "alerts that name a pod (tests/webhook/test_routing_k8s.py)",
     **{
-        ("gateway", "list", group, resource): "the gateway control plane's routing set (test below)"
+        ("gateway", verb, group, resource): "the gateway control plane's routing set (test below)"
         for group, resource in (("", "services"), ("", "pods"), ("discovery.k8s.io", "endpointslices"))
+        for verb in ("list", "watch")
     },
 }
 
@@ -178,15 +180,19 @@ def test_the_gateway_control_plane_reads_only_what_its_role_grants() -> None:
 
     sim = start_sim(shipped_scenarios()["gpu-node-loss"], 1.0, serving=False)
     try:
-        read = hosts_reader(sim.kubeconfig, None)
         with recording() as recorder:
+            read = hosts_reader(sim.kubeconfig, None)
             assert "inference/llama" in read()
+            time.sleep(1)  # the watches are open
+            read.stop()
     finally:
         sim.stop()
     calls = recorder.distinct()
     assert {(c.verb, c.group, c.resource) for c in calls} == {
-        ("list", "", "services"), ("list", "", "pods"), ("list", "discovery.k8s.io", "endpointslices"),
-    }  # fmt: skip
+        (verb, group, resource)
+        for group, resource in (("", "services"), ("", "pods"), ("discovery.k8s.io", "endpointslices"))
+        for verb in ("list", "watch")
+    }
     for overlay in OVERLAYS:
         rbac = Rbac(render(overlay), SERVICE_ACCOUNTS)
         assert rbac.denied(calls) == [], overlay

@@ -42,6 +42,13 @@ def test_the_routing_set_is_ready_endpoints_with_the_router_label_and_follows_a_
     sim: RunningSim,
 ) -> None:
     read = hosts_reader(sim.kubeconfig, None)
+    try:
+        check_routing_set(sim, read)
+    finally:
+        read.stop()
+
+
+def check_routing_set(sim: RunningSim, read: object) -> None:
     hosts = settle(read, 5)  # 5 serving replicas; the warm spare carries no router label
     api = client.CoreV1Api(config.new_client_from_config(config_file=str(sim.kubeconfig)))
     pods = {p.metadata.name: p for p in api.list_namespaced_pod("inference").items}
@@ -54,9 +61,13 @@ def test_the_routing_set_is_ready_endpoints_with_the_router_label_and_follows_a_
 
     derouted = hosts[0].pod
     api.patch_namespaced_pod(derouted, "inference", {"metadata": {"labels": {ROUTER_LABEL: None}}})
-    after = settle(read, 4)
+    after = settle(read, 4)  # the pods watch saw the label go
     assert derouted not in {h.pod for h in after}
 
 
 def test_a_service_selector_limits_the_pools(sim: RunningSim) -> None:
-    assert hosts_reader(sim.kubeconfig, None, service_selector="app=nothing-matches")() == {}
+    read = hosts_reader(sim.kubeconfig, None, service_selector="app=nothing-matches")
+    try:
+        assert read() == {}
+    finally:
+        read.stop()
