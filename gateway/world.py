@@ -148,8 +148,10 @@ class RoutingWatch:
         self._stop.set()
         for informer in self.informers:
             informer.stop()
+        # A watch ends at its next event or when the API server closes it; the threads are daemons
+        # and leave on their own once stopped, so nobody waits for a quiet watch here.
         for thread in self._threads:
-            thread.join(5)
+            thread.join(0.1)
 
     def __call__(self) -> dict[str, tuple[RoutedHost, ...]]:
         services, slices, pods = (list(i.cache.values()) for i in self.informers)
