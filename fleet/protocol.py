@@ -169,6 +169,7 @@ class JournalEntry(_Wire):
     ended_at: float
     ttft_s: float | None = None
     tokens_streamed: int = 0
+    bytes_sent: int = Field(default=0, ge=0, description="response body bytes the caller got")
     truncated: bool = False
     effect_operation_ids: list[str] = Field(default_factory=list)
     detail: str = ""

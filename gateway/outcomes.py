@@ -110,6 +110,7 @@ def journal_entry(row: Mapping[str, Any]) -> JournalEntry:
         started_at=float(row["started_at"]),
         ended_at=float(row["started_at"]) + float(row["duration_s"]),
         ttft_s=row["first_byte_s"],
+        bytes_sent=int(row["bytes_sent"]),
         truncated=truncated,
         detail=f"{row['response_code']} {','.join(sorted(flags)) or '-'} via {row['envoy']}",
     )

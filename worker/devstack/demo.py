@@ -35,11 +35,14 @@ from rich.text import Text
 from temporalio.client import Client, WorkflowHandle, WorkflowQueryFailedError
 from temporalio.service import RPCError
 
+from activities.envoy_gateway import EnvoyGateway
 from fleet.incident import PoolRef, incident_workflow_id, scale_down_workflow_id
-from fleet.protocol import FaultRequest, JournalEntry, JournalPage
+from fleet.protocol import FaultRequest, JournalEntry, Outcome
 from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, RecoveryTimings, ServingObjectives
 from fleet.shedding import ShedLevel, account_shedding
 from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL, LWS_WORKER_INDEX_LABEL, REVISION_LABEL
+from gateway.store import GatewayStore
+from ledger.store import make_engine
 from worker.config import KEPT_STACK_FILE, Settings, kept_stack_env
 from worker.devstack.rig import compressed_scenario
 from worker.devstack.scenarios import GROUP_CAPACITY_RPS, DemoScenario, PodPlace, Verdict, lost_group_pods
@@ -225,17 +228,17 @@ def keep_running_hint(env_file: Path) -> str:
 class World:
     """The sim's HTTP API and Kubernetes API, as the demo uses them."""
 
-    def __init__(self, http: httpx.AsyncClient, kubeconfig: Path) -> None:
+    def __init__(self, http: httpx.AsyncClient, kubeconfig: Path, gateway: EnvoyGateway) -> None:
         from kubernetes import client as kc
         from kubernetes import config as kconfig
 
         self.http = http
         self.core = kc.CoreV1Api(kconfig.new_client_from_config(config_file=str(kubeconfig)))
+        self.gateway = gateway
 
     async def routed(self, pool: PoolRef) -> list[str]:
-        r = await self.http.get(f"/router/v1/pools/{pool.namespace}/{pool.service}/routing-set")
-        r.raise_for_status()
-        return [e["pod"] for e in r.json()["endpoints"]]
+        """The pods Envoy would send the pool's next request to."""
+        return [e.pod for e in (await asyncio.to_thread(self.gateway.routing_set, pool)).endpoints]
 
     async def pods(self, namespace: str) -> list[Any]:
         result = await asyncio.to_thread(self.core.list_namespaced_pod, namespace)
@@ -284,20 +287,24 @@ class World:
         return replaced
 
     async def journal(self, pool: PoolRef) -> list[JournalEntry]:
-        """The gateway's whole request journal for the pool, page by page."""
-        entries: list[JournalEntry] = []
-        since: float | None = None
-        while True:
-            params: dict[str, Any] = {"pool": pool.key}
-            if since is not None:
-                params["since"] = repr(since)
-            r = await self.http.get("/router/v1/journal", params=params)
-            r.raise_for_status()
-            page = JournalPage.model_validate(r.json())
-            entries += page.entries
-            if page.next_since is None or not page.entries:
-                return entries
-            since = page.next_since
+        """Every request of the pool as Envoy reported it (its access-log service)."""
+        return await asyncio.to_thread(self.gateway.request_outcomes, pool)
+
+    async def envoy_figures(self, pool: PoolRef) -> dict[str, int]:
+        """The report's request figures as Envoy counted them."""
+        entries = await self.journal(pool)
+        counts = {o.value: 0 for o in Outcome}
+        for e in entries:
+            counts[e.outcome.value] += 1
+        return {
+            "total": len(entries),
+            "completed": counts[Outcome.COMPLETED.value],
+            "shed_by_envoy": counts[Outcome.SHED.value],
+            "rejected": counts[Outcome.REJECTED.value],
+            "terminal_errors": counts[Outcome.TERMINAL_ERROR.value],
+            "truncated": sum(1 for e in entries if e.truncated),
+            "retried_before_first_byte": sum(1 for e in entries if e.attempt > 1),
+        }
 
     async def inject(self, fault: FaultRequest) -> None:
         r = await self.http.post("/sim/v1/faults", json=fault.model_dump(mode="json"))
@@ -321,7 +328,7 @@ def count_cuts(
     started once a new pod took that name is the new pod's, so it counts as cut elsewhere."""
     by_fault = elsewhere = 0
     for e in entries:
-        if not (e.truncated and e.tokens_streamed > 0):
+        if not (e.truncated and (e.tokens_streamed > 0 or e.bytes_sent > 0)):
             continue
         replica = e.replica or ""
         if replica in lost_pods and e.started_at < replaced_since.get(replica, float("inf")):
@@ -718,6 +725,7 @@ SUMMARY_KEYS = (
     "deroute_seconds",
     "fleetmend_deroute_seconds",
     "requests",
+    "gateway",
     "effects",
     "duplicate_actions",
     "orphan_pods",
@@ -730,6 +738,18 @@ SUMMARY_KEYS = (
     "final_phase",
     "duration_seconds",
 )
+
+
+async def gateway_report(world: World, pool: PoolRef) -> dict[str, Any]:
+    """What Envoy says: every request it saw (its access-log service) and the weights it runs now."""
+    requests: dict[str, Any] = {}
+    weights: dict[str, float] = {}
+    with contextlib.suppress(Exception):  # a report without Envoy's figures says so, it does not fail
+        requests = await world.envoy_figures(pool)
+        weights = {
+            e.pod: e.weight for e in (await asyncio.to_thread(world.gateway.routing_set, pool)).endpoints
+        }
+    return {"requests_seen_by_envoy": requests or None, "envoy_weights_now": weights or None}
 
 
 def summary_table(report: dict[str, Any]) -> Table:
@@ -789,7 +809,8 @@ async def run_demo(
         console.print(f"Temporal UI: [cyan]{s.temporal_ui_url}[/]   sim: {s.router_admin_url}")
         assert s.kubeconfig is not None
         async with httpx.AsyncClient(base_url=s.router_admin_url, timeout=10) as http:
-            world = World(http, s.kubeconfig)
+            envoy = EnvoyGateway(GatewayStore(make_engine(s.database_url_value() or "", pool_size=2)))
+            world = World(http, s.kubeconfig, envoy)
             pool = scenario.pool
 
             async def fleet_up() -> bool:
@@ -843,6 +864,8 @@ async def run_demo(
                 elapsed_s=time.monotonic() - started,
             )
             report["worker_metrics"] = metrics
+            report["gateway"] = await gateway_report(world, pool)
+            envoy.store.engine.dispose()
             console.print(summary_table(report))
             if report_path is not None:  # written before --keep-running blocks, so it can be read meanwhile
                 write_report(report, report_path)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+import httpx
 from pydantic import SecretStr
 from temporalio.client import Client
 
@@ -301,6 +302,14 @@ class _GatewayPart:
             await asyncio.to_thread(self.gateway.start)
         except Exception as err:
             raise StackError(f"the gateway did not start: {err}".splitlines()[0]) from err
+        if "sim" in self.stack.requested:  # the sim's users send their requests through Envoy
+            from gateway.resources import UPSTREAM_HEADER
+
+            async with httpx.AsyncClient(base_url=s.router_admin_url, timeout=10) as http:
+                reply = await http.put(
+                    "/sim/v1/gateway", json={"url": self.gateway.url, "upstream_header": UPSTREAM_HEADER}
+                )
+                reply.raise_for_status()
 
     async def stop(self) -> None:
         if self.gateway is not None:
