@@ -20,7 +20,6 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import yaml
@@ -99,12 +98,18 @@ async def one_world(url: str, rate: float, oom_rounds: int, results: dict[str, l
             for round_ in range(oom_rounds):
                 victim = sorted(await _routed(envoy))[round_ % 5]
                 fault_at = time.time()
-                await http.post("/sim/v1/faults", json={"kind": FaultKind.POD_OOMKILLED, "target": f"inference/{victim}"})
+                await http.post(
+                    "/sim/v1/faults", json={"kind": FaultKind.POD_OOMKILLED, "target": f"inference/{victim}"}
+                )
                 results["pod-oomkilled"].append(await _timed_out_of_rotation(envoy, {victim}, fault_at))
                 while len(await _routed(envoy)) < 5:  # restarted
                     await asyncio.sleep(0.5)
             for node in ("gpu-node-0", "gpu-node-1", "gpu-node-2"):
-                pods = {p["metadata"]["name"] for p in sim.world.store.list("pods") if p["spec"].get("nodeName") == node}
+                pods = {
+                    p["metadata"]["name"]
+                    for p in sim.world.store.list("pods")
+                    if p["spec"].get("nodeName") == node
+                }
                 victims = pods & await _routed(envoy)
                 if not victims:
                     continue
@@ -115,7 +120,9 @@ async def one_world(url: str, rate: float, oom_rounds: int, results: dict[str, l
                 failed = [
                     e.ended_at - fault_at
                     for v in victims
-                    for e in await asyncio.to_thread(envoy.request_outcomes, POOL, replica=v, since=fault_at - 60)
+                    for e in await asyncio.to_thread(
+                        envoy.request_outcomes, POOL, replica=v, since=fault_at - 60
+                    )
                     if e.outcome.value != "completed" and e.ended_at >= fault_at
                 ]
                 results["node-lost: last failed request"].append(max(failed, default=0.0))
@@ -128,7 +135,11 @@ async def one_world(url: str, rate: float, oom_rounds: int, results: dict[str, l
 
 async def main(worlds: int, oom_rounds: int, rate: float) -> None:
     pg = acquire_server()
-    results: dict[str, list[float]] = {"pod-oomkilled": [], "node-lost": [], "node-lost: last failed request": []}
+    results: dict[str, list[float]] = {
+        "pod-oomkilled": [],
+        "node-lost": [],
+        "node-lost: last failed request": [],
+    }
     for _ in range(worlds):
         url = pg.create_database("ejection")
         upgrade_head(url)

@@ -1,0 +1,69 @@
+"""Envoy dies in the middle of a recovery (SIGKILL, as a crashed pod would) and comes back with
+nothing but its bootstrap: the control plane gives it the current routing set, weights and
+admission, the recovery completes, and the ledger reconciles with the world."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from temporalio.client import Client
+
+from fleet.recovery import Phase
+from fleet.vocabulary import FaultKind
+from tests.support import (
+    POOL,
+    decisions,
+    finish,
+    incident_config,
+    node_report,
+    reconcile_with_world,
+    wait_for_child,
+    wait_for_phase,
+)
+from worker.devstack.rig import compressed_scenario, fleet_rig
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+async def test_envoy_killed_mid_recovery_comes_back_with_the_current_state_and_the_recovery_completes(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    async with fleet_rig(
+        temporal_client,
+        scenario=compressed_scenario("gpu-node-loss"),
+        database_url=ledger_url,
+        task_queue=task_queue,
+    ) as rig:
+        assert rig.gateway is not None
+        while len(await rig.routing_set(POOL)) < 5:
+            await asyncio.sleep(0.5)
+        load = await rig.start_load(rate=30, duration_s=120, seed=5)
+        await asyncio.sleep(3)
+        assert (await rig.inject(FaultKind.NODE_LOST, "gpu-node-0"))["accepted"]
+        incident = await rig.report_loss(node_report("gpu-node-0"), incident_config())
+        child = await wait_for_child(temporal_client, incident)
+        # Shedding is on and the ramp is about to set weights: the moment Envoy's state matters most.
+        await wait_for_phase(child, Phase.REBUILDING, timeout_s=90)
+        policy_before = await rig.router_state(POOL)
+        routed_before = set(await rig.routing_set(POOL))
+        await asyncio.to_thread(rig.gateway.restart_envoy, crash=True)
+        # Back from its bootstrap alone: the routing set and the policy fleetmend had set.
+        for _ in range(100):
+            if set(await rig.routing_set(POOL)) >= routed_before:
+                break
+            await asyncio.sleep(0.1)
+        assert set(await rig.routing_set(POOL)) >= routed_before
+        stored = await asyncio.to_thread(rig.envoy.policy, POOL)
+        assert await asyncio.to_thread(rig.envoy.applied, POOL, stored) is not None  # the new Envoy ACKed it
+        assert policy_before["admission"]["shed_tiers"] or policy_before["admission"]["partial_shed"]
+
+        status = await finish(child)
+        text_ = decisions(status)
+        assert status.phase == Phase.DONE, text_
+        assert status.verification is not None and status.verification.passed, text_
+        assert status.figures.get("ramp_weights"), text_  # weights were set after the restart
+        report = await reconcile_with_world(rig, ledger_url)
+        assert report.duplicates == [] and report.orphans == [], report
+        served = await rig.load_report(load)
+        assert served["goodput"] > 0, served
