@@ -19,8 +19,6 @@ Router / gateway, per pool (``{namespace}/{service}``):
 Engines and nodes (in production: the pod's and the node exporter's own ports):
   GET  /pods/{ns}/{pod}/metrics   vLLM Prometheus text      GET /pods/{ns}/{pod}/health
   GET  /nodes/{node}/metrics      DCGM-exporter text
-  POST /nodes/{node}/qualification -> Qualification (starts diagnostics)
-  GET  /nodes/{node}/qualification -> Qualification
 
 Simulator control (test and demo only):
   GET  /sim/v1/clock -> SimClock      POST /sim/v1/faults <- FaultRequest

@@ -26,7 +26,6 @@ def settings_for_sim(base_url: str, kubeconfig: Path, audit_log: Path | None = N
         "metrics_url_template": base + "/pods/{namespace}/{pod}/metrics",
         "health_url_template": base + "/pods/{namespace}/{pod}/health",
         "node_telemetry_url_template": base + "/nodes/{node}/metrics",
-        "qualification_url_template": base + "/nodes/{node}/qualification",
         "notifier_url": base + "/sim/v1/notify",
         "action_log_url": base + "/sim/v1/actions",
     }
