@@ -59,7 +59,7 @@ def test_the_job_is_pinned_to_the_node_tolerates_the_quarantine_and_takes_every_
         QualificationSpec(level=3, deadline_s=60), node="n", machine=MACHINE, gpus=1, name="n", op_id="o"
     )
     assert level3["spec"]["template"]["spec"]["containers"][0]["command"][3] == "3"
-    with pytest.raises(ValueError, match="no nvidia.com/gpu capacity"):
+    with pytest.raises(ValueError, match=r"no nvidia\.com/gpu capacity"):
         job_manifest(QualificationSpec(), node="cpu-node", machine=MACHINE, gpus=0, name="n", op_id="o")
 
 

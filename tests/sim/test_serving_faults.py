@@ -6,8 +6,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from sim.serving.telemetry import gpu_assignment
 from fleet.qualification import parse_dcgm_diag
+from sim.serving.telemetry import gpu_assignment
 from tests.sim.serving_fixtures import NAMESPACE, POOL, RunningServing, running_serving, scenario
 from tests.sim.test_qualification_jobs import condition, finished_job, job_pod, pod_log, start_job
 
