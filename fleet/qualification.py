@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
+from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -62,6 +63,24 @@ class QualificationSpec(BaseModel):
 def machine_id(provider_id: str | None, uid: str) -> str:
     """The machine a node object stands for: its providerID, else (no cloud provider) its UID."""
     return provider_id if provider_id else f"uid:{uid}"
+
+
+class Identity(StrEnum):
+    SAME = "same"  # the node object that was quarantined
+    RECREATED = "recreated"  # a new object for the same machine: still quarantined (quarantine it again)
+    REPLACED = "replaced"  # another machine under the same name: a new machine, not this quarantine's
+    GONE = "gone"  # no node object of that name right now
+
+
+def identity(
+    quarantined_machine: str, quarantined_uid: str, machine: str | None, uid: str | None
+) -> Identity:
+    """What the node object named like the quarantined one is now, judged by machine then by uid."""
+    if machine is None or uid is None:
+        return Identity.GONE
+    if machine != quarantined_machine:
+        return Identity.REPLACED
+    return Identity.SAME if uid == quarantined_uid else Identity.RECREATED
 
 
 def job_name(node: str, op_id: str) -> str:

@@ -60,7 +60,14 @@ with workflow.unsafe.imports_passed_through():
     from fleet.placement import GroupShape, place_group
     from fleet.pool import GroupRole, ReplicaGroup
     from fleet.protocol import Admission, QualificationState
-    from fleet.qualification import MACHINE_ANNOTATION, Verdict, remediation_gate, repaired
+    from fleet.qualification import (
+        MACHINE_ANNOTATION,
+        Identity,
+        Verdict,
+        identity,
+        remediation_gate,
+        repaired,
+    )
     from fleet.rebuild import awaiting_recreation, plan_rebuild, pods_held_by_lost_nodes
     from fleet.recovery import (
         CheckResult,
@@ -711,8 +718,12 @@ class ReplicaLossRecovery(Procedure):
                 f"[fleetmend] {self._status.pool.key}: {node} failed qualification: {verdict.detail}. It stays "
                 f"quarantined; follow-up: {follow_up}",
             )
-            if attempt + 1 >= timings.qualification_attempts or not await self._await_repair(node, machine):
+            if attempt + 1 >= timings.qualification_attempts:
                 return
+            current = await self._await_repair(node, machine, uid, fault_class)
+            if current is None:
+                return
+            uid = current
 
     async def _await_job(self, name: str, node: str, machine: str) -> Verdict:
         deadline = self.now() + self._inp.timings.qualification_timeout_s
@@ -735,35 +746,62 @@ class ReplicaLossRecovery(Procedure):
                 max(self._inp.timings.poll_interval_s, 1.0), summary=f"qualification of {node}"
             )
 
-    async def _await_repair(self, node: str, machine: str) -> bool:
-        """Watch for the follow-up's repair (no Xid, every GPU offered, node free); False when none came."""
+    async def _await_repair(self, node: str, machine: str, uid: str, fault_class: str) -> str | None:
+        """Watch for the follow-up's repair (no Xid, every GPU offered, node free) of *this machine*.
+
+        Returns the node object's uid to qualify (a re-created object of the same machine is
+        quarantined again first), or None: no repair in time, or the name now holds another machine.
+        """
         wait_s = self._inp.timings.repair_wait_s
         if wait_s <= 0:
-            return False
+            return None
         deadline = self.now() + wait_s
         self.decide(f"watching {node} for a repair for up to {wait_s:.0f} s before qualifying it again")
+        gone_seen = False
         while self.now() <= deadline:
             await workflow.sleep(
                 max(self._inp.timings.poll_interval_s, 1.0), summary=f"wait for the repair of {node}"
             )
             health = await self.observe(ObserveActivities.read_node_health, node, f"repair of {node}?")
-            if health.machine != machine:
+            seen = identity(machine, uid, health.machine, health.uid)
+            if seen is Identity.GONE:
+                if not gone_seen:
+                    self.decide(
+                        f"{node} has no node object now; machine {machine} stays quarantined (ledger)"
+                    )
+                gone_seen = True
+                continue
+            if seen is Identity.REPLACED:
+                if node in self._quarantined:
+                    self._quarantined.remove(node)  # the quarantined machine left; verification checks names
                 self.decide(
-                    f"{node} is now machine {health.machine}, not the quarantined {machine}: a new machine is not qualified on the old one's behalf"
+                    f"{node} is now machine {health.machine}, not the quarantined {machine}: a new machine, "
+                    "neither quarantined nor qualified on the old one's behalf; the old machine's quarantine "
+                    "stays on record"
                 )
-                return False
+                return None
+            if seen is Identity.RECREATED:
+                assert health.uid is not None
+                await self._quarantine(node, machine, fault_class, step=f"quarantine-{health.uid[:8]}")
+                self.decide(
+                    f"{node} was re-created (uid {health.uid}) for the same machine {machine}: still "
+                    "quarantined, cordoned and tainted again"
+                )
+                uid = health.uid
+                continue
             xids = {g.gpu: g.last_xid or 0 for g in health.telemetry.gpus} if health.telemetry else {"?": 1}
             if health.gpus_held == 0 and repaired(
                 health.conditions, xids, health.gpu_capacity, health.gpu_allocatable
             ):
                 self.decide(
-                    f"{node} looks repaired (no Xid, {health.gpu_allocatable}/{health.gpu_capacity} GPUs offered, no pods): qualifying again"
+                    f"{node} looks repaired (no Xid, {health.gpu_allocatable}/{health.gpu_capacity} GPUs "
+                    "offered, no pods): qualifying again"
                 )
-                return True
+                return uid
         self.decide(
             f"no repair of {node} seen within {wait_s:.0f} s: it stays quarantined until an operator acts"
         )
-        return False
+        return None
 
     # ---------------------------------------------------------------- step 9
 

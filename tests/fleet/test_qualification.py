@@ -8,9 +8,11 @@ import pytest
 
 from fleet.protocol import QualificationState
 from fleet.qualification import (
+    Identity,
     JobView,
     QualificationSpec,
     RemediationRecord,
+    identity,
     job_manifest,
     job_name,
     judge_qualification,
@@ -152,3 +154,10 @@ def test_repair_evidence_needs_no_xid_no_gpu_condition_and_every_gpu_offered() -
     assert not repaired({"GpuXid": "True"}, {"0": 0}, 8, 8)
     assert not repaired({}, {"0": 79}, 8, 8)
     assert not repaired({}, {"0": 0}, 8, 7)  # the device plugin still withholds a GPU
+
+
+def test_a_node_object_is_judged_by_its_machine_then_its_uid() -> None:
+    assert identity(MACHINE, "u1", MACHINE, "u1") is Identity.SAME
+    assert identity(MACHINE, "u1", MACHINE, "u2") is Identity.RECREATED  # same machine: still quarantined
+    assert identity(MACHINE, "u1", "aws:///zone-a/i-new", "u2") is Identity.REPLACED  # a new machine
+    assert identity(MACHINE, "u1", None, None) is Identity.GONE
