@@ -93,11 +93,6 @@ class NodeTaint(EffectRequest):
     taint_value: str
 
 
-class NodeRelease(EffectRequest):
-    node: str
-    labels: dict[str, str | None] = Field(default_factory=dict)
-
-
 class PodDeletion(EffectRequest):
     namespace: str
     pod: str
@@ -201,18 +196,6 @@ class ActActivities:
         effect = NodeTaintAdd(self.deps.kube, req.node, req.taint_key, req.taint_value)
         params = {"key": req.taint_key, "value": req.taint_value, "effect": "NoSchedule"}
         return self._perform(req, "k8s.node.taint", f"node/{req.node}", params, effect)
-
-    @activity.defn(name="release_node")
-    def release_node(self, req: NodeRelease) -> EffectReport:
-        """Uncordon a node that passed qualification (taint removal is the operator's follow-up)."""
-        effect = NodePatch(self.deps.kube, req.node, unschedulable=False, labels=req.labels)
-        return self._perform(
-            req,
-            "k8s.node.uncordon",
-            f"node/{req.node}",
-            {"unschedulable": False, "labels": req.labels},
-            effect,
-        )
 
     @activity.defn(name="delete_pod")
     def delete_pod(self, req: PodDeletion) -> EffectReport:

@@ -99,10 +99,12 @@ class RecoveryTimings(BaseModel):
         3, ge=1, description="Qualification Jobs per incident (a failed one is retried only after a repair)"
     )
     repair_wait_s: float = Field(
-        3600.0,
+        0.0,
         ge=0,
         description="After a failed qualification, how long to watch for a repair (Xid cleared, every GPU "
-        "offered again, the node free) before qualifying again; 0 = do not wait",
+        "offered again, the node free) before qualifying again. 0 (default) = do not wait: the recovery "
+        "ends with the node quarantined and the follow-up named, because verification and lifting the "
+        "shedding wait for step 8",
     )
     drain_deadline_s: float = Field(600.0, gt=0)
     reappear_timeout_s: float = Field(
