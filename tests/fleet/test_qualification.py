@@ -21,6 +21,7 @@ from fleet.qualification import (
     remediation_gate,
     repaired,
 )
+from fleet.triage import Action, FaultClass, triage_node
 from fleet.vocabulary import QUARANTINE_TAINT_KEY
 
 DAY = 86400.0
@@ -161,3 +162,15 @@ def test_a_node_object_is_judged_by_its_machine_then_its_uid() -> None:
     assert identity(MACHINE, "u1", MACHINE, "u2") is Identity.RECREATED  # same machine: still quarantined
     assert identity(MACHINE, "u1", "aws:///zone-a/i-new", "u2") is Identity.REPLACED  # a new machine
     assert identity(MACHINE, "u1", None, None) is Identity.GONE
+
+
+def test_problem_detector_conditions_route_to_the_right_follow_up() -> None:
+    kernel = triage_node("gpu-3", now=0, node_conditions={"Ready": "True", "KernelDeadlock": "True"})
+    assert kernel.fault_class is FaultClass.DRIVER and kernel.action is Action.RESTART_BM
+    assert "kernel" in kernel.evidence[0] and kernel.quarantine
+    ro = triage_node("gpu-3", now=0, node_conditions={"ReadonlyFilesystem": "True"})
+    assert ro.fault_class is FaultClass.DRIVER
+    xid = triage_node("gpu-3", now=0, node_conditions={"GpuXid": "True", "KernelDeadlock": "False"})
+    assert xid.fault_class is FaultClass.XID_ECC and "GPU hardware" in xid.follow_up
+    calm = triage_node("gpu-3", now=0, node_conditions={"Ready": "True", "KernelDeadlock": "False"})
+    assert calm.fault_class is FaultClass.UNKNOWN
