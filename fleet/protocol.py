@@ -195,11 +195,3 @@ class QualificationState(StrEnum):
     RUNNING = "running"
     PASSED = "passed"
     FAILED = "failed"
-
-
-class Qualification(_Wire):
-    node: str
-    state: QualificationState
-    started_at: float
-    finished_at: float | None = None
-    detail: str = ""
