@@ -25,7 +25,6 @@ from activities.world_effects import (
     SetAdmission,
     SetRetryPolicy,
     SetWeights,
-    StartQualification,
 )
 from fleet.incident import PoolRef
 from fleet.protocol import Admission, RetryPolicy
@@ -85,17 +84,13 @@ class NodeCordon(EffectRequest):
     node: str
     labels: dict[str, str | None] = Field(default_factory=dict)
     annotations: dict[str, str | None] = Field(default_factory=dict)
+    machine: str | None = Field(None, description="The machine a quarantine is keyed on (ledger history)")
 
 
 class NodeTaint(EffectRequest):
     node: str
     taint_key: str
     taint_value: str
-
-
-class NodeRelease(EffectRequest):
-    node: str
-    labels: dict[str, str | None] = Field(default_factory=dict)
 
 
 class PodDeletion(EffectRequest):
@@ -124,10 +119,6 @@ class NotifyRequest(EffectRequest):
     topic: str = Field(
         "incident", max_length=200, description="Part of the op id: one message per topic per step"
     )
-
-
-class QualificationRequest(EffectRequest):
-    node: str
 
 
 def perform_effect(
@@ -195,6 +186,8 @@ class ActActivities:
         params: dict[str, Any] = {"unschedulable": True}
         if req.labels or req.annotations:
             params.update(labels=req.labels, annotations=req.annotations)
+        if req.machine:
+            params["machine"] = req.machine
         return self._perform(req, "k8s.node.cordon", f"node/{req.node}", params, effect)
 
     @activity.defn(name="taint_node")
@@ -203,18 +196,6 @@ class ActActivities:
         effect = NodeTaintAdd(self.deps.kube, req.node, req.taint_key, req.taint_value)
         params = {"key": req.taint_key, "value": req.taint_value, "effect": "NoSchedule"}
         return self._perform(req, "k8s.node.taint", f"node/{req.node}", params, effect)
-
-    @activity.defn(name="release_node")
-    def release_node(self, req: NodeRelease) -> EffectReport:
-        """Uncordon a node that passed qualification (taint removal is the operator's follow-up)."""
-        effect = NodePatch(self.deps.kube, req.node, unschedulable=False, labels=req.labels)
-        return self._perform(
-            req,
-            "k8s.node.uncordon",
-            f"node/{req.node}",
-            {"unschedulable": False, "labels": req.labels},
-            effect,
-        )
 
     @activity.defn(name="delete_pod")
     def delete_pod(self, req: PodDeletion) -> EffectReport:
@@ -247,12 +228,6 @@ class ActActivities:
         return self._perform(
             req, "router.weights", f"router/{req.pool.key}", {"weights": req.weights}, effect
         )
-
-    @activity.defn(name="start_qualification")
-    def start_qualification(self, req: QualificationRequest) -> EffectReport:
-        url = self.deps.settings.qualification_url_template.format(node=req.node)
-        effect = StartQualification(self.deps.http, url, req.node)
-        return self._perform(req, "node.qualification.start", f"node/{req.node}", {}, effect)
 
     @activity.defn(name="notify")
     def notify(self, req: NotifyRequest) -> EffectReport:

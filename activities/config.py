@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleet.qualification import QualificationSpec
 from fleet.recovery import RecoveryTimings, ServingObjectives
 from fleet.vocabulary import ROUTER_LABEL, ROUTER_LABEL_VALUE
 
@@ -32,7 +33,7 @@ class ActivityConfig(BaseModel):
     metrics_url_template: str = "http://{pod_ip}:8000/metrics"
     health_url_template: str = "http://{pod_ip}:8000/health"
     node_telemetry_url_template: str = "http://{node}:9400/metrics"
-    qualification_url_template: str = "http://{node}:9401/qualification"
+    qualification: QualificationSpec = Field(default_factory=QualificationSpec)
     action_log_url: str | None = None
     audit_log: Path | None = None  # the Kubernetes API server's audit log (reconcile)
     audit_log_world: str | None = None

@@ -28,6 +28,7 @@ class KubeApis:
     discovery: client.DiscoveryV1Api
     custom: client.CustomObjectsApi
     policy: client.PolicyV1Api
+    batch: client.BatchV1Api
 
 
 _lock = threading.Lock()
@@ -71,4 +72,5 @@ def _build(kubeconfig: Path | None, context: str | None) -> KubeApis:
         discovery=client.DiscoveryV1Api(api),
         custom=client.CustomObjectsApi(api),
         policy=client.PolicyV1Api(api),
+        batch=client.BatchV1Api(api),
     )

@@ -20,7 +20,8 @@ from fleet.incident import PoolRef
 from fleet.loss import EndpointConditions, EngineHealth, PodObservation
 from fleet.observation import PoolObservation, WorkloadSelector
 from fleet.pool import GroupRole, NodeInfo, PoolSnapshot, ReplicaGroup, Taint, WorkloadKind
-from fleet.protocol import JournalEntry, Qualification, RouterState
+from fleet.protocol import JournalEntry, RouterState
+from fleet.qualification import QUALIFICATION_LABEL, machine_id
 from fleet.recovery import IncidentInput
 from fleet.vocabulary import (
     GPU_RESOURCE,
@@ -57,6 +58,15 @@ class NodeHealth(BaseModel):
     telemetry_error: str | None = None
     pod_reasons: dict[str, str] = Field(default_factory=dict, description="pod -> termination/waiting reason")
     annotations: dict[str, str] = Field(default_factory=dict)
+    machine: str | None = Field(
+        None, description="spec.providerID, else uid:<node UID> (fleet.qualification)"
+    )
+    uid: str | None = None
+    gpu_capacity: int = 0
+    gpu_allocatable: int = 0
+    gpus_held: int = Field(
+        0, description="GPUs requested by running pods on the node other than qualification"
+    )
 
 
 class DerouteWait(BaseModel):
@@ -471,8 +481,11 @@ class ObserveActivities:
             return NodeHealth(node=None, telemetry_error=f"node object unreadable: {exc}")
         conditions = {c["type"]: c["status"] for c in obj.get("status", {}).get("conditions") or []}
         reasons: dict[str, str] = {}
+        held = 0
         for p in kr.list_all_pods(k):
             if p.get("spec", {}).get("nodeName") == node:
+                if not _terminated(p) and QUALIFICATION_LABEL not in kr.labels(p):
+                    held += _gpus_of(p)
                 waiting, terminated, _ = _container_reasons(p)
                 reason = terminated or waiting or p.get("status", {}).get("reason")
                 if reason:
@@ -492,16 +505,14 @@ class ObserveActivities:
             telemetry_error=error,
             pod_reasons=reasons,
             annotations=dict(obj["metadata"].get("annotations") or {}),
+            machine=machine_id(obj.get("spec", {}).get("providerID"), obj["metadata"]["uid"]),
+            uid=obj["metadata"]["uid"],
+            gpu_capacity=int((obj.get("status", {}).get("capacity") or {}).get(GPU_RESOURCE, 0)),
+            gpu_allocatable=int((obj.get("status", {}).get("allocatable") or {}).get(GPU_RESOURCE, 0)),
+            gpus_held=held,
         )
 
     # ------------------------------------------------------------ router
-
-    @activity.defn(name="read_qualification")
-    def read_qualification(self, node: str) -> Qualification:
-        url = self.deps.settings.qualification_url_template.format(node=node)
-        r = self.deps.http.get(url)
-        r.raise_for_status()
-        return Qualification.model_validate(r.json())
 
     @activity.defn(name="routed_pods")
     def routed_pods(self, pool: PoolRef) -> list[str]:

@@ -17,7 +17,6 @@ import json
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -342,31 +341,3 @@ class SetWeights(_GatewayEffect):
 
     def desired(self, current: GatewayPolicy) -> GatewayPolicy:
         return current.model_copy(update={"weights": dict(self.weights)})
-
-
-class StartQualification(Effect):
-    """Start a node's qualification diagnostics (the endpoint is idempotent per run; probe reads its state)."""
-
-    def __init__(self, http: httpx.Client, url: str, node: str) -> None:
-        self.http, self.url, self.node = http, url, node
-
-    def apply(self, attempt: Attempt) -> dict[str, Any]:
-        r = self.http.post(self.url, headers={"Idempotency-Key": attempt.op_id})
-        if r.status_code == 503:  # the node cannot run diagnostics now (unreachable): not started
-            raise PermanentEffectError(f"qualification of {self.node} cannot start: {r.text}")
-        if 400 <= r.status_code < 500:
-            raise PermanentEffectError(f"qualification of {self.node} refused: {r.status_code} {r.text}")
-        r.raise_for_status()
-        return dict(r.json())
-
-    def probe(self, attempt: Attempt) -> dict[str, Any] | None:
-        r = self.http.get(self.url)
-        if r.status_code == 404:
-            return None
-        r.raise_for_status()
-        data = dict(r.json())
-        return data if data.get("started_at") is not None else None
-
-    def action_signature(self, attempt: Attempt) -> ActionSignature:
-        parts = urlsplit(self.url)
-        return ActionSignature(world=parts.netloc, verb="POST", path=parts.path, body_digest=_digest(None))

@@ -22,8 +22,6 @@ Engines, each at its own pod IP as in a cluster (``http://{podIP}:8000``, the po
 
 Nodes (in production: the node exporter's own port):
   GET  /nodes/{node}/metrics      DCGM-exporter text
-  POST /nodes/{node}/qualification -> Qualification (starts diagnostics)
-  GET  /nodes/{node}/qualification -> Qualification
 
 Simulator control (test and demo only):
   GET  /sim/v1/clock -> SimClock      POST /sim/v1/faults <- FaultRequest
@@ -213,11 +211,3 @@ class QualificationState(StrEnum):
     RUNNING = "running"
     PASSED = "passed"
     FAILED = "failed"
-
-
-class Qualification(_Wire):
-    node: str
-    state: QualificationState
-    started_at: float
-    finished_at: float | None = None
-    detail: str = ""

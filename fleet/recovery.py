@@ -86,7 +86,26 @@ class RecoveryTimings(BaseModel):
     approval_timeout_s: float = Field(3600.0, gt=0)
     verify_timeout_s: float = Field(600.0, gt=0)
     cooldown_s: float = Field(300.0, ge=0)
-    repeat_fault_window_s: float = Field(7 * 24 * 3600.0, gt=0)
+    repeat_fault_window_s: float = Field(
+        7 * 24 * 3600.0, gt=0, description="The remediation loop cap's window (NVSentinel's 7 days)"
+    )
+    remediation_cap: int = Field(
+        2,
+        ge=1,
+        description="Quarantines of one machine inside the window fleetmend runs by itself; the next one "
+        "waits for an operator",
+    )
+    qualification_attempts: int = Field(
+        3, ge=1, description="Qualification Jobs per incident (a failed one is retried only after a repair)"
+    )
+    repair_wait_s: float = Field(
+        0.0,
+        ge=0,
+        description="After a failed qualification, how long to watch for a repair (Xid cleared, every GPU "
+        "offered again, the node free) before qualifying again. 0 (default) = do not wait: the recovery "
+        "ends with the node quarantined and the follow-up named, because verification and lifting the "
+        "shedding wait for step 8",
+    )
     drain_deadline_s: float = Field(600.0, gt=0)
     reappear_timeout_s: float = Field(
         120.0,

@@ -6,7 +6,8 @@ NVLink counters, node conditions, and the lost pods' status - into one of:
 
 * ``xid-ecc``   GPU hardware (Xid 46/48/62/64/79/95/109/140/143, DBE, row-remap failure)
 * ``fabric``    NVLink / NVSwitch (Xid 74, 144-150, NVLink error counters)
-* ``driver``    driver / GSP firmware (Xid 119/120, driver conditions, device admission errors)
+* ``driver``    driver / GSP firmware / kernel (Xid 119/120, driver conditions, NPD's ``KernelDeadlock`` and
+                ``ReadonlyFilesystem``, device admission errors)
 * ``thermal``   over temperature or thermal clock slowdown (clock-event reasons)
 * ``application`` the engine, not the GPU (Xid 13/31/32/43/45/68/94, OOMKilled, crash loop)
 * ``unknown``   the node went silent with no readable evidence
@@ -130,6 +131,13 @@ FOLLOW_UP: dict[FaultClass, str] = {
         "unknown: the node went silent - check it out of band (BMC), power-cycle, collect kernel and "
         "driver logs; qualify before it returns"
     ),
+}
+
+
+# node-problem-detector kernel-monitor conditions (True = the problem stands) and what they mean.
+KERNEL_CONDITIONS: dict[str, str] = {
+    "KernelDeadlock": "a task hung in the kernel (the driver's ioctl can be the one stuck)",
+    "ReadonlyFilesystem": "the root filesystem was remounted read-only",
 }
 
 
@@ -260,7 +268,13 @@ def triage_node(
             continue
         if status != "True":  # problem conditions (node-problem-detector style) are True when bad
             continue
-        if "thermal" in low or "temperature" in low:
+        if ctype in KERNEL_CONDITIONS:
+            # node-problem-detector's kernel monitor: the OS under the driver is wedged or read-only.
+            found[FaultClass.DRIVER].append(
+                f"node condition {ctype}=True (kernel: {KERNEL_CONDITIONS[ctype]})"
+            )
+            actions.append(Action.RESTART_BM)
+        elif "thermal" in low or "temperature" in low:
             found[FaultClass.THERMAL].append(f"node condition {ctype}=True")
             actions.append(Action.CHECK_MECHANICALS)
         elif "nvlink" in low or "fabric" in low:

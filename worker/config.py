@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from fleet.qualification import QualificationSpec
 from fleet.recovery import RecoveryTimings, ServingObjectives
 from fleet.vocabulary import ROUTER_LABEL, ROUTER_LABEL_VALUE
 
@@ -144,8 +145,11 @@ class Settings(BaseSettings):
     node_telemetry_url_template: str = Field(
         "http://{node}:9400/metrics", description="DCGM exporter URL per node; placeholder {node}"
     )
-    qualification_url_template: str = Field(
-        "http://{node}:9401/qualification", description="Node qualification endpoint; placeholder {node}"
+    qualification: QualificationSpec = Field(
+        default_factory=QualificationSpec,
+        description="The qualification Job (DCGM diagnostics) a quarantined node must pass before it returns: "
+        'JSON, e.g. {"namespace": "fleetmend", "image": "nvcr.io/nvidia/cloud-native/dcgm:...", "level": 2, '
+        '"deadline_s": 1800}',
     )
     action_log_url: str | None = Field(
         None, description="A target's own action log (the simulator's /sim/v1/actions) for ledger reconcile"

@@ -17,6 +17,7 @@ from activities.coordination import incident_on_pool
 from activities.deps import ActivityDeps
 from activities.drain import DrainActivities
 from activities.observe import ObserveActivities
+from activities.qualification import QualificationActivities
 from activities.readiness import ReadinessActivities
 from activities.smoke import smoke_probe
 from ledger.store import EffectLedger
@@ -68,6 +69,7 @@ def build_activities(settings: Settings, database_url: str | None = None) -> lis
         smoke_probe,
         *_methods(ObserveActivities(deps)),
         *_methods(ActActivities(deps)),
+        *_methods(QualificationActivities(deps)),
         *_methods(AuditActivities(deps)),
         *_methods(ReadinessActivities(deps)),
         *_methods(DrainActivities(deps)),

@@ -25,16 +25,22 @@ with workflow.unsafe.imports_passed_through():
         ActActivities,
         AdmissionChangeRequest,
         NodeCordon,
-        NodeRelease,
         NodeTaint,
         PodDeletion,
-        QualificationRequest,
         RetryPolicyChangeRequest,
         ScaleChange,
         WeightsChangeRequest,
     )
     from activities.audit import AuditActivities, ReconcileRequest
     from activities.observe import JournalRequest, ObserveActivities, ObserveRequest, ScrapeRequest
+    from activities.qualification import (
+        MachineQuery,
+        NodeReturn,
+        QualificationActivities,
+        QualificationJobRef,
+        QualificationJobRequest,
+        QualificationRead,
+    )
     from fleet import measurements
     from fleet import search_attributes as sa
     from fleet.capacity import recovery_guard
@@ -54,6 +60,14 @@ with workflow.unsafe.imports_passed_through():
     from fleet.placement import GroupShape, place_group
     from fleet.pool import GroupRole, ReplicaGroup
     from fleet.protocol import Admission, QualificationState
+    from fleet.qualification import (
+        MACHINE_ANNOTATION,
+        Identity,
+        Verdict,
+        identity,
+        remediation_gate,
+        repaired,
+    )
     from fleet.rebuild import awaiting_recreation, plan_rebuild, pods_held_by_lost_nodes
     from fleet.recovery import (
         CheckResult,
@@ -621,7 +635,6 @@ class ReplicaLossRecovery(Procedure):
             node,
             f"triage: read DCGM, conditions and pod status of {node}",
         )
-        remediated = health.annotations.get(REMEDIATED_AT_ANNOTATION)
         pods = [
             PodFault(
                 pod=p,
@@ -637,85 +650,216 @@ class ReplicaLossRecovery(Procedure):
             telemetry=health.telemetry,
             node_conditions=health.conditions,
             pods=pods,
-            remediated_at=float(remediated) if remediated else None,
             hint=hint,
         )
         self.figure("fault_class", result.fault_class.value)
         self.decide(
             f"triage {node}: {result.reason}; follow-up: {result.follow_up}",
-            {"triage": result.model_dump(mode="json")},
+            {"triage": result.model_dump(mode="json"), "machine": health.machine},
         )
         if not result.quarantine:
             return
-        await self.act(
-            ActActivities.cordon_node,
-            NodeCordon(
-                step="quarantine",
-                node=node,
-                labels={QUARANTINE_LABEL: result.fault_class.value},
-                annotations={
-                    FAULT_CLASS_ANNOTATION: result.fault_class.value,
-                    REMEDIATED_AT_ANNOTATION: f"{self.now():.0f}",
-                },
-            ),
-            f"quarantine {node}: cordon + label ({result.fault_class.value})",
+        machine = health.machine
+        history = (
+            await self.observe(
+                QualificationActivities.machine_history,
+                MachineQuery(machine=machine),
+                f"remediation history of machine {machine}",
+            )
+            if machine
+            else []
         )
-        await self.act(
-            ActActivities.taint_node,
-            NodeTaint(
-                step="quarantine-taint",
-                node=node,
-                taint_key=QUARANTINE_TAINT_KEY,
-                taint_value=result.fault_class.value,
-            ),
-            f"quarantine {node}: taint {QUARANTINE_TAINT_KEY}={result.fault_class.value}:NoSchedule",
+        gate = remediation_gate(
+            history,
+            self.now(),
+            cap=self._inp.timings.remediation_cap,
+            window_s=self._inp.timings.repeat_fault_window_s,
+            current_workflow=workflow.info().workflow_id,
         )
-        self._quarantined.append(node)
-        if result.needs_operator:
+        await self._quarantine(node, machine, result.fault_class.value, step="quarantine")
+        if not gate.allowed:
+            self.figure("needs_operator", f"{node}: {gate.reason}")
             self.decide(
-                f"{node} was remediated within the repeat window: it stays out until an operator returns it"
+                f"{node} ({machine}): {gate.reason}; it stays quarantined",
+                {"history": [r.model_dump() for r in history]},
+            )
+            await self.notify(
+                f"remediation-cap-{node}",
+                f"[fleetmend] {self._status.pool.key}: {node} (machine {machine}) {gate.reason}. It stays "
+                f"cordoned and tainted ({QUARANTINE_TAINT_KEY}); follow-up: {result.follow_up}",
             )
             return
         if health.node is None or health.node.ready is not True or health.telemetry is None:
             self.decide(f"{node} is not reachable: qualification runs when it is back; it stays quarantined")
             return
-        await self.act(
-            ActActivities.start_qualification,
-            QualificationRequest(step="qualify", node=node),
-            f"start qualification diagnostics on {node}",
-        )
-        self.decide(f"qualification started on {node}; it returns to the pool only if it passes")
-        await self._await_qualification(node, result.fault_class.value)
+        assert machine is not None and health.uid is not None
+        gpus = health.gpu_capacity
+        await self._qualify(node, machine, health.uid, gpus, result.fault_class.value, result.follow_up)
 
-    async def _await_qualification(self, node: str, fault_class: str) -> None:
-        """Return the node only when its qualification passes; otherwise it stays quarantined."""
-        inp = self._inp
-        deadline = self.now() + inp.timings.qualification_timeout_s
-        while True:
-            q = await self.observe(ObserveActivities.read_qualification, node, f"qualification of {node}")
-            if q.state == QualificationState.PASSED:
+    async def _quarantine(self, node: str, machine: str | None, fault_class: str, *, step: str) -> None:
+        """Cordon + label + taint, recorded with the machine (the ledger's history is keyed on it)."""
+        await self.act(
+            ActActivities.cordon_node,
+            NodeCordon(
+                step=step,
+                node=node,
+                machine=machine,
+                labels={QUARANTINE_LABEL: fault_class},
+                annotations={
+                    FAULT_CLASS_ANNOTATION: fault_class,
+                    REMEDIATED_AT_ANNOTATION: f"{self.now():.0f}",
+                    MACHINE_ANNOTATION: machine,
+                },
+            ),
+            f"quarantine {node}: cordon + label ({fault_class}, machine {machine})",
+        )
+        await self.act(
+            ActActivities.taint_node,
+            NodeTaint(
+                step=f"{step}-taint", node=node, taint_key=QUARANTINE_TAINT_KEY, taint_value=fault_class
+            ),
+            f"quarantine {node}: taint {QUARANTINE_TAINT_KEY}={fault_class}:NoSchedule",
+        )
+        if node not in self._quarantined:
+            self._quarantined.append(node)
+
+    async def _qualify(
+        self, node: str, machine: str, uid: str, gpus: int, fault_class: str, follow_up: str
+    ) -> None:
+        """Qualification Jobs until one passes (the node returns) or the attempts or the repair wait run out."""
+        timings = self._inp.timings
+        for attempt in range(timings.qualification_attempts):
+            created = await self.act(
+                QualificationActivities.create_qualification_job,
+                QualificationJobRequest(step=f"qualify-{attempt}", node=node, machine=machine, gpus=gpus),
+                f"qualification Job on {node} (DCGM diagnostics, all its GPUs), attempt {attempt + 1}",
+            )
+            if created.state != "applied":
+                self.decide(f"{node}: no qualification Job ({created.state}); it stays quarantined")
+                return
+            name = str((created.result or {}).get("name"))
+            self.decide(
+                f"qualification Job {name} created on {node}; it returns to the pool only if it passes"
+            )
+            verdict = await self._await_job(name, node, machine)
+            await self.act(
+                QualificationActivities.delete_qualification_job,
+                QualificationJobRef(step=f"qualify-{attempt}-delete", name=name, node=node),
+                f"delete qualification Job {name}",
+            )
+            self.figure(
+                "qualification", {"node": node, "attempt": attempt + 1, **verdict.model_dump(mode="json")}
+            )
+            if verdict.state == QualificationState.PASSED:
                 await self.act(
-                    ActActivities.release_node,
-                    NodeRelease(step="return-node", node=node, labels={QUARANTINE_LABEL: None}),
+                    QualificationActivities.return_node,
+                    NodeReturn(
+                        step="return-node",
+                        node=node,
+                        machine=machine,
+                        uid=uid,
+                        labels={QUARANTINE_LABEL: None},
+                    ),
                     f"return {node} to the pool: qualification passed",
                 )
                 self._quarantined.remove(node)
-                self.decide(f"{node} passed qualification ({q.detail}); uncordoned and returned to the pool")
-                return
-            if q.state == QualificationState.FAILED:
                 self.decide(
-                    f"{node} failed qualification ({q.detail}): it stays quarantined for the {fault_class} follow-up"
+                    f"{node} passed qualification ({verdict.detail}); uncordoned, untainted, returned"
                 )
                 return
-            if self.now() > deadline:
-                self.decide(
-                    f"{node} qualification still running after {inp.timings.qualification_timeout_s:.0f} s; "
-                    "it stays quarantined until it passes"
-                )
-                return
-            await workflow.sleep(
-                max(inp.timings.poll_interval_s, 1.0), summary=f"qualification of {node} running"
+            self.decide(
+                f"{node} failed qualification ({verdict.detail}): it stays out for the {fault_class} follow-up",
+                {"failures": list(verdict.failures)},
             )
+            await self.notify(
+                f"qualification-failed-{node}-{attempt}",
+                f"[fleetmend] {self._status.pool.key}: {node} failed qualification: {verdict.detail}. It stays "
+                f"quarantined; follow-up: {follow_up}",
+            )
+            if attempt + 1 >= timings.qualification_attempts:
+                return
+            current = await self._await_repair(node, machine, uid, fault_class)
+            if current is None:
+                return
+            uid = current
+
+    async def _await_job(self, name: str, node: str, machine: str) -> Verdict:
+        deadline = self.now() + self._inp.timings.qualification_timeout_s
+        while True:
+            reading = await self.observe(
+                QualificationActivities.read_qualification_job,
+                QualificationRead(name=name, node=node, machine=machine),
+                f"qualification Job {name}",
+            )
+            if reading.verdict.state != QualificationState.RUNNING:
+                return reading.verdict
+            if self.now() > deadline:
+                return reading.verdict.model_copy(
+                    update={
+                        "state": QualificationState.FAILED,
+                        "detail": f"no verdict after {self._inp.timings.qualification_timeout_s:.0f} s: {reading.verdict.detail}",
+                    }
+                )
+            await workflow.sleep(
+                max(self._inp.timings.poll_interval_s, 1.0), summary=f"qualification of {node}"
+            )
+
+    async def _await_repair(self, node: str, machine: str, uid: str, fault_class: str) -> str | None:
+        """Watch for the follow-up's repair (no Xid, every GPU offered, node free) of *this machine*.
+
+        Returns the node object's uid to qualify (a re-created object of the same machine is
+        quarantined again first), or None: no repair in time, or the name now holds another machine.
+        """
+        wait_s = self._inp.timings.repair_wait_s
+        if wait_s <= 0:
+            return None
+        deadline = self.now() + wait_s
+        self.decide(f"watching {node} for a repair for up to {wait_s:.0f} s before qualifying it again")
+        gone_seen = False
+        while self.now() <= deadline:
+            await workflow.sleep(
+                max(self._inp.timings.poll_interval_s, 1.0), summary=f"wait for the repair of {node}"
+            )
+            health = await self.observe(ObserveActivities.read_node_health, node, f"repair of {node}?")
+            seen = identity(machine, uid, health.machine, health.uid)
+            if seen is Identity.GONE:
+                if not gone_seen:
+                    self.decide(
+                        f"{node} has no node object now; machine {machine} stays quarantined (ledger)"
+                    )
+                gone_seen = True
+                continue
+            if seen is Identity.REPLACED:
+                if node in self._quarantined:
+                    self._quarantined.remove(node)  # the quarantined machine left; verification checks names
+                self.decide(
+                    f"{node} is now machine {health.machine}, not the quarantined {machine}: a new machine, "
+                    "neither quarantined nor qualified on the old one's behalf; the old machine's quarantine "
+                    "stays on record"
+                )
+                return None
+            if seen is Identity.RECREATED:
+                assert health.uid is not None
+                await self._quarantine(node, machine, fault_class, step=f"quarantine-{health.uid[:8]}")
+                self.decide(
+                    f"{node} was re-created (uid {health.uid}) for the same machine {machine}: still "
+                    "quarantined, cordoned and tainted again"
+                )
+                uid = health.uid
+                continue
+            xids = {g.gpu: g.last_xid or 0 for g in health.telemetry.gpus} if health.telemetry else {"?": 1}
+            if health.gpus_held == 0 and repaired(
+                health.conditions, xids, health.gpu_capacity, health.gpu_allocatable
+            ):
+                self.decide(
+                    f"{node} looks repaired (no Xid, {health.gpu_allocatable}/{health.gpu_capacity} GPUs "
+                    "offered, no pods): qualifying again"
+                )
+                return uid
+        self.decide(
+            f"no repair of {node} seen within {wait_s:.0f} s: it stays quarantined until an operator acts"
+        )
+        return None
 
     # ---------------------------------------------------------------- step 9
 

@@ -196,6 +196,8 @@ class KubeApi:
         ns = namespace or ""
         if method == "GET":
             obj = self.store.get(resource.plural, ns, name)
+            if sub == "log":
+                return PlainTextResponse(self.control.pod_log(obj, query.get("container")))
             if sub == "scale":
                 return _ok(self._scale(resource, obj))
             if wants_table(request.headers.get("accept")):
@@ -425,6 +427,8 @@ class KubeApi:
         with self.store.lock:
             if resource.plural == "pods":
                 created = self.control.create_pod(body, dry_run=dry_run)
+            elif resource.plural == "jobs":
+                created = self.control.create_job(body, dry_run=dry_run)
             else:
                 created = self.store.create(resource.plural, body, dry_run=dry_run)
         return created, warnings

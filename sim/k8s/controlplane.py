@@ -5,8 +5,14 @@ stored objects and writes only differences (no-op writes are dropped by the
 store), so running them every tick is cheap and converges.
 
 Pass order (one reconcile): node lifecycle → node lease heartbeats → taint eviction → garbage collection
-→ Deployments → ReplicaSets → LeaderWorkerSets → scheduler → kubelets →
+→ Deployments → ReplicaSets → LeaderWorkerSets → Jobs → scheduler → kubelets →
 EndpointSlices → PodDisruptionBudgets.
+
+Containers are long-running servers (engines) unless a *program* claims the pod
+(``program_for``: the world's hook, e.g. the serving layer's DCGM diagnostic): a
+program runs for its duration, then ends with an exit code and the output the
+``pods/log`` subresource serves; a pod with ``restartPolicy: Never`` then ends
+``Succeeded`` or ``Failed``.
 
 Object deletion (``delete``) is shared by the API server and the controllers:
 a pod bound to a node gets a ``deletionTimestamp`` and lives on until its
@@ -56,6 +62,15 @@ class StartupProfile:
 DEFAULT_PROFILE = StartupProfile()
 
 
+@dataclass(frozen=True)
+class Program:
+    """What a run-to-completion container does: runs ``duration_s``, then ``finish()`` -> (exit code, output)."""
+
+    duration_s: float
+    finish: Callable[[], tuple[int, str]]
+    started_output: str = ""
+
+
 @dataclass
 class PodRuntime:
     """What the kubelet knows about one pod incarnation (keyed by pod uid)."""
@@ -98,8 +113,11 @@ class ControlPlane:
         self.pod_ips = PodIpAllocator(engine_port)
         self.scheduler_memory: dict[str, tuple[str, float]] = {}  # pod uid -> (last message, last event time)
         self.instant_start: bool = False
+        # The world's hook naming the program a pod's container runs (None: a long-running server).
+        self.program_for: Callable[[Obj], Program | None] = lambda pod: None
+        self.logs: dict[str, str] = {}  # pod uid -> its container's output (pods/log)
         # imported here to keep each controller in its own module without import cycles
-        from sim.k8s.controllers import disruption, endpoints, kubelet, lws, nodes, scheduler, workloads
+        from sim.k8s.controllers import disruption, endpoints, jobs, kubelet, lws, nodes, scheduler, workloads
 
         self._passes: list[Callable[[ControlPlane], None]] = [
             nodes.reconcile_nodes,
@@ -109,6 +127,7 @@ class ControlPlane:
             workloads.reconcile_deployments,
             workloads.reconcile_replicasets,
             lws.reconcile_leaderworkersets,
+            jobs.reconcile_jobs,
             scheduler.schedule_pending_pods,
             kubelet.run_kubelets,
             endpoints.reconcile_endpointslices,
@@ -187,6 +206,41 @@ class ControlPlane:
 
     def create_pod(self, pod: Obj, *, dry_run: bool = False) -> Obj:
         return self.store.create("pods", self.admit_pod(pod), dry_run=dry_run)
+
+    def create_job(self, job: Obj, *, dry_run: bool = False) -> Obj:
+        """A batch/v1 Job with the apiserver's defaults (selector and template labels on its uid)."""
+        from sim.k8s.controllers.jobs import default_job
+
+        created = self.store.create("jobs", default_job(job, None), dry_run=dry_run)
+        if dry_run:
+            return created
+        uid = o.uid_of(created)
+        stored = self.store.mutate(
+            "jobs", o.namespace_of(created), o.name_of(created), lambda obj: _ignore(default_job(obj, uid))
+        )
+        return stored or created
+
+    def pod_log(self, pod: Obj, container: str | None = None) -> str:
+        """``GET pods/{name}/log``: the container's output; 400 while it has not started (as the kubelet says)."""
+        names = [c["name"] for c in pod.get("spec", {}).get("containers") or []]
+        if container is not None and container not in names:
+            raise ApiError(400, "BadRequest", f"container {container} is not valid for pod {o.name_of(pod)}")
+        if container is None and len(names) > 1:
+            raise ApiError(
+                400,
+                "BadRequest",
+                f"a container name must be specified for pod {o.name_of(pod)}, choose one of: {names}",
+            )
+        name = container or (names[0] if names else "")
+        uid = o.uid_of(pod)
+        runtime = self.runtimes.get(uid)
+        if runtime is None or (runtime.started_at is None and "exit" not in runtime.extra):
+            raise ApiError(
+                400,
+                "BadRequest",
+                f'container "{name}" in pod "{o.name_of(pod)}" is waiting to start: ContainerCreating',
+            )
+        return self.logs.get(uid, "")
 
     def runtime(self, namespace: str, name: str) -> PodRuntime | None:
         pod = self.store.find("pods", namespace, name)
@@ -313,3 +367,7 @@ class ControlPlane:
             return self.store.create(plural, obj)
         except ApiError:
             return self.store.get(plural, obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
+
+
+def _ignore(_: object) -> None:
+    """Store mutators return nothing."""

@@ -32,6 +32,7 @@ from fleet.vocabulary import (
     ROUTER_LABEL_VALUE,
     SERVING_READY_CONDITION,
 )
+from sim.k8s import objects as o
 from sim.k8s.controllers.lws import EXCLUSIVE_TOPOLOGY_ANNOTATION
 from sim.scenario import ModelSpec, NodeGroup, Scenario, WorkloadSpec
 
@@ -65,6 +66,7 @@ def build_nodes(scenario: Scenario) -> list[Obj]:
                 "pods": "110",
                 GPU_RESOURCE: str(group.gpus),
             }
+            zone = labels.get("topology.kubernetes.io/zone", "zone-a")
             nodes.append(
                 {
                     "metadata": {
@@ -72,7 +74,11 @@ def build_nodes(scenario: Scenario) -> list[Obj]:
                         "labels": labels,
                         "annotations": {"node.alpha.kubernetes.io/ttl": "0"},
                     },
-                    "spec": {"unschedulable": True} if group.unschedulable else {},
+                    # The cloud provider's id of the machine: a replaced machine gets a new one.
+                    "spec": {
+                        "providerID": f"aws:///{zone}/i-{o.stable_hash(name, 17)}",
+                        **({"unschedulable": True} if group.unschedulable else {}),
+                    },
                     "status": {
                         "capacity": dict(resources),
                         "allocatable": dict(resources),
@@ -307,9 +313,15 @@ NODE_LEASE_NAMESPACE = "kube-node-lease"
 
 def build_objects(scenario: Scenario) -> list[tuple[str, Obj]]:
     """(plural, object) pairs in creation order."""
-    namespaces = {"default", "kube-system", "kube-public", NODE_LEASE_NAMESPACE, scenario.namespace} | {
-        scenario.workload_namespace(w) for w in scenario.workloads
-    }
+    # `fleetmend`: where fleetmend runs (deploy/k8s), and so where its qualification Jobs run.
+    namespaces = {
+        "default",
+        "kube-system",
+        "kube-public",
+        NODE_LEASE_NAMESPACE,
+        "fleetmend",
+        scenario.namespace,
+    } | {scenario.workload_namespace(w) for w in scenario.workloads}
     objs: list[tuple[str, Obj]] = [
         (
             "namespaces",

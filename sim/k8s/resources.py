@@ -36,9 +36,13 @@ class Resource:
             return "policy", "v1", "Eviction"
         if sub == "scale":
             return "autoscaling", "v1", "Scale"
+        if sub == "log":
+            return "", "v1", "Pod"
         return self.group, self.version, self.kind
 
     def subresource_verbs(self, sub: str) -> tuple[str, ...]:
+        if sub == "log":
+            return ("get",)
         return ("create",) if sub == "eviction" else ("get", "patch", "update")
 
     @property
@@ -105,7 +109,7 @@ RESOURCES: dict[str, Resource] = {
             "Pod",
             "",
             "v1",
-            subresources=("status", "eviction"),
+            subresources=("status", "eviction", "log"),
             field_selectors=_POD_FIELDS,
             short_names=("po",),
             categories=("all",),
@@ -159,6 +163,14 @@ RESOURCES: dict[str, Resource] = {
             "v1",
             subresources=("status", "scale"),
             short_names=("sts",),
+            categories=("all",),
+        ),
+        Resource(
+            "jobs",
+            "Job",
+            "batch",
+            "v1",
+            subresources=("status",),
             categories=("all",),
         ),
         Resource(

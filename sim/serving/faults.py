@@ -22,7 +22,10 @@
 |                 |               | (CrashLoopBackOff, restartCount climbing)                                |
 
 ``params.clear: true`` undoes slow-replica, wedged-engine (by restart), thermal and
-repairs a node's broken GPUs (what a GPU reset or RMA would do).
+repairs a node's broken GPUs (what a GPU reset or RMA would do). A repair with
+``params.under_load_defect: true`` leaves the GPU that broke idling clean but failing under
+load (a reset that hid the fault): DCGM's series show nothing, ``dcgmi diag -r 1`` passes,
+``-r 2`` and up fail.
 """
 
 from __future__ import annotations
@@ -145,7 +148,7 @@ class FaultInjector:
                 self.layer.supervisor.reconcile(now, force=True)
         elif kind == FaultKind.GPU_XID:
             if clear:
-                self.repair_node(fault.target)
+                self.repair_node(fault.target, under_load_defect=bool(params.get("under_load_defect")))
             else:
                 self._xid(fault.target, _param_int(params, "code", 79, 1, 200), params, now)
         elif kind == FaultKind.NVLINK_ERROR:
@@ -231,6 +234,9 @@ class FaultInjector:
         reason = f"CUDA error: Xid {code} on GPU {gpu} of {node}"
         if code not in APPLICATION_XIDS:
             state.broken = f"Xid {code}"
+            self._problem_condition(
+                node, "GpuXid", True, "XidError", f"Xid {code} on GPU {gpu} ({state.uuid})"
+            )
         self._sync_allocatable(node)
         victims = self._victims(node, gpu)
         if params.get("keep_alive"):
@@ -362,15 +368,39 @@ class FaultInjector:
 
         store.mutate(plural, ns, name, change)
 
-    def repair_node(self, node: str) -> None:
-        """A GPU reset / repair: clears broken GPUs and volatile counters (aggregate ones persist)."""
+    def repair_node(self, node: str, *, under_load_defect: bool = False) -> None:
+        """A GPU reset / repair: clears broken GPUs and volatile counters (aggregate ones persist).
+
+        ``under_load_defect``: the GPUs that were broken idle clean but fail under load.
+        """
         tel = self.layer.node_telemetry(node)
         for g in tel.gpus:
+            if under_load_defect and g.broken:
+                g.under_load_defect = f"fails under load after a reset that cleared {g.broken}"
+            elif not under_load_defect:
+                g.under_load_defect = None
             g.broken = None
             g.ecc_sbe_vol = g.ecc_dbe_vol = 0
+        self._problem_condition(
+            node, "GpuXid", False, "NoXidError", "no Xid error since the driver restarted"
+        )
+        for g in tel.gpus:
             g.last_xid = 0
             g.row_remap_failure = 0
         self._sync_allocatable(node)
+
+    def _problem_condition(self, node: str, ctype: str, on: bool, reason: str, message: str) -> None:
+        """A node-problem-detector condition (custom plugin style: True while the problem stands)."""
+        from sim.k8s import objects as o
+
+        stamp = self.layer.clock.timestamp()
+
+        def change(obj: dict[str, Any]) -> None:
+            if not on and o.condition(obj, ctype) is None:
+                return
+            o.set_condition(obj, ctype, "True" if on else "False", stamp, reason, message, style="node")
+
+        self.layer.world.store.mutate("nodes", "", node, change)
 
     def _sync_allocatable(self, node: str) -> None:
         """The device plugin reports unhealthy GPUs: allocatable nvidia.com/gpu = capacity - broken."""

@@ -18,7 +18,6 @@ from fleet.protocol import (
     JournalPage,
     NotifyMessage,
     Outcome,
-    Qualification,
     RetryPolicyChange,
     RouterState,
     RoutingSet,
@@ -197,24 +196,6 @@ def build_router(layer: ServingLayer) -> APIRouter:
             tel, gpu_assignment(layer.kube, node), layer.gpu_utilisation(node), layer.clock.now()
         )
         return Response(text, media_type=PROMETHEUS_TEXT)
-
-    @api.post("/nodes/{node}/qualification", response_model=Qualification, status_code=202, tags=["nodes"])
-    async def start_qualification(node: str) -> Any:
-        try:
-            return layer.start_qualification(node)
-        except KeyError as exc:
-            raise HTTPException(404, str(exc.args[0])) from None
-        except FaultError as exc:
-            return _error(exc.status, exc.message)
-
-    @api.get("/nodes/{node}/qualification", response_model=Qualification, tags=["nodes"])
-    async def get_qualification(node: str) -> Any:
-        try:
-            return layer.qualification(node)
-        except KeyError as exc:
-            raise HTTPException(404, str(exc.args[0])) from None
-        except LookupError as exc:
-            raise HTTPException(404, str(exc.args[0])) from None
 
     @api.get("/metrics", tags=["cluster"])
     async def kube_state_metrics() -> Response:

@@ -2,7 +2,7 @@
 
 ``ServingLayer(world)`` wires everything to the world's clock and object store;
 ``start()`` runs the single tick loop (engines advance on the sim clock, probes,
-scheduled faults, qualifications); ``stop()`` ends it. ``sim.serving.attach``
+scheduled faults); ``stop()`` ends it. ``sim.serving.attach``
 builds one and mounts its HTTP API on the simulator's app.
 
 Settings come from the scenario's free-form ``load`` section (``ServingSettings``).
@@ -17,9 +17,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from fleet.protocol import FaultRequest, NotifyMessage, Qualification, QualificationState
+from fleet.protocol import FaultRequest, NotifyMessage
 from fleet.vocabulary import FaultKind, Tier
 from sim.k8s.podips import DEFAULT_ENGINE_PORT
+from sim.serving.diagnostics import diagnostic_program
 from sim.serving.faults import FaultError, FaultInjector
 from sim.serving.journal import Journal
 from sim.serving.kubeview import KubeView
@@ -56,7 +57,9 @@ class ServingSettings(BaseModel):
     router: RouterConfig = Field(default_factory=lambda: RouterConfig())
     probe_period_s: float = Field(default=10.0, gt=0)
     probe_failure_threshold: int = Field(default=3, ge=1)
-    qualification_s: float = Field(default=120.0, ge=0, description="how long node diagnostics take")
+    qualification_s: float = Field(
+        default=120.0, ge=0, description="how long a DCGM diagnostic takes at level 2 (dcgmi diag -r 2)"
+    )
     tick_s: float = Field(default=0.05, gt=0, description="engine tick in sim seconds (at least 5 ms wall)")
     engine_port: int = Field(
         default=DEFAULT_ENGINE_PORT,
@@ -103,7 +106,6 @@ class ServingLayer:
             control.pod_ips.port = self.settings.engine_port
         self.telemetry: dict[str, NodeTelemetry] = {}
         self.thermal_nodes: dict[str, float] = {}
-        self.qualifications: dict[str, tuple[Qualification, float]] = {}
         self.notifications: list[dict[str, Any]] = []
         self.tickets: list[dict[str, Any]] = []
         self._scheduled: list[FaultRequest] = []
@@ -114,6 +116,12 @@ class ServingLayer:
         self.gateway: GatewayTarget | None = None
         self.supervisor.start_blocker = self._start_blocker
         self.supervisor.node_factor = lambda node: self.thermal_nodes.get(node or "", 1.0)
+        control = getattr(world, "control", None)
+        if control is not None:
+            # Pods that run `dcgmi diag` (qualification Jobs) run the diagnostic on the node's GPUs.
+            control.program_for = lambda pod: diagnostic_program(
+                pod, self.settings.qualification_s, self.node_telemetry
+            )
         register = getattr(world, "register_fault_handler", None)
         if register is not None:
             for kind in FaultKind:
@@ -200,7 +208,6 @@ class ServingLayer:
         self.supervisor.reconcile(now)
         self.prober.tick(now)
         self._apply_due_faults(now)
-        self._finish_qualifications(now)
         self.sync_engine_servers()
 
     # ---- faults ---------------------------------------------------------------------------
@@ -271,7 +278,7 @@ class ServingLayer:
         if kick is not None:
             kick()
 
-    # ---- node telemetry and qualification ---------------------------------------------------
+    # ---- node telemetry ---------------------------------------------------------------------
     def node_telemetry(self, node: str) -> NodeTelemetry:
         tel = self.telemetry.get(node)
         if tel is None:
@@ -302,41 +309,6 @@ class ServingLayer:
             if engine is not None and engine.alive:
                 out[index] = min(1.0, 0.1 + engine.num_running / max(1, engine.spec.max_num_seqs) * 4)
         return out
-
-    def start_qualification(self, node: str) -> Qualification:
-        self.node_telemetry(node)
-        if self.world.is_node_lost(node):
-            raise FaultError(503, f"node {node} is unreachable; diagnostics cannot run on it")
-        existing = self.qualifications.get(node)
-        if existing is not None and existing[0].state == QualificationState.RUNNING:
-            return existing[0]
-        now = self.clock.now()
-        q = Qualification(
-            node=node, state=QualificationState.RUNNING, started_at=now, detail="diagnostics running"
-        )
-        self.qualifications[node] = (q, now + self.settings.qualification_s)
-        self._finish_qualifications(now)
-        return self.qualifications[node][0]
-
-    def qualification(self, node: str) -> Qualification:
-        self.node_telemetry(node)
-        self._finish_qualifications(self.clock.now())
-        existing = self.qualifications.get(node)
-        if existing is None:
-            raise LookupError(f"no qualification has run on node {node}; POST to start one")
-        return existing[0]
-
-    def _finish_qualifications(self, now: float) -> None:
-        for node, (q, due) in list(self.qualifications.items()):
-            if q.state != QualificationState.RUNNING or now < due:
-                continue
-            problems = self.node_telemetry(node).problems()
-            if self.world.is_node_lost(node):
-                problems.append("node stopped responding during diagnostics")
-            state = QualificationState.FAILED if problems else QualificationState.PASSED
-            detail = "; ".join(problems) if problems else "all GPU diagnostics passed"
-            done = q.model_copy(update={"state": state, "finished_at": due, "detail": detail})
-            self.qualifications[node] = (done, due)
 
     # ---- incident channel and tickets ---------------------------------------------------------
     def notify(self, message: NotifyMessage) -> None:

@@ -88,6 +88,7 @@ class GpuState:
     nvlink_crc_data_errors: int = 0
     nvlink_recovery_errors: int = 0
     broken: str | None = None  # hardware fault that survives a process restart
+    under_load_defect: str | None = None  # idles clean (no Xid, clean series); fails when loaded
 
 
 @dataclass

@@ -55,6 +55,12 @@ NEEDED_ELSEWHERE = {
     ("worker", "patch", "leaderworkerset.x-k8s.io", "leaderworkersets/scale"): "scale LeaderWorkerSet groups",
     ("worker", "list", "", "events"): "bad-rollout evidence (image pull / crash events)",
     ("webhook", "get", "", "pods"): "alerts that name a pod (tests/webhook/test_routing_k8s.py)",
+    # A lost node is unreachable: its qualification waits. The GPU-fault path runs it
+    # (tests/recovery/test_hardware_path.py; run it with -p tests.deploy.rbac_audit).
+    ("worker", "create", "batch", "jobs"): "qualification Job of a quarantined node",
+    ("worker", "get", "batch", "jobs"): "read the qualification Job's outcome",
+    ("worker", "delete", "batch", "jobs"): "delete the qualification Job once read",
+    ("worker", "get", "", "pods/log"): "read the DCGM report from the qualification pod's log",
     **{
         ("gateway", verb, group, resource): "the gateway control plane's routing set (test below)"
         for group, resource in (("", "services"), ("", "pods"), ("discovery.k8s.io", "endpointslices"))

@@ -338,6 +338,7 @@ def test_api_resources_lists_names_short_names_groups_and_kinds(cluster: Cluster
         "replicasets": ["replicasets", "rs", "apps/v1", "true", "ReplicaSet"],
         "statefulsets": ["statefulsets", "sts", "apps/v1", "true", "StatefulSet"],
         "poddisruptionbudgets": ["poddisruptionbudgets", "pdb", "policy/v1", "true", "PodDisruptionBudget"],
+        "jobs": ["jobs", "batch/v1", "true", "Job"],
         "leases": ["leases", "coordination.k8s.io/v1", "true", "Lease"],
         "endpointslices": ["endpointslices", "discovery.k8s.io/v1", "true", "EndpointSlice"],
         "leaderworkersets": [

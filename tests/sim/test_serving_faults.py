@@ -8,6 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fleet.qualification import parse_dcgm_diag
 from tests.sim.serving_fixtures import (
     NAMESPACE,
     POOL,
@@ -16,6 +17,7 @@ from tests.sim.serving_fixtures import (
     running_serving,
     scenario,
 )
+from tests.sim.test_qualification_jobs import condition, finished_job, job_pod, pod_log, start_job
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -37,7 +39,7 @@ async def ksm_value(sim: RunningServing, name: str, **labels: str) -> float:
     return sum(s.value for s in samples(fams[name], **labels))
 
 
-async def test_gpu_xid_79_kills_the_replica_on_that_gpu_shows_in_dcgm_and_fails_qualification() -> None:
+async def test_gpu_xid_79_kills_the_replica_on_that_gpu_shows_in_dcgm_and_fails_a_qualification_job() -> None:
     async with running_serving(scenario(), speed=40) as sim:
         victim, _ = await sim.wait_serving(2)
         node, gpu = pod_node_and_gpu(sim, victim)
@@ -70,28 +72,22 @@ async def test_gpu_xid_79_kills_the_replica_on_that_gpu_shows_in_dcgm_and_fails_
         assert await ksm_value(
             sim, "kube_pod_container_status_last_terminated_reason", reason="Error", pod=victim
         )
-        # Qualification: diagnostics take time, then fail on the broken node and pass on the healthy one.
-        started = await sim.http.post(f"/nodes/{node}/qualification")
-        assert started.status_code == 202 and started.json()["state"] == "running"
-        await sim.http.post(f"/nodes/{other_node}/qualification")
-
-        async def finished(on: str = node) -> bool:
-            return (await sim.http.get(f"/nodes/{on}/qualification")).json()["state"] != "running"
-
-        await sim.wait_for(finished, 60, "diagnostics")
-        await sim.wait_for(lambda: finished(other_node), 60, "diagnostics")
-        verdict = (await sim.http.get(f"/nodes/{node}/qualification")).json()
-        assert verdict["state"] == "failed" and "Xid 79" in verdict["detail"]
-        assert verdict["finished_at"] - verdict["started_at"] == sim.layer.settings.qualification_s
-        other = (await sim.http.get(f"/nodes/{other_node}/qualification")).json()
-        assert other["state"] == "passed"
+        # Qualification (a DCGM Job on the free GPUs): fails on the broken node, passes on the healthy one.
+        await start_job(sim, "q-broken", node, gpus=3)  # 7 offered, 4 held by the victim
+        await start_job(sim, "q-other", other_node, gpus=4)
+        broken = await finished_job(sim, "q-broken")
+        assert condition(broken, "Failed") is not None
+        pod = await job_pod(sim, "q-broken")
+        assert pod is not None
+        report = parse_dcgm_diag(await pod_log(sim, pod["metadata"]["name"]))
+        assert any(f"GPU {gpu}: Xid 79" in f for f in report.failures), report.failures
+        assert condition(await finished_job(sim, "q-other"), "Complete") is not None
         # A repair (GPU reset / RMA) clears it; the replica comes back and qualification passes.
         assert (await sim.fault("gpu-xid", node, clear=True)).status_code == 202
         assert sim.world.store.find("nodes", "", node)["status"]["allocatable"]["nvidia.com/gpu"] == "8"  # type: ignore[index]
         await sim.wait_for(lambda: victim in sim.serving_pods(), 120, "the replica to come back")
-        await sim.http.post(f"/nodes/{node}/qualification")
-        await sim.wait_for(finished, 60, "diagnostics")
-        assert (await sim.http.get(f"/nodes/{node}/qualification")).json()["state"] == "passed"
+        await start_job(sim, "q-repaired", node, gpus=4)
+        assert condition(await finished_job(sim, "q-repaired"), "Complete") is not None
 
 
 async def test_oom_killed_pod_shows_the_reason_restarts_and_its_engine_counters_reset() -> None:

@@ -36,7 +36,6 @@ def settings_for_sim(
         "metrics_url_template": f"http://{{pod_ip}}:{engine_port}/metrics",
         "health_url_template": f"http://{{pod_ip}}:{engine_port}/health",
         "node_telemetry_url_template": base + "/nodes/{node}/metrics",
-        "qualification_url_template": base + "/nodes/{node}/qualification",
         "notifier_url": base + "/sim/v1/notify",
         "action_log_url": base + "/sim/v1/actions",
     }

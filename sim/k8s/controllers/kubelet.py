@@ -14,6 +14,11 @@ A revision with a start-up defect dies each time it finishes loading.
 A terminating pod keeps running (and Ready) until its grace period ends or the
 engine exits, then the kubelet confirms and the object disappears.
 Pods on a lost node are left exactly as they were: nobody is reporting for them.
+
+A container that runs a *program* (``cp.program_for``, e.g. a DCGM diagnostic) runs it for its
+duration after the image pull, then terminates with its exit code (``Completed``/0 or
+``Error``); its output is what ``pods/log`` serves. With ``restartPolicy: Never`` the pod ends
+``Succeeded`` or ``Failed``; with ``OnFailure`` a failed run restarts after the back-off.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from sim.k8s import objects as o
 
 if TYPE_CHECKING:
-    from sim.k8s.controlplane import ControlPlane, PodRuntime, StartupProfile
+    from sim.k8s.controlplane import ControlPlane, PodRuntime, Program, StartupProfile
 
 Obj = dict[str, Any]
 
@@ -54,8 +59,14 @@ def run_kubelets(cp: ControlPlane) -> None:
                 cp.runtimes.pop(uid, None)
                 continue
         profile = cp.profile_for(pod) or DEFAULT_PROFILE
-        _advance(cp, runtime, profile, now)
         node = nodes[node_name]
+        if "program" not in runtime.extra:
+            runtime.extra["program"] = cp.program_for(pod)
+        program: Program | None = runtime.extra["program"]
+        if program is not None:
+            _run_program(cp, pod, runtime, profile, program, now)
+        else:
+            _advance(cp, runtime, profile, now)
 
         def write(obj: Obj, runtime: PodRuntime = runtime, node: Obj = node) -> None:
             _write_status(cp, obj, runtime, node, now)
@@ -64,6 +75,46 @@ def run_kubelets(cp: ControlPlane) -> None:
     for uid in list(cp.runtimes):
         if uid not in live_uids:
             del cp.runtimes[uid]
+
+
+def _run_program(
+    cp: ControlPlane, pod: Obj, runtime: PodRuntime, profile: StartupProfile, program: Program, now: float
+) -> None:
+    """Pull, run ``program.duration_s``, then record its exit (once per incarnation)."""
+    if "exit" in runtime.extra:
+        exit_code, _ = runtime.extra["exit"]
+        restart = pod.get("spec", {}).get("restartPolicy", "Always")
+        if exit_code == 0 or restart == "Never" or runtime.crashed_at is None:
+            return
+        if now < runtime.crashed_at + cp.timings.crash_loop_backoff_s:
+            return
+        runtime.extra.pop("exit")
+        runtime.restart_count += 1
+        runtime.started_at = runtime.crashed_at + cp.timings.crash_loop_backoff_s
+        runtime.crashed_at = None
+    if runtime.started_at is None:
+        started = runtime.bound_at + profile.image_pull_s
+        if now < started:
+            return
+        runtime.started_at = started
+        cp.logs[o.uid_of(pod)] = program.started_output
+    ends = runtime.started_at + program.duration_s
+    if now < ends:
+        return
+    exit_code, output = program.finish()
+    uid = o.uid_of(pod)
+    cp.logs[uid] = cp.logs.get(uid, "") + output
+    runtime.extra["exit"] = (exit_code, ends)
+    runtime.last_terminated = {
+        "terminated": {
+            "exitCode": exit_code,
+            "reason": "Completed" if exit_code == 0 else "Error",
+            "startedAt": cp.clock.timestamp(runtime.started_at),
+            "finishedAt": cp.clock.timestamp(ends),
+        }
+    }
+    if exit_code != 0:
+        runtime.crashed_at = ends
 
 
 def _new_runtime(cp: ControlPlane, bound_at: float) -> PodRuntime:
@@ -102,7 +153,43 @@ def _container_ready(runtime: PodRuntime, now: float) -> bool:
     return ready_at is not None and now >= ready_at
 
 
+def _write_finished(cp: ControlPlane, pod: Obj, runtime: PodRuntime) -> bool:
+    """A program that exited under ``restartPolicy: Never`` (or succeeded): the pod's final status."""
+    if "exit" not in runtime.extra:
+        return False
+    exit_code, _ = runtime.extra["exit"]
+    if exit_code != 0 and pod.get("spec", {}).get("restartPolicy", "Always") != "Never":
+        return False
+    status = pod.setdefault("status", {})
+    terminated = dict((runtime.last_terminated or {}).get("terminated") or {})
+    terminated["containerID"] = f"containerd://{o.stable_hash([runtime.ip, runtime.restart_count], 32)}"
+    statuses = []
+    for container in pod["spec"].get("containers") or []:
+        statuses.append(
+            {
+                "name": container["name"],
+                "image": container.get("image", ""),
+                "imageID": f"{container.get('image', '')}@sha256:{o.stable_hash(container.get('image', ''), 32)}",
+                "ready": False,
+                "restartCount": runtime.restart_count,
+                "started": False,
+                "state": {"terminated": terminated},
+                "lastState": {},
+                "containerID": terminated["containerID"],
+            }
+        )
+    status["containerStatuses"] = statuses
+    status["phase"] = "Succeeded" if exit_code == 0 else "Failed"
+    timestamp = cp.clock.timestamp()
+    o.set_condition(pod, "PodReadyToStartContainers", "False", timestamp)
+    o.set_condition(pod, "ContainersReady", "False", timestamp, "PodCompleted")
+    o.set_condition(pod, "Ready", "False", timestamp, "PodCompleted")
+    return True
+
+
 def _write_status(cp: ControlPlane, pod: Obj, runtime: PodRuntime, node: Obj, now: float) -> None:
+    if _write_finished(cp, pod, runtime):
+        return
     stamp = cp.clock.timestamp
     status = pod.setdefault("status", {})
     spec = pod["spec"]

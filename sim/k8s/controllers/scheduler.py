@@ -53,9 +53,52 @@ def _filter_reason(pod: Obj, node: Obj, free: int) -> str | None:
     for key, value in (spec.get("nodeSelector") or {}).items():
         if node_labels.get(key) != value:
             return "node(s) didn't match Pod's node affinity/selector"
+    if not _required_affinity_matches(spec, node):
+        return "node(s) didn't match Pod's node affinity/selector"
     if o.pod_gpus(pod) > free:
         return f"Insufficient {GPU_RESOURCE}"
     return None
+
+
+def _expression_matches(expr: Obj, values_of: dict[str, str]) -> bool:
+    key, op, values = expr.get("key", ""), expr.get("operator", ""), list(expr.get("values") or [])
+    present = key in values_of
+    if op == "In":
+        return present and values_of[key] in values
+    if op == "NotIn":
+        return not present or values_of[key] not in values
+    if op == "Exists":
+        return present
+    if op == "DoesNotExist":
+        return not present
+    if op in ("Gt", "Lt") and present and values:
+        try:
+            have, want = int(values_of[key]), int(values[0])
+        except ValueError:
+            return False
+        return have > want if op == "Gt" else have < want
+    return False
+
+
+def _required_affinity_matches(spec: Obj, node: Obj) -> bool:
+    """``requiredDuringSchedulingIgnoredDuringExecution``: any term matches (its expressions all do)."""
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    )
+    if not required:
+        return True
+    labels = o.labels(node)
+    fields = {"metadata.name": o.name_of(node)}
+    for term in required.get("nodeSelectorTerms") or []:
+        exprs = term.get("matchExpressions") or []
+        field_exprs = term.get("matchFields") or []
+        if not exprs and not field_exprs:
+            continue  # an empty term matches no objects
+        if all(_expression_matches(e, labels) for e in exprs) and all(
+            _expression_matches(e, fields) for e in field_exprs
+        ):
+            return True
+    return False
 
 
 def _failure_message(total: int, reasons: Counter[str]) -> str:

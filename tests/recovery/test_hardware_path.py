@@ -1,0 +1,153 @@
+"""Step 8 on real interfaces: triage from dcgm-exporter series and node conditions, quarantine keyed
+on the machine, a DCGM qualification Job on that node only, the node back only after a pass, and
+the remediation loop cap. Real Temporal, real Postgres, the simulated fleet and its API server."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from kubernetes import client as kc
+from kubernetes import config as kconfig
+from sqlalchemy import create_engine, text
+from temporalio.client import Client
+
+from fleet.incident import LossReport
+from fleet.recovery import Phase
+from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX, QUARANTINE_LABEL, QUARANTINE_TAINT_KEY, FaultKind
+from tests.support import FAST, POOL, decisions, finish, incident_config, wait_for_child
+from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+TIMINGS = FAST.model_copy(update={"qualification_timeout_s": 30, "repair_wait_s": 60})
+
+
+def _scenario() -> Any:
+    scenario = compressed_scenario("gpu-node-loss")
+    return scenario.model_copy(update={"load": {**(scenario.load or {}), "qualification_s": 2.0}})
+
+
+def _core(rig: FleetRig) -> kc.CoreV1Api:
+    cfg = kc.Configuration()
+    kconfig.load_kube_config(config_file=str(rig.sim.kubeconfig), client_configuration=cfg)
+    return kc.CoreV1Api(kc.ApiClient(cfg))
+
+
+def _rows(url: str, scope: str) -> list[tuple[str, str, str, str]]:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT op_id, kind, target, state FROM ledger_effects WHERE op_id LIKE :p ORDER BY created_at"
+                ),
+                {"p": f"{PROCEDURE_OPERATION_PREFIX}{scope}@%"},
+            ).all()
+        return [(r[0], r[1], r[2], r[3]) for r in rows]
+    finally:
+        engine.dispose()
+
+
+def _job_node(url: str, op_id: str) -> str:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return str(
+                conn.execute(
+                    text("SELECT params->>'node' FROM ledger_effects WHERE op_id = :o"), {"o": op_id}
+                ).scalar()
+            )
+    finally:
+        engine.dispose()
+
+
+async def _serving(rig: FleetRig, n: int) -> list[str]:
+    for _ in range(120):
+        pods = await rig.routing_set(POOL)
+        if len(pods) >= n:
+            return pods
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"the pool never served {n} replicas")
+
+
+async def _follow_up_repairs(rig: FleetRig, node: str, seen_failure: asyncio.Event) -> None:
+    """The GPU-fault follow-up, after fleetmend said the node failed: drain the node, replace the GPU."""
+    await seen_failure.wait()
+    core = _core(rig)
+    pods = await asyncio.to_thread(
+        core.list_namespaced_pod, POOL.namespace, field_selector=f"spec.nodeName={node}"
+    )
+    for pod in pods.items:
+        await asyncio.to_thread(
+            core.delete_namespaced_pod, pod.metadata.name, POOL.namespace, grace_period_seconds=0
+        )
+    await rig.inject(FaultKind.GPU_XID, node, clear=True)
+
+
+async def test_an_xid_79_under_load_is_quarantined_fails_qualification_then_returns_after_the_repair(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    async with fleet_rig(
+        temporal_client, scenario=_scenario(), database_url=ledger_url, task_queue=task_queue
+    ) as rig:
+        leader = sorted(await _serving(rig, 5))[0]
+        core = _core(rig)
+        pod = await asyncio.to_thread(core.read_namespaced_pod, leader, POOL.namespace)
+        node = str(pod.spec.node_name)
+        machine = (await asyncio.to_thread(core.read_node, node)).spec.provider_id
+        await rig.start_load(rate=20, duration_s=200, seed=5)
+        await asyncio.sleep(2)
+        await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0)  # under load: the replica on GPU 0 dies
+        report = LossReport(pool=POOL, fingerprint="fp-xid", alert_name="FleetmendGpuXid", node=node)
+        incident = await rig.report_loss(report, incident_config(timings=TIMINGS))
+        child = await wait_for_child(temporal_client, incident)
+
+        failed = asyncio.Event()
+
+        async def watch() -> None:
+            while True:
+                status = await child.query("status")
+                if any("failed qualification" in d["summary"] for d in status["decisions"]):
+                    failed.set()
+                    return
+                await asyncio.sleep(0.3)
+
+        watcher = asyncio.create_task(watch())
+        repair = asyncio.create_task(_follow_up_repairs(rig, node, failed))
+        status = await finish(child, timeout_s=240)
+        watcher.cancel()
+        await repair
+        text_ = decisions(status)
+        assert status.phase == Phase.DONE, text_
+        # Triage from the exporter's Xid series: the GPU-fault path, with the evidence recorded.
+        assert status.figures["fault_class"] == "xid-ecc", text_
+        triage = next(d for d in status.decisions if d.summary.startswith(f"triage {node}"))
+        assert any("Xid 79 GPU_HAS_FALLEN_OFF_THE_BUS" in e for e in triage.figures["triage"]["evidence"]), (
+            triage
+        )
+        assert triage.figures["machine"] == machine
+        # First qualification failed (the node could not give the diagnostic its GPUs), the node stayed out;
+        # after the repair the next one passed and the node returned: uncordoned, untainted, unlabelled.
+        assert (
+            "failed qualification" in text_ and "looks repaired" in text_ and "passed qualification" in text_
+        )
+        obj = await asyncio.to_thread(core.read_node, node)
+        assert not obj.spec.unschedulable
+        assert QUARANTINE_TAINT_KEY not in {t.key for t in obj.spec.taints or []}
+        assert QUARANTINE_LABEL not in (obj.metadata.labels or {})
+        # The Jobs ran on that node only and were deleted afterwards.
+        jobs = kc.BatchV1Api(core.api_client)
+        assert (await asyncio.to_thread(jobs.list_namespaced_job, "fleetmend")).items == []
+        rows = _rows(ledger_url, child.id)
+        node_steps = [
+            op.split("@", 1)[1].split("/")[1] for op, _, target, _ in rows if target == f"node/{node}"
+        ]
+        # Each step once: the early fence (cordon), the quarantine (cordon + label, taint), the return.
+        assert sorted(node_steps) == ["fence", "quarantine", "quarantine-taint", "return-node"], rows
+        creates = [r for r in rows if r[1] == "k8s.job.create"]
+        deletes = [r for r in rows if r[1] == "k8s.job.delete"]
+        assert len(creates) == 2 and len(deletes) == 2, rows
+        assert {r[3] for r in creates + deletes} == {"applied"}
+        assert {_job_node(ledger_url, r[0]) for r in creates} == {node}  # pinned to that node only
