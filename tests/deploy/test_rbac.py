@@ -54,6 +54,17 @@ NEEDED_ELSEWHERE = {
     ("worker", "patch", "leaderworkerset.x-k8s.io", "leaderworkersets/scale"): "scale LeaderWorkerSet groups",
     ("worker", "list", "", "events"): "bad-rollout evidence (image pull / crash events)",
     ("webhook", "get", "", "pods"): "alerts that name a pod (tests/webhook/test_routing_k8s.py)",
+    ("worker", "watch", "", "nodes"): "the fast path's Node informer (tests/recovery/test_fast_path.py)",
+    ("worker", "watch", "", "pods"): "the fast path's Pod informer (tests/recovery/test_fast_path.py)",
+    (
+        "worker",
+        "watch",
+        "discovery.k8s.io",
+        "endpointslices",
+    ): "the fast path's EndpointSlice informer (tests/recovery/test_fast_path.py)",
+    ("worker", "get", "coordination.k8s.io", "leases"): "fast path leader election (tests/fastpath)",
+    ("worker", "create", "coordination.k8s.io", "leases"): "fast path leader election (tests/fastpath)",
+    ("worker", "update", "coordination.k8s.io", "leases"): "fast path leader election (tests/fastpath)",
 }
 
 
