@@ -211,17 +211,30 @@ async def test_two_workers_one_leads_kill_9_it_and_the_other_detects_the_next_lo
         **FAST_PATH_SETTINGS,
     ) as rig:
         log = tmp_path / "workers.log"
-        env = {"FLEETMEND_RECOVERY_TIMINGS": FAST.model_dump_json()}
-        workers = [start_worker_process(rig, log, extra_env=env) for _ in range(2)]
+        # Two workers on one machine: no fixed health port for both (each would want :8081).
+        env = {"FLEETMEND_RECOVERY_TIMINGS": FAST.model_dump_json(), "FLEETMEND_WORKER_HEALTH_PORT": "0"}
+        # Started one after the other, as a rollout does (two workers registering the same new
+        # deployment version at the same instant can be refused by Temporal with "too many requests").
+        leader = start_worker_process(rig, log, extra_env=env)
+        workers = [leader]
         try:
             first = await _holder(rig)
-            by_pid = {str(w.pid): w for w in workers}
-            leader = by_pid[first.rsplit("-", 1)[1]]  # identity is host-pid
-            standby = next(w for w in workers if w is not leader)
+            assert first.endswith(f"-{leader.pid}"), first  # identity is host-pid
+            standby = start_worker_process(rig, log, extra_env=env)
+            workers.append(standby)
+            deadline = time.monotonic() + 60
+            while f'"identity": "{first.rsplit("-", 1)[0]}-{standby.pid}"' not in log.read_text():
+                assert standby.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                await asyncio.sleep(0.2)  # until the standby campaigns
+            await asyncio.sleep(1.0)
             leader.send_signal(signal.SIGKILL)
             leader.wait(10)
             # The standby takes the Lease over within a lease period of its last sight of a renewal.
-            second = await _holder(rig, not_=first, timeout_s=15)
+            assert standby.poll() is None, log.read_text()[-3000:]
+            try:
+                second = await _holder(rig, not_=first, timeout_s=15)
+            except AssertionError as err:
+                raise AssertionError(f"{err}\n{log.read_text()[-4000:]}") from err
             assert second.endswith(f"-{standby.pid}"), (first, second)
             await asyncio.sleep(3)  # the new leader lists and probes
             assert (await rig.inject(FaultKind.NODE_LOST, "gpu-node-0"))["accepted"]
