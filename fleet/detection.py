@@ -14,7 +14,8 @@ Policy (``DetectionPolicy``):
 * a pod that is gone while it was still routed (deleted with the router-only
   label on: nobody derouted it first) is lost at once;
 * an engine is lost after ``failures_to_confirm`` consecutive failed health checks
-  (an EndpointSlice endpoint turning not-ready counts as one failure);
+  (an EndpointSlice endpoint turning not-ready counts as one failure) — once it has
+  answered a health check at all: a replica still starting is not lost;
 * a health check that answers, however slowly, resets the failure count: a slow
   but present replica is **not a loss** (recorded once per slow spell, so the
   record says why nothing was opened);
@@ -86,6 +87,7 @@ class EntityState(BaseModel):
     successes: int = 0
     reported: bool = Field(default=False, description="A loss was reported and not yet cleared")
     slow: bool = Field(default=False, description="In a slow spell (not-a-loss already recorded)")
+    answered: bool = Field(default=False, description="Its health check has answered at least once")
     evidence: tuple[Evidence, ...] = ()
 
 
@@ -130,6 +132,13 @@ def observe(
             f"{s.entity}: {what} ({evidence.describe()})",
         )
     if kind in (EvidenceKind.HEALTH_FAILED, EvidenceKind.ENDPOINT_NOT_READY):
+        if not s.answered:
+            # A replica that never answered is starting, not lost (its controller and the
+            # alert path own a start-up that fails).
+            return wait(
+                s.model_copy(update={"evidence": kept}),
+                f"{s.entity}: has not answered a health check yet (starting), not counted",
+            )
         failures = s.failures + 1
         new = s.model_copy(update={"failures": failures, "successes": 0, "slow": False, "evidence": kept})
         if failures >= p.failures_to_confirm:
@@ -139,7 +148,15 @@ def observe(
     # HEALTH_OK / NODE_READY: present.
     successes = s.successes + 1
     reported = s.reported and successes < p.successes_to_clear
-    new = s.model_copy(update={"failures": 0, "successes": successes, "reported": reported, "evidence": kept})
+    new = s.model_copy(
+        update={
+            "failures": 0,
+            "successes": successes,
+            "reported": reported,
+            "evidence": kept,
+            "answered": s.answered or kind is EvidenceKind.HEALTH_OK,
+        }
+    )
     slow = kind is EvidenceKind.HEALTH_OK and (evidence.latency_s or 0.0) >= p.slow_health_s
     if slow and not s.slow and not s.reported:
         return new.model_copy(update={"slow": True}), Detection(

@@ -150,7 +150,9 @@ class WorkloadSpec(_Strict):
 class Timings(_Strict):
     """Control-plane durations in sim seconds (Kubernetes defaults)."""
 
-    node_monitor_grace_s: float = Field(40.0, ge=0)
+    # kube-controller-manager --node-monitor-grace-period: 50 s since Kubernetes 1.32 (40 s before;
+    # kubernetes/kubernetes#126287).
+    node_monitor_grace_s: float = Field(50.0, ge=0)
     unreachable_toleration_s: int = Field(300, ge=0)
     not_ready_toleration_s: int = Field(300, ge=0)
     default_termination_grace_s: int = Field(30, ge=0)

@@ -195,11 +195,13 @@ def worker_env(rig: FleetRig) -> dict[str, str]:
     return env
 
 
-def start_worker_process(rig: FleetRig, log: Path) -> subprocess.Popen[bytes]:
+def start_worker_process(
+    rig: FleetRig, log: Path, extra_env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """A real ``fleetmend worker`` process (so a test can ``kill -9`` it)."""
     return subprocess.Popen(
         [sys.executable, "-m", "worker.cli", "worker"],
-        env=worker_env(rig),
+        env={**worker_env(rig), **(extra_env or {})},
         stdout=log.open("ab"),
         stderr=subprocess.STDOUT,
         cwd=REPO,

@@ -135,6 +135,7 @@ class ReplicaLossRecovery(Procedure):
         self._unmatched: list[str] = []
         self._expected_new = 0
         self._quarantined: list[str] = []
+        self._lost_ids: set[str] = set()  # groups this recovery confirmed lost (and handles)
         self._started_at = workflow.now().timestamp()
         self.set_fingerprints([r.fingerprint for r in self._reports])
 
@@ -206,6 +207,7 @@ class ReplicaLossRecovery(Procedure):
         lost = self._confirm(obs, self._reports)
         if not lost:
             return obs, []
+        self._lost_ids.update(g.id for g in lost)
         size = size_loss(obs.snapshot, [g.id for g in lost])
         self.decide(f"loss confirmed: {size.summary}", {"loss": size.model_dump(mode="json")})
         self.figure("groups_lost", size.groups_lost)
@@ -1077,8 +1079,16 @@ class ReplicaLossRecovery(Procedure):
         self._reports.extend(reports)
         self.set_fingerprints([r.fingerprint for r in self._reports])
         obs = await self._observe(check_progress=True, summary="confirm further losses")
-        more = self._confirm(obs, reports)
+        confirmed = self._confirm(obs, reports)
+        more = [g for g in confirmed if g.id not in self._lost_ids]
+        if confirmed and not more:
+            # The alert that follows the fast path (or a second alert) names groups this recovery
+            # already handles: absorbed, nothing to deroute again.
+            self.decide(
+                f"further report(s) name group(s) already handled: {', '.join(sorted(g.id for g in confirmed))}"
+            )
         if more:
+            self._lost_ids.update(g.id for g in more)
             self.decide(
                 f"{len(more)} more group(s) lost within the correlation window: "
                 f"{', '.join(g.id for g in more)}; derouting them now"

@@ -147,6 +147,8 @@ def test_fleetmend_lives_in_its_namespace_and_the_pool_binding_in_the_serving_on
             assert "namespace" not in o["metadata"], o["metadata"]["name"]
         elif o["kind"] == "RoleBinding" and o["metadata"]["name"] == "fleetmend-worker-qualification":
             assert o["metadata"]["namespace"] == "fleetmend"  # qualification Jobs run in fleetmend's own
+        elif o["kind"] == "RoleBinding" and o["metadata"]["name"] == "fleetmend-worker-fastpath-lease":
+            assert o["metadata"]["namespace"] == "fleetmend"  # the fast path's Lease lives with fleetmend
         elif o["kind"] == "RoleBinding":
             assert o["metadata"]["namespace"] == "inference"  # where the pools are (the sim's namespace)
         else:

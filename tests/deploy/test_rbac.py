@@ -66,6 +66,17 @@ NEEDED_ELSEWHERE = {
         for group, resource in (("", "services"), ("", "pods"), ("discovery.k8s.io", "endpointslices"))
         for verb in ("list", "watch")
     },
+    ("worker", "watch", "", "nodes"): "the fast path's Node informer (tests/recovery/test_fast_path.py)",
+    ("worker", "watch", "", "pods"): "the fast path's Pod informer (tests/recovery/test_fast_path.py)",
+    (
+        "worker",
+        "watch",
+        "discovery.k8s.io",
+        "endpointslices",
+    ): "the fast path's EndpointSlice informer (tests/recovery/test_fast_path.py)",
+    ("worker", "get", "coordination.k8s.io", "leases"): "fast path leader election (tests/fastpath)",
+    ("worker", "create", "coordination.k8s.io", "leases"): "fast path leader election (tests/fastpath)",
+    ("worker", "update", "coordination.k8s.io", "leases"): "fast path leader election (tests/fastpath)",
 }
 
 

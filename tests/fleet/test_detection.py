@@ -21,7 +21,8 @@ POD = "pod:inference/llama-0"
 
 
 def _run(kinds: list[EvidenceKind], latency: float | None = 0.01) -> list[Verdict]:
-    state: EntityState | None = None
+    """Verdicts for ``kinds`` on a replica that answered once before (that first OK is not returned)."""
+    state, _ = observe(None, Evidence(entity=POD, kind=EvidenceKind.HEALTH_OK, at=-1.0, latency_s=0.01))
     verdicts = []
     for i, kind in enumerate(kinds):
         ok = kind in (EvidenceKind.HEALTH_OK, EvidenceKind.NODE_READY)
@@ -36,12 +37,24 @@ FAIL, OK = EvidenceKind.HEALTH_FAILED, EvidenceKind.HEALTH_OK
 
 
 def test_two_consecutive_failed_health_checks_are_a_loss_with_the_evidence() -> None:
-    s, first = observe(None, Evidence(entity=POD, kind=FAIL, at=1.0, detail="connection refused"))
+    s, _ = observe(None, Evidence(entity=POD, kind=OK, at=0.5, latency_s=0.01))
+    s, first = observe(s, Evidence(entity=POD, kind=FAIL, at=1.0, detail="connection refused"))
     assert first.verdict is Verdict.WAIT and "1 of 2" in first.reason
     s, second = observe(s, Evidence(entity=POD, kind=FAIL, at=1.5, detail="HTTP 503"))
     assert second.loss and s.reported
     assert "2 consecutive failed checks" in second.reason and "HTTP 503" in second.reason
-    assert [e.at for e in second.evidence] == [1.0, 1.5]
+    assert [e.at for e in second.evidence] == [0.5, 1.0, 1.5]
+
+
+def test_a_replica_that_never_answered_is_starting_not_lost() -> None:
+    s: EntityState | None = None
+    for i in range(5):
+        s, d = observe(s, Evidence(entity=POD, kind=FAIL, at=float(i), detail="HTTP 503"))
+        assert d.verdict is Verdict.WAIT and "has not answered a health check yet" in d.reason
+    s, _ = observe(s, Evidence(entity=POD, kind=OK, at=5.0, latency_s=0.01))
+    s, _ = observe(s, Evidence(entity=POD, kind=FAIL, at=6.0))
+    _, d = observe(s, Evidence(entity=POD, kind=FAIL, at=7.0))
+    assert d.loss
 
 
 def test_node_not_ready_and_a_routed_pod_gone_are_losses_at_once() -> None:

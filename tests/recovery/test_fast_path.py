@@ -10,18 +10,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client as k8s_client
+from kubernetes import config as k8s_config
 from temporalio.client import Client
 
 from fleet.detection import Verdict
 from fleet.incident import incident_workflow_id
 from fleet.recovery import Phase, ProcedureStatus, ServingObjectives
 from fleet.vocabulary import FaultKind
-from tests.support import FAST, GROUP_CAPACITY_RPS, POOL, decisions, finish, wait_for_child
+from tests.support import (
+    FAST,
+    GROUP_CAPACITY_RPS,
+    POOL,
+    decisions,
+    finish,
+    start_worker_process,
+    stop_processes,
+    wait_for_child,
+)
 from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
 from worker.fastpath.service import FAST_PATH_ALERT, FastPath, build_fast_path
 from worker.webhook.alertmanager import AlertmanagerPayload
@@ -160,3 +173,81 @@ async def test_a_slow_replica_opens_nothing_its_health_answers(
         # Slow at 0.3x, but present: every /health answered, no failure counted, no loss reported.
         assert state is not None and state.successes >= 5 and state.failures == 0 and not state.reported
         assert not [d for d in fast.detections if d.verdict is Verdict.LOSS], fast.detections
+
+
+def _lease_holder(rig: FleetRig) -> str | None:
+    api = k8s_config.new_client_from_config(config_file=str(rig.settings.kubeconfig), context="sim")
+    try:
+        lease = k8s_client.CoordinationV1Api(api).read_namespaced_lease(
+            rig.settings.fastpath_lease_name, rig.settings.fastpath_lease_namespace
+        )
+        return lease.spec.holder_identity if lease.spec else None
+    except k8s_client.exceptions.ApiException:
+        return None
+    finally:
+        api.close()
+
+
+async def _holder(rig: FleetRig, *, not_: str | None = None, timeout_s: float = 60) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        holder = await asyncio.to_thread(_lease_holder, rig)
+        if holder and holder != not_:
+            return holder
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"no lease holder other than {not_!r} within {timeout_s} s")
+
+
+async def test_two_workers_one_leads_kill_9_it_and_the_other_detects_the_next_loss(
+    temporal_client: Client, task_queue: str, ledger_url: str, tmp_path: Path
+) -> None:
+    async with fleet_rig(
+        temporal_client,
+        scenario=compressed_scenario("gpu-node-loss"),
+        database_url=ledger_url,
+        task_queue=task_queue,
+        run_worker=False,
+        fastpath_enabled=True,
+        **FAST_PATH_SETTINGS,
+    ) as rig:
+        log = tmp_path / "workers.log"
+        # Two workers on one machine: no fixed health port for both (each would want :8081).
+        env = {"FLEETMEND_RECOVERY_TIMINGS": FAST.model_dump_json(), "FLEETMEND_WORKER_HEALTH_PORT": "0"}
+        # Started one after the other, as a rollout does (two workers registering the same new
+        # deployment version at the same instant can be refused by Temporal with "too many requests").
+        leader = start_worker_process(rig, log, extra_env=env)
+        workers = [leader]
+        try:
+            first = await _holder(rig)
+            assert first.endswith(f"-{leader.pid}"), first  # identity is host-pid
+            standby = start_worker_process(rig, log, extra_env=env)
+            workers.append(standby)
+            deadline = time.monotonic() + 60
+            while f'"identity": "{first.rsplit("-", 1)[0]}-{standby.pid}"' not in log.read_text():
+                assert standby.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                await asyncio.sleep(0.2)  # until the standby campaigns
+            await asyncio.sleep(1.0)
+            leader.send_signal(signal.SIGKILL)
+            leader.wait(10)
+            # The standby takes the Lease over within a lease period of its last sight of a renewal.
+            assert standby.poll() is None, log.read_text()[-3000:]
+            try:
+                second = await _holder(rig, not_=first, timeout_s=15)
+            except AssertionError as err:
+                raise AssertionError(f"{err}\n{log.read_text()[-4000:]}") from err
+            assert second.endswith(f"-{standby.pid}"), (first, second)
+            await asyncio.sleep(3)  # the new leader lists and probes
+            assert (await rig.inject(FaultKind.NODE_LOST, "gpu-node-0"))["accepted"]
+            incident = temporal_client.get_workflow_handle(incident_workflow_id(POOL))
+            child = await wait_for_child(temporal_client, incident, timeout_s=30)
+            deadline = time.monotonic() + 30
+            text_ = ""
+            while "reported by the fast path" not in text_:
+                assert time.monotonic() < deadline, text_ + "\n" + log.read_text()[-3000:]
+                await asyncio.sleep(0.5)
+                with contextlib.suppress(Exception):
+                    text_ = decisions(await child.query("status", result_type=ProcedureStatus))
+            assert FAST_PATH_ALERT in text_
+            assert standby.poll() is None
+        finally:
+            stop_processes(*workers)

@@ -635,6 +635,12 @@ def build_report(
         "workflow_id": status.workflow,
         "temporal_ui": run.workflow_url(),
         "alert_path": run.alert_path,
+        # Who opened the incident: the worker's fast path (the alert, later, absorbed) or the alert.
+        "opened_by": (
+            "fast path (watch + /health); the alert absorbed"
+            if any(d.summary.startswith("reported by the fast path") for d in status.decisions)
+            else "alert path"
+        ),
         "final_phase": status.phase.value,
         "awaiting": status.awaiting,
         "phases": [
@@ -721,6 +727,7 @@ SUMMARY_KEYS = (
     "verdict",
     "verdict_reason",
     "alert_path",
+    "opened_by",
     "alert_seconds",
     "deroute_seconds",
     "fleetmend_deroute_seconds",
