@@ -7,17 +7,15 @@ is gone when it stops, even when the supervisor itself is killed.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
-
-_PR_SET_PDEATHSIG = 1
 
 
 class StackError(RuntimeError):
@@ -66,12 +64,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: if the supervisor dies (even by
-    # SIGKILL) the kernel sends the child SIGTERM, so no orphan keeps a port.
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _dying_with_parent(argv: Sequence[str]) -> list[str]:
+    """``argv`` run through util-linux ``setpriv --pdeathsig TERM``: if the supervisor dies (even by
+    SIGKILL) the kernel sends the child SIGTERM, so no orphan keeps a port.
+
+    Not a ``preexec_fn``: running Python between fork and exec in a process with other threads
+    (gRPC's, the sim's, the activity pool's) can deadlock or crash the child, and a process that
+    hosts the gateway control plane always has them. Without setpriv the child simply outlives a
+    killed supervisor (``terminate`` still stops it on every orderly exit).
+    """
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *argv] if setpriv else list(argv)
 
 
 def spawn(
@@ -82,13 +85,12 @@ def spawn(
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with log_file.open("ab") as log:
         return subprocess.Popen(
-            list(argv),
+            _dying_with_parent(argv),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
         )
 
 
