@@ -88,6 +88,9 @@ def dev_config(dev_root: Path) -> DevConfig:
             "FLEETMEND_WORKER_METRICS_PORT": str(metrics),
             "FLEETMEND_WEBHOOK_PORT": str(free_port()),
             "FLEETMEND_SIM_PORT": str(free_port()),
+            "FLEETMEND_GATEWAY_LISTEN_PORT": str(free_port()),
+            "FLEETMEND_GATEWAY_ADMIN_PORT": str(free_port()),
+            "FLEETMEND_XDS_PORT": str(free_port()),
             "FLEETMEND_TASK_QUEUE": task_queue,
             "COLUMNS": "400",  # one table row per line, so the test can read it
         }

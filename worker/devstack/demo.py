@@ -130,12 +130,20 @@ def demo_settings(base: Settings, scenario: DemoScenario) -> Settings:
         sim = load_scenario(SCENARIO_DIR / f"{scenario.sim_scenario}.yaml")
     scenario_file = state / f"{scenario.sim_scenario}.yaml"
     scenario_file.write_text(yaml.safe_dump(sim.model_dump(mode="json", exclude_none=True), sort_keys=False))
+    # The demo's Envoy and control plane take free ports unless told otherwise: two demos (or a
+    # demo beside `fleetmend dev`) never fight over 8080 / 9901 / 18000.
+    ports = {
+        name: 0
+        for name in ("gateway_listen_port", "gateway_admin_port", "xds_port")
+        if name not in base.model_fields_set
+    }
     return base.model_copy(
         update={
             "state_dir": state,
             "sim_scenario": scenario_file,
             "recovery_timings": DEMO_TIMINGS,
             "serving_objectives": ServingObjectives(group_capacity_rps=GROUP_CAPACITY_RPS),
+            **ports,
         }
     )
 
