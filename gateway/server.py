@@ -157,22 +157,29 @@ class ControlPlane:
         self.known_hosts: dict[str, tuple[str, str]] = {}
         self.request_retention_s = 6 * 3600.0
         self._last_prune = 0.0
+        self._inputs: object = None
 
     async def refresh(self) -> Snapshot:
         """Rebuild from Kubernetes and Postgres; wakes every stream when a version moved."""
         hosts, policies = await asyncio.gather(
             asyncio.to_thread(self._read_hosts), asyncio.to_thread(self.store.all)
         )
+        # Rendering (and checking every resource against Envoy's protos) only when an input moved:
+        # most refreshes see the same routing set and the same policy revisions.
+        inputs = (tuple(sorted(hosts.items())), tuple(sorted((p.pool, p.revision) for p in policies)))
+        now = time.time()
+        if now - self._last_prune > 60:
+            self._last_prune = now
+            await asyncio.to_thread(self.store.prune_requests, now - self.request_retention_s)
+        if self.snapshot is not None and inputs == self._inputs:
+            return self.snapshot
+        self._inputs = inputs
         fresh = build_snapshot(hosts, policies, self.data_plane)
         for pool in fresh.pools:
             for h in pool.hosts:
                 self.known_hosts[f"{h.address}:{h.port}"] = (pool.pool, h.pod)
         if len(self.known_hosts) > 100_000:  # bound the memory: keep the newest half
             self.known_hosts = dict(list(self.known_hosts.items())[-50_000:])
-        now = time.time()
-        if now - self._last_prune > 60:
-            self._last_prune = now
-            await asyncio.to_thread(self.store.prune_requests, now - self.request_retention_s)
         if self.snapshot is None or fresh.versions != self.snapshot.versions:
             async with self._changed:
                 self.snapshot = fresh

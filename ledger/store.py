@@ -130,7 +130,7 @@ DEFAULT_WAIT_SECONDS = 10.0
 _LEASE_SAFETY = 0.8
 
 
-def make_engine(url: str, *, pool_size: int = 10, max_overflow: int = 20) -> Engine:
+def make_engine(url: str, *, pool_size: int = 10, max_overflow: int = 20, pre_ping: bool = False) -> Engine:
     """An engine fit for the ledger: autocommit READ COMMITTED statements, synchronous commit forced on,
     a shared pool.
 
@@ -145,6 +145,9 @@ def make_engine(url: str, *, pool_size: int = 10, max_overflow: int = 20) -> Eng
         # Most recently used first: a quiet worker keeps reusing one warm connection (and its prepared
         # statements) instead of cycling through the whole pool.
         pool_use_lifo=True,
+        # Readers outside the ledger's hot path (the rig's and the demo's gateway reads) ask for a
+        # ping, so a database restart costs them nothing.
+        pool_pre_ping=pre_ping,
         # Every ledger write is one conditional statement, so each runs as its own READ COMMITTED
         # transaction (one round trip, durable on return); multi-statement work asks for a transaction.
         isolation_level="AUTOCOMMIT",

@@ -824,7 +824,9 @@ async def run_demo(
         console.print(f"Temporal UI: [cyan]{s.temporal_ui_url}[/]   sim: {s.router_admin_url}")
         assert s.kubeconfig is not None
         async with httpx.AsyncClient(base_url=s.router_admin_url, timeout=10) as http:
-            envoy = EnvoyGateway(GatewayStore(make_engine(s.database_url_value() or "", pool_size=2)))
+            envoy = EnvoyGateway(
+                GatewayStore(make_engine(s.database_url_value() or "", pool_size=2, pre_ping=True))
+            )
             world = World(http, s.kubeconfig, envoy)
             pool = scenario.pool
 

@@ -114,7 +114,9 @@ class FleetRig:
         """The gateway adapter, as the worker's activities use it (Envoy through the control plane)."""
         if self._envoy is None:
             self._envoy = EnvoyGateway(
-                GatewayStore(make_engine(self.settings.database_url_value() or "", pool_size=2))
+                GatewayStore(
+                    make_engine(self.settings.database_url_value() or "", pool_size=2, pre_ping=True)
+                )
             )
         return self._envoy
 
