@@ -38,7 +38,7 @@ async def test_envoy_killed_mid_recovery_comes_back_with_the_current_state_and_t
         assert rig.gateway is not None
         while len(await rig.routing_set(POOL)) < 5:
             await asyncio.sleep(0.5)
-        load = await rig.start_load(rate=30, duration_s=120, seed=5)
+        load = await rig.start_load(rate=20, duration_s=120, seed=5)
         await asyncio.sleep(3)
         assert (await rig.inject(FaultKind.NODE_LOST, "gpu-node-0"))["accepted"]
         incident = await rig.report_loss(node_report("gpu-node-0"), incident_config())
@@ -54,8 +54,10 @@ async def test_envoy_killed_mid_recovery_comes_back_with_the_current_state_and_t
                 break
             await asyncio.sleep(0.1)
         assert set(await rig.routing_set(POOL)) >= routed_before
-        stored = await asyncio.to_thread(rig.envoy.policy, POOL)
-        assert await asyncio.to_thread(rig.envoy.applied, POOL, stored) is not None  # the new Envoy ACKed it
+        stored = await asyncio.to_thread(rig.gateway_adapter.policy, POOL)
+        assert (
+            await asyncio.to_thread(rig.gateway_adapter.applied, POOL, stored) is not None
+        )  # the new Envoy ACKed it
         assert policy_before["admission"]["shed_tiers"] or policy_before["admission"]["partial_shed"]
 
         status = await finish(child)

@@ -36,6 +36,8 @@ from temporalio.client import Client, WorkflowHandle, WorkflowQueryFailedError
 from temporalio.service import RPCError
 
 from activities.envoy_gateway import EnvoyGateway
+from activities.gateway import Gateway, SimRouterGateway
+from activities.router_client import RouterClient
 from fleet.incident import PoolRef, incident_workflow_id, scale_down_workflow_id
 from fleet.protocol import FaultRequest, JournalEntry, Outcome
 from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, RecoveryTimings, ServingObjectives
@@ -46,7 +48,7 @@ from ledger.store import make_engine
 from worker.config import KEPT_STACK_FILE, Settings, kept_stack_env
 from worker.devstack.rig import compressed_scenario
 from worker.devstack.scenarios import GROUP_CAPACITY_RPS, DemoScenario, PodPlace, Verdict, lost_group_pods
-from worker.devstack.stack import DevStack, display_database_url
+from worker.devstack.stack import ALL_PARTS, DevStack, display_database_url
 from worker.processes import StackError
 from worker.webhook.app import ALERTMANAGER_PATH
 from worker.webhook.examples import example_payload
@@ -104,6 +106,18 @@ class DemoRun:
         from urllib.parse import quote
 
         return f"{self.ui_url.rstrip('/')}/namespaces/default/workflows/{quote(self.workflow_id, safe='')}"
+
+
+def demo_parts(settings: Settings) -> tuple[str, ...]:
+    """The demo's stack: with Envoy in the data path only when FLEETMEND_GATEWAY=envoy is set.
+
+    By default the demo's users go through the simulator's own router: streaming every request
+    through Envoy over real sockets doubles the sim process's CPU per request, and the loaded demo
+    fleet then starves its own API server on a 2-core machine.
+    """
+    if "gateway" in settings.model_fields_set and settings.gateway == "envoy":
+        return ALL_PARTS
+    return tuple(p for p in ALL_PARTS if p != "gateway")
 
 
 def demo_settings(base: Settings, scenario: DemoScenario) -> Settings:
@@ -236,7 +250,7 @@ def keep_running_hint(env_file: Path) -> str:
 class World:
     """The sim's HTTP API and Kubernetes API, as the demo uses them."""
 
-    def __init__(self, http: httpx.AsyncClient, kubeconfig: Path, gateway: EnvoyGateway) -> None:
+    def __init__(self, http: httpx.AsyncClient, kubeconfig: Path, gateway: Gateway) -> None:
         from kubernetes import client as kc
         from kubernetes import config as kconfig
 
@@ -298,7 +312,7 @@ class World:
         """Every request of the pool as Envoy reported it (its access-log service)."""
         return await asyncio.to_thread(self.gateway.request_outcomes, pool)
 
-    async def envoy_figures(self, pool: PoolRef) -> dict[str, int]:
+    async def gateway_figures(self, pool: PoolRef) -> dict[str, int]:
         """The report's request figures as Envoy counted them."""
         entries = await self.journal(pool)
         counts = {o.value: 0 for o in Outcome}
@@ -760,11 +774,11 @@ async def gateway_report(world: World, pool: PoolRef) -> dict[str, Any]:
     requests: dict[str, Any] = {}
     weights: dict[str, float] = {}
     with contextlib.suppress(Exception):  # a report without Envoy's figures says so, it does not fail
-        requests = await world.envoy_figures(pool)
+        requests = await world.gateway_figures(pool)
         weights = {
             e.pod: e.weight for e in (await asyncio.to_thread(world.gateway.routing_set, pool)).endpoints
         }
-    return {"requests_seen_by_envoy": requests or None, "envoy_weights_now": weights or None}
+    return {"requests_seen": requests or None, "weights_now": weights or None}
 
 
 def summary_table(report: dict[str, Any]) -> Table:
@@ -818,16 +832,20 @@ async def run_demo(
     settings = demo_settings(settings, scenario)
     console.print(f"[bold]fleetmend demo[/] {scenario.name}: {scenario.summary}")
     console.print(f"starting the embedded stack under {settings.state_dir} ...")
-    async with DevStack(settings) as stack, stack_env(stack.settings) as env_file:
+    async with DevStack(settings, parts=demo_parts(settings)) as stack, stack_env(stack.settings) as env_file:
         s = stack.settings
         run = DemoRun(scenario=scenario, ui_url=s.temporal_ui_url)
         console.print(f"Temporal UI: [cyan]{s.temporal_ui_url}[/]   sim: {s.router_admin_url}")
         assert s.kubeconfig is not None
         async with httpx.AsyncClient(base_url=s.router_admin_url, timeout=10) as http:
-            envoy = EnvoyGateway(
-                GatewayStore(make_engine(s.database_url_value() or "", pool_size=2, pre_ping=True))
-            )
-            world = World(http, s.kubeconfig, envoy)
+            adapter: Gateway
+            if s.gateway == "envoy":
+                adapter = EnvoyGateway(
+                    GatewayStore(make_engine(s.database_url_value() or "", pool_size=2, pre_ping=True))
+                )
+            else:
+                adapter = SimRouterGateway(RouterClient(s.router_admin_url), s.router_admin_url)
+            world = World(http, s.kubeconfig, adapter)
             pool = scenario.pool
 
             async def fleet_up() -> bool:
@@ -882,7 +900,8 @@ async def run_demo(
             )
             report["worker_metrics"] = metrics
             report["gateway"] = await gateway_report(world, pool)
-            envoy.store.engine.dispose()
+            if isinstance(adapter, EnvoyGateway):
+                adapter.store.engine.dispose()
             console.print(summary_table(report))
             if report_path is not None:  # written before --keep-running blocks, so it can be read meanwhile
                 write_report(report, report_path)

@@ -24,6 +24,8 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
 from activities.envoy_gateway import EnvoyGateway
+from activities.gateway import Gateway, SimRouterGateway
+from activities.router_client import RouterClient
 from fleet.incident import (
     FLEET_INCIDENT_WORKFLOW,
     REPORT_LOSS_SIGNAL,
@@ -52,7 +54,7 @@ class FleetRig:
     worker: Worker | None = None
     gateway: LocalGateway | None = None
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
-    _envoy: EnvoyGateway | None = None
+    _envoy: Gateway | None = None
 
     @property
     def base_url(self) -> str:
@@ -110,8 +112,10 @@ class FleetRig:
         return list(r.json())
 
     @property
-    def envoy(self) -> EnvoyGateway:
-        """The gateway adapter, as the worker's activities use it (Envoy through the control plane)."""
+    def gateway_adapter(self) -> Gateway:
+        """The gateway adapter, as the worker's activities use it (Envoy, or the sim's router)."""
+        if self._envoy is None and self.gateway is None:
+            self._envoy = SimRouterGateway(RouterClient(self.base_url), self.base_url)
         if self._envoy is None:
             self._envoy = EnvoyGateway(
                 GatewayStore(
@@ -122,7 +126,7 @@ class FleetRig:
 
     async def routing_set(self, pool: PoolRef) -> list[str]:
         """The pods Envoy would send a new request of the pool to, now."""
-        return [e.pod for e in (await asyncio.to_thread(self.envoy.routing_set, pool)).endpoints]
+        return [e.pod for e in (await asyncio.to_thread(self.gateway_adapter.routing_set, pool)).endpoints]
 
     def engine_url(self, namespace: str, pod: str) -> str:
         """``http://{podIP}:{engine port}``: where the pod's engine listens, as fleetmend reaches it."""
@@ -138,7 +142,7 @@ class FleetRig:
 
     async def router_state(self, pool: PoolRef) -> dict[str, Any]:
         """The pool's gateway policy (weights, admission, retry) as fleetmend last set it in Envoy."""
-        return (await asyncio.to_thread(self.envoy.policy, pool)).model_dump(mode="json")
+        return (await asyncio.to_thread(self.gateway_adapter.policy, pool)).model_dump(mode="json")
 
 
 @contextlib.asynccontextmanager
@@ -150,9 +154,15 @@ async def fleet_rig(
     task_queue: str,
     speed: float = 1.0,
     run_worker: bool = True,
+    through_envoy: bool = False,
     **overrides: Any,
 ) -> AsyncIterator[FleetRig]:
-    """Serve ``scenario`` (a path or a ``sim.scenario.Scenario``) and run a worker wired to it."""
+    """Serve ``scenario`` (a path or a ``sim.scenario.Scenario``) and run a worker wired to it.
+
+    ``through_envoy``: users' requests go through a real Envoy that fleetmend configures (the
+    control plane on a thread, Envoy a child process) and the worker acts on it; otherwise on the
+    simulator's own router.
+    """
     from sim.runner import start_sim
 
     sim = await asyncio.to_thread(start_sim, scenario, speed)
@@ -172,7 +182,11 @@ async def fleet_rig(
             task_queue=task_queue,
             database_url=database_url,
             worker_metrics_port=0,
-            **{**settings_for_running_sim(sim), **gateway.settings_for_clients(), **overrides},
+            **{
+                **settings_for_running_sim(sim),
+                **(gateway.settings_for_clients() if gateway else {}),
+                **overrides,
+            },
         )
         async with httpx.AsyncClient(base_url=sim.base_url, timeout=10.0) as http:
             reply = await http.put(
@@ -191,7 +205,7 @@ async def fleet_rig(
                     rig.worker = worker
                     yield rig
     finally:
-        if rig is not None and rig._envoy is not None:
+        if rig is not None and isinstance(rig._envoy, EnvoyGateway):
             rig._envoy.store.engine.dispose()
         if gateway is not None:
             await asyncio.to_thread(gateway.stop)
