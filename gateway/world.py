@@ -14,7 +14,6 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from activities import kube_reads as kr
 from activities.kube import KubeApis
 from fleet.vocabulary import ROUTER_LABEL, ROUTER_LABEL_VALUE
 from gateway.resources import RoutedHost
@@ -64,35 +63,6 @@ def hosts_from(
                 pod=pod, address=addresses[0], port=int(port), node=ep.get("nodeName")
             )
     return {pool: tuple(sorted(hosts[pool].values(), key=lambda h: h.pod)) for pool in sorted(pools)}
-
-
-def routed_hosts(
-    kube: KubeApis,
-    *,
-    service_selector: str | None = None,
-    router_label: str = ROUTER_LABEL,
-    router_label_value: str = ROUTER_LABEL_VALUE,
-) -> dict[str, tuple[RoutedHost, ...]]:
-    """One read of the routing set: three cluster-wide LISTs (``RoutingWatch`` keeps it current instead)."""
-
-    def items(listed: Any) -> list[Obj]:
-        return list(kr._load(listed).get("items", []))
-
-    return hosts_from(
-        items(
-            kube.core.list_service_for_all_namespaces(
-                label_selector=service_selector or "", _preload_content=False
-            )
-        ),
-        items(kube.discovery.list_endpoint_slice_for_all_namespaces(_preload_content=False)),
-        items(
-            kube.core.list_pod_for_all_namespaces(
-                label_selector=f"{router_label}={router_label_value}", _preload_content=False
-            )
-        ),
-        router_label=router_label,
-        router_label_value=router_label_value,
-    )
 
 
 class RoutingWatch:
