@@ -34,6 +34,7 @@ async def test_envoy_killed_mid_recovery_comes_back_with_the_current_state_and_t
         scenario=compressed_scenario("gpu-node-loss"),
         database_url=ledger_url,
         task_queue=task_queue,
+        through_envoy=True,
     ) as rig:
         assert rig.gateway is not None
         while len(await rig.routing_set(POOL)) < 5:

@@ -169,13 +169,14 @@ async def fleet_rig(
     gateway: LocalGateway | None = None
     rig: FleetRig | None = None
     try:
-        # Users' requests go through a real Envoy that fleetmend configures (worker.devstack.gateway).
-        gateway = LocalGateway(
-            kubeconfig=Path(sim.kubeconfig),
-            database_url=database_url,
-            workdir=Path(sim.kubeconfig).parent / "gateway",
-        )
-        await asyncio.to_thread(gateway.start)
+        if through_envoy:
+            # Users' requests go through a real Envoy that fleetmend configures (worker.devstack.gateway).
+            gateway = LocalGateway(
+                kubeconfig=Path(sim.kubeconfig),
+                database_url=database_url,
+                workdir=Path(sim.kubeconfig).parent / "gateway",
+            )
+            await asyncio.to_thread(gateway.start)
         settings = load_settings(
             temporal_address=client.service_client.config.target_host,
             temporal_namespace=client.namespace,
@@ -189,10 +190,11 @@ async def fleet_rig(
             },
         )
         async with httpx.AsyncClient(base_url=sim.base_url, timeout=10.0) as http:
-            reply = await http.put(
-                "/sim/v1/gateway", json={"url": gateway.url, "upstream_header": UPSTREAM_HEADER}
-            )
-            reply.raise_for_status()
+            if gateway is not None:
+                reply = await http.put(
+                    "/sim/v1/gateway", json={"url": gateway.url, "upstream_header": UPSTREAM_HEADER}
+                )
+                reply.raise_for_status()
             rig = FleetRig(client=client, settings=settings, sim=sim, http=http, gateway=gateway)
             if not run_worker:
                 yield rig
