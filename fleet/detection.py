@@ -11,8 +11,11 @@ Policy (``DetectionPolicy``):
 
 * a node whose Ready condition is Unknown or False is lost at once (the node
   controller already waited its grace period);
-* a pod that is gone while it was still routed (deleted with the router-only
-  label on: nobody derouted it first) is lost at once;
+* a pod that is gone while it was still routed (force-deleted with the router-only
+  label on: nobody derouted it first) is lost at once. A pod terminated gracefully
+  (a rollout, a scale-down, ``kubectl delete pod``: its EndpointSlice endpoint says
+  ``terminating``) is a disruption somebody planned and its controller replaces;
+  the fast path sends no evidence about it (``worker.fastpath.service``);
 * an engine is lost after ``failures_to_confirm`` consecutive failed health checks
   (an EndpointSlice endpoint turning not-ready counts as one failure) — once it has
   answered a health check at all: a replica still starting is not lost;

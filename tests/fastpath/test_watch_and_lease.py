@@ -132,3 +132,48 @@ def test_one_lease_holder_a_standby_takes_over_after_the_holder_stops_renewing_a
         LeaderElector(
             lambda: api, namespace=NS, name="x", identity="y", lease_duration_s=1, renew_deadline_s=2
         )
+
+
+async def test_a_graceful_deletion_of_a_routed_pod_sends_no_evidence_a_forced_one_is_a_loss(
+    short_history: RunningSim,
+) -> None:
+    """A rollout or `kubectl delete pod` terminates gracefully (the EndpointSlice endpoint turns
+    ``terminating``): planned, replaced by its controller, not a loss. A forced deletion (grace 0)
+    of a routed pod nobody derouted is one."""
+    sim = short_history
+    core = _core(sim)
+    discovery = client.DiscoveryV1Api(core.api_client)
+    settings = load_settings(**settings_for_running_sim(sim))
+    fast = FastPath(settings, _no_delivery, topology=None)  # type: ignore[arg-type]  # no lookup here
+    fast._loop, fast._queue = asyncio.get_running_loop(), asyncio.Queue()
+    fast.informers = [
+        Informer("pods", core.list_pod_for_all_namespaces, fast._on_pod, label_selector=MODEL_LABEL),
+        Informer("endpointslices", discovery.list_endpoint_slice_for_all_namespaces, fast._on_slice),
+    ]
+    halt = threading.Event()
+    threads = [threading.Thread(target=i.run, args=(halt,), daemon=True) for i in fast.informers]
+    for t in threads:
+        t.start()
+    try:
+        routed = sorted(p.metadata.name for p in core.list_namespaced_pod(NS, label_selector=ROUTER_LABEL).items)
+        graceful, forced = routed[0], routed[1]
+        await asyncio.sleep(0.5)
+        core.delete_namespaced_pod(graceful, NS)  # its terminationGracePeriodSeconds
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(
+            p.metadata.name == graceful for p in core.list_namespaced_pod(NS).items
+        ):
+            await asyncio.sleep(0.2)
+        assert all(p.metadata.name != graceful for p in core.list_namespaced_pod(NS).items), "still terminating"
+        core.delete_namespaced_pod(forced, NS, grace_period_seconds=0)
+        await asyncio.sleep(1.0)
+    finally:
+        halt.set()
+        for i in fast.informers:
+            i.stop()
+    evidence = [fast._queue.get_nowait() for _ in range(fast._queue.qsize())]
+    about = {e.entity for e in evidence}
+    assert f"pod:{NS}/{graceful}" not in about, evidence
+    assert [(e.entity, e.kind) for e in evidence if e.entity == f"pod:{NS}/{forced}"] == [
+        (f"pod:{NS}/{forced}", EvidenceKind.POD_GONE)
+    ], evidence

@@ -186,6 +186,11 @@ class FastPath:
         if kind != "DELETED" or not self._routed(pod):
             return
         meta = pod.get("metadata") or {}
+        if (meta.get("deletionGracePeriodSeconds") or 0) > 0:
+            # Terminated gracefully (a rollout, a scale-down, `kubectl delete pod`): a disruption its
+            # controller or operator planned, whose replacement the controller makes. Not a loss;
+            # a forced deletion (grace 0) of a routed pod is one.
+            return
         self._gone[f"{meta.get('namespace')}/{meta.get('name')}"] = pod
         node = (pod.get("spec") or {}).get("nodeName") or ""
         self._push(
@@ -210,10 +215,13 @@ class FastPath:
         for ep in eps.get("endpoints") or []:
             ref = ep.get("targetRef") or {}
             key = f"{ref.get('namespace') or namespace}/{ref.get('name')}"
+            conditions = ep.get("conditions") or {}
             if (
                 ref.get("kind") == "Pod"
                 and key in routed
-                and (ep.get("conditions") or {}).get("ready") is False
+                and conditions.get("ready") is False
+                # A terminating endpoint is a pod being deleted on purpose (see _on_pod), not lost.
+                and not conditions.get("terminating")
             ):
                 self._push(
                     Evidence(
