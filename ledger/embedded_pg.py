@@ -8,7 +8,11 @@ is called, so ``fleetmend dev`` restarts reuse the ledger. Production points
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
+import time
 import warnings
 from pathlib import Path
 from types import TracebackType
@@ -100,11 +104,25 @@ class EmbeddedPostgres:
             try:
                 self._pg_ctl("-m", mode, "stop")
             except subprocess.CalledProcessError as exc:
-                if (self.directory / "postmaster.pid").exists():
-                    raise EmbeddedPostgresError(
-                        f"embedded Postgres under {self.directory} did not stop ({exc}); see {self.directory / 'log'}"
-                    ) from exc
+                # pg_ctl itself can die (a SIGSEGV was seen on CI); the postmaster takes the same
+                # request as a signal, as PostgreSQL documents it (SIGTERM smart, SIGINT fast,
+                # SIGQUIT immediate).
+                self._signal_postmaster(info.pid, mode, exc)
         self._server._postmaster_info = None
+
+    def _signal_postmaster(self, pid: int, mode: str, cause: Exception, wait_s: float = 60.0) -> None:
+        signum = {"smart": signal.SIGTERM, "fast": signal.SIGINT, "immediate": signal.SIGQUIT}[mode]
+        pidfile = self.directory / "postmaster.pid"
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+        deadline = time.monotonic() + wait_s
+        while pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if pidfile.exists():
+            raise EmbeddedPostgresError(
+                f"embedded Postgres under {self.directory} did not stop (pg_ctl: {cause}; "
+                f"{signum.name} to pid {pid} then {wait_s:g} s); see {self.directory / 'log'}"
+            ) from cause
 
     def restart(self, mode: str = "immediate") -> None:
         """Crash (or cleanly stop) the server and start it again on the same data and socket."""

@@ -155,7 +155,9 @@ async def test_a_graceful_deletion_of_a_routed_pod_sends_no_evidence_a_forced_on
     for t in threads:
         t.start()
     try:
-        routed = sorted(p.metadata.name for p in core.list_namespaced_pod(NS, label_selector=ROUTER_LABEL).items)
+        routed = sorted(
+            p.metadata.name for p in core.list_namespaced_pod(NS, label_selector=ROUTER_LABEL).items
+        )
         graceful, forced = routed[0], routed[1]
         await asyncio.sleep(0.5)
         core.delete_namespaced_pod(graceful, NS)  # its terminationGracePeriodSeconds
@@ -164,7 +166,9 @@ async def test_a_graceful_deletion_of_a_routed_pod_sends_no_evidence_a_forced_on
             p.metadata.name == graceful for p in core.list_namespaced_pod(NS).items
         ):
             await asyncio.sleep(0.2)
-        assert all(p.metadata.name != graceful for p in core.list_namespaced_pod(NS).items), "still terminating"
+        assert all(p.metadata.name != graceful for p in core.list_namespaced_pod(NS).items), (
+            "still terminating"
+        )
         core.delete_namespaced_pod(forced, NS, grace_period_seconds=0)
         await asyncio.sleep(1.0)
     finally:
