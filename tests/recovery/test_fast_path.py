@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from tests.support import (
     wait_for_child,
 )
 from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
-from worker.fastpath.service import FAST_PATH_ALERT, FastPath, build_fast_path
+from worker.fastpath.service import FAST_PATH_ALERT
 from worker.webhook.alertmanager import AlertmanagerPayload
 from worker.webhook.examples import alert, notification
 from worker.webhook.intake import AlertIntake
@@ -59,28 +58,6 @@ FAST_PATH_SETTINGS: dict[str, Any] = {
     "fastpath_retry_period_s": 0.5,
     "fastpath_watch_timeout_s": 5,
 }
-
-
-@contextlib.asynccontextmanager
-async def running_fast_path(rig: FleetRig, identity: str = "fastpath-a") -> AsyncIterator[FastPath]:
-    client = rig.client
-
-    async def same_client() -> Client:
-        return client
-
-    fast = build_fast_path(rig.settings, same_client, identity=identity)
-    stop = asyncio.Event()
-    task = asyncio.create_task(fast.run(stop))
-    try:
-        deadline = time.monotonic() + 20
-        while not (fast.elector.leading and all(i.lists for i in fast.informers)):
-            assert time.monotonic() < deadline, "the fast path never led and listed"
-            assert not task.done(), task
-            await asyncio.sleep(0.1)
-        yield fast
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 20)
 
 
 def _webhook_intake(rig: FleetRig) -> AlertIntake:
@@ -114,7 +91,7 @@ async def test_gpu_node_lost_under_load_opens_the_incident_by_the_fast_path_and_
         **FAST_PATH_SETTINGS,
     ) as rig:
         await asyncio.sleep(8)  # the pool comes up Ready
-        async with running_fast_path(rig) as fast:
+        async with rig.fast_path() as fast:
             await rig.start_load(rate=52, duration_s=90, seed=3)
             await asyncio.sleep(3)
             assert not await _incident_running(temporal_client)  # healthy load opens nothing
@@ -166,7 +143,7 @@ async def test_a_slow_replica_opens_nothing_its_health_answers(
     ) as rig:
         await asyncio.sleep(8)
         pods = await rig.routing_set(POOL)
-        async with running_fast_path(rig) as fast:
+        async with rig.fast_path() as fast:
             await rig.start_load(rate=40, duration_s=30, seed=5)
             fault = await rig.inject(FaultKind.SLOW_REPLICA, f"{POOL.namespace}/{pods[0]}", factor=0.3)
             assert fault["accepted"], fault

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from ledger.store import make_engine
 from worker.config import Settings, load_settings
 from worker.devstack.gateway import LocalGateway
 from worker.devstack.sim_wiring import settings_for_running_sim
+from worker.fastpath.service import FastPath, build_fast_path
 from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
 
 
@@ -139,6 +141,32 @@ class FleetRig:
     async def engine_get(self, namespace: str, pod: str, path: str) -> httpx.Response:
         """GET ``path`` (``/health``, ``/metrics``) from the pod's own engine at its pod IP."""
         return await self.http.get(self.engine_url(namespace, pod) + path)
+
+    @contextlib.asynccontextmanager
+    async def fast_path(self, identity: str = "fastpath-a", ready_s: float = 20.0) -> AsyncIterator[FastPath]:
+        """Run fleetmend's fast path (Lease, informers, /health probes) against this world, as the
+        worker process does; yields once it leads and every informer has listed."""
+        client = self.client
+
+        async def same_client() -> Client:
+            return client
+
+        fast = build_fast_path(self.settings, same_client, identity=identity)
+        stop = asyncio.Event()
+        task = asyncio.create_task(fast.run(stop))
+        try:
+            deadline = time.monotonic() + ready_s
+            while not (fast.elector.leading and all(i.lists for i in fast.informers)):
+                if task.done():
+                    task.result()  # raises what stopped it
+                    raise RuntimeError("the fast path stopped before it led")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the fast path did not lead and list within {ready_s:g} s")
+                await asyncio.sleep(0.1)
+            yield fast
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 20)
 
     async def router_state(self, pool: PoolRef) -> dict[str, Any]:
         """The pool's gateway policy (weights, admission, retry) as fleetmend last set it in Envoy."""

@@ -1,0 +1,433 @@
+"""The incident SLA table: per fault class, how long each stage of the runbook takes from the fault,
+and what the users got (goodput) with fleetmend, with only Kubernetes acting, and with no fault.
+
+    .venv/bin/python -m bench.incident_stages [--rounds 3] [--classes gpu-node-lost,rank-lost,engine-crash]
+                                              [--plot docs/incident-stages.png] [--json out.json]
+
+Every run serves a fresh compressed world (``worker.devstack.rig.compressed_scenario``: the sim at
+real speed, start-up 4 s, cache warm-up 8 s, node-monitor grace 5 s, taint-eviction tolerations
+20 s, so Kubernetes' own recovery also fits in a run) under open-loop load at 70 % of the pool's
+capacity, then kills the fault class's target. Three modes, same world, same seeded arrivals:
+
+* **fleetmend** — a real worker and fleetmend's fast path (Lease, informers, engine ``/health``)
+  opening the incident; Temporal dev server and Postgres for real. Stages, from the fault:
+  out of the gateway's rotation (the routing set stops naming a lost pod), incident opened
+  (``FleetIncident`` start), survivors protected (the recovery's ``protecting-survivors`` phase
+  starts), failed node cordoned (``spec.unschedulable``, node faults only), capacity restored
+  (the warm spare promoted: end of ``promoting``), warm floor restored (end of
+  ``rebuilding-warm-floor``), verified (end of ``verifying``).
+* **kubernetes-only** — no fleetmend at all: readiness probes, the node controller's grace and
+  taint eviction, the ReplicaSet / LeaderWorkerSet controllers and the scheduler. Stages: out of
+  rotation, and capacity restored (the routing set back to its size before the fault).
+* **no-fault** — the same load on the same world with nothing killed: the goodput reference.
+
+Goodput = requests completed within their deadline, over the whole run's arrivals, as a ratio of
+the no-fault run's. The times are wall seconds on this machine, which runs the simulator, the
+worker, Temporal and Postgres on 2 cores: they are upper bounds of fleetmend's own work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import os
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from temporalio.client import Client, WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+
+from fleet.incident import PoolRef, incident_workflow_id
+from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, ServingObjectives
+from fleet.search_attributes import ALL_SEARCH_ATTRIBUTES
+from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_WORKER_INDEX_LABEL, FaultKind
+from ledger.migrate import upgrade_head
+from ledger.scratch import acquire_server
+from worker.devstack.demo import DEMO_TIMINGS
+from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
+from worker.devstack.scenarios import GROUP_CAPACITY_RPS, LOAD_SHARE
+from worker.devstack.temporal_dev import find_temporal_cli
+from worker.processes import free_port
+
+LOAD_S = 100.0  # arrivals per run; the fault lands FAULT_AT_S into them
+FAULT_AT_S = 8.0
+PROCEDURE_TIMEOUT_S = 150.0
+MODES = ("fleetmend", "kubernetes-only", "no-fault")
+FLEETMEND_STAGES = (
+    "out of rotation",
+    "incident opened",
+    "survivors protected",
+    "node cordoned",
+    "capacity restored",
+    "warm floor restored",
+    "verified",
+)
+FAST_PATH = {
+    "fastpath_lease_namespace": "inference",
+    "fastpath_health_timeout_s": 3.0,  # the 2-core machine's /health can be slow under load
+    "fastpath_lease_duration_s": 3.0,
+    "fastpath_renew_deadline_s": 2.0,
+    "fastpath_retry_period_s": 0.5,
+    "fastpath_watch_timeout_s": 10,
+}
+
+
+@dataclass(frozen=True)
+class FaultClass:
+    scenario: str
+    pool: PoolRef
+    groups: int  # routed replica groups when the pool is up
+    kind: FaultKind
+    target: str  # a node, or "pod:serving" / "pod:rank"
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def node_fault(self) -> bool:
+        return not self.target.startswith("pod:")
+
+
+LLAMA = PoolRef(namespace="inference", service="llama")
+CLASSES: dict[str, FaultClass] = {
+    "gpu-node-lost": FaultClass("gpu-node-loss", LLAMA, 5, FaultKind.NODE_LOST, "gpu-node-0"),
+    "rank-lost": FaultClass(
+        "rank-lost", PoolRef(namespace="inference", service="llama-405b"), 2, FaultKind.RANK_LOST, "pod:rank"
+    ),
+    "engine-crash": FaultClass("gpu-node-loss", LLAMA, 5, FaultKind.POD_OOMKILLED, "pod:serving"),
+}
+
+
+@dataclass
+class RunResult:
+    mode: str
+    stages: dict[str, float | None]
+    goodput: int
+    sent: int
+    final_phase: str | None = None
+
+
+def world(fault: FaultClass) -> Any:
+    scenario = compressed_scenario(fault.scenario, startup_s=4.0, warm_up_s=8.0)
+    return scenario.model_copy(
+        update={
+            "timings": scenario.timings.model_copy(
+                update={
+                    "node_monitor_grace_s": 5.0,
+                    "unreachable_toleration_s": 20,
+                    "not_ready_toleration_s": 20,
+                }
+            )
+        }
+    )
+
+
+@functools.cache
+def _core(kubeconfig: str) -> k8s.CoreV1Api:
+    return k8s.CoreV1Api(k8s_config.new_client_from_config(config_file=kubeconfig, context="sim"))
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    return dict(k8s.ApiClient().sanitize_for_serialization(obj))
+
+
+def _pods(rig: FleetRig, namespace: str) -> list[dict[str, Any]]:
+    return list(_as_dict(_core(str(rig.settings.kubeconfig)).list_namespaced_pod(namespace))["items"])
+
+
+def _unschedulable(rig: FleetRig, node: str) -> bool:
+    return bool(
+        (_as_dict(_core(str(rig.settings.kubeconfig)).read_node(node)).get("spec") or {}).get("unschedulable")
+    )
+
+
+async def target_and_lost(rig: FleetRig, fault: FaultClass) -> tuple[str, set[str]]:
+    """The fault's target, and every routed pod it takes out (a dead rank takes its whole group)."""
+    routed = set(await rig.routing_set(fault.pool))
+    pods = await asyncio.to_thread(_pods, rig, fault.pool.namespace)
+    names = {str(p["metadata"]["name"]): p for p in pods}
+
+    def labels(name: str) -> dict[str, str]:
+        return dict(names[name]["metadata"].get("labels") or {})
+
+    if fault.node_fault:
+        return fault.target, {
+            n for n, p in names.items() if p["spec"].get("nodeName") == fault.target
+        } & routed
+    if fault.target == "pod:serving":
+        pod = sorted(routed)[0]
+        return f"{fault.pool.namespace}/{pod}", {pod}
+    rank = sorted(n for n in names if labels(n).get(LWS_WORKER_INDEX_LABEL) == "1")[0]
+    group = labels(rank).get(LWS_GROUP_INDEX_LABEL)
+    lost = {n for n in names if labels(n).get(LWS_GROUP_INDEX_LABEL) == group}
+    return f"{fault.pool.namespace}/{rank}", (lost & routed) or lost
+
+
+async def until(what: str, check: Callable[[], Awaitable[bool]], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout_s:g} s")
+        await asyncio.sleep(0.3)
+
+
+class Watcher:
+    """Polls the world every 0.2 s from the fault on: rotation, routing-set size, cordon."""
+
+    def __init__(self, rig: FleetRig, fault: FaultClass, lost: set[str], fault_at: float) -> None:
+        self.rig, self.fault, self.lost, self.fault_at = rig, fault, lost, fault_at
+        self.out_of_rotation: float | None = None
+        self.capacity_back: float | None = None
+        self.cordoned: float | None = None
+        self._dipped = False
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            now = time.time() - self.fault_at
+            routed = set(await self.rig.routing_set(self.fault.pool))
+            if self.out_of_rotation is None and not routed & self.lost:
+                self.out_of_rotation = now
+            if len(routed) < self.fault.groups:
+                self._dipped = True
+            elif self._dipped and self.capacity_back is None and not routed & self.lost:
+                self.capacity_back = now
+            if self.fault.node_fault and self.cordoned is None:
+                if await asyncio.to_thread(_unschedulable, self.rig, self.fault.target):
+                    self.cordoned = now
+            await asyncio.sleep(0.2)
+
+
+async def recovery_of(client: Client, pool: PoolRef, fault_at: float) -> WorkflowHandle[Any, Any]:
+    incident = client.get_workflow_handle(incident_workflow_id(pool))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            desc = await incident.describe()
+            if desc.start_time is not None and desc.start_time.timestamp() >= fault_at - 1:
+                status = await incident.query("status", result_type=ProcedureStatus)
+                if status.children:
+                    return client.get_workflow_handle(status.children[-1])
+        except Exception:  # not started yet, or no worker answered the query this instant
+            pass
+        await asyncio.sleep(0.2)
+    raise TimeoutError("no recovery started within 60 s of the fault")
+
+
+async def final_status(handle: WorkflowHandle[Any, Any]) -> ProcedureStatus:
+    deadline = time.monotonic() + PROCEDURE_TIMEOUT_S
+    while True:
+        status = await handle.query("status", result_type=ProcedureStatus)
+        if status.phase in TERMINAL_PHASES or time.monotonic() > deadline:
+            return status
+        await asyncio.sleep(0.5)
+
+
+def span_time(status: ProcedureStatus, phase: Phase, edge: str, fault_at: float) -> float | None:
+    spans = [p for p in status.phases if p.name == phase]
+    if not spans:
+        return None
+    value = spans[0].start if edge == "start" else spans[-1].end
+    return None if value is None else value - fault_at
+
+
+async def one_run(
+    client: Client, database_url: str, fault: FaultClass, mode: str, index: int, seed: int
+) -> RunResult:
+    fleetmend = mode == "fleetmend"
+    extra: dict[str, Any] = (
+        {
+            "recovery_timings": DEMO_TIMINGS,
+            "serving_objectives": ServingObjectives(group_capacity_rps=GROUP_CAPACITY_RPS),
+            **FAST_PATH,
+        }
+        if fleetmend
+        else {}
+    )
+    async with fleet_rig(
+        client,
+        scenario=world(fault),
+        database_url=database_url,
+        task_queue=f"bench-stages-{index}",
+        run_worker=fleetmend,
+        **extra,
+    ) as rig:
+
+        async def pool_up() -> bool:
+            return len(await rig.routing_set(fault.pool)) >= fault.groups
+
+        await until("the pool serving", pool_up, 90)
+        fast = rig.fast_path(identity=f"bench-{index}") if fleetmend else None
+        if fast is not None:
+            await fast.__aenter__()
+        try:
+            rate = round(fault.groups * GROUP_CAPACITY_RPS * LOAD_SHARE, 1)
+            load = await rig.start_load(rate=rate, duration_s=LOAD_S, seed=seed, pool=fault.pool.key)
+            await asyncio.sleep(FAULT_AT_S)
+            stages: dict[str, float | None] = {}
+            phase: str | None = None
+            if mode != "no-fault":
+                target, lost = await target_and_lost(rig, fault)
+                fault_at = time.time()
+                reply = await rig.inject(fault.kind, target, **fault.params)
+                if not reply.get("accepted", True):
+                    raise RuntimeError(f"the sim refused the fault: {reply}")
+                watcher = Watcher(rig, fault, lost, fault_at)
+                stop = asyncio.Event()
+                watching = asyncio.create_task(watcher.run(stop))
+                try:
+                    if fleetmend:
+                        recovery = await recovery_of(client, fault.pool, fault_at)
+                        desc = await client.get_workflow_handle(incident_workflow_id(fault.pool)).describe()
+                        status = await final_status(recovery)
+                        phase = status.phase.value
+                        assert desc.start_time is not None
+                        stages = {
+                            "incident opened": desc.start_time.timestamp() - fault_at,
+                            "survivors protected": span_time(status, Phase.PROTECTING, "start", fault_at),
+                            "capacity restored": span_time(status, Phase.PROMOTING, "end", fault_at),
+                            "warm floor restored": span_time(status, Phase.REBUILDING, "end", fault_at),
+                            "verified": span_time(status, Phase.VERIFYING, "end", fault_at),
+                        }
+                    else:
+                        await asyncio.sleep(LOAD_S - FAULT_AT_S)
+                finally:
+                    stop.set()
+                    await watching
+                stages["out of rotation"] = watcher.out_of_rotation
+                stages["node cordoned"] = watcher.cordoned
+                if not fleetmend:
+                    stages["capacity restored"] = watcher.capacity_back
+            report = await rig.load_report(load)
+            while report["in_flight"] or report["sent"] < int(rate * LOAD_S * 0.9):
+                await asyncio.sleep(1.0)
+                report = await rig.load_report(load)
+            return RunResult(mode, stages, int(report["goodput"]), int(report["sent"]), phase)
+        finally:
+            if fast is not None:
+                await fast.__aexit__(None, None, None)
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def cell(values: list[float | None]) -> str:
+    seen = [v for v in values if v is not None]
+    if not seen:
+        return f"{'-':>17}"
+    return f"{statistics.median(seen):8.2f} {quantile(seen, 0.99):8.2f}"
+
+
+def print_table(name: str, runs: list[RunResult]) -> None:
+    by_mode = {m: [r for r in runs if r.mode == m] for m in MODES}
+    fm, k8s_only, none = by_mode["fleetmend"], by_mode["kubernetes-only"], by_mode["no-fault"]
+    print(
+        f"\n{name}: seconds from the fault (p50 p99), {len(fm)} fleetmend / {len(k8s_only)} Kubernetes-only runs"
+    )
+    print(f"{'stage':24}{'fleetmend':>17}   {'Kubernetes only':>17}")
+    for stage in FLEETMEND_STAGES:
+        print(
+            f"{stage:24}{cell([r.stages.get(stage) for r in fm])}   {cell([r.stages.get(stage) for r in k8s_only])}"
+        )
+    reference = statistics.mean(r.goodput for r in none) if none else None
+    for mode, chosen in (("fleetmend", fm), ("kubernetes-only", k8s_only), ("no-fault", none)):
+        if not chosen:
+            continue
+        good = statistics.mean(r.goodput for r in chosen)
+        sent = statistics.mean(r.sent for r in chosen)
+        ratio = f"{good / reference:.3f} of no-fault" if reference else ""
+        print(f"goodput {mode:17} {good:7.0f} of {sent:.0f} sent  {ratio}")
+    phases = sorted({r.final_phase or "?" for r in fm})
+    print(f"fleetmend final phases: {', '.join(phases)}")
+
+
+def plot(results: dict[str, list[RunResult]], path: Path) -> None:
+    """Stage timeline per fault class (median over the fleetmend runs; Kubernetes-only beside it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(9, 2.2 * len(results)), squeeze=False)
+    for ax, (name, runs) in zip(axes[:, 0], results.items(), strict=True):
+        for row, mode in enumerate(("fleetmend", "kubernetes-only")):
+            chosen = [r for r in runs if r.mode == mode]
+            for stage in FLEETMEND_STAGES:
+                seen = [v for r in chosen if (v := r.stages.get(stage)) is not None]
+                if not seen:
+                    continue
+                t = statistics.median(seen)
+                ax.plot([t], [row], "o")
+                ax.annotate(
+                    stage, (t, row), textcoords="offset points", xytext=(0, 6), rotation=30, fontsize=7
+                )
+        ax.set_yticks([0, 1], ["fleetmend", "Kubernetes only"])
+        ax.set_ylim(-0.5, 1.9)
+        ax.set_title(name, fontsize=9, loc="left")
+        ax.set_xlabel("seconds from the fault (median)")
+        ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+async def main(rounds: int, classes: list[str], plot_path: Path | None, json_path: Path | None) -> None:
+    pg = acquire_server()
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=str(find_temporal_cli(os.environ.get("FLEETMEND_TEMPORAL_CLI"))),
+        search_attributes=ALL_SEARCH_ATTRIBUTES,
+        data_converter=pydantic_data_converter,
+        port=free_port(),
+        dev_server_log_level="error",
+    )
+    results: dict[str, list[RunResult]] = {}
+    index = 0
+    async with env:
+        for name in classes:
+            fault = CLASSES[name]
+            runs: list[RunResult] = []
+            plan = [("fleetmend", r) for r in range(rounds)] + [("kubernetes-only", 0), ("no-fault", 0)]
+            for mode, r in plan:
+                url = pg.create_database("stages")
+                upgrade_head(url)
+                index += 1
+                try:
+                    result = await one_run(env.client, url, fault, mode, index, seed=11 + r)
+                finally:
+                    pg.drop_database(url)
+                runs.append(result)
+                shown = {k: round(v, 2) for k, v in result.stages.items() if v is not None}
+                print(
+                    f"{name} {mode} #{r + 1}: {shown} goodput {result.goodput}/{result.sent} {result.final_phase or ''}"
+                )
+            results[name] = runs
+    for name, runs in results.items():
+        print_table(name, runs)
+    if json_path is not None:
+        json_path.write_text(
+            json.dumps({n: [r.__dict__ for r in runs] for n, runs in results.items()}, indent=2)
+        )
+    if plot_path is not None:
+        plot(results, plot_path)
+        print(f"\nplot written to {plot_path}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3, help="fleetmend runs per fault class")
+    parser.add_argument("--classes", default=",".join(CLASSES), help=f"comma-separated: {', '.join(CLASSES)}")
+    parser.add_argument("--plot", type=Path, default=None, help="write the stage timeline (PNG) here")
+    parser.add_argument("--json", type=Path, default=None, help="write every run's figures here")
+    args = parser.parse_args()
+    unknown = [c for c in args.classes.split(",") if c not in CLASSES]
+    if unknown:
+        parser.error(f"unknown fault class(es) {unknown}; choose from {sorted(CLASSES)}")
+    asyncio.run(main(args.rounds, args.classes.split(","), args.plot, args.json))
