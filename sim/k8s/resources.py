@@ -181,6 +181,14 @@ RESOURCES: dict[str, Resource] = {
             subresources=("status",),
             short_names=("pdb",),
         ),
+        # Stored and served, not enforced: the sim's API server authorizes by its own token, and
+        # these kinds are here so fleetmend's manifests (deploy/k8s) can be applied to it.
+        Resource("serviceaccounts", "ServiceAccount", "", "v1", short_names=("sa",)),
+        Resource("networkpolicies", "NetworkPolicy", "networking.k8s.io", "v1", short_names=("netpol",)),
+        Resource("roles", "Role", "rbac.authorization.k8s.io", "v1"),
+        Resource("rolebindings", "RoleBinding", "rbac.authorization.k8s.io", "v1"),
+        Resource("clusterroles", "ClusterRole", "rbac.authorization.k8s.io", "v1", namespaced=False),
+        Resource("clusterrolebindings", "ClusterRoleBinding", "rbac.authorization.k8s.io", "v1", namespaced=False),
         Resource(
             "leaderworkersets",
             "LeaderWorkerSet",

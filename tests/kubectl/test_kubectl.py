@@ -341,6 +341,17 @@ def test_api_resources_lists_names_short_names_groups_and_kinds(cluster: Cluster
         "jobs": ["jobs", "batch/v1", "true", "Job"],
         "leases": ["leases", "coordination.k8s.io/v1", "true", "Lease"],
         "endpointslices": ["endpointslices", "discovery.k8s.io/v1", "true", "EndpointSlice"],
+        "serviceaccounts": ["serviceaccounts", "sa", "v1", "true", "ServiceAccount"],
+        "networkpolicies": ["networkpolicies", "netpol", "networking.k8s.io/v1", "true", "NetworkPolicy"],
+        "roles": ["roles", "rbac.authorization.k8s.io/v1", "true", "Role"],
+        "rolebindings": ["rolebindings", "rbac.authorization.k8s.io/v1", "true", "RoleBinding"],
+        "clusterroles": ["clusterroles", "rbac.authorization.k8s.io/v1", "false", "ClusterRole"],
+        "clusterrolebindings": [
+            "clusterrolebindings",
+            "rbac.authorization.k8s.io/v1",
+            "false",
+            "ClusterRoleBinding",
+        ],
         "leaderworkersets": [
             "leaderworkersets",
             "lws",
