@@ -188,7 +188,9 @@ RESOURCES: dict[str, Resource] = {
         Resource("roles", "Role", "rbac.authorization.k8s.io", "v1"),
         Resource("rolebindings", "RoleBinding", "rbac.authorization.k8s.io", "v1"),
         Resource("clusterroles", "ClusterRole", "rbac.authorization.k8s.io", "v1", namespaced=False),
-        Resource("clusterrolebindings", "ClusterRoleBinding", "rbac.authorization.k8s.io", "v1", namespaced=False),
+        Resource(
+            "clusterrolebindings", "ClusterRoleBinding", "rbac.authorization.k8s.io", "v1", namespaced=False
+        ),
         Resource(
             "leaderworkersets",
             "LeaderWorkerSet",
