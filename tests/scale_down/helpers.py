@@ -8,6 +8,7 @@ from kubernetes import client as kc
 from kubernetes import config as kconfig
 from temporalio.client import Client, WorkflowHandle
 
+from fleet.protocol import Outcome
 from fleet.scale_down import ScaleDownInput
 from sim.scenario import SCENARIO_DIR, Scenario, load_scenario
 from tests.support import POOL
@@ -54,13 +55,9 @@ def core_api(rig: FleetRig) -> kc.CoreV1Api:
 
 
 async def cut_streams_on(rig: FleetRig, pods: list[str]) -> int:
-    """Streams the gateway journaled as cut (terminal error after the first token) on ``pods``."""
+    """Streams the gateway recorded as cut (terminal error after the first token) on ``pods``."""
     cut = 0
     for pod in pods:
-        r = await rig.http.get(
-            "/router/v1/journal",
-            params={"pool": POOL.key, "replica": pod, "outcome": "terminal_error", "limit": 10000},
-        )
-        r.raise_for_status()
-        cut += sum(1 for e in r.json()["entries"] if e["truncated"])
+        entries = await rig.request_outcomes(POOL, replica=pod)
+        cut += sum(1 for e in entries if e.outcome == Outcome.TERMINAL_ERROR and e.truncated)
     return cut

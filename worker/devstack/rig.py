@@ -34,7 +34,7 @@ from fleet.incident import (
     PoolRef,
     incident_workflow_id,
 )
-from fleet.protocol import FaultRequest
+from fleet.protocol import FaultRequest, JournalEntry
 from fleet.recovery import IncidentInput
 from fleet.vocabulary import FaultKind
 from gateway.resources import UPSTREAM_HEADER
@@ -167,6 +167,11 @@ class FleetRig:
         finally:
             stop.set()
             await asyncio.wait_for(task, 20)
+
+    async def request_outcomes(self, pool: PoolRef, replica: str | None = None) -> list[JournalEntry]:
+        """Every request the gateway served for ``pool`` (one entry per attempt), as the worker reads
+        them: Envoy's access log through the control plane, or the sim router's journal."""
+        return await asyncio.to_thread(self.gateway_adapter.request_outcomes, pool, replica=replica)
 
     async def router_state(self, pool: PoolRef) -> dict[str, Any]:
         """The pool's gateway policy (weights, admission, retry) as fleetmend last set it in Envoy."""
