@@ -163,7 +163,9 @@ class GatewayStore:
         if replica is not None:
             query = query.where(t.c.replica == replica)
         if since is not None:
-            query = query.where(t.c.started_at >= since)
+            # Requests that *ended* at or after ``since`` (as the sim router's journal pages): a stream
+            # in flight when a drain began, cut later, started before it and must be counted.
+            query = query.where(t.c.started_at + t.c.duration_s >= since)
         with self.engine.connect() as conn:
             rows = conn.execute(query).mappings().all()
         return [journal_entry(dict(r)) for r in rows]
