@@ -55,6 +55,7 @@ class FleetRig:
     http: httpx.AsyncClient
     worker: Worker | None = None
     gateway: LocalGateway | None = None
+    started_at: float = field(default_factory=time.time)  # unix seconds this rig was made
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     _envoy: Gateway | None = None
 
@@ -171,7 +172,13 @@ class FleetRig:
     async def request_outcomes(self, pool: PoolRef, replica: str | None = None) -> list[JournalEntry]:
         """Every request the gateway served for ``pool`` (one entry per attempt), as the worker reads
         them: Envoy's access log through the control plane, or the sim router's journal."""
-        return await asyncio.to_thread(self.gateway_adapter.request_outcomes, pool, replica=replica)
+        # Envoy's record lives in the shared database and outlives this world (a test may serve two
+        # worlds with the same pod names on one ledger): only this world's requests count. The sim
+        # router's journal belongs to its world.
+        since = self.started_at if self.gateway is not None else None
+        return await asyncio.to_thread(
+            self.gateway_adapter.request_outcomes, pool, replica=replica, since=since
+        )
 
     async def router_state(self, pool: PoolRef) -> dict[str, Any]:
         """The pool's gateway policy (weights, admission, retry) as fleetmend last set it in Envoy."""
