@@ -1,6 +1,8 @@
 """Planned scale-down end to end: real Temporal dev server, real Postgres, the simulated fleet over HTTP
-under streaming load, a real worker. Asserted as an SRE would check it: the users' streams, the routing
-set, the pods, the gateway journal, and the ledger against the world's action log."""
+under streaming load, a real worker. Asserted as an SRE would check it: the users' streams, the
+routing set, the pods, the gateway's request record, and the ledger against the world's action log.
+The first two tests send every user request through a real Envoy that fleetmend configures (the
+naive baseline too) and count cut streams from Envoy's access log."""
 
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ async def _naive_baseline(client: Client, task_queue: str, ledger_url: str) -> i
         database_url=ledger_url,
         task_queue=task_queue,
         run_worker=False,
+        through_envoy=True,
     ) as rig:
         load = await rig.start_load(rate=16, duration_s=60, seed=5, **STREAMING)
         await asyncio.sleep(4)
@@ -70,7 +73,11 @@ async def test_8_to_6_under_streaming_load_cuts_nothing_where_the_naive_way_cuts
     naive_cut = await _naive_baseline(temporal_client, task_queue + "-naive", ledger_url)
 
     async with fleet_rig(
-        temporal_client, scenario=vllm_default_scenario(), database_url=ledger_url, task_queue=task_queue
+        temporal_client,
+        scenario=vllm_default_scenario(),
+        database_url=ledger_url,
+        task_queue=task_queue,
+        through_envoy=True,
     ) as rig:
         before = await rig.routing_set(POOL)
         assert len(before) == 8
@@ -139,7 +146,11 @@ async def test_drain_past_deadline_waits_for_the_operator_extend_then_accept_cut
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
     async with fleet_rig(
-        temporal_client, scenario=vllm_default_scenario(), database_url=ledger_url, task_queue=task_queue
+        temporal_client,
+        scenario=vllm_default_scenario(),
+        database_url=ledger_url,
+        task_queue=task_queue,
+        through_envoy=True,
     ) as rig:
         # Long generations (40-50 s each) cannot drain within a 1.5 s deadline.
         await rig.start_load(
