@@ -401,6 +401,9 @@ async def main(rounds: int, classes: list[str], plot_path: Path | None, json_pat
                 index += 1
                 try:
                     result = await one_run(env.client, url, fault, mode, index, seed=11 + r)
+                except Exception as err:  # one broken run is reported, the table goes on without it
+                    print(f"{name} {mode} #{r + 1}: FAILED: {type(err).__name__}: {err}")
+                    continue
                 finally:
                     pg.drop_database(url)
                 runs.append(result)
