@@ -44,13 +44,10 @@ from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, Request
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.testing import WorkflowEnvironment
 
-from fleet.search_attributes import ALL_SEARCH_ATTRIBUTES
 from sim.runner import start_sim
 from sim.scenario import load_scenario, shipped_scenarios
-from worker.devstack.temporal_dev import find_temporal_cli
+from worker.devstack.temporal_dev import throwaway_dev_server
 from worker.processes import free_port
 from worker.webhook.examples import alert, example_alert, large_group, notification
 
@@ -235,13 +232,7 @@ async def run(
     token = secrets.token_hex(32)
     service = f"storm-{secrets.token_hex(3)}"
     results: list[Result] = []
-    env_ = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=str(find_temporal_cli(os.environ.get("FLEETMEND_TEMPORAL_CLI"))),
-        search_attributes=ALL_SEARCH_ATTRIBUTES,
-        data_converter=pydantic_data_converter,
-        port=free_port(),
-        dev_server_log_level="error",
-    )
+    env_ = await throwaway_dev_server()
     async with env_ as temporal:
         with tempfile.TemporaryDirectory(prefix="fleetmend-bench-") as scratch:
             tmp = Path(scratch)

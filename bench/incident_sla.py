@@ -22,25 +22,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import time
 from typing import Any
 
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.testing import WorkflowEnvironment
 
 from fleet.incident import PoolRef, incident_workflow_id
-from fleet.search_attributes import ALL_SEARCH_ATTRIBUTES
 from fleet.vocabulary import FaultKind
 from sim.runner import start_sim
 from worker.config import load_settings
 from worker.devstack.rig import compressed_scenario
 from worker.devstack.sim_wiring import settings_for_running_sim
-from worker.devstack.temporal_dev import find_temporal_cli
+from worker.devstack.temporal_dev import throwaway_dev_server
 from worker.fastpath.service import build_fast_path
-from worker.processes import free_port
 
 POOL = PoolRef(namespace="inference", service="llama")
 
@@ -131,13 +126,7 @@ async def one_round(temporal: Client, grace_s: float, index: int) -> tuple[float
 
 
 async def main(rounds: int, grace_s: float) -> None:
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=str(find_temporal_cli(os.environ.get("FLEETMEND_TEMPORAL_CLI"))),
-        search_attributes=ALL_SEARCH_ATTRIBUTES,
-        data_converter=pydantic_data_converter,
-        port=free_port(),
-        dev_server_log_level="error",
-    )
+    env = await throwaway_dev_server()
     fast: list[float] = []
     node: list[float] = []
     async with env:

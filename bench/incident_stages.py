@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import functools
 import json
-import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -43,20 +42,16 @@ from typing import Any
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from temporalio.client import Client, WorkflowHandle
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.testing import WorkflowEnvironment
 
 from fleet.incident import PoolRef, incident_workflow_id
 from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, ServingObjectives
-from fleet.search_attributes import ALL_SEARCH_ATTRIBUTES
 from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_WORKER_INDEX_LABEL, FaultKind
 from ledger.migrate import upgrade_head
 from ledger.scratch import acquire_server
 from worker.devstack.demo import DEMO_TIMINGS
 from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
 from worker.devstack.scenarios import GROUP_CAPACITY_RPS, LOAD_SHARE
-from worker.devstack.temporal_dev import find_temporal_cli
-from worker.processes import free_port
+from worker.devstack.temporal_dev import throwaway_dev_server
 
 LOAD_S = 100.0  # arrivals per run; the fault lands FAULT_AT_S into them
 FAULT_AT_S = 8.0
@@ -381,13 +376,7 @@ def plot(results: dict[str, list[RunResult]], path: Path) -> None:
 
 async def main(rounds: int, classes: list[str], plot_path: Path | None, json_path: Path | None) -> None:
     pg = acquire_server()
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=str(find_temporal_cli(os.environ.get("FLEETMEND_TEMPORAL_CLI"))),
-        search_attributes=ALL_SEARCH_ATTRIBUTES,
-        data_converter=pydantic_data_converter,
-        port=free_port(),
-        dev_server_log_level="error",
-    )
+    env = await throwaway_dev_server()
     results: dict[str, list[RunResult]] = {}
     index = 0
     async with env:

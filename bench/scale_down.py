@@ -21,19 +21,16 @@ from typing import Any
 
 from kubernetes import client as kc
 from kubernetes import config as kconfig
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from fleet.incident import PoolRef
 from fleet.recovery import ProcedureStatus
 from fleet.scale_down import ScaleDownInput
-from fleet.search_attributes import ALL_SEARCH_ATTRIBUTES
 from ledger.migrate import upgrade_head
 from ledger.scratch import acquire_server
 from sim.scenario import SCENARIO_DIR, Scenario, load_scenario
 from worker.devstack.rig import FleetRig, fleet_rig
-from worker.devstack.temporal_dev import find_temporal_cli
-from worker.processes import free_port
+from worker.devstack.temporal_dev import throwaway_dev_server
 
 POOL = PoolRef(namespace="inference", service="llama")
 LOAD: dict[str, Any] = {"tiers": {"standard": 1.0}, "output_tokens": [100, 300]}
@@ -105,13 +102,7 @@ async def main(rate: float, rounds: int) -> None:
     pg = acquire_server()
     url = pg.create_database("bench")
     upgrade_head(url)
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=str(find_temporal_cli(None)),
-        search_attributes=ALL_SEARCH_ATTRIBUTES,
-        data_converter=pydantic_data_converter,
-        port=free_port(),
-        dev_server_log_level="error",
-    )
+    env = await throwaway_dev_server()
     try:
         print(
             f"scale-down 8 -> 6, streaming load {rate:g} req/s of 100-300 tokens, vLLM --shutdown-timeout=0"

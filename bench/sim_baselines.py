@@ -21,7 +21,7 @@ from typing import Any
 
 from fleet.protocol import FaultRequest, Outcome
 from fleet.vocabulary import FaultKind, Tier
-from sim.app import serve
+from sim.app import BoundPorts, serve
 from sim.scenario import parse_scenario
 from sim.serving.baselines import KubernetesDefaults, apply_kubernetes_default_routing, measure_deroute
 from sim.serving.layer import ServingLayer
@@ -68,7 +68,7 @@ async def simulator(speed: float, **model: Any) -> AsyncIterator[tuple[SimWorld,
     data["models"][0].update(model)
     world = SimWorld(parse_scenario(data), speed=speed)
     stop = asyncio.Event()
-    bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    bound: asyncio.Future[BoundPorts] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(serve(world, "127.0.0.1", 0, ready=bound.set_result, stop=stop))
     await bound
     layer: ServingLayer = world.serving  # type: ignore[attr-defined]

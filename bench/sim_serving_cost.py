@@ -13,7 +13,7 @@ import argparse
 import asyncio
 import time
 
-from sim.app import serve
+from sim.app import BoundPorts, serve
 from sim.scenario import load_scenario, shipped_scenarios
 from sim.serving.layer import ServingLayer
 from sim.serving.loadgen import start_load
@@ -23,7 +23,7 @@ from sim.world import SimWorld
 async def main(rate: float, speed: float, duration: float) -> None:
     world = SimWorld(load_scenario(shipped_scenarios()["gpu-node-loss"]), speed=speed)
     stop = asyncio.Event()
-    bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    bound: asyncio.Future[BoundPorts] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(serve(world, "127.0.0.1", 0, ready=bound.set_result, stop=stop))
     await bound
     layer: ServingLayer = world.serving  # type: ignore[attr-defined]

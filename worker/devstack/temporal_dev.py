@@ -16,9 +16,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 from temporalio.client import Client
+
+if TYPE_CHECKING:
+    from temporalio.testing import WorkflowEnvironment
 
 from fleet.search_attributes import CLI_TYPE_NAMES
 from worker.processes import StackError, log_tail, require_free_port, spawn, terminate
@@ -178,3 +182,23 @@ class TemporalDevServer:
 
     async def __aexit__(self, *exc: object) -> None:
         self.stop()
+
+
+async def throwaway_dev_server() -> WorkflowEnvironment:
+    """A Temporal dev server for one run (benches): in memory, on a free port, with fleetmend's
+    search attributes and the pydantic data converter; ``async with`` it to stop it."""
+    import os
+
+    from temporalio.contrib.pydantic import pydantic_data_converter
+    from temporalio.testing import WorkflowEnvironment
+
+    from fleet.search_attributes import ALL_SEARCH_ATTRIBUTES
+    from worker.processes import free_port
+
+    return await WorkflowEnvironment.start_local(
+        dev_server_existing_path=str(find_temporal_cli(os.environ.get("FLEETMEND_TEMPORAL_CLI"))),
+        search_attributes=ALL_SEARCH_ATTRIBUTES,
+        data_converter=pydantic_data_converter,
+        port=free_port(),
+        dev_server_log_level="error",
+    )
