@@ -161,7 +161,9 @@ async def test_slow_wedged_thermal_and_nvlink_faults_show_their_signals() -> Non
             asyncio.create_task(sim.http.post("/v1/completions", json={"model": MODEL, "max_tokens": 4}))
             for _ in range(3)
         ]
-        await sim.wait_for(lambda: wedged_engine.num_waiting + wedged_engine.num_running == 3, 30, "queued")
+        await sim.wait_for(
+            lambda: wedged_engine.num_waiting + wedged_engine.num_running == 3, 200, "queued"
+        )  # 10 s wall at speed 20
         tokens_before = await sim.metrics(wedged)
         await sim.sim_sleep(5.0)
         tokens_after = await sim.metrics(wedged)
