@@ -53,7 +53,7 @@ from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
 from worker.devstack.scenarios import GROUP_CAPACITY_RPS, LOAD_SHARE
 from worker.devstack.temporal_dev import throwaway_dev_server
 
-LOAD_S = 100.0  # arrivals per run; the fault lands FAULT_AT_S into them
+LOAD_S = 60.0  # arrivals per run; the fault lands FAULT_AT_S into them
 FAULT_AT_S = 8.0
 PROCEDURE_TIMEOUT_S = 150.0
 MODES = ("fleetmend", "kubernetes-only", "no-fault")
