@@ -7,10 +7,12 @@ Conditions are waited on (a phase, a child, a result), never slept for.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from fleet.recovery import (
     ServingObjectives,
 )
 from ledger.reconcile import ReconcileReport, reconcile
-from worker.devstack.rig import FleetRig
+from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
 
 REPO = Path(__file__).resolve().parents[1]
 POOL = PoolRef(namespace="inference", service="llama")
@@ -216,3 +218,25 @@ def stop_processes(*procs: subprocess.Popen[bytes] | None) -> None:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+@contextlib.asynccontextmanager
+async def gpu_pool(
+    client: Client, task_queue: str, ledger_url: str, *, routed: int = 5, **overrides: Any
+) -> AsyncIterator[FleetRig]:
+    """The compressed gpu-node-loss world (5 serving TP=4 groups + 1 warm spare on 4 nodes) with a
+    worker, once ``routed`` groups are in the routing set (0: at once). ``overrides`` go to
+    ``fleet_rig`` (settings, ``run_worker``, ``through_envoy``)."""
+    async with fleet_rig(
+        client,
+        scenario=compressed_scenario("gpu-node-loss"),
+        database_url=ledger_url,
+        task_queue=task_queue,
+        **overrides,
+    ) as rig:
+        deadline = time.monotonic() + 60
+        while routed and len(await rig.routing_set(POOL)) < routed:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the pool did not route {routed} groups within 60 s")
+            await asyncio.sleep(0.3)
+        yield rig

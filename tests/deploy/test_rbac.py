@@ -23,9 +23,8 @@ from fleet.vocabulary import FaultKind
 from tests.deploy.kube_calls import KubeCall, Rbac, recording, request_info
 from tests.deploy.manifests import OVERLAYS, SERVICE_ACCOUNTS, render
 from tests.deploy.secrets_probe import ReadSecrets, list_secrets
-from tests.support import finish, incident_config, node_report, wait_for_child
+from tests.support import finish, gpu_pool, incident_config, node_report, wait_for_child
 from worker.config import load_settings
-from worker.devstack.rig import compressed_scenario, fleet_rig
 from worker.webhook.topology import PoolTopology
 from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
 
@@ -110,13 +109,7 @@ async def test_a_real_recovery_and_the_webhook_lookups_stay_within_the_shipped_r
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
     with recording() as recorder:
-        async with fleet_rig(
-            temporal_client,
-            scenario=compressed_scenario("gpu-node-loss"),
-            database_url=ledger_url,
-            task_queue=task_queue,
-        ) as rig:
-            await asyncio.sleep(8)  # the pool comes up Ready
+        async with gpu_pool(temporal_client, task_queue, ledger_url) as rig:
             topology = PoolTopology.from_settings(rig.settings)
             before = await topology.groups_on_node("gpu-node-0")  # what the webhook does for a node alert
             assert before

@@ -15,13 +15,13 @@ from tests.support import (
     POOL,
     decisions,
     finish,
+    gpu_pool,
     incident_config,
     node_report,
     reconcile_with_world,
     wait_for_child,
     wait_for_phase,
 )
-from worker.devstack.rig import compressed_scenario, fleet_rig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -29,16 +29,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 async def test_envoy_killed_mid_recovery_comes_back_with_the_current_state_and_the_recovery_completes(
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
-    async with fleet_rig(
-        temporal_client,
-        scenario=compressed_scenario("gpu-node-loss"),
-        database_url=ledger_url,
-        task_queue=task_queue,
-        through_envoy=True,
-    ) as rig:
+    async with gpu_pool(temporal_client, task_queue, ledger_url, through_envoy=True) as rig:
         assert rig.gateway is not None
-        while len(await rig.routing_set(POOL)) < 5:
-            await asyncio.sleep(0.5)
         # Light load: what is under test is Envoy's state, not capacity (a loaded fleet whose every
         # request crosses Envoy starves a 2-core machine: README, "The gateway").
         load = await rig.start_load(rate=8, duration_s=120, seed=5)

@@ -30,11 +30,12 @@ from tests.support import (
     POOL,
     decisions,
     finish,
+    gpu_pool,
     start_worker_process,
     stop_processes,
     wait_for_child,
 )
-from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
+from worker.devstack.rig import FleetRig
 from worker.fastpath.service import FAST_PATH_ALERT
 from worker.webhook.alertmanager import AlertmanagerPayload
 from worker.webhook.examples import alert, notification
@@ -83,14 +84,7 @@ async def _incident_running(client: Client) -> bool:
 async def test_gpu_node_lost_under_load_opens_the_incident_by_the_fast_path_and_the_alert_is_absorbed(
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
-    async with fleet_rig(
-        temporal_client,
-        scenario=compressed_scenario("gpu-node-loss"),
-        database_url=ledger_url,
-        task_queue=task_queue,
-        **FAST_PATH_SETTINGS,
-    ) as rig:
-        await asyncio.sleep(8)  # the pool comes up Ready
+    async with gpu_pool(temporal_client, task_queue, ledger_url, **FAST_PATH_SETTINGS) as rig:
         async with rig.fast_path() as fast:
             await rig.start_load(rate=52, duration_s=90, seed=3)
             await asyncio.sleep(3)
@@ -134,14 +128,7 @@ async def test_gpu_node_lost_under_load_opens_the_incident_by_the_fast_path_and_
 async def test_a_slow_replica_opens_nothing_its_health_answers(
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
-    async with fleet_rig(
-        temporal_client,
-        scenario=compressed_scenario("gpu-node-loss"),
-        database_url=ledger_url,
-        task_queue=task_queue,
-        **FAST_PATH_SETTINGS,
-    ) as rig:
-        await asyncio.sleep(8)
+    async with gpu_pool(temporal_client, task_queue, ledger_url, **FAST_PATH_SETTINGS) as rig:
         pods = await rig.routing_set(POOL)
         async with rig.fast_path() as fast:
             await rig.start_load(rate=40, duration_s=30, seed=5)
@@ -181,14 +168,14 @@ async def _holder(rig: FleetRig, *, not_: str | None = None, timeout_s: float = 
 async def test_two_workers_one_leads_kill_9_it_and_the_other_detects_the_next_loss(
     temporal_client: Client, task_queue: str, ledger_url: str, tmp_path: Path
 ) -> None:
-    async with fleet_rig(
+    async with gpu_pool(
         temporal_client,
-        scenario=compressed_scenario("gpu-node-loss"),
-        database_url=ledger_url,
-        task_queue=task_queue,
+        task_queue,
+        ledger_url,
         run_worker=False,
         fastpath_enabled=True,
         **FAST_PATH_SETTINGS,
+        routed=0,
     ) as rig:
         log = tmp_path / "workers.log"
         # Two workers on one machine: no fixed health port for both (each would want :8081).

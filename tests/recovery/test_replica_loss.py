@@ -20,6 +20,7 @@ from tests.support import (
     decisions,
     finish,
     fleetmend_actions,
+    gpu_pool,
     incident_config,
     node_report,
     pod_report,
@@ -51,13 +52,7 @@ async def _serving_pods(rig: FleetRig) -> list[str]:
 async def test_gpu_node_lost_under_load_alert_storm_one_recovery(
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
-    async with fleet_rig(
-        temporal_client,
-        scenario=compressed_scenario("gpu-node-loss"),
-        database_url=ledger_url,
-        task_queue=task_queue,
-    ) as rig:
-        await asyncio.sleep(8)  # the pool comes up Ready
+    async with gpu_pool(temporal_client, task_queue, ledger_url) as rig:
         before = await _serving_pods(rig)
         assert len(before) == 5
         load = await rig.start_load(rate=52, duration_s=120, seed=3)
@@ -124,13 +119,7 @@ async def test_gpu_node_lost_under_load_alert_storm_one_recovery(
 async def test_dry_run_records_the_plan_and_touches_nothing(
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
-    async with fleet_rig(
-        temporal_client,
-        scenario=compressed_scenario("gpu-node-loss"),
-        database_url=ledger_url,
-        task_queue=task_queue,
-    ) as rig:
-        await asyncio.sleep(8)
+    async with gpu_pool(temporal_client, task_queue, ledger_url) as rig:
         await rig.start_load(rate=52, duration_s=60, seed=4)
         await asyncio.sleep(3)
         await rig.inject(FaultKind.NODE_LOST, "gpu-node-0")
@@ -145,13 +134,7 @@ async def test_dry_run_records_the_plan_and_touches_nothing(
 async def test_slow_replica_is_not_a_loss_and_nothing_is_mutated(
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
-    async with fleet_rig(
-        temporal_client,
-        scenario=compressed_scenario("gpu-node-loss"),
-        database_url=ledger_url,
-        task_queue=task_queue,
-    ) as rig:
-        await asyncio.sleep(8)
+    async with gpu_pool(temporal_client, task_queue, ledger_url) as rig:
         pod = (await _serving_pods(rig))[0]
         await rig.start_load(rate=30, duration_s=60, seed=5)
         await rig.inject(FaultKind.SLOW_REPLICA, f"inference/{pod}", factor=0.3)

@@ -4,7 +4,6 @@ spent, an Update in the recovery's first task. Real Temporal, real Postgres, the
 from __future__ import annotations
 
 import asyncio
-from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import pytest
@@ -23,6 +22,7 @@ from tests.support import (
     decisions,
     finish,
     fleetmend_actions,
+    gpu_pool,
     incident_config,
     node_report,
     reconcile_with_world,
@@ -30,16 +30,9 @@ from tests.support import (
     wait_for_child,
     wait_for_phase,
 )
-from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
+from worker.devstack.rig import FleetRig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
-
-
-def _gpu_pool(client: Client, task_queue: str, ledger_url: str) -> AbstractAsyncContextManager[FleetRig]:
-    """The gpu-node-loss pool (5 serving + 1 warm spare on 4 nodes) with a worker, at compressed timings."""
-    return fleet_rig(
-        client, scenario=compressed_scenario("gpu-node-loss"), database_url=ledger_url, task_queue=task_queue
-    )
 
 
 def _ledger_rows(url: str, like: str) -> list[tuple[str, str]]:
@@ -96,7 +89,7 @@ async def _operator_returns_node(rig: FleetRig, node: str) -> None:
 async def test_a_second_loss_on_the_same_pool_recovers_with_its_own_operation_ids(
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
-    async with _gpu_pool(temporal_client, task_queue, ledger_url) as rig:
+    async with gpu_pool(temporal_client, task_queue, ledger_url, routed=0) as rig:
         await _wait_serving(rig, 5)
         await rig.start_load(rate=40, duration_s=240, seed=21)
         outcomes = []
@@ -142,7 +135,7 @@ async def test_a_second_loss_on_the_same_pool_recovers_with_its_own_operation_id
 async def test_a_refused_deroute_stops_and_asks_and_retry_after_the_fix_completes(
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
-    async with _gpu_pool(temporal_client, task_queue, ledger_url) as rig:
+    async with gpu_pool(temporal_client, task_queue, ledger_url, routed=0) as rig:
         await _wait_serving(rig, 5)
         # RBAC lost the pods/patch permission: every pod patch is Forbidden.
         await rig.refuse({"verbs": ["PATCH"], "path_contains": "/pods/", "error": "403"})
@@ -184,7 +177,7 @@ async def test_a_persistent_429_ends_in_an_operator_escalation_within_the_budget
 ) -> None:
     budget = RetryBudget(attempts=3, budget_s=10, initial_interval_s=0.2, max_interval_s=1)
     timings = FAST.model_copy(update={"retry": budget})
-    async with _gpu_pool(temporal_client, task_queue, ledger_url) as rig:
+    async with gpu_pool(temporal_client, task_queue, ledger_url, routed=0) as rig:
         await _wait_serving(rig, 5)
         await rig.refuse({"verbs": ["PATCH"], "path_contains": "/scale", "error": "429"})
         await rig.inject(FaultKind.NODE_LOST, "gpu-node-0")
@@ -207,7 +200,7 @@ async def test_a_persistent_429_ends_in_an_operator_escalation_within_the_budget
 async def test_an_update_in_the_recoverys_first_task_is_accepted(
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
-    async with _gpu_pool(temporal_client, task_queue, ledger_url) as rig:
+    async with gpu_pool(temporal_client, task_queue, ledger_url, routed=0) as rig:
         inp = RecoveryInput(
             pool=POOL,
             incident_id="test",
