@@ -71,7 +71,8 @@ class EnvoyGateway:
         stored = self.store.get(pool.key)
         return stored.policy if stored is not None else GatewayPolicy()
 
-    def apply(self, pool: PoolRef, policy: GatewayPolicy) -> dict[str, Any]:
+    def apply(self, pool: PoolRef, policy: GatewayPolicy, *, part: str | None = None) -> dict[str, Any]:
+        # ``part`` is not needed here: the whole policy is one revision, and its record is the ACK.
         previous = self.store.get(pool.key)
         revision = self.store.put(pool.key, policy)
         deadline = time.monotonic() + self.apply_timeout_s

@@ -29,7 +29,12 @@ from ledger.effect import ActionSignature
 class Gateway(Protocol):
     def policy(self, pool: PoolRef) -> GatewayPolicy: ...
 
-    def apply(self, pool: PoolRef, policy: GatewayPolicy) -> dict[str, Any]: ...
+    def apply(self, pool: PoolRef, policy: GatewayPolicy, *, part: str | None = None) -> dict[str, Any]:
+        """Make ``policy`` the pool's whole policy. ``part`` names the piece this change is about
+        (``weights``, ``admission``, ``retry-policy``): a gateway whose record of changes is per
+        piece (the sim router's request log) writes that piece even when it already holds the value,
+        so every applied ledger row has its action in the world's record."""
+        ...
 
     def applied(self, pool: PoolRef, policy: GatewayPolicy) -> dict[str, Any] | None: ...
 
@@ -62,14 +67,14 @@ class SimRouterGateway:
         state = self.router.state(pool)
         return GatewayPolicy(weights=state.weights, admission=state.admission, retry=state.retry)
 
-    def apply(self, pool: PoolRef, policy: GatewayPolicy) -> dict[str, Any]:
+    def apply(self, pool: PoolRef, policy: GatewayPolicy, *, part: str | None = None) -> dict[str, Any]:
         current = self.policy(pool)
         state = self.router.state(pool)
-        if policy.weights != current.weights:
+        if policy.weights != current.weights or part == "weights":
             state = self.router.set_weights(pool, policy.weights)
-        if policy.admission != current.admission:
+        if policy.admission != current.admission or part == "admission":
             state = self.router.set_admission(pool, policy.admission)
-        if policy.retry != current.retry:
+        if policy.retry != current.retry or part == "retry-policy":
             state = self.router.set_retry_policy(pool, policy.retry)
         return {"version": state.version, "policy": policy.model_dump(mode="json")}
 

@@ -298,7 +298,7 @@ class _GatewayEffect(Effect):
         raise NotImplementedError
 
     def apply(self, attempt: Attempt) -> dict[str, Any]:
-        return self.gateway.apply(self.pool, self.desired(self.gateway.policy(self.pool)))
+        return self.gateway.apply(self.pool, self.desired(self.gateway.policy(self.pool)), part=self.what)
 
     def probe(self, attempt: Attempt) -> dict[str, Any] | None:
         current = self.gateway.policy(self.pool)
