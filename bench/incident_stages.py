@@ -189,10 +189,15 @@ class Watcher:
             routed = set(await self.rig.routing_set(self.fault.pool))
             if self.out_of_rotation is None and not routed & self.lost:
                 self.out_of_rotation = now
+            if self.out_of_rotation is not None and self.capacity_back is None:
+                # Back to the size before the fault: replacements (node faults), or the same pods
+                # restarted in place (an engine crash, a LeaderWorkerSet group re-created).
+                if len(routed - self.lost) >= self.fault.groups or (
+                    self._dipped and len(routed) >= self.fault.groups
+                ):
+                    self.capacity_back = now
             if len(routed) < self.fault.groups:
                 self._dipped = True
-            elif self._dipped and self.capacity_back is None and not routed & self.lost:
-                self.capacity_back = now
             if self.fault.node_fault and self.cordoned is None:
                 if await asyncio.to_thread(_unschedulable, self.rig, self.fault.target):
                     self.cordoned = now

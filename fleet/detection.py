@@ -12,10 +12,12 @@ Policy (``DetectionPolicy``):
 * a node whose Ready condition is Unknown or False is lost at once (the node
   controller already waited its grace period);
 * a pod that is gone while it was still routed (force-deleted with the router-only
-  label on: nobody derouted it first) is lost at once. A pod terminated gracefully
-  (a rollout, a scale-down, ``kubectl delete pod``: its EndpointSlice endpoint says
-  ``terminating``) is a disruption somebody planned and its controller replaces;
-  the fast path sends no evidence about it (``worker.fastpath.service``);
+  label on: nobody derouted it first) is lost at once;
+* a pod *terminated gracefully* (its EndpointSlice endpoint says ``terminating``, or it
+  was deleted with a grace period) is a disruption somebody planned — a rollout, a
+  scale-down, ``kubectl delete pod`` — and its controller replaces it: not a loss,
+  unless it was already failing checks (then its controller is replacing a broken
+  replica, as a LeaderWorkerSet re-creates a group whose rank died: a loss);
 * an engine is lost after ``failures_to_confirm`` consecutive failed health checks
   (an EndpointSlice endpoint turning not-ready counts as one failure) — once it has
   answered a health check at all: a replica still starting is not lost;
@@ -46,6 +48,7 @@ class EvidenceKind(StrEnum):
     NODE_NOT_READY = "node-not-ready"
     NODE_READY = "node-ready"
     POD_GONE = "pod-gone"
+    POD_TERMINATED = "pod-terminated"  # gracefully: a terminating endpoint, a deletion with a grace period
 
 
 class Verdict(StrEnum):
@@ -133,6 +136,17 @@ def observe(
         return lost(
             s.model_copy(update={"failures": s.failures + 1, "successes": 0, "evidence": kept}),
             f"{s.entity}: {what} ({evidence.describe()})",
+        )
+    if kind is EvidenceKind.POD_TERMINATED:
+        if s.failures > 0:
+            return lost(
+                s.model_copy(update={"evidence": kept}),
+                f"{s.entity}: terminated after {s.failures} failed check(s) ({evidence.describe()}): "
+                "its controller is replacing a broken replica",
+            )
+        return wait(
+            s.model_copy(update={"evidence": kept}),
+            f"{s.entity}: terminated gracefully while healthy (rollout, scale-down, delete): planned, not a loss",
         )
     if kind in (EvidenceKind.HEALTH_FAILED, EvidenceKind.ENDPOINT_NOT_READY):
         if not s.answered:

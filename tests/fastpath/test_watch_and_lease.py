@@ -138,8 +138,8 @@ async def test_a_graceful_deletion_of_a_routed_pod_sends_no_evidence_a_forced_on
     short_history: RunningSim,
 ) -> None:
     """A rollout or `kubectl delete pod` terminates gracefully (the EndpointSlice endpoint turns
-    ``terminating``): planned, replaced by its controller, not a loss. A forced deletion (grace 0)
-    of a routed pod nobody derouted is one."""
+    ``terminating``): the evidence says so, and a healthy pod terminated is not a loss. A forced
+    deletion (grace 0) of a routed pod nobody derouted is one."""
     sim = short_history
     core = _core(sim)
     discovery = client.DiscoveryV1Api(core.api_client)
@@ -176,8 +176,12 @@ async def test_a_graceful_deletion_of_a_routed_pod_sends_no_evidence_a_forced_on
         for i in fast.informers:
             i.stop()
     evidence = [fast._queue.get_nowait() for _ in range(fast._queue.qsize())]
-    about = {e.entity for e in evidence}
-    assert f"pod:{NS}/{graceful}" not in about, evidence
+    terminated = [e for e in evidence if e.entity == f"pod:{NS}/{graceful}"]
+    assert terminated and {e.kind for e in terminated} == {EvidenceKind.POD_TERMINATED}, evidence
+    state = None
+    for e in terminated:  # a healthy pod terminated on purpose: never a loss
+        state, detection = observe(state, e)
+        assert not detection.loss, detection
     assert [(e.entity, e.kind) for e in evidence if e.entity == f"pod:{NS}/{forced}"] == [
         (f"pod:{NS}/{forced}", EvidenceKind.POD_GONE)
     ], evidence

@@ -66,6 +66,22 @@ def test_node_not_ready_and_a_routed_pod_gone_are_losses_at_once() -> None:
     assert d.loss and "pod gone while routed" in d.reason
 
 
+def test_a_graceful_termination_is_planned_when_healthy_and_a_loss_when_it_was_failing() -> None:
+    """A rollout deletes a healthy pod: not a loss. A LeaderWorkerSet re-creates a group whose rank
+    died: its leader had failed a check before it was terminated: a loss."""
+    TERMINATED = EvidenceKind.POD_TERMINATED
+    assert _run([OK, TERMINATED, TERMINATED]) == [Verdict.WAIT, Verdict.WAIT, Verdict.WAIT]
+    s, _ = observe(None, Evidence(entity=POD, kind=OK, at=0.0, latency_s=0.01))
+    s, healthy = observe(s, Evidence(entity=POD, kind=TERMINATED, at=1.0, detail="endpoint terminating"))
+    assert healthy.verdict is Verdict.WAIT and "planned, not a loss" in healthy.reason
+    s, _ = observe(None, Evidence(entity=POD, kind=OK, at=0.0, latency_s=0.01))
+    s, _ = observe(s, Evidence(entity=POD, kind=FAIL, at=1.0, detail="/health HTTP 500"))
+    s, broken = observe(s, Evidence(entity=POD, kind=TERMINATED, at=1.2, detail="endpoint terminating"))
+    assert broken.loss and "replacing a broken replica" in broken.reason
+    _, again = observe(s, Evidence(entity=POD, kind=TERMINATED, at=1.4))
+    assert not again.loss  # reported once
+
+
 def test_a_slow_but_present_replica_is_not_a_loss_recorded_once_per_slow_spell() -> None:
     assert _run([OK, OK, OK], latency=1.2) == [Verdict.NOT_A_LOSS, Verdict.WAIT, Verdict.WAIT]
     s, d = observe(None, Evidence(entity=POD, kind=OK, at=0, latency_s=1.2))

@@ -186,19 +186,17 @@ class FastPath:
         if kind != "DELETED" or not self._routed(pod):
             return
         meta = pod.get("metadata") or {}
-        if (meta.get("deletionGracePeriodSeconds") or 0) > 0:
-            # Terminated gracefully (a rollout, a scale-down, `kubectl delete pod`): a disruption its
-            # controller or operator planned, whose replacement the controller makes. Not a loss;
-            # a forced deletion (grace 0) of a routed pod is one.
-            return
         self._gone[f"{meta.get('namespace')}/{meta.get('name')}"] = pod
         node = (pod.get("spec") or {}).get("nodeName") or ""
+        grace = meta.get("deletionGracePeriodSeconds") or 0
         self._push(
             Evidence(
                 entity=f"pod:{meta.get('namespace')}/{meta.get('name')}",
-                kind=EvidenceKind.POD_GONE,
+                # Deleted with a grace period: planned unless it was failing (fleet.detection decides).
+                kind=EvidenceKind.POD_TERMINATED if grace > 0 else EvidenceKind.POD_GONE,
                 at=time.time(),
-                detail=f"deleted while carrying {self.settings.router_label}"
+                detail=(f"deleted after a {grace} s grace period" if grace > 0 else "force-deleted")
+                + f" while carrying {self.settings.router_label}"
                 + (f" on {node}" if node else ""),
             )
         )
@@ -216,21 +214,19 @@ class FastPath:
             ref = ep.get("targetRef") or {}
             key = f"{ref.get('namespace') or namespace}/{ref.get('name')}"
             conditions = ep.get("conditions") or {}
-            if (
-                ref.get("kind") == "Pod"
-                and key in routed
-                and conditions.get("ready") is False
-                # A terminating endpoint is a pod being deleted on purpose (see _on_pod), not lost.
-                and not conditions.get("terminating")
-            ):
-                self._push(
-                    Evidence(
-                        entity=f"pod:{key}",
-                        kind=EvidenceKind.ENDPOINT_NOT_READY,
-                        at=time.time(),
-                        detail="EndpointSlice endpoint ready=false",
-                    )
+            if ref.get("kind") != "Pod" or key not in routed or conditions.get("ready") is not False:
+                continue
+            terminating = bool(conditions.get("terminating"))
+            self._push(
+                Evidence(
+                    entity=f"pod:{key}",
+                    kind=EvidenceKind.POD_TERMINATED if terminating else EvidenceKind.ENDPOINT_NOT_READY,
+                    at=time.time(),
+                    detail="EndpointSlice endpoint terminating"
+                    if terminating
+                    else "EndpointSlice endpoint ready=false",
                 )
+            )
 
     # -- health probes -------------------------------------------------------------------------
 
@@ -245,11 +241,12 @@ class FastPath:
                 await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     def _probed(self, pod: dict[str, Any]) -> bool:
-        """Routed, not terminating, and Ready (a pod still starting is not lost because it cannot answer yet)."""
+        """Routed, running, not terminating. Ready or not: an engine that answered once and then
+        stops answering (a crashed container restarting in place) is failing, while one that never
+        answered is starting, and fleet.detection does not count those failures."""
         if not self._routed(pod) or (pod.get("metadata") or {}).get("deletionTimestamp"):
             return False
-        conditions = (pod.get("status") or {}).get("conditions") or []
-        return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+        return bool((pod.get("status") or {}).get("phase") == "Running")
 
     async def _probe(self, http: httpx.AsyncClient, pod: dict[str, Any]) -> None:
         meta = pod.get("metadata") or {}
