@@ -350,30 +350,38 @@ def print_table(name: str, runs: list[RunResult]) -> None:
 
 
 def plot(results: dict[str, list[RunResult]], path: Path) -> None:
-    """Stage timeline per fault class (median over the fleetmend runs; Kubernetes-only beside it)."""
+    """Stage timeline per fault class: one row per stage, the median second from the fault it was
+    reached, fleetmend's runs beside Kubernetes-only (a stage Kubernetes has no such step for is
+    left out of its row)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(results), 1, figsize=(9, 2.2 * len(results)), squeeze=False)
+    stages = list(FLEETMEND_STAGES)
+    fig, axes = plt.subplots(len(results), 1, figsize=(8, 2.6 * len(results)), squeeze=False)
     for ax, (name, runs) in zip(axes[:, 0], results.items(), strict=True):
-        for row, mode in enumerate(("fleetmend", "kubernetes-only")):
+        for mode, marker, offset in (("fleetmend", "o", -0.15), ("kubernetes-only", "x", 0.15)):
             chosen = [r for r in runs if r.mode == mode]
-            for stage in FLEETMEND_STAGES:
+            for row, stage in enumerate(stages):
                 seen = [v for r in chosen if (v := r.stages.get(stage)) is not None]
                 if not seen:
                     continue
                 t = statistics.median(seen)
-                ax.plot([t], [row], "o")
+                color = "tab:blue" if mode == "fleetmend" else "tab:red"
+                ax.plot([0, t], [row + offset] * 2, color=color, alpha=0.35, linewidth=3)
+                ax.plot([t], [row + offset], marker, color=color, label=mode if row == 0 else None)
                 ax.annotate(
-                    stage, (t, row), textcoords="offset points", xytext=(0, 6), rotation=30, fontsize=7
+                    f"{t:.1f}", (t, row + offset), textcoords="offset points", xytext=(5, -3), fontsize=7
                 )
-        ax.set_yticks([0, 1], ["fleetmend", "Kubernetes only"])
-        ax.set_ylim(-0.5, 1.9)
-        ax.set_title(name, fontsize=9, loc="left")
-        ax.set_xlabel("seconds from the fault (median)")
+        ax.set_yticks(range(len(stages)), stages, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(f"{name} (median over the runs)", fontsize=9, loc="left")
+        ax.set_xlabel("seconds from the fault", fontsize=8)
         ax.grid(axis="x", alpha=0.3)
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles, strict=True))
+        ax.legend(unique.values(), unique.keys(), fontsize=7, loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -423,7 +431,24 @@ if __name__ == "__main__":
     parser.add_argument("--classes", default=",".join(CLASSES), help=f"comma-separated: {', '.join(CLASSES)}")
     parser.add_argument("--plot", type=Path, default=None, help="write the stage timeline (PNG) here")
     parser.add_argument("--json", type=Path, default=None, help="write every run's figures here")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="print the tables (and --plot) from saved runs instead of running",
+    )
     args = parser.parse_args()
+    if args.from_json:
+        saved: dict[str, list[RunResult]] = {}
+        for path in args.from_json:
+            for name, runs in json.loads(path.read_text()).items():
+                saved.setdefault(name, []).extend(RunResult(**r) for r in runs)
+        for name, runs in saved.items():
+            print_table(name, runs)
+        if args.plot is not None:
+            plot(saved, args.plot)
+        raise SystemExit(0)
     unknown = [c for c in args.classes.split(",") if c not in CLASSES]
     if unknown:
         parser.error(f"unknown fault class(es) {unknown}; choose from {sorted(CLASSES)}")
