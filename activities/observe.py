@@ -21,7 +21,7 @@ from fleet.loss import EndpointConditions, EngineHealth, PodObservation
 from fleet.observation import PoolObservation, WorkloadSelector
 from fleet.pool import GroupRole, NodeInfo, PoolSnapshot, ReplicaGroup, Taint, WorkloadKind
 from fleet.protocol import JournalEntry, RouterState
-from fleet.qualification import QUALIFICATION_LABEL, machine_id
+from fleet.qualification import QUALIFICATION_LABEL, GpuHolder, machine_id
 from fleet.recovery import IncidentInput
 from fleet.vocabulary import (
     GPU_RESOURCE,
@@ -66,6 +66,9 @@ class NodeHealth(BaseModel):
     gpu_allocatable: int = 0
     gpus_held: int = Field(
         0, description="GPUs requested by running pods on the node other than qualification"
+    )
+    gpu_holders: list[GpuHolder] = Field(
+        default_factory=list, description="the pods behind gpus_held (qualification Jobs excluded)"
     )
 
 
@@ -481,11 +484,21 @@ class ObserveActivities:
             return NodeHealth(node=None, telemetry_error=f"node object unreadable: {exc}")
         conditions = {c["type"]: c["status"] for c in obj.get("status", {}).get("conditions") or []}
         reasons: dict[str, str] = {}
-        held = 0
+        holders: list[GpuHolder] = []
+        settings = self.deps.settings
         for p in kr.list_all_pods(k):
             if p.get("spec", {}).get("nodeName") == node:
-                if not _terminated(p) and QUALIFICATION_LABEL not in kr.labels(p):
-                    held += _gpus_of(p)
+                lbl = kr.labels(p)
+                if not _terminated(p) and QUALIFICATION_LABEL not in lbl and _gpus_of(p) > 0:
+                    holders.append(
+                        GpuHolder(
+                            namespace=p["metadata"]["namespace"],
+                            pod=kr.name(p),
+                            gpus=_gpus_of(p),
+                            spare=lbl.get(ROLE_LABEL) == ROLE_SPARE
+                            and lbl.get(settings.router_label) != settings.router_label_value,
+                        )
+                    )
                 waiting, terminated, _ = _container_reasons(p)
                 reason = terminated or waiting or p.get("status", {}).get("reason")
                 if reason:
@@ -509,7 +522,8 @@ class ObserveActivities:
             uid=obj["metadata"]["uid"],
             gpu_capacity=int((obj.get("status", {}).get("capacity") or {}).get(GPU_RESOURCE, 0)),
             gpu_allocatable=int((obj.get("status", {}).get("allocatable") or {}).get(GPU_RESOURCE, 0)),
-            gpus_held=held,
+            gpus_held=sum(h.gpus for h in holders),
+            gpu_holders=holders,
         )
 
     # ------------------------------------------------------------ router

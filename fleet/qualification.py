@@ -314,3 +314,36 @@ def repaired(conditions: Mapping[str, str], xids: Mapping[str, int], capacity: i
         for ctype, status in conditions.items()
     )
     return not gpu_problem and not any(xids.values()) and capacity > 0 and allocatable >= capacity
+
+
+class GpuHolder(BaseModel):
+    """A pod holding GPUs on a node (qualification Jobs excluded)."""
+
+    namespace: str
+    pod: str
+    gpus: int
+    spare: bool = Field(description="a warm spare (role label spare, not routed)")
+
+
+class MachineClearing(BaseModel):
+    """What stands between a repaired machine and its qualification (it needs every GPU)."""
+
+    delete: list[GpuHolder] = Field(
+        default_factory=list,
+        description="warm spares on the quarantined machine: a spare there is no spare (promoting it would "
+        "route traffic onto failed hardware); deleted gracefully, their controller re-places them elsewhere "
+        "since the node is cordoned",
+    )
+    operator: list[GpuHolder] = Field(
+        default_factory=list,
+        description="anything else (a routed replica, another workload): never deleted by fleetmend; the "
+        "qualification waits and the operator is told",
+    )
+
+
+def clear_for_qualification(holders: Sequence[GpuHolder]) -> MachineClearing:
+    """Split the pods still holding GPUs on a quarantined, repaired machine into the warm spares
+    fleetmend deletes and the pods only an operator may move."""
+    return MachineClearing(
+        delete=[h for h in holders if h.spare], operator=[h for h in holders if not h.spare]
+    )

@@ -62,8 +62,10 @@ with workflow.unsafe.imports_passed_through():
     from fleet.protocol import Admission, QualificationState
     from fleet.qualification import (
         MACHINE_ANNOTATION,
+        GpuHolder,
         Identity,
         Verdict,
+        clear_for_qualification,
         identity,
         remediation_gate,
         repaired,
@@ -818,6 +820,8 @@ class ReplicaLossRecovery(Procedure):
         deadline = self.now() + wait_s
         self.decide(f"watching {node} for a repair for up to {wait_s:.0f} s before qualifying it again")
         gone_seen = False
+        last = "no reading yet"
+        told: set[str] = set()
         while self.now() <= deadline:
             await workflow.sleep(
                 max(self._inp.timings.poll_interval_s, 1.0), summary=f"wait for the repair of {node}"
@@ -830,6 +834,7 @@ class ReplicaLossRecovery(Procedure):
                         f"{node} has no node object now; machine {machine} stays quarantined (ledger)"
                     )
                 gone_seen = True
+                last = "no node object"
                 continue
             if seen is Identity.REPLACED:
                 if node in self._quarantined:
@@ -848,20 +853,57 @@ class ReplicaLossRecovery(Procedure):
                     "quarantined, cordoned and tainted again"
                 )
                 uid = health.uid
+                last = f"re-created as uid {health.uid}, quarantined again"
                 continue
             xids = {g.gpu: g.last_xid or 0 for g in health.telemetry.gpus} if health.telemetry else {"?": 1}
-            if health.gpus_held == 0 and repaired(
-                health.conditions, xids, health.gpu_capacity, health.gpu_allocatable
-            ):
-                self.decide(
-                    f"{node} looks repaired (no Xid, {health.gpu_allocatable}/{health.gpu_capacity} GPUs "
-                    "offered, no pods): qualifying again"
+            if not repaired(health.conditions, xids, health.gpu_capacity, health.gpu_allocatable):
+                last = (
+                    f"GPU problem still shown ({health.gpu_allocatable}/{health.gpu_capacity} GPUs offered, "
+                    f"Xid {max(xids.values(), default=0)})"
                 )
-                return uid
+                continue
+            if health.gpu_holders:
+                last = await self._clear_for_qualification(node, health.gpu_holders, told)
+                continue
+            self.decide(
+                f"{node} looks repaired (no Xid, {health.gpu_allocatable}/{health.gpu_capacity} GPUs "
+                "offered, no pods): qualifying again"
+            )
+            return uid
         self.decide(
-            f"no repair of {node} seen within {wait_s:.0f} s: it stays quarantined until an operator acts"
+            f"no repair of {node} seen within {wait_s:.0f} s (last seen: {last}): it stays quarantined "
+            "until an operator acts"
         )
         return None
+
+    async def _clear_for_qualification(self, node: str, holders: list[GpuHolder], told: set[str]) -> str:
+        """A repaired machine still holding pods (a warm spare left on it, or one placed while a
+        re-created node object was not yet quarantined): qualification needs every GPU. Warm spares
+        are deleted gracefully (a spare on quarantined hardware is no spare; cordoned, the node gets
+        none back); anything else only an operator moves. Returns what still holds the machine."""
+        clearing = clear_for_qualification(holders)
+        for held in clearing.delete:
+            await self.act(
+                ActActivities.delete_pod,
+                PodDeletion(step=f"clear-{node}", namespace=held.namespace, pod=held.pod, grace_period_s=5),
+                f"delete warm spare {held.pod} on quarantined {node}: qualification needs all its GPUs",
+            )
+        if clearing.delete:
+            self.decide(
+                f"{node} looks repaired but holds warm spare(s) {', '.join(h.pod for h in clearing.delete)}: "
+                "deleted gracefully (a spare on quarantined hardware is no spare; their controller places "
+                "them elsewhere) so qualification gets every GPU"
+            )
+        others = [h.pod for h in clearing.operator if h.pod not in told]
+        if others:
+            told.update(others)
+            text = (
+                f"{node} looks repaired but {', '.join(others)} hold(s) GPUs on it: fleetmend does not move "
+                "them; qualification waits until the machine is empty"
+            )
+            self.decide(text)
+            await self.notify(f"occupied-{node}-{len(told)}", f"[fleetmend] {self._status.pool.key}: {text}")
+        return "pods hold its GPUs: " + ", ".join(f"{h.pod} ({h.gpus})" for h in holders)
 
     # ---------------------------------------------------------------- step 9
 

@@ -8,10 +8,12 @@ import pytest
 
 from fleet.protocol import QualificationState
 from fleet.qualification import (
+    GpuHolder,
     Identity,
     JobView,
     QualificationSpec,
     RemediationRecord,
+    clear_for_qualification,
     identity,
     job_manifest,
     job_name,
@@ -174,3 +176,13 @@ def test_problem_detector_conditions_route_to_the_right_follow_up() -> None:
     assert xid.fault_class is FaultClass.XID_ECC and "GPU hardware" in xid.follow_up
     calm = triage_node("gpu-3", now=0, node_conditions={"Ready": "True", "KernelDeadlock": "False"})
     assert calm.fault_class is FaultClass.UNKNOWN
+
+
+def test_a_repaired_machine_is_cleared_of_warm_spares_and_nothing_else() -> None:
+    spare = GpuHolder(namespace="inference", pod="llama-spare-a", gpus=2, spare=True)
+    serving = GpuHolder(namespace="inference", pod="llama-x", gpus=2, spare=False)
+    other = GpuHolder(namespace="batch", pod="trainer-0", gpus=4, spare=False)
+    clearing = clear_for_qualification([spare, serving, other])
+    assert [h.pod for h in clearing.delete] == ["llama-spare-a"]
+    assert [h.pod for h in clearing.operator] == ["llama-x", "trainer-0"]
+    assert clear_for_qualification([]).delete == [] and clear_for_qualification([]).operator == []

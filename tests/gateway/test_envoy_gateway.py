@@ -183,10 +183,11 @@ def served_by(gw: Gateway, n: int, tier: Tier = Tier.STANDARD) -> collections.Co
 
 
 def weighted(seen: collections.Counter[str], pod: str, share: float) -> bool:
-    """``pod`` served ``share`` of the requests, give or take one (where a weighted round robin
-    starts its schedule after a restart or an update is Envoy's business)."""
+    """``pod`` served ``share`` of the requests, give or take two (where a weighted round robin
+    starts its schedule after a restart or an endpoint update - one may land mid-count when a control
+    plane reconnects - is Envoy's business; 2:1 against 1:2 over 30 requests is 20 against 10)."""
     total = sum(seen.values())
-    return set(seen) <= {"llama-0", "llama-1"} and abs(seen[pod] - share * total) <= 1.01
+    return set(seen) <= {"llama-0", "llama-1"} and abs(seen[pod] - share * total) <= 2.01
 
 
 def config_dump(gw: Gateway) -> dict[str, object]:
@@ -240,7 +241,10 @@ def test_a_config_envoy_refuses_fails_with_its_own_words_and_nothing_is_retried_
     text = str(refused.value)
     assert "Envoy refused" in text and "Cluster" in text and "Interval" in text, text  # Envoy's own words
     assert gw.adapter.policy(POOL) == good  # put back: the change is not left half-applied
-    assert weighted(served_by(gw, 30), "llama-0", 2 / 3)  # Envoy still runs the last good config
+    dump = json.dumps(config_dump(gw))  # Envoy still runs the last good config
+    assert '"load_balancing_weight": 200' in dump and '"load_balancing_weight": 100' in dump, dump
+    seen = served_by(gw, 30)
+    assert weighted(seen, "llama-0", 2 / 3), seen
 
     gw.restart_plane()
     assert gw.adapter.apply(POOL, change)["policy"]["weights"] == {"llama-0": 1.0, "llama-1": 2.0}
