@@ -39,8 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
+from prometheus_client.parser import text_string_to_metric_families
 from temporalio.client import Client, WorkflowHandle
 
 from fleet.incident import PoolRef, incident_workflow_id
@@ -82,7 +84,7 @@ class FaultClass:
     pool: PoolRef
     groups: int  # routed replica groups when the pool is up
     kind: FaultKind
-    target: str  # a node, or "pod:serving" / "pod:rank"
+    target: str  # a node, "node:serving-gpu" (the GPU a serving pod holds), or "pod:serving" / "pod:rank"
     params: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -97,6 +99,11 @@ CLASSES: dict[str, FaultClass] = {
         "rank-lost", PoolRef(namespace="inference", service="llama-405b"), 2, FaultKind.RANK_LOST, "pod:rank"
     ),
     "engine-crash": FaultClass("gpu-node-loss", LLAMA, 5, FaultKind.POD_OOMKILLED, "pod:serving"),
+    # An Xid 79 on the GPU a serving pod holds, with the engine kept alive (vLLM's
+    # VLLM_KEEP_ALIVE_ON_ENGINE_DEATH): the pod stays Running and its node Ready; /health answers 503.
+    "gpu-xid": FaultClass(
+        "gpu-node-loss", LLAMA, 5, FaultKind.GPU_XID, "node:serving-gpu", {"code": 79, "keep_alive": True}
+    ),
 }
 
 
@@ -143,8 +150,19 @@ def _unschedulable(rig: FleetRig, node: str) -> bool:
     )
 
 
-async def target_and_lost(rig: FleetRig, fault: FaultClass) -> tuple[str, set[str]]:
-    """The fault's target, and every routed pod it takes out (a dead rank takes its whole group)."""
+def gpu_of(rig: FleetRig, node: str, pod: str) -> int:
+    """The GPU ``pod`` holds on ``node``, from the node's dcgm-exporter series (their ``pod`` label)."""
+    text = httpx.get(rig.settings.node_telemetry_url_template.format(node=node), timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("pod") == pod and "gpu" in sample.labels:
+                return int(sample.labels["gpu"])
+    raise RuntimeError(f"no dcgm-exporter series on {node} names pod {pod}")
+
+
+async def target_and_lost(rig: FleetRig, fault: FaultClass) -> tuple[str, set[str], dict[str, Any]]:
+    """The fault's target, every routed pod it takes out (a dead rank takes its whole group), and the
+    fault's parameters."""
     routed = set(await rig.routing_set(fault.pool))
     pods = await asyncio.to_thread(_pods, rig, fault.pool.namespace)
     names = {str(p["metadata"]["name"]): p for p in pods}
@@ -152,17 +170,21 @@ async def target_and_lost(rig: FleetRig, fault: FaultClass) -> tuple[str, set[st
     def labels(name: str) -> dict[str, str]:
         return dict(names[name]["metadata"].get("labels") or {})
 
+    if fault.target == "node:serving-gpu":
+        pod = sorted(routed)[0]
+        node = str(names[pod]["spec"]["nodeName"])
+        gpu = await asyncio.to_thread(gpu_of, rig, node, pod)
+        return node, {pod}, {**fault.params, "gpu": gpu}
     if fault.node_fault:
-        return fault.target, {
-            n for n, p in names.items() if p["spec"].get("nodeName") == fault.target
-        } & routed
+        on_node = {n for n, p in names.items() if p["spec"].get("nodeName") == fault.target}
+        return fault.target, on_node & routed, fault.params
     if fault.target == "pod:serving":
         pod = sorted(routed)[0]
-        return f"{fault.pool.namespace}/{pod}", {pod}
+        return f"{fault.pool.namespace}/{pod}", {pod}, fault.params
     rank = sorted(n for n in names if labels(n).get(LWS_WORKER_INDEX_LABEL) == "1")[0]
     group = labels(rank).get(LWS_GROUP_INDEX_LABEL)
     lost = {n for n in names if labels(n).get(LWS_GROUP_INDEX_LABEL) == group}
-    return f"{fault.pool.namespace}/{rank}", (lost & routed) or lost
+    return f"{fault.pool.namespace}/{rank}", (lost & routed) or lost, fault.params
 
 
 async def until(what: str, check: Callable[[], Awaitable[bool]], timeout_s: float) -> None:
@@ -176,8 +198,10 @@ async def until(what: str, check: Callable[[], Awaitable[bool]], timeout_s: floa
 class Watcher:
     """Polls the world every 0.2 s from the fault on: rotation, routing-set size, cordon."""
 
-    def __init__(self, rig: FleetRig, fault: FaultClass, lost: set[str], fault_at: float) -> None:
-        self.rig, self.fault, self.lost, self.fault_at = rig, fault, lost, fault_at
+    def __init__(
+        self, rig: FleetRig, fault: FaultClass, lost: set[str], fault_at: float, node: str | None
+    ) -> None:
+        self.rig, self.fault, self.lost, self.fault_at, self.node = rig, fault, lost, fault_at, node
         self.out_of_rotation: float | None = None
         self.capacity_back: float | None = None
         self.cordoned: float | None = None
@@ -198,8 +222,8 @@ class Watcher:
                     self.capacity_back = now
             if len(routed) < self.fault.groups:
                 self._dipped = True
-            if self.fault.node_fault and self.cordoned is None:
-                if await asyncio.to_thread(_unschedulable, self.rig, self.fault.target):
+            if self.node is not None and self.cordoned is None:
+                if await asyncio.to_thread(_unschedulable, self.rig, self.node):
                     self.cordoned = now
             await asyncio.sleep(0.2)
 
@@ -273,12 +297,12 @@ async def one_run(
             stages: dict[str, float | None] = {}
             phase: str | None = None
             if mode != "no-fault":
-                target, lost = await target_and_lost(rig, fault)
+                target, lost, params = await target_and_lost(rig, fault)
                 fault_at = time.time()
-                reply = await rig.inject(fault.kind, target, **fault.params)
+                reply = await rig.inject(fault.kind, target, **params)
                 if not reply.get("accepted", True):
                     raise RuntimeError(f"the sim refused the fault: {reply}")
-                watcher = Watcher(rig, fault, lost, fault_at)
+                watcher = Watcher(rig, fault, lost, fault_at, target if fault.node_fault else None)
                 stop = asyncio.Event()
                 watching = asyncio.create_task(watcher.run(stop))
                 try:

@@ -11,8 +11,16 @@ Policy (``DetectionPolicy``):
 
 * a node whose Ready condition is Unknown or False is lost at once (the node
   controller already waited its grace period);
+* a GPU problem condition on a node serving a managed pool (``GpuXid``, an ECC or
+  NVLink condition a node problem detector sets, ``fleet.qualification.gpu_problem_conditions``)
+  is a loss of that node at once: the incident's recovery confirms, replica by replica,
+  which groups on it are lost (an Xid under a pod that still looks healthy included);
 * a pod that is gone while it was still routed (force-deleted with the router-only
   label on: nobody derouted it first) is lost at once;
+* a worker rank of a multi-node group whose container restarted is a loss of the
+  group's routed leader at once (its communicator is broken; the leader's own
+  ``/health`` may answer a moment longer, and a LeaderWorkerSet re-creating the
+  group terminates the leader gracefully, which alone would read as planned);
 * a pod *terminated gracefully* (its EndpointSlice endpoint says ``terminating``, or it
   was deleted with a grace period) is a disruption somebody planned — a rollout, a
   scale-down, ``kubectl delete pod`` — and its controller replaces it: not a loss,
@@ -47,8 +55,19 @@ class EvidenceKind(StrEnum):
     ENDPOINT_NOT_READY = "endpoint-not-ready"
     NODE_NOT_READY = "node-not-ready"
     NODE_READY = "node-ready"
+    NODE_GPU_FAULT = "node-gpu-fault"  # a node problem detector's GPU condition (GpuXid...) is True
+    RANK_FAILED = "rank-failed"  # a worker rank of the entity's multi-node group restarted its container
     POD_GONE = "pod-gone"
     POD_TERMINATED = "pod-terminated"  # gracefully: a terminating endpoint, a deletion with a grace period
+
+
+# Evidence that is a loss on its own, without a second check.
+_AT_ONCE = {
+    EvidenceKind.NODE_NOT_READY: "node Ready is not True",
+    EvidenceKind.NODE_GPU_FAULT: "GPU fault on a serving node",
+    EvidenceKind.POD_GONE: "pod gone while routed",
+    EvidenceKind.RANK_FAILED: "a rank of its multi-node group failed",
+}
 
 
 class Verdict(StrEnum):
@@ -131,8 +150,8 @@ def observe(
             entity=s.entity, verdict=Verdict.LOSS, reason=reason, evidence=kept
         )
 
-    if kind in (EvidenceKind.NODE_NOT_READY, EvidenceKind.POD_GONE):
-        what = "node Ready is not True" if kind is EvidenceKind.NODE_NOT_READY else "pod gone while routed"
+    if kind in _AT_ONCE:
+        what = _AT_ONCE[kind]
         return lost(
             s.model_copy(update={"failures": s.failures + 1, "successes": 0, "evidence": kept}),
             f"{s.entity}: {what} ({evidence.describe()})",

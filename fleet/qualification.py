@@ -309,11 +309,22 @@ def remediation_gate(
 def repaired(conditions: Mapping[str, str], xids: Mapping[str, int], capacity: int, allocatable: int) -> bool:
     """Evidence that a repair happened since a failed qualification: no Xid, no GPU problem condition,
     and the device plugin offers every GPU again."""
-    gpu_problem = any(
-        status == "True" and any(w in ctype.lower() for w in ("xid", "gpu", "ecc", "nvlink"))
-        for ctype, status in conditions.items()
+    return (
+        not gpu_problem_conditions(conditions)
+        and not any(xids.values())
+        and capacity > 0
+        and allocatable >= capacity
     )
-    return not gpu_problem and not any(xids.values()) and capacity > 0 and allocatable >= capacity
+
+
+def gpu_problem_conditions(conditions: Mapping[str, str]) -> list[str]:
+    """The node-problem-detector conditions that say a GPU is in trouble (``GpuXid``, ``GpuEcc``,
+    ``NvlinkError``...: a type naming xid / gpu / ecc / nvlink, status True)."""
+    return sorted(
+        ctype
+        for ctype, status in conditions.items()
+        if status == "True" and any(w in ctype.lower() for w in ("xid", "gpu", "ecc", "nvlink"))
+    )
 
 
 class GpuHolder(BaseModel):

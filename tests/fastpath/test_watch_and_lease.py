@@ -10,11 +10,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from kubernetes import client, config
 
 from fleet.detection import EvidenceKind, observe
-from fleet.vocabulary import MODEL_LABEL, ROUTER_LABEL
+from fleet.vocabulary import LWS_GROUP_KEY_LABEL, LWS_WORKER_INDEX_LABEL, MODEL_LABEL, ROUTER_LABEL
 from sim.runner import RunningSim, start_sim
 from sim.scenario import shipped_scenarios
 from worker.config import load_settings
@@ -185,3 +186,113 @@ async def test_a_graceful_deletion_of_a_routed_pod_sends_no_evidence_a_forced_on
     assert [(e.entity, e.kind) for e in evidence if e.entity == f"pod:{NS}/{forced}"] == [
         (f"pod:{NS}/{forced}", EvidenceKind.POD_GONE)
     ], evidence
+
+
+async def test_an_xid_on_a_serving_node_is_gpu_fault_evidence_from_the_node_watch() -> None:
+    """A node problem detector's ``GpuXid`` condition on a node that serves a managed pool is
+    evidence the node watch sends at once (with the condition's own words); the engine on the
+    broken GPU may still answer (``keep_alive``), the node's Ready stays True."""
+    sim = start_sim(shipped_scenarios()["gpu-node-loss"], speed=100.0)
+    try:
+        core = _core(sim)
+        settings = load_settings(**settings_for_running_sim(sim))
+        fast = FastPath(settings, _no_delivery, topology=None)  # type: ignore[arg-type]  # no lookup here
+        fast._loop, fast._queue = asyncio.get_running_loop(), asyncio.Queue()
+        deadline = time.monotonic() + 30
+        while (
+            time.monotonic() < deadline
+            and not core.list_namespaced_pod(NS, label_selector=ROUTER_LABEL).items
+        ):
+            await asyncio.sleep(0.2)
+        routed = core.list_namespaced_pod(NS, label_selector=ROUTER_LABEL).items
+        assert routed, "no routed pod"
+        node = str(routed[0].spec.node_name)
+        spare_nodes = {str(n.metadata.name) for n in core.list_node().items} - {
+            str(p.spec.node_name) for p in routed
+        }
+        fast.informers = [
+            Informer("pods", core.list_pod_for_all_namespaces, fast._on_pod, label_selector=MODEL_LABEL),
+            Informer("nodes", core.list_node, fast._on_node),
+        ]
+        halt = threading.Event()
+        threads = [threading.Thread(target=i.run, args=(halt,), daemon=True) for i in fast.informers]
+        for t in threads:
+            t.start()
+        try:
+            await asyncio.sleep(1.0)
+            async with httpx.AsyncClient(base_url=sim.base_url, timeout=10.0) as http:
+                r = await http.post(
+                    "/sim/v1/faults",
+                    json={
+                        "kind": "gpu-xid",
+                        "target": node,
+                        "params": {"code": 79, "gpu": 0, "keep_alive": True},
+                    },
+                )
+                assert r.status_code < 300, r.text
+            await asyncio.sleep(1.5)
+        finally:
+            halt.set()
+            for i in fast.informers:
+                i.stop()
+    finally:
+        sim.stop()
+    evidence = [fast._queue.get_nowait() for _ in range(fast._queue.qsize())]
+    faults = [e for e in evidence if e.kind is EvidenceKind.NODE_GPU_FAULT]
+    assert faults and {e.entity for e in faults} == {f"node:{node}"}, evidence
+    assert "GpuXid=True" in faults[0].detail and "Xid 79" in faults[0].detail, faults[0]
+    _, detection = observe(None, faults[0])
+    assert detection.loss
+    # Nodes serving no managed pool send nothing, whatever their conditions.
+    assert not {e.entity for e in evidence} & {f"node:{n}" for n in spare_nodes}, evidence
+
+
+async def test_a_rank_that_restarts_is_evidence_about_its_groups_routed_leader() -> None:
+    """One rank of a LeaderWorkerSet group dies: the worker pod's restart (its restartCount, from the
+    pods watch) is evidence about the group's leader, at once, with the rank's own termination words."""
+    sim = start_sim(shipped_scenarios()["rank-lost"], speed=100.0)
+    try:
+        core = _core(sim)
+        settings = load_settings(**settings_for_running_sim(sim))
+        fast = FastPath(settings, _no_delivery, topology=None)  # type: ignore[arg-type]  # no lookup here
+        fast._loop, fast._queue = asyncio.get_running_loop(), asyncio.Queue()
+        deadline = time.monotonic() + 30
+        while (
+            time.monotonic() < deadline
+            and not core.list_namespaced_pod(NS, label_selector=ROUTER_LABEL).items
+        ):
+            await asyncio.sleep(0.2)
+        leader = sorted(
+            p.metadata.name for p in core.list_namespaced_pod(NS, label_selector=ROUTER_LABEL).items
+        )[0]
+        group = core.read_namespaced_pod(leader, NS).metadata.labels[LWS_GROUP_KEY_LABEL]
+        rank = next(
+            p.metadata.name
+            for p in core.list_namespaced_pod(NS).items
+            if p.metadata.labels.get(LWS_GROUP_KEY_LABEL) == group
+            and p.metadata.labels.get(LWS_WORKER_INDEX_LABEL) == "1"
+        )
+        fast.informers = [
+            Informer("pods", core.list_pod_for_all_namespaces, fast._on_pod, label_selector=MODEL_LABEL)
+        ]
+        halt = threading.Event()
+        threads = [threading.Thread(target=i.run, args=(halt,), daemon=True) for i in fast.informers]
+        for t in threads:
+            t.start()
+        try:
+            await asyncio.sleep(1.0)
+            assert fast._queue.qsize() == 0  # restarts from before the watch are history, not evidence
+            async with httpx.AsyncClient(base_url=sim.base_url, timeout=10.0) as http:
+                r = await http.post("/sim/v1/faults", json={"kind": "rank-lost", "target": f"{NS}/{rank}"})
+                assert r.status_code < 300, r.text
+            await asyncio.sleep(1.5)
+        finally:
+            halt.set()
+            for i in fast.informers:
+                i.stop()
+    finally:
+        sim.stop()
+    evidence = [fast._queue.get_nowait() for _ in range(fast._queue.qsize())]
+    failed = [e for e in evidence if e.kind is EvidenceKind.RANK_FAILED]
+    assert failed and {e.entity for e in failed} == {f"pod:{NS}/{leader}"}, evidence
+    assert rank in failed[0].detail and "NCCL" in failed[0].detail, failed[0]

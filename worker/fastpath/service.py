@@ -30,7 +30,8 @@ from kubernetes import client as k8s
 from activities.kube import kube_apis
 from fleet.detection import Detection, DetectionPolicy, EntityState, Evidence, EvidenceKind, observe
 from fleet.incident import LossReport, PoolRef, Severity, incident_workflow_id
-from fleet.vocabulary import MODEL_LABEL
+from fleet.qualification import gpu_problem_conditions
+from fleet.vocabulary import LWS_GROUP_KEY_LABEL, LWS_WORKER_INDEX_LABEL, MODEL_LABEL
 from worker.config import Settings
 from worker.fastpath.informer import Informer
 from worker.fastpath.lease import LeaderElector
@@ -82,6 +83,7 @@ class FastPath:
         )
         self._states: dict[str, EntityState] = {}
         self._gone: dict[str, dict[str, Any]] = {}  # routed pods deleted, by ns/name (their last state)
+        self._restarts: dict[str, int] = {}  # container restarts seen per rank pod uid (pods informer thread)
         self.detections: list[Detection] = []  # the record of every loss / not-a-loss verdict
         self.counts: Counter[str] = Counter()
         self.informers: list[Informer] = []
@@ -171,21 +173,35 @@ class FastPath:
         name = (node.get("metadata") or {}).get("name") or ""
         if not any((p.get("spec") or {}).get("nodeName") == name and self._routed(p) for p in self._pods()):
             return  # no routed pod of a managed pool there
-        ready = next(
-            (c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), None
-        )
+        conditions = [c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type")]
+        ready = next((c for c in conditions if c["type"] == "Ready"), None)
         status = ready.get("status") if ready else "Unknown"
         at = time.time()
         if kind != "DELETED" and status == "True":
+            problems = gpu_problem_conditions({c["type"]: str(c.get("status")) for c in conditions})
+            if problems:
+                detail = "; ".join(
+                    f"{c['type']}=True: {c.get('reason', '')} {c.get('message', '')}".strip()
+                    for c in conditions
+                    if c["type"] in problems
+                )
+                self._push(
+                    Evidence(entity=f"node:{name}", kind=EvidenceKind.NODE_GPU_FAULT, at=at, detail=detail)
+                )
+                return
             self._push(Evidence(entity=f"node:{name}", kind=EvidenceKind.NODE_READY, at=at))
             return
         detail = "node deleted" if kind == "DELETED" else f"Ready={status}: {(ready or {}).get('reason', '')}"
         self._push(Evidence(entity=f"node:{name}", kind=EvidenceKind.NODE_NOT_READY, at=at, detail=detail))
 
     def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
-        if kind != "DELETED" or not self._routed(pod):
-            return
         meta = pod.get("metadata") or {}
+        if kind != "DELETED":
+            self._rank_restart(pod)
+            return
+        self._restarts.pop(str(meta.get("uid") or ""), None)
+        if not self._routed(pod):
+            return
         self._gone[f"{meta.get('namespace')}/{meta.get('name')}"] = pod
         node = (pod.get("spec") or {}).get("nodeName") or ""
         grace = meta.get("deletionGracePeriodSeconds") or 0
@@ -198,6 +214,57 @@ class FastPath:
                 detail=(f"deleted after a {grace} s grace period" if grace > 0 else "force-deleted")
                 + f" while carrying {self.settings.router_label}"
                 + (f" on {node}" if node else ""),
+            )
+        )
+
+    def _rank_restart(self, pod: dict[str, Any]) -> None:
+        """A worker rank of a multi-node group (LeaderWorkerSet worker-index > 0) whose container
+        restarted: the group's communicator is broken, so it is evidence about the group's routed
+        leader. Restarts are counted per pod uid from the first sight (a re-list after a broken watch
+        reports a restart it missed; a restart from before fleetmend looked is history, not news)."""
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        index = labels.get(LWS_WORKER_INDEX_LABEL)
+        if index in (None, "0"):
+            return
+        statuses = (pod.get("status") or {}).get("containerStatuses") or []
+        restarts = sum(int(c.get("restartCount") or 0) for c in statuses)
+        uid = str(meta.get("uid") or "")
+        seen = self._restarts.get(uid)
+        self._restarts[uid] = restarts
+        if seen is None or restarts <= seen:
+            return
+        namespace, group = meta.get("namespace"), labels.get(LWS_GROUP_KEY_LABEL)
+        leader = next(
+            (
+                p
+                for p in self._pods()
+                if (p.get("metadata") or {}).get("namespace") == namespace
+                and ((p.get("metadata") or {}).get("labels") or {}).get(LWS_GROUP_KEY_LABEL) == group
+                and ((p.get("metadata") or {}).get("labels") or {}).get(LWS_WORKER_INDEX_LABEL) == "0"
+            ),
+            None,
+        )
+        if group is None or leader is None or not self._routed(leader):
+            return
+        ended = (
+            next(
+                (
+                    c.get("lastState", {}).get("terminated")
+                    for c in statuses
+                    if c.get("lastState", {}).get("terminated")
+                ),
+                None,
+            )
+            or {}
+        )
+        self._push(
+            Evidence(
+                entity=f"pod:{namespace}/{leader['metadata']['name']}",
+                kind=EvidenceKind.RANK_FAILED,
+                at=time.time(),
+                detail=f"rank {meta.get('name')} (worker {index}) restarted: {ended.get('reason', '?')} "
+                f"exit {ended.get('exitCode', '?')}: {ended.get('message', '')}".strip(),
             )
         )
 
