@@ -882,15 +882,17 @@ class ReplicaLossRecovery(Procedure):
         are deleted gracefully (a spare on quarantined hardware is no spare; cordoned, the node gets
         none back); anything else only an operator moves. Returns what still holds the machine."""
         clearing = clear_for_qualification(holders)
-        for held in clearing.delete:
+        spares = [h for h in clearing.delete if h.pod not in told]  # still terminating: asked already
+        for held in spares:
             await self.act(
                 ActActivities.delete_pod,
                 PodDeletion(step=f"clear-{node}", namespace=held.namespace, pod=held.pod, grace_period_s=5),
                 f"delete warm spare {held.pod} on quarantined {node}: qualification needs all its GPUs",
             )
-        if clearing.delete:
+            told.add(held.pod)
+        if spares:
             self.decide(
-                f"{node} looks repaired but holds warm spare(s) {', '.join(h.pod for h in clearing.delete)}: "
+                f"{node} looks repaired but holds warm spare(s) {', '.join(h.pod for h in spares)}: "
                 "deleted gracefully (a spare on quarantined hardware is no spare; their controller places "
                 "them elsewhere) so qualification gets every GPU"
             )
