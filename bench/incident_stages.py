@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import statistics
@@ -287,10 +288,9 @@ async def one_run(
             return len(await rig.routing_set(fault.pool)) >= fault.groups
 
         await until("the pool serving", pool_up, 90)
-        fast = rig.fast_path(identity=f"bench-{index}") if fleetmend else None
-        if fast is not None:
-            await fast.__aenter__()
-        try:
+        async with contextlib.AsyncExitStack() as stack:
+            if fleetmend:
+                await stack.enter_async_context(rig.fast_path(identity=f"bench-{index}"))
             rate = round(fault.groups * GROUP_CAPACITY_RPS * LOAD_SHARE, 1)
             load = await rig.start_load(rate=rate, duration_s=LOAD_S, seed=seed, pool=fault.pool.key)
             await asyncio.sleep(FAULT_AT_S)
@@ -333,9 +333,6 @@ async def one_run(
                 await asyncio.sleep(1.0)
                 report = await rig.load_report(load)
             return RunResult(mode, stages, int(report["goodput"]), int(report["sent"]), phase)
-        finally:
-            if fast is not None:
-                await fast.__aexit__(None, None, None)
 
 
 def quantile(values: list[float], q: float) -> float:

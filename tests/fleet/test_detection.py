@@ -68,7 +68,9 @@ def test_node_not_ready_and_a_routed_pod_gone_are_losses_at_once() -> None:
 
 def test_a_gpu_fault_on_a_serving_node_is_a_loss_at_once_reported_once_until_the_node_is_clean() -> None:
     node = "node:gpu-node-1"
-    fault = Evidence(entity=node, kind=EvidenceKind.NODE_GPU_FAULT, at=1, detail="GpuXid=True: XidError Xid 79")
+    fault = Evidence(
+        entity=node, kind=EvidenceKind.NODE_GPU_FAULT, at=1, detail="GpuXid=True: XidError Xid 79"
+    )
     s, d = observe(None, fault)
     assert d.loss and "GPU fault on a serving node" in d.reason and "Xid 79" in d.reason
     s, again = observe(s, fault.model_copy(update={"at": 2}))  # the next node update: absorbed
@@ -82,7 +84,9 @@ def test_a_gpu_fault_on_a_serving_node_is_a_loss_at_once_reported_once_until_the
 def test_a_failed_rank_is_a_loss_of_its_leader_at_once_even_before_the_group_is_re_created() -> None:
     leader = "pod:inference/llama-405b-0"
     s, _ = observe(None, Evidence(entity=leader, kind=OK, at=0.5, latency_s=0.01))
-    rank = Evidence(entity=leader, kind=EvidenceKind.RANK_FAILED, at=1, detail="rank llama-405b-0-1 restarted")
+    rank = Evidence(
+        entity=leader, kind=EvidenceKind.RANK_FAILED, at=1, detail="rank llama-405b-0-1 restarted"
+    )
     s, d = observe(s, rank)
     assert d.loss and "a rank of its multi-node group failed" in d.reason and "llama-405b-0-1" in d.reason
     # The LeaderWorkerSet then terminates the leader gracefully to re-create the group: absorbed.
