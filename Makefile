@@ -22,13 +22,8 @@ system-deps:
 demo: $(STAMP)
 	$(BIN)/fleetmend demo
 
-# Two pytest workers by default (TEST_WORKERS=0 runs in one process): every server a test starts
-# binds free loopback ports and every simulated world draws its own pod-IP block, so two run side
-# by side; --dist worksteal keeps both busy when the ten-incident soak holds one for ten minutes.
-TEST_WORKERS ?= 2
-
 test: $(STAMP) system-deps
-	$(BIN)/python -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist worksteal
+	$(BIN)/python -m pytest -q -ra --durations=30
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
