@@ -14,7 +14,8 @@ capacity, then kills the fault class's target. Three modes, same world, same see
   out of the gateway's rotation (the routing set stops naming a lost pod), incident opened
   (``FleetIncident`` start), survivors protected (the recovery's ``protecting-survivors`` phase
   starts), failed node cordoned (``spec.unschedulable``, node faults only), capacity restored
-  (the warm spare promoted: end of ``promoting``), warm floor restored (end of
+  (the warm spare promoted: end of ``promoting``; with no spare promoted, the routing set back to
+  its size, whatever brought it back), warm floor restored (end of
   ``rebuilding-warm-floor``), verified (end of ``verifying``).
 * **kubernetes-only** — no fleetmend at all: readiness probes, the node controller's grace and
   taint eviction, the ReplicaSet / LeaderWorkerSet controllers and the scheduler. Stages: out of
@@ -315,7 +316,11 @@ async def one_run(
                         stages = {
                             "incident opened": desc.start_time.timestamp() - fault_at,
                             "survivors protected": span_time(status, Phase.PROTECTING, "start", fault_at),
-                            "capacity restored": span_time(status, Phase.PROMOTING, "end", fault_at),
+                            # A promoted spare, else whatever brought the routing set back (a
+                            # LeaderWorkerSet re-creating the group, a container restarted in place).
+                            "capacity restored": span_time(status, Phase.PROMOTING, "end", fault_at)
+                            if status.figures.get("promoted")
+                            else None,
                             "warm floor restored": span_time(status, Phase.REBUILDING, "end", fault_at),
                             "verified": span_time(status, Phase.VERIFYING, "end", fault_at),
                         }
@@ -326,7 +331,7 @@ async def one_run(
                     await watching
                 stages["out of rotation"] = watcher.out_of_rotation
                 stages["node cordoned"] = watcher.cordoned
-                if not fleetmend:
+                if stages.get("capacity restored") is None:
                     stages["capacity restored"] = watcher.capacity_back
             report = await rig.load_report(load)
             while report["in_flight"] or report["sent"] < int(rate * LOAD_S * 0.9):
@@ -413,7 +418,8 @@ async def main(rounds: int, classes: list[str], plot_path: Path | None, json_pat
     env = await throwaway_dev_server()
     results: dict[str, list[RunResult]] = {}
     index = 0
-    async with env:
+    async with env, contextlib.AsyncExitStack() as cleanup:
+        cleanup.callback(pg.stop)  # an embedded Postgres would outlive the bench otherwise
         for name in classes:
             fault = CLASSES[name]
             runs: list[RunResult] = []
