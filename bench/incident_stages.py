@@ -1,7 +1,7 @@
 """The incident SLA table: per fault class, how long each stage of the runbook takes from the fault,
 and what the users got (goodput) with fleetmend, with only Kubernetes acting, and with no fault.
 
-    .venv/bin/python -m bench.incident_stages [--rounds 3] [--classes gpu-node-lost,rank-lost,engine-crash]
+    .venv/bin/python -m bench.incident_stages [--rounds 3] [--classes gpu-node-lost,rank-lost,gpu-xid,engine-crash]
                                               [--plot docs/incident-stages.png] [--json out.json]
 
 Every run serves a fresh compressed world (``worker.devstack.rig.compressed_scenario``: the sim at
