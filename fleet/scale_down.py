@@ -53,6 +53,12 @@ class ScaleDownInput(BaseModel):
         3600.0, gt=0, description="Give up (abort, with the reason) after yielding this long"
     )
     terminate_timeout_s: float = Field(600.0, gt=0, description="How long the victims may take to go away")
+    verify_settle_s: float = Field(
+        30.0,
+        ge=0,
+        description="How long the remaining groups may take to read ready and routed again after the "
+        "termination (the gateway's health checks settling) before verification fails",
+    )
     requested_by: str = Field("operator", max_length=200, description="Who asked (operator, schedule id)")
     retry: RetryBudget = Field(default_factory=RetryBudget)
 

@@ -438,10 +438,22 @@ class PlannedScaleDown(Procedure):
                 "dry-run: nothing was removed, so nothing to verify; the plan is in the ledger as planned"
             )
             return
-        obs = await self._observe("verify: remaining replica groups")
         victim_ids = {g.id for g in self._victims}
         target = len([g for g in before.snapshot.serving if g.id not in victim_ids])
-        ready = len([g for g in obs.snapshot.serving if g.ready and g.routed and g.id not in victim_ids])
+        settle_until = self.now() + inp.verify_settle_s
+        waited = False
+        while True:
+            obs = await self._observe("verify: remaining replica groups")
+            ready = len([g for g in obs.snapshot.serving if g.ready and g.routed and g.id not in victim_ids])
+            if ready >= target or self.now() >= settle_until:
+                break
+            if not waited:
+                waited = True
+                self.decide(
+                    f"{ready} of {target} remaining groups read ready and routed: waiting up to "
+                    f"{inp.verify_settle_s:.0f} s for them to settle before verifying"
+                )
+            await workflow.sleep(inp.poll_interval_s, summary="verify: let the remaining groups settle")
         cut = await self.observe(
             DrainActivities.cut_streams,
             CutStreamsRequest(pool=inp.pool, replicas=self._victim_pods(), since=self._drain_since),
