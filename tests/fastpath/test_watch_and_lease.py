@@ -5,6 +5,7 @@ election (one holder; a standby takes over once the holder stops renewing; a rac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -43,6 +44,49 @@ def _core(sim: RunningSim) -> client.CoreV1Api:
 
 async def _no_delivery(reports: list[Any]) -> list[Any]:
     raise AssertionError(f"nothing is delivered in this test: {reports}")
+
+
+def _detector(sim: RunningSim) -> FastPath:
+    """A fast path against ``sim`` whose evidence stays in its queue (nothing delivered, no lookup)."""
+    fast = FastPath(load_settings(**settings_for_running_sim(sim)), _no_delivery, topology=None)  # type: ignore[arg-type]
+    fast._loop, fast._queue = asyncio.get_running_loop(), asyncio.Queue()
+    return fast
+
+
+@contextlib.contextmanager
+def _watching(fast: FastPath, *informers: Informer) -> Iterator[None]:
+    """Run ``informers`` (feeding ``fast``'s handlers) on their own threads, as the fast path does."""
+    fast.informers = list(informers)
+    halt = threading.Event()
+    for i in fast.informers:
+        threading.Thread(target=i.run, args=(halt,), daemon=True).start()
+    try:
+        yield
+    finally:
+        halt.set()
+        for i in fast.informers:
+            i.stop()
+
+
+def _evidence(fast: FastPath) -> list[Any]:
+    assert fast._queue is not None
+    return [fast._queue.get_nowait() for _ in range(fast._queue.qsize())]
+
+
+async def _routed(core: client.CoreV1Api, timeout_s: float = 30) -> list[Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pods = core.list_namespaced_pod(NS, label_selector=ROUTER_LABEL).items
+        if pods:
+            return list(pods)
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"no routed pod within {timeout_s:g} s")
+
+
+async def _fault(sim: RunningSim, body: dict[str, Any]) -> None:
+    async with httpx.AsyncClient(base_url=sim.base_url, timeout=10.0) as http:
+        r = await http.post("/sim/v1/faults", json=body)
+        assert r.status_code < 300, r.text
 
 
 async def test_a_watch_that_falls_behind_relists_and_still_reports_the_routed_pod_that_went(
@@ -144,18 +188,12 @@ async def test_a_graceful_deletion_of_a_routed_pod_sends_no_evidence_a_forced_on
     sim = short_history
     core = _core(sim)
     discovery = client.DiscoveryV1Api(core.api_client)
-    settings = load_settings(**settings_for_running_sim(sim))
-    fast = FastPath(settings, _no_delivery, topology=None)  # type: ignore[arg-type]  # no lookup here
-    fast._loop, fast._queue = asyncio.get_running_loop(), asyncio.Queue()
-    fast.informers = [
+    fast = _detector(sim)
+    with _watching(
+        fast,
         Informer("pods", core.list_pod_for_all_namespaces, fast._on_pod, label_selector=MODEL_LABEL),
         Informer("endpointslices", discovery.list_endpoint_slice_for_all_namespaces, fast._on_slice),
-    ]
-    halt = threading.Event()
-    threads = [threading.Thread(target=i.run, args=(halt,), daemon=True) for i in fast.informers]
-    for t in threads:
-        t.start()
-    try:
+    ):
         routed = sorted(
             p.metadata.name for p in core.list_namespaced_pod(NS, label_selector=ROUTER_LABEL).items
         )
@@ -172,11 +210,7 @@ async def test_a_graceful_deletion_of_a_routed_pod_sends_no_evidence_a_forced_on
         )
         core.delete_namespaced_pod(forced, NS, grace_period_seconds=0)
         await asyncio.sleep(1.0)
-    finally:
-        halt.set()
-        for i in fast.informers:
-            i.stop()
-    evidence = [fast._queue.get_nowait() for _ in range(fast._queue.qsize())]
+    evidence = _evidence(fast)
     terminated = [e for e in evidence if e.entity == f"pod:{NS}/{graceful}"]
     assert terminated and {e.kind for e in terminated} == {EvidenceKind.POD_TERMINATED}, evidence
     state = None
@@ -195,49 +229,25 @@ async def test_an_xid_on_a_serving_node_is_gpu_fault_evidence_from_the_node_watc
     sim = start_sim(shipped_scenarios()["gpu-node-loss"], speed=100.0)
     try:
         core = _core(sim)
-        settings = load_settings(**settings_for_running_sim(sim))
-        fast = FastPath(settings, _no_delivery, topology=None)  # type: ignore[arg-type]  # no lookup here
-        fast._loop, fast._queue = asyncio.get_running_loop(), asyncio.Queue()
-        deadline = time.monotonic() + 30
-        while (
-            time.monotonic() < deadline
-            and not core.list_namespaced_pod(NS, label_selector=ROUTER_LABEL).items
-        ):
-            await asyncio.sleep(0.2)
-        routed = core.list_namespaced_pod(NS, label_selector=ROUTER_LABEL).items
-        assert routed, "no routed pod"
+        fast = _detector(sim)
+        routed = await _routed(core)
         node = str(routed[0].spec.node_name)
         spare_nodes = {str(n.metadata.name) for n in core.list_node().items} - {
             str(p.spec.node_name) for p in routed
         }
-        fast.informers = [
+        with _watching(
+            fast,
             Informer("pods", core.list_pod_for_all_namespaces, fast._on_pod, label_selector=MODEL_LABEL),
             Informer("nodes", core.list_node, fast._on_node),
-        ]
-        halt = threading.Event()
-        threads = [threading.Thread(target=i.run, args=(halt,), daemon=True) for i in fast.informers]
-        for t in threads:
-            t.start()
-        try:
+        ):
             await asyncio.sleep(1.0)
-            async with httpx.AsyncClient(base_url=sim.base_url, timeout=10.0) as http:
-                r = await http.post(
-                    "/sim/v1/faults",
-                    json={
-                        "kind": "gpu-xid",
-                        "target": node,
-                        "params": {"code": 79, "gpu": 0, "keep_alive": True},
-                    },
-                )
-                assert r.status_code < 300, r.text
+            await _fault(
+                sim, {"kind": "gpu-xid", "target": node, "params": {"code": 79, "gpu": 0, "keep_alive": True}}
+            )
             await asyncio.sleep(1.5)
-        finally:
-            halt.set()
-            for i in fast.informers:
-                i.stop()
     finally:
         sim.stop()
-    evidence = [fast._queue.get_nowait() for _ in range(fast._queue.qsize())]
+    evidence = _evidence(fast)
     faults = [e for e in evidence if e.kind is EvidenceKind.NODE_GPU_FAULT]
     assert faults and {e.entity for e in faults} == {f"node:{node}"}, evidence
     assert "GpuXid=True" in faults[0].detail and "Xid 79" in faults[0].detail, faults[0]
@@ -253,18 +263,8 @@ async def test_a_rank_that_restarts_is_evidence_about_its_groups_routed_leader()
     sim = start_sim(shipped_scenarios()["rank-lost"], speed=100.0)
     try:
         core = _core(sim)
-        settings = load_settings(**settings_for_running_sim(sim))
-        fast = FastPath(settings, _no_delivery, topology=None)  # type: ignore[arg-type]  # no lookup here
-        fast._loop, fast._queue = asyncio.get_running_loop(), asyncio.Queue()
-        deadline = time.monotonic() + 30
-        while (
-            time.monotonic() < deadline
-            and not core.list_namespaced_pod(NS, label_selector=ROUTER_LABEL).items
-        ):
-            await asyncio.sleep(0.2)
-        leader = sorted(
-            p.metadata.name for p in core.list_namespaced_pod(NS, label_selector=ROUTER_LABEL).items
-        )[0]
+        fast = _detector(sim)
+        leader = sorted(p.metadata.name for p in await _routed(core))[0]
         group = core.read_namespaced_pod(leader, NS).metadata.labels[LWS_GROUP_KEY_LABEL]
         rank = next(
             p.metadata.name
@@ -272,27 +272,16 @@ async def test_a_rank_that_restarts_is_evidence_about_its_groups_routed_leader()
             if p.metadata.labels.get(LWS_GROUP_KEY_LABEL) == group
             and p.metadata.labels.get(LWS_WORKER_INDEX_LABEL) == "1"
         )
-        fast.informers = [
-            Informer("pods", core.list_pod_for_all_namespaces, fast._on_pod, label_selector=MODEL_LABEL)
-        ]
-        halt = threading.Event()
-        threads = [threading.Thread(target=i.run, args=(halt,), daemon=True) for i in fast.informers]
-        for t in threads:
-            t.start()
-        try:
+        with _watching(
+            fast, Informer("pods", core.list_pod_for_all_namespaces, fast._on_pod, label_selector=MODEL_LABEL)
+        ):
             await asyncio.sleep(1.0)
-            assert fast._queue.qsize() == 0  # restarts from before the watch are history, not evidence
-            async with httpx.AsyncClient(base_url=sim.base_url, timeout=10.0) as http:
-                r = await http.post("/sim/v1/faults", json={"kind": "rank-lost", "target": f"{NS}/{rank}"})
-                assert r.status_code < 300, r.text
+            assert fast._queue is not None and fast._queue.qsize() == 0  # earlier restarts are history
+            await _fault(sim, {"kind": "rank-lost", "target": f"{NS}/{rank}"})
             await asyncio.sleep(1.5)
-        finally:
-            halt.set()
-            for i in fast.informers:
-                i.stop()
     finally:
         sim.stop()
-    evidence = [fast._queue.get_nowait() for _ in range(fast._queue.qsize())]
+    evidence = _evidence(fast)
     failed = [e for e in evidence if e.kind is EvidenceKind.RANK_FAILED]
     assert failed and {e.entity for e in failed} == {f"pod:{NS}/{leader}"}, evidence
     assert rank in failed[0].detail and "NCCL" in failed[0].detail, failed[0]
