@@ -10,12 +10,15 @@
 * **Routing set**: Envoy's admin ``/clusters`` — the hosts each Envoy has for the pool's cluster,
   minus those its active health check or outlier detection took out of rotation (the data plane
   reacts before any alert).
+* **Admitted requests**: Envoy's own counters from admin ``/stats``, summed over the Envoys:
+  ``cluster.<pool>.upstream_rq_total`` minus ``upstream_rq_retry`` (first attempts sent to an engine).
 * **Request outcomes**: what every Envoy reported through its access-log service to the control
   plane, which names the engine that served each request (``gateway.outcomes``).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -150,6 +153,21 @@ class EnvoyGateway:
                         weight=float(host.get("weight", WEIGHT_SCALE)) / WEIGHT_SCALE,
                     )
         return RoutingSet(pool=pool.key, version=0, endpoints=sorted(routed.values(), key=lambda e: e.pod))
+
+    # ------------------------------------------------------ admitted requests
+    def admitted_requests(self, pool: PoolRef) -> int | None:
+        """First attempts every Envoy sent to the pool's engines, ever (its cluster's counters)."""
+        prefix = f"cluster.{pool.key}."
+        total = 0
+        for admin in self._admins():
+            r = self.http.get(
+                f"{admin}/stats",
+                params={"format": "json", "filter": f"^{re.escape(prefix)}upstream_rq_(total|retry)$"},
+            )
+            r.raise_for_status()
+            stats = {s.get("name"): int(s.get("value") or 0) for s in r.json().get("stats", [])}
+            total += stats.get(f"{prefix}upstream_rq_total", 0) - stats.get(f"{prefix}upstream_rq_retry", 0)
+        return total
 
     # -------------------------------------------------------- request outcomes
     def request_outcomes(

@@ -1,12 +1,15 @@
 """The gateway port: everything the runbook asks of the gateway in front of a pool.
 
-Five questions and one action, whatever the gateway is:
+Six questions and one action, whatever the gateway is:
 
 * ``policy(pool)`` — the weights, admission and retry policy fleetmend last set;
 * ``apply(pool, policy)`` — set the whole policy and return once the gateway runs it (raise
   ``PermanentEffectError`` with the gateway's own words when it refuses the config);
 * ``applied(pool, policy)`` — the probe for an unknown outcome: is exactly this running?;
 * ``routing_set(pool)`` — the engines the gateway would send a new request to, now;
+* ``admitted_requests(pool)`` — a counter: requests it let past admission (first attempts, not
+  retries), ever; two reads a few seconds apart are the pool's arrival rate, counted where the
+  requests arrive rather than guessed from the engines' queues;
 * ``request_outcomes(pool, replica, since)`` — what happened to each request (the in-flight record).
 
 Adapters: ``activities.envoy_gateway.EnvoyGateway`` (Envoy through fleetmend's xDS control plane,
@@ -39,6 +42,10 @@ class Gateway(Protocol):
     def applied(self, pool: PoolRef, policy: GatewayPolicy) -> dict[str, Any] | None: ...
 
     def routing_set(self, pool: PoolRef) -> RoutingSet: ...
+
+    def admitted_requests(self, pool: PoolRef) -> int | None:
+        """Requests past admission (first attempts) since the gateway started; None if it keeps no count."""
+        ...
 
     def request_outcomes(
         self, pool: PoolRef, *, replica: str | None = None, since: float | None = None
@@ -86,6 +93,9 @@ class SimRouterGateway:
 
     def routing_set(self, pool: PoolRef) -> RoutingSet:
         return self.router.routing_set(pool)
+
+    def admitted_requests(self, pool: PoolRef) -> int | None:
+        return self.router.state(pool).admitted_requests_total
 
     def request_outcomes(
         self, pool: PoolRef, *, replica: str | None = None, since: float | None = None

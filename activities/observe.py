@@ -195,10 +195,14 @@ class ObserveActivities:
 
         router_state = None
         routed: list[str] = []
+        admitted: int | None = None
+        counted_at: float | None = None
         try:
             policy = self.deps.gateway.policy(req.pool)
             router_state = RouterState(pool=req.pool.key, version=0, **policy.model_dump())
             routed = [e.pod for e in self.deps.gateway.routing_set(req.pool).endpoints]
+            admitted = self.deps.gateway.admitted_requests(req.pool)
+            counted_at = time.time()
         except httpx.HTTPError as exc:
             warnings.append(f"gateway unreachable: {exc}")
 
@@ -348,6 +352,8 @@ class ObserveActivities:
             workloads=workloads,
             routed_pods=routed,
             router=router_state,
+            gateway_admitted_total=admitted,
+            gateway_counted_at=counted_at,
             engines=engines,
             pending_pods=pending,
             warnings=warnings,

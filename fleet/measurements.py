@@ -71,9 +71,27 @@ def completion_rate(before: EngineSnapshot, after: EngineSnapshot, seconds: floa
 
 
 def arrival_rate(
-    before: PoolObservation, after: PoolObservation, seconds: float, lost_ids: Iterable[str]
-) -> float:
-    """Requests/s reaching the pool's engines: completions plus queue growth, over the surviving groups."""
+    before: PoolObservation,
+    after: PoolObservation,
+    seconds: float,
+    lost_ids: Iterable[str],
+    *,
+    refused_share: float = 0.0,
+) -> tuple[float, str]:
+    """Requests/s arriving at the pool, and where the figure comes from.
+
+    Counted by the gateway when it keeps a count (over the time between its two readings, not
+    ``seconds``: an observation reads the gateway first and its engines after) (requests past admission between the two
+    observations, scaled back up by the share admission refused): that is where requests arrive.
+    Otherwise estimated from the surviving engines: completions plus queue growth. That estimate
+    runs high just after a loss, when the lost replicas' retried requests land on the survivors'
+    queues at once and a one-off backlog reads as a rate.
+    """
+    counted = _counted_window(before, after)
+    if counted is not None:
+        admitted = counted[0] / counted[1]
+        kept = max(1e-6, 1.0 - min(refused_share, 1.0))
+        return admitted / kept, "counted by the gateway"
     lost = set(lost_ids)
     total = 0.0
     for gid, now in after.engines.items():
@@ -81,7 +99,18 @@ def arrival_rate(
             continue
         prev = before.engines[gid]
         total += completion_rate(prev, now, seconds) + max(0.0, now.in_flight - prev.in_flight) / seconds
-    return total
+    return total, "survivors' completions + queue growth (the gateway keeps no count)"
+
+
+def _counted_window(before: PoolObservation, after: PoolObservation) -> tuple[int, float] | None:
+    """(requests the gateway admitted, seconds) between two observations' readings of its counter."""
+    if before.gateway_admitted_total is None or after.gateway_admitted_total is None:
+        return None
+    start = before.snapshot.observed_at if before.gateway_counted_at is None else before.gateway_counted_at
+    end = after.snapshot.observed_at if after.gateway_counted_at is None else after.gateway_counted_at
+    if end - start <= 0:
+        return None
+    return max(0, after.gateway_admitted_total - before.gateway_admitted_total), end - start
 
 
 def per_group_capacity(

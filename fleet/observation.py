@@ -43,6 +43,10 @@ class PoolObservation(BaseModel):
     workloads: list[WorkloadSelector] = Field(default_factory=list)
     routed_pods: list[str] = Field(default_factory=list, description="Pods in the router's routing set")
     router: RouterState | None = None
+    gateway_admitted_total: int | None = Field(
+        None, description="The gateway's counter of requests past admission (first attempts), if it keeps one"
+    )
+    gateway_counted_at: float | None = Field(None, description="When that counter was read (epoch seconds)")
     engines: dict[str, EngineSnapshot] = Field(
         default_factory=dict, description="group id -> leader's scrape"
     )

@@ -101,6 +101,9 @@ class RouterState(_Wire):
     weights: dict[str, float] = Field(default_factory=dict)
     admission: Admission = Field(default_factory=Admission)
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    admitted_requests_total: int = Field(
+        0, description="A counter, not configuration: requests past admission (first attempts), ever"
+    )
 
 
 class GatewayPolicy(_Wire):

@@ -24,7 +24,9 @@ LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
 UPSTREAM_HEADER = "x-fleetmend-upstream"
 # Ramp weights are floats; Envoy's load_balancing_weight is an integer >= 1.
 WEIGHT_SCALE = 100
-SHED_STATUS = 503
+# A shed tier is answered 429 Too Many Requests + Retry-After: a client tells "fleetmend refused this
+# tier for now" from Envoy's own 503 (no healthy upstream, circuit breaker overflow).
+SHED_STATUS = 429
 
 
 class RoutedHost(BaseModel):

@@ -89,6 +89,7 @@ with workflow.unsafe.imports_passed_through():
         decide_shedding,
         estimate_arrivals,
         pool_capacity_rps,
+        refused_fraction,
     )
     from fleet.spares import pick_spares
     from fleet.triage import PodFault, triage_node
@@ -325,8 +326,19 @@ class ReplicaLossRecovery(Procedure):
         per_group, capacity_note = measurements.per_group_capacity(
             inp.objectives.group_capacity_rps, before, obs, seconds
         )
-        arrival = measurements.arrival_rate(before, obs, seconds, lost_ids)
-        self.decide(f"arrivals {arrival:.1f} req/s; {capacity_note}")
+        # A gateway's counter reads arrivals over the whole incident so far (first look -> now):
+        # a longer window than the two scrapes, so less noise, and arrivals do not change with a loss.
+        since = self._initial_obs
+        if since is None or since.gateway_admitted_total is None or obs.gateway_admitted_total is None:
+            since = before
+        arrival, counted = measurements.arrival_rate(
+            since,
+            obs,
+            seconds if since is before else max(1e-3, obs.snapshot.observed_at - since.snapshot.observed_at),
+            lost_ids,
+            refused_share=refused_fraction(self._admission),
+        )
+        self.decide(f"arrivals {arrival:.1f} req/s ({counted}); {capacity_note}")
         survivors = measurements.survivor_loads(before, obs, lost_ids)
         self._arrival_rps, self._per_group_rps, self._serving_groups = arrival, per_group, len(survivors)
         self._shed = decide_shedding(

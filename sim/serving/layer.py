@@ -61,6 +61,14 @@ class ServingSettings(BaseModel):
         default=120.0, ge=0, description="how long a DCGM diagnostic takes at level 2 (dcgmi diag -r 2)"
     )
     tick_s: float = Field(default=0.05, gt=0, description="engine tick in sim seconds (at least 5 ms wall)")
+    stream_interval_s: float = Field(
+        default=0.25,
+        ge=0,
+        description="an engine's SSE stream sends at most one chunk per this many sim seconds (tokens "
+        "made meanwhile ride in the next chunk; the first token and the end are never held). A "
+        "simulator economy: every chunk costs CPU in the engine, Envoy and the load generator. 0: a "
+        "chunk per tick",
+    )
     engine_port: int = Field(
         default=DEFAULT_ENGINE_PORT,
         ge=1,

@@ -180,6 +180,7 @@ class LoadReport(BaseModel):
     goodput: int = Field(description="completed within deadline")
     late: int
     shed: int
+    shed_with_retry_after: int = Field(0, description="shed answers that told the client when to retry")
     rejected: int
     terminal_errors: int
     truncated_streams: int = Field(description="streams that ended before their last token")
@@ -206,8 +207,10 @@ def summarize(results: list[RequestResult], sent: int, window: tuple[float, floa
     count = {k: 0 for k in ("goodput", "late", "shed", "rejected", "terminal_error", "not_found")}
     by_tier: dict[str, dict[str, int]] = {}
     ttfts: dict[str, list[float]] = {}
-    truncated = retried = 0
+    truncated = retried = told_when = 0
     for r in chosen:
+        if r.outcome == "shed" and r.retry_after_s is not None:
+            told_when += 1
         count[r.outcome] = count.get(r.outcome, 0) + 1
         by_tier.setdefault(r.tier.value, {}).setdefault(r.outcome, 0)
         by_tier[r.tier.value][r.outcome] += 1
@@ -233,6 +236,7 @@ def summarize(results: list[RequestResult], sent: int, window: tuple[float, floa
         goodput=count["goodput"],
         late=count["late"],
         shed=count["shed"],
+        shed_with_retry_after=told_when,
         rejected=count["rejected"] + count["not_found"],
         terminal_errors=count["terminal_error"],
         truncated_streams=truncated,

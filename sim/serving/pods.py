@@ -309,7 +309,7 @@ class EngineServers:
             else:
                 await reply.json(503, error_body(503, "ServiceUnavailableError", refused.message))
             return
-        events = stream.events(clock, engine, ereq)
+        events = stream.events(clock, engine, ereq, interval_s=self.layer.settings.stream_interval_s)
 
         def on_error(event: StreamEvent) -> bytes | None:
             if not self.layer.supervisor.process_up(server.replica):

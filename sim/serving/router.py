@@ -130,6 +130,7 @@ class PoolRouter:
     state: RouterState
     arrivals: deque[float] = field(default_factory=deque)
     retries: deque[float] = field(default_factory=deque)
+    admitted: int = 0  # requests past admission (first attempts), ever: RouterState.admitted_requests_total
 
 
 @dataclass
@@ -191,7 +192,8 @@ class Router:
         return created
 
     def state(self, key: str) -> RouterState:
-        return self.pool(key).state.model_copy(deep=True)
+        pool = self.pool(key)
+        return pool.state.model_copy(deep=True, update={"admitted_requests_total": pool.admitted})
 
     def _change(self, key: str, replaces: int, **fields: Any) -> RouterState:
         pool = self.pool(key)
@@ -346,6 +348,7 @@ class Router:
                 {"Retry-After": "1"},
             )
 
+        pool.admitted += 1
         prompt_tokens = req.prompt_tokens or max(1, len(str(req.prompt).split()))
         output_tokens = min(req.output_tokens or req.max_tokens, req.max_tokens)
         tried: set[str] = set()

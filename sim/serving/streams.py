@@ -96,15 +96,30 @@ class TokenStream:
                 pass
 
     async def events(
-        self, clock: SimClock, engine: Engine, ereq: EngineRequest, idle_timeout_s: float | None = None
+        self,
+        clock: SimClock,
+        engine: Engine,
+        ereq: EngineRequest,
+        idle_timeout_s: float | None = None,
+        interval_s: float = 0.0,
     ) -> AsyncIterator[StreamEvent]:
         """Tokens as the engine produces them, then ``done`` or one ``error`` (engine aborted, or no
-        token for ``idle_timeout_s`` sim seconds). A reader that stops early cancels the engine request."""
+        token for ``idle_timeout_s`` sim seconds). A reader that stops early cancels the engine request.
+
+        ``interval_s`` (sim seconds) coalesces tokens: after a chunk, the next one waits until that
+        much time has passed, carrying every token made meanwhile. The first token, the end and an
+        error are never held back, so TTFT, end-to-end time and a cut stream read the same.
+        """
         ended = False
+        hold_until = 0.0  # wall (loop) time before which tokens are held for the next chunk
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                if self.pending_tokens:
+                ending = self.finished is not None or self.aborted is not None
+                if self.pending_tokens and (ending or loop.time() >= hold_until):
                     yield StreamEvent("tokens", count=self.take_pending())
+                    if interval_s > 0:
+                        hold_until = loop.time() + clock.real_seconds(interval_s)
                     continue
                 if self.finished is not None:
                     ended = True
@@ -116,9 +131,14 @@ class TokenStream:
                     return
                 self.wakeup.clear()
                 timeout = None if idle_timeout_s is None else max(clock.real_seconds(idle_timeout_s), 0.001)
+                if self.pending_tokens:  # held: wake at the end of the interval, or when the stream ends
+                    held = max(0.001, hold_until - loop.time())
+                    timeout = held if timeout is None else min(timeout, held)
                 try:
                     await asyncio.wait_for(self.wakeup.wait(), timeout=timeout)
                 except TimeoutError:
+                    if self.pending_tokens:
+                        continue  # the interval is over: send what was held
                     engine.cancel(ereq, clock.now())
                     ended = True
                     yield StreamEvent(

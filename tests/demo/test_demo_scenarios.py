@@ -94,6 +94,13 @@ def test_default_demo_saves_the_fleet_and_reports_it(kept_demo: DemoProcess) -> 
     # explicit terminal stream error (counted in terminal_errors), never a silent replay.
     assert report["requests"]["truncated"] == 0, report["requests"]
     assert report["requests"]["cut_by_fault"] <= report["requests"]["terminal_errors"]
+    # Every user request went through Envoy: the figures are its access log's, every refusal the
+    # users got was Envoy's shed answer with a Retry-After, and Envoy runs the ramp's weights.
+    assert report["requests_counted_by"] == "gateway", report["requests_counted_by"]
+    users = report["users"]
+    assert users["shed"] == users["shed_with_retry_after"], users
+    assert report["requests"]["total"] >= 0.95 * users["sent"], (report["requests"], users)
+    assert set(report["gateway"]["weights_now"]) >= set(report["ramp_weights"]), report["gateway"]
     assert set(report["effects"]) == {"applied", "deduplicated", "divergent"}
     assert report["effects"]["applied"] > 0 and report["effects"]["divergent"] == 0
     # The users kept being served: most requests completed while a node was down.

@@ -211,19 +211,29 @@ def test_shed_tiers_are_answered_by_envoy_with_retry_after_and_a_share_of_a_tier
     )
     with httpx.Client(base_url=gw.envoy.url, headers={**HOST, TIER_HEADER: "sheddable"}) as http:
         refused = http.get("/v1/who")
-    assert refused.status_code == 503 and refused.headers["retry-after"] == "2"
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "2"
     assert "x-fleetmend-upstream" not in refused.headers  # Envoy answered; no engine saw it
     assert refused.json()["error"]["type"] == "shed"
     standard = served_by(gw, 400)
-    assert 60 <= standard["503"] <= 140, standard  # a quarter of 400, by Envoy's runtime fraction
-    assert served_by(gw, 50, Tier.CRITICAL)["503"] == 0  # critical is never shed
+    assert 60 <= standard["429"] <= 140, standard  # a quarter of 400, by Envoy's runtime fraction
+    assert served_by(gw, 50, Tier.CRITICAL)["429"] == 0  # critical is never shed
 
     gw.adapter.apply(POOL, GatewayPolicy())  # the gap closed: nothing refused
-    assert served_by(gw, 50, Tier.SHEDDABLE)["503"] == 0
+    assert served_by(gw, 50, Tier.SHEDDABLE)["429"] == 0
     wait_for(lambda: len(gw.adapter.request_outcomes(POOL)) == 501)  # every request, reported by Envoy
     outcomes = gw.adapter.request_outcomes(POOL)
     assert any(o.outcome == Outcome.SHED and o.tier == Tier.SHEDDABLE for o in outcomes)
     assert {o.replica for o in outcomes if o.outcome == Outcome.COMPLETED} == {"llama-0", "llama-1"}
+
+
+def test_envoy_counts_the_requests_it_admits_and_not_those_it_sheds(gw: Gateway) -> None:
+    """The arrival rate the recovery sheds against is Envoy's count, read from its admin /stats."""
+    gw.adapter.apply(POOL, GatewayPolicy(admission=Admission(shed_tiers=[Tier.SHEDDABLE])))
+    start = gw.adapter.admitted_requests(POOL)
+    assert start is not None
+    assert sum(served_by(gw, 12, Tier.STANDARD).values()) == 12
+    assert served_by(gw, 5, Tier.SHEDDABLE)["429"] == 5
+    assert gw.adapter.admitted_requests(POOL) == start + 12  # first attempts only: no shed one, no retry
 
 
 def test_a_config_envoy_refuses_fails_with_its_own_words_and_nothing_is_retried_blindly(gw: Gateway) -> None:
@@ -275,7 +285,7 @@ def test_envoy_killed_and_restarted_gets_the_current_policy_back(gw: Gateway) ->
     wait_for(lambda: len(gw.adapter.routing_set(POOL).endpoints) == 2)
     seen = served_by(gw, 40)
     assert weighted(seen, "llama-1", 0.75), seen
-    assert served_by(gw, 5, Tier.SHEDDABLE)["503"] == 5
+    assert served_by(gw, 5, Tier.SHEDDABLE)["429"] == 5
 
 
 def test_a_restarted_control_plane_serves_the_same_state_and_takes_new_changes(gw: Gateway) -> None:

@@ -44,6 +44,11 @@ def register(app: typer.Typer) -> None:
         kube_port: int = typer.Option(
             0, "--kube-port", help="Port of the Kubernetes API (HTTPS; default 0 = any free port)."
         ),
+        audit_log_path: Path | None = typer.Option(
+            None,
+            "--audit-log",
+            help="Where the API server writes its audit log (default beside the kubeconfig).",
+        ),
         tls_san: list[str] = typer.Option(
             [],
             "--tls-san",
@@ -81,7 +86,7 @@ def register(app: typer.Typer) -> None:
             extra_ips=tuple(v for v in tls_san if is_ip(v)),
             extra_names=tuple(v for v in tls_san if not is_ip(v)),
         )
-        audit_log = config_path.parent / f"{config_path.name}.audit.log"
+        audit_log = audit_log_path or config_path.parent / f"{config_path.name}.audit.log"
 
         def ready(bound: BoundPorts) -> None:
             url = f"http://{host}:{bound.port}"

@@ -97,6 +97,8 @@ class DemoRun:
     alert_path: str = "none"
     notices: list[str] = field(default_factory=list)
     cut_streams: tuple[int, int] | None = None  # (by the fault, elsewhere) from the gateway journal
+    # The request figures as the gateway counted them (Envoy's access-log service): see gateway_figures.
+    gateway_requests: dict[str, int] = field(default_factory=dict)
     pods_before: dict[str, PodPlace] = field(default_factory=dict)  # the namespace just before the fault
     lost_pods: set[str] = field(default_factory=set)  # every pod of every replica group the fault took
 
@@ -109,15 +111,14 @@ class DemoRun:
 
 
 def demo_parts(settings: Settings) -> tuple[str, ...]:
-    """The demo's stack: with Envoy in the data path only when FLEETMEND_GATEWAY=envoy is set.
+    """The demo's stack: every user request goes through a real Envoy that fleetmend configures.
 
-    By default the demo's users go through the simulator's own router: streaming every request
-    through Envoy over real sockets doubles the sim process's CPU per request, and the loaded demo
-    fleet then starves its own API server on a 2-core machine.
+    ``FLEETMEND_GATEWAY=sim-router`` (the simulator's own router, kept for tests of the simulator)
+    leaves Envoy out.
     """
-    if "gateway" in settings.model_fields_set and settings.gateway == "envoy":
-        return ALL_PARTS
-    return tuple(p for p in ALL_PARTS if p != "gateway")
+    if settings.gateway == "sim-router":
+        return tuple(p for p in ALL_PARTS if p != "gateway")
+    return ALL_PARTS
 
 
 def demo_settings(base: Settings, scenario: DemoScenario) -> Settings:
@@ -313,20 +314,8 @@ class World:
         return await asyncio.to_thread(self.gateway.request_outcomes, pool)
 
     async def gateway_figures(self, pool: PoolRef) -> dict[str, int]:
-        """The report's request figures as Envoy counted them."""
-        entries = await self.journal(pool)
-        counts = {o.value: 0 for o in Outcome}
-        for e in entries:
-            counts[e.outcome.value] += 1
-        return {
-            "total": len(entries),
-            "completed": counts[Outcome.COMPLETED.value],
-            "shed_by_envoy": counts[Outcome.SHED.value],
-            "rejected": counts[Outcome.REJECTED.value],
-            "terminal_errors": counts[Outcome.TERMINAL_ERROR.value],
-            "truncated": sum(1 for e in entries if e.truncated),
-            "retried_before_first_byte": sum(1 for e in entries if e.attempt > 1),
-        }
+        """The report's request figures as the gateway counted them (``gateway_figures``)."""
+        return gateway_figures(await self.journal(pool))
 
     async def inject(self, fault: FaultRequest) -> None:
         r = await self.http.post("/sim/v1/faults", json=fault.model_dump(mode="json"))
@@ -336,6 +325,28 @@ class World:
         r = await self.http.get("/sim/v1/actions")
         r.raise_for_status()
         return [a for a in r.json() if WORKER_CLIENT_MARK in (a.get("client") or "")]
+
+
+def gateway_figures(entries: list[JournalEntry]) -> dict[str, int]:
+    """Requests as the gateway saw them: one per request id however many attempts it took; its
+    outcome is its last attempt's. Envoy does not know a request's deadline, so ``late`` is the
+    users' count (the load generator's clock), added by the report."""
+    last: dict[str, JournalEntry] = {}
+    attempts: dict[str, int] = {}
+    for e in sorted(entries, key=lambda e: (e.ended_at, e.attempt)):
+        last[e.request_id] = e
+        attempts[e.request_id] = max(attempts.get(e.request_id, 0), e.attempt)
+    counts = {o: 0 for o in Outcome}
+    for e in last.values():
+        counts[e.outcome] += 1
+    return {
+        "total": len(last),
+        "completed": counts[Outcome.COMPLETED] + counts[Outcome.LATE],
+        "shed": counts[Outcome.SHED],
+        "rejected": counts[Outcome.REJECTED],
+        "terminal_errors": counts[Outcome.TERMINAL_ERROR],
+        "retried": sum(1 for n in attempts.values() if n > 1),
+    }
 
 
 def count_cuts(
@@ -678,17 +689,41 @@ def build_report(
         "deroute_seconds": _deroute_after_fault(run, status),
         "alert_seconds": round(status.phases[0].start - run.t0, 2) if status.phases else None,
         "fleetmend_deroute_seconds": f.get("deroute_seconds"),
+        # The request figures are the gateway's (Envoy's access log); "late" is the users' clock, and
+        # "users" is what the load generator itself counted, for comparison.
         "requests": {
-            "total": load.get("sent", 0),
-            "completed": load.get("goodput", 0) + load.get("late", 0),
+            **(
+                {
+                    k: run.gateway_requests[k]
+                    for k in ("total", "completed", "retried", "terminal_errors", "shed")
+                }
+                if run.gateway_requests
+                else {
+                    "total": load.get("sent", 0),
+                    "completed": load.get("goodput", 0) + load.get("late", 0),
+                    "retried": load.get("retried", 0),
+                    "terminal_errors": load.get("terminal_errors", 0),
+                    "shed": load.get("shed", 0),
+                }
+            ),
             "late": load.get("late", 0),
-            "retried": load.get("retried", 0),
-            "terminal_errors": load.get("terminal_errors", 0),
-            "shed": load.get("shed", 0),
             # Cut by fleetmend's own actions (or anything but the fault): must be 0.
             "truncated": run.cut_streams[1] if run.cut_streams else load.get("truncated_streams", 0),
             # Cut mid-stream by the fault itself: each ended with an explicit terminal stream error.
             "cut_by_fault": run.cut_streams[0] if run.cut_streams else None,
+        },
+        "requests_counted_by": "gateway" if run.gateway_requests else "users",
+        "users": {
+            k: load.get(k, 0)
+            for k in (
+                "sent",
+                "goodput",
+                "late",
+                "shed",
+                "shed_with_retry_after",
+                "rejected",
+                "terminal_errors",
+            )
         },
         "lost_replicas_requests": in_flight or None,
         "lost_pods": sorted(run.lost_pods),  # the world's view: every pod of every group the fault took
@@ -726,8 +761,8 @@ def _shedding_account(run: DemoRun, figures: dict[str, Any], load: dict[str, Any
         return None
     account = account_shedding(
         levels,
-        arrivals=int(load.get("sent", 0)),
-        shed=int(load.get("shed", 0)),
+        arrivals=int(run.gateway_requests.get("total", load.get("sent", 0))),
+        shed=int(run.gateway_requests.get("shed", load.get("shed", 0))),
         arrival_rps=float(run.scenario.load_rate),
         until=time.time(),
     )
@@ -770,15 +805,13 @@ SUMMARY_KEYS = (
 
 
 async def gateway_report(world: World, pool: PoolRef) -> dict[str, Any]:
-    """What Envoy says: every request it saw (its access-log service) and the weights it runs now."""
-    requests: dict[str, Any] = {}
+    """The weights the gateway runs now, read back from it (Envoy's admin ``/clusters``)."""
     weights: dict[str, float] = {}
-    with contextlib.suppress(Exception):  # a report without Envoy's figures says so, it does not fail
-        requests = await world.gateway_figures(pool)
+    with contextlib.suppress(Exception):  # a report without the gateway's figures says so, it does not fail
         weights = {
             e.pod: e.weight for e in (await asyncio.to_thread(world.gateway.routing_set, pool)).endpoints
         }
-    return {"requests_seen": requests or None, "weights_now": weights or None}
+    return {"weights_now": weights or None}
 
 
 def summary_table(report: dict[str, Any]) -> Table:
@@ -886,7 +919,9 @@ async def run_demo(
             )
             with contextlib.suppress(httpx.HTTPError):
                 replaced = await world.replaced_since(pool.namespace, run.pods_before)
-                run.cut_streams = count_cuts(await world.journal(pool), run.lost_pods, replaced)
+                entries = await world.journal(pool)
+                run.cut_streams = count_cuts(entries, run.lost_pods, replaced)
+                run.gateway_requests = gateway_figures(entries)
             report = build_report(
                 run,
                 status,

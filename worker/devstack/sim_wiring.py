@@ -49,7 +49,10 @@ def settings_for_sim(
 
 
 def settings_for_running_sim(sim: Any) -> dict[str, Any]:
-    """``settings_for_sim`` for a ``sim.runner.RunningSim``."""
+    """``settings_for_sim`` for a ``sim.runner.RunningSim`` (a thread) or a sim process
+    (``worker.devstack.stack.SimProcess``)."""
     serving = getattr(getattr(sim, "world", None), "serving", None)
-    port = serving.settings.engine_port if serving is not None else DEFAULT_ENGINE_PORT
+    port = getattr(sim, "engine_port", None) or (
+        serving.settings.engine_port if serving is not None else DEFAULT_ENGINE_PORT
+    )
     return settings_for_sim(sim.base_url, Path(sim.kubeconfig), getattr(sim, "audit_log", None), port)

@@ -1,0 +1,67 @@
+"""Arrivals during a loss: counted by the gateway where it keeps a count, never read off a backlog."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fleet.engine_metrics import EngineSnapshot
+from fleet.measurements import arrival_rate
+from fleet.observation import PoolObservation
+from tests.fleet.fleets import group, snapshot
+
+
+def _obs(at: float, engines: dict[str, EngineSnapshot], admitted: int | None) -> PoolObservation:
+    return PoolObservation(
+        snapshot=snapshot([group("a"), group("b")]).model_copy(update={"observed_at": at}),
+        engines=engines,
+        gateway_admitted_total=admitted,
+        router_label="fleetmend.io/serving",
+    )
+
+
+# The lost group's 8 streams were retried onto the survivor in the second between two scrapes.
+BEFORE = {"a": EngineSnapshot(request_success_total=100, running=4, waiting=0)}
+AFTER = {"a": EngineSnapshot(request_success_total=120, running=4, waiting=8)}
+
+
+def test_a_backlog_of_retried_requests_reads_as_arrivals_from_the_engines_but_not_from_the_gateway() -> None:
+    from_engines, how = arrival_rate(_obs(0.0, BEFORE, None), _obs(1.0, AFTER, None), 1.0, ["b"])
+    assert (
+        from_engines == 28.0 and "queue growth" in how
+    )  # 20 completions + 8 queued: a one-off, read as a rate
+    counted, how = arrival_rate(_obs(0.0, BEFORE, 1000), _obs(1.0, AFTER, 1020), 1.0, ["b"])
+    assert counted == 20.0 and how == "counted by the gateway"
+
+
+def test_what_admission_refused_is_added_back_to_the_gateways_count() -> None:
+    counted, _ = arrival_rate(_obs(0.0, {}, 0), _obs(4.0, {}, 60), 4.0, [], refused_share=0.25)
+    assert counted == 20.0  # 15 req/s admitted while a quarter was refused
+
+
+def test_one_side_without_a_count_falls_back_to_the_engines() -> None:
+    rate, how = arrival_rate(_obs(0.0, BEFORE, 1000), _obs(1.0, AFTER, None), 1.0, ["b"])
+    assert rate == 28.0 and "gateway keeps no count" in how
+
+
+@given(
+    rate=st.floats(0.0, 500.0),
+    seconds=st.floats(0.5, 30.0),
+    refused=st.floats(0.0, 0.95),
+)
+def test_the_counted_rate_is_the_offered_rate_whatever_was_refused(
+    rate: float, seconds: float, refused: float
+) -> None:
+    admitted = round(rate * (1 - refused) * seconds)
+    counted, _ = arrival_rate(
+        _obs(0.0, {}, 0), _obs(seconds, {}, admitted), seconds, [], refused_share=refused
+    )
+    assert abs(counted - rate) <= 1.0 / (seconds * (1 - refused)) + 1e-9  # one request of rounding
+
+
+def test_the_window_is_between_the_two_readings_of_the_counter_not_the_two_observations() -> None:
+    # The first look read the gateway at t=0 and then spent 1.5 s probing engines; the second read it at t=3.
+    first = _obs(1.5, {}, 0).model_copy(update={"gateway_counted_at": 0.0})
+    second = _obs(3.2, {}, 60).model_copy(update={"gateway_counted_at": 3.0})
+    counted, _ = arrival_rate(first, second, 1.7, [])
+    assert counted == 20.0
