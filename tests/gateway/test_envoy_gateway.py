@@ -245,6 +245,9 @@ def test_a_config_envoy_refuses_fails_with_its_own_words_and_nothing_is_retried_
         **{**DataPlaneSettings().model_dump(), "health_check_interval_s": 0.0}
     )
     gw.restart_plane(broken)
+    # Envoy is on the broken plane once it has refused that plane's clusters for the current policy
+    # (until then, a stream to the stopping plane may still take and ACK the next change).
+    wait_for(lambda: any(a.nacked_version and a.connected for a in gw.store.answers()))
     change = GatewayPolicy(weights={"llama-0": 1.0, "llama-1": 2.0})
     with pytest.raises(PermanentEffectError) as refused:
         gw.adapter.apply(POOL, change)

@@ -89,7 +89,7 @@ async def _operator_returns_node(rig: FleetRig, node: str) -> None:
 async def test_a_second_loss_on_the_same_pool_recovers_with_its_own_operation_ids(
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
-    async with gpu_pool(temporal_client, task_queue, ledger_url, routed=0) as rig:
+    async with gpu_pool(temporal_client, task_queue, ledger_url, routed=0, in_process_sim=True) as rig:
         await _wait_serving(rig, 5)
         await rig.start_load(rate=40, duration_s=240, seed=21)
         outcomes = []

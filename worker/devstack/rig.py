@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -51,13 +52,14 @@ from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
 class FleetRig:
     client: Client
     settings: Settings
-    sim: Any  # sim.runner.RunningSim
+    sim: Any  # worker.devstack.sim_process.SimProcess, or sim.runner.RunningSim (in_process_sim)
     http: httpx.AsyncClient
     worker: Worker | None = None
     gateway: LocalGateway | None = None
     started_at: float = field(default_factory=time.time)  # unix seconds this rig was made
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     _envoy: Gateway | None = None
+    _core: Any = None  # kubernetes.client.CoreV1Api on the sim's kubeconfig, made on first use
 
     @property
     def base_url(self) -> str:
@@ -132,12 +134,23 @@ class FleetRig:
         return [e.pod for e in (await asyncio.to_thread(self.gateway_adapter.routing_set, pool)).endpoints]
 
     def engine_url(self, namespace: str, pod: str) -> str:
-        """``http://{podIP}:{engine port}``: where the pod's engine listens, as fleetmend reaches it."""
-        obj = self.sim.world.pod(namespace, pod)
-        ip = ((obj or {}).get("status") or {}).get("podIP")
+        """``http://{podIP}:{engine port}``: where the pod's engine listens, as fleetmend reaches it
+        (the pod's IP from the Kubernetes API)."""
+        from kubernetes import client as kclient
+        from kubernetes import config as kconfig
+
+        if self._core is None:
+            cfg = kclient.Configuration()
+            kconfig.load_kube_config(config_file=str(self.sim.kubeconfig), client_configuration=cfg)
+            self._core = kclient.CoreV1Api(kclient.ApiClient(cfg))
+        try:
+            ip = self._core.read_namespaced_pod(pod, namespace).status.pod_ip
+        except kclient.ApiException as exc:
+            raise LookupError(f"pod {namespace}/{pod}: {exc.reason}") from exc
         if not ip:
             raise LookupError(f"pod {namespace}/{pod} has no IP (not bound to a node, or gone)")
-        return f"http://{ip}:{self.sim.world.serving.settings.engine_port}"
+        port = getattr(self.sim, "engine_port", None) or self.sim.world.serving.settings.engine_port
+        return f"http://{ip}:{port}"
 
     async def engine_get(self, namespace: str, pod: str, path: str) -> httpx.Response:
         """GET ``path`` (``/health``, ``/metrics``) from the pod's own engine at its pod IP."""
@@ -195,17 +208,30 @@ async def fleet_rig(
     speed: float = 1.0,
     run_worker: bool = True,
     through_envoy: bool = False,
+    in_process_sim: bool = False,
     **overrides: Any,
 ) -> AsyncIterator[FleetRig]:
-    """Serve ``scenario`` (a path or a ``sim.scenario.Scenario``) and run a worker wired to it.
+    """Serve ``scenario`` (a path, a shipped scenario's name or a ``sim.scenario.Scenario``) and run
+    a worker wired to it.
 
+    The simulator runs in a child process of its own (``fleetmend sim``: a core to itself, as in
+    the dev stack); ``in_process_sim`` serves it on a thread of this process instead, for a test
+    that reaches into the simulated world's objects (``rig.sim.world``).
     ``through_envoy``: users' requests go through a real Envoy that fleetmend configures (the
     control plane on a thread, Envoy a child process) and the worker acts on it; otherwise on the
     simulator's own router.
     """
-    from sim.runner import start_sim
+    import tempfile
 
-    sim = await asyncio.to_thread(start_sim, scenario, speed)
+    from sim.runner import start_sim
+    from worker.devstack.sim_process import scenario_file, start_sim_process
+
+    home = Path(tempfile.mkdtemp(prefix="fleetmend-rig-"))
+    sim: Any
+    if in_process_sim:
+        sim = await asyncio.to_thread(start_sim, scenario, speed, kubeconfig=home / "sim" / "kubeconfig")
+    else:
+        sim = await start_sim_process(scenario_file(scenario, home), home / "sim", speed=speed)
     gateway: LocalGateway | None = None
     rig: FleetRig | None = None
     try:
@@ -252,6 +278,7 @@ async def fleet_rig(
         if gateway is not None:
             await asyncio.to_thread(gateway.stop)
         await asyncio.to_thread(sim.stop)
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def compressed_scenario(

@@ -15,9 +15,6 @@ import contextlib
 import logging
 import os
 import secrets
-import subprocess
-import sys
-import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,8 +27,9 @@ from pydantic import SecretStr
 from temporalio.client import Client
 
 from worker.config import Settings
+from worker.devstack.sim_process import SimProcess
 from worker.devstack.temporal_dev import TemporalDevServer, find_temporal_cli
-from worker.processes import StackError, free_port, log_tail, require_free_port, spawn, terminate
+from worker.processes import StackError, require_free_port
 from worker.startup_checks import StartupCheckError
 from worker.temporal_client import connect
 from worker.worker import metrics_runtime, run_worker
@@ -188,36 +186,14 @@ class _PostgresPart:
         return [Endpoint("postgres", f"Ledger DB ({where}, {state})", display_database_url(self.url))]
 
 
-@dataclass
-class SimProcess:
-    """The simulator serving in a child process (``fleetmend sim``): the addresses clients need."""
-
-    proc: subprocess.Popen[bytes]
-    base_url: str
-    kube_url: str
-    kubeconfig: Path
-    audit_log: Path
-    engine_port: int
-    log_file: Path
-
-    def stop(self) -> None:
-        terminate(self.proc)
-
-
 class _SimPart:
-    """The simulated cluster + fleet (``fleetmend sim``), in a child process of its own.
-
-    Its own process, not a thread of the stack's: the simulator carries every user request of the
-    load (engines, their streams, the load generator) and the Kubernetes API, and under one GIL
-    with the worker, the webhook and the gateway's control plane a loaded fleet starved them all
-    on a 2-core machine. In its own process it has a core to itself.
-    """
+    """The simulated cluster + fleet, in a child process of its own (``worker.devstack.sim_process``)."""
 
     name = "sim"
 
     def __init__(self, stack: DevStack) -> None:
         self.stack = stack
-        self.handle: SimProcess | None = None
+        self.handle: SimProcess | None = None  # worker.devstack.sim_process
 
     @property
     def settings(self) -> Settings:
@@ -233,57 +209,14 @@ class _SimPart:
 
         return Path(sim.__file__).parent / "scenarios" / DEFAULT_SIM_SCENARIO
 
-    async def start(self, timeout_s: float = 60.0) -> None:
-        from sim.scenario import ScenarioError, load_scenario
-        from sim.serving.layer import settings_from_scenario
+    async def start(self) -> None:
+        from worker.devstack.sim_process import start_sim_process
 
-        scenario = self.scenario()
-        if not scenario.is_file():
-            raise StackError(
-                f"sim scenario {scenario} does not exist: set FLEETMEND_SIM_SCENARIO to a scenario YAML"
-            )
-        try:
-            engine_port = settings_from_scenario(load_scenario(scenario).load or {}).engine_port
-        except ScenarioError as err:
-            raise StackError(f"the sim did not start with {scenario}: {err}".splitlines()[0]) from err
-        home = self.settings.state_dir / "sim"
-        kubeconfig, audit_log, log_file = home / "kubeconfig", home / "audit.log", home / "sim.log"
-        home.mkdir(parents=True, exist_ok=True)
-        kubeconfig.unlink(missing_ok=True)  # written again once the child listens: that is the signal
-        port = self.settings.sim_port or free_port()
-        kube_port = self.settings.sim_kube_port or free_port()
-        argv = [
-            sys.executable, "-m", "worker.cli", "sim", "--scenario", str(scenario), "--port", str(port),
-            "--kube-port", str(kube_port), "--kubeconfig", str(kubeconfig), "--audit-log", str(audit_log),
-        ]  # fmt: skip
-        proc = spawn(argv, log_file=log_file)
-        base_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + timeout_s
-        async with httpx.AsyncClient(timeout=2.0) as http:
-            while True:
-                if proc.poll() is not None:
-                    raise StackError(
-                        f"the sim did not start with {scenario} (exit status {proc.returncode}); see "
-                        f"{log_file}:\n{log_tail(log_file)}"
-                    )
-                if kubeconfig.exists():
-                    with contextlib.suppress(httpx.HTTPError):
-                        if (await http.get(f"{base_url}/sim/v1/clock")).status_code == 200:
-                            break
-                if time.monotonic() > deadline:
-                    terminate(proc)
-                    raise StackError(
-                        f"the sim did not answer on {base_url} within {timeout_s:.0f} s; see {log_file}"
-                    )
-                await asyncio.sleep(0.1)
-        self.handle = SimProcess(
-            proc=proc,
-            base_url=base_url,
-            kube_url=f"https://127.0.0.1:{kube_port}",
-            kubeconfig=kubeconfig,
-            audit_log=audit_log,
-            engine_port=engine_port,
-            log_file=log_file,
+        self.handle = await start_sim_process(
+            self.scenario(),
+            self.settings.state_dir / "sim",
+            port=self.settings.sim_port,
+            kube_port=self.settings.sim_kube_port,
         )
 
     async def stop(self) -> None:
@@ -292,7 +225,7 @@ class _SimPart:
             self.handle = None
 
     def failure(self) -> str | None:
-        if self.handle is not None and self.handle.proc.poll() is not None:
+        if self.handle is not None and not self.handle.alive():
             return f"the sim stopped (exit status {self.handle.proc.returncode}); see {self.handle.log_file}"
         return None
 
