@@ -25,13 +25,17 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.incident import LossReport
-from fleet.pool import NodeInfo, PoolSnapshot, ReplicaGroup
+from fleet.pool import GroupRole, NodeInfo, PoolSnapshot, ReplicaGroup, WorkloadKind
 from fleet.recovery import IncidentCause
 from fleet.vocabulary import NVLINK_DOMAIN_LABEL, ZONE_LABEL
+
+if TYPE_CHECKING:
+    from fleet.observation import WorkloadSelector  # fleet.observation imports this module
 
 _ENGINE_DEAD_WAITING_REASONS = frozenset({"CrashLoopBackOff", "RunContainerError", "CreateContainerError"})
 
@@ -362,3 +366,51 @@ def match_reports(snapshot: PoolSnapshot, reports: Iterable[LossReport]) -> dict
             for g3 in snapshot.groups_on_node(r.node):
                 candidates[g3.id] = g3
     return candidates
+
+
+def groups_being_recreated(
+    snapshot: PoolSnapshot, workloads: Iterable[WorkloadSelector], reports: Iterable[LossReport]
+) -> list[ReplicaGroup]:
+    """Reported LeaderWorkerSet groups that are not in the pool because their controller is
+    re-creating them: the LeaderWorkerSet still wants the group (its index is below
+    ``spec.replicas``) and none of its pods exists. Such a group serves nothing until its new pods
+    are ready, so it is lost now, without waiting for the new pods to show up.
+
+    The group is described from a sibling of the same LeaderWorkerSet (one template: model,
+    revision, pods per group, GPUs per pod); with no sibling to copy, nothing is assumed.
+    """
+    wanted = {w.name: w.replicas for w in workloads if w.kind == "LeaderWorkerSet" and w.replicas is not None}
+    present = {g.id for g in snapshot.groups}
+    out: dict[str, ReplicaGroup] = {}
+    for r in reports:
+        gid = r.replica_group
+        if not gid or gid in present or gid in out:
+            continue
+        name, _, index = gid.rpartition("-")
+        if not index.isdigit() or name not in wanted or int(index) >= (wanted[name] or 0):
+            continue
+        sibling = next(
+            (
+                g
+                for g in snapshot.groups
+                if g.workload_kind is WorkloadKind.LEADER_WORKER_SET
+                and g.workload_name == name
+                and g.role is GroupRole.SERVING
+            ),
+            None,
+        )
+        if sibling is None:
+            continue
+        pods = (gid, *(f"{gid}-{w}" for w in range(1, len(sibling.pods))))
+        out[gid] = sibling.model_copy(
+            update={
+                "id": gid,
+                "pods": pods,
+                "leader_pod": gid,
+                "nodes": (),
+                "ready": False,
+                "engine_up": False,
+                "routed": False,
+            }
+        )
+    return list(out.values())

@@ -8,6 +8,7 @@ not in the repository, and a search-attribute job that drifted from the code.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -28,7 +29,7 @@ from worker.startup_checks import check_search_attributes
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 REGISTER_SCRIPT = ROOT / "deploy" / "temporal" / "register-search-attributes.sh"
-FLEETMEND_SERVICES = {"worker", "webhook", "sim", "ledger-migrate", "temporal-setup"}
+FLEETMEND_SERVICES = {"worker", "webhook", "sim", "ledger-migrate", "temporal-setup", "gateway", "envoy"}
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +223,24 @@ def test_compose_and_the_kubernetes_manifests_agree_on_shared_settings(
     # Both run the same probes: the worker's and the webhook's readiness endpoints.
     assert "8081/readyz" in " ".join(services["worker"]["healthcheck"]["test"])
     assert "8088/readyz" in " ".join(services["webhook"]["healthcheck"]["test"])
+
+
+def test_users_requests_go_through_envoy_configured_by_the_control_plane(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    """Envoy sits in the sim's network namespace (the engines listen on loopback pod IPs there),
+    takes its config from the `gateway` service, and the workers act on it, not on the sim's router."""
+    envoy, gateway, sim = services["envoy"], services["gateway"], services["sim"]
+    assert envoy["network_mode"] == "service:sim"
+    script = " ".join(envoy["entrypoint"])
+    assert "gateway bootstrap" in script and "--xds-host gateway" in script and "find_envoy" in script
+    assert gateway["command"] == ["gateway", "serve"]
+    assert environment(gateway)["FLEETMEND_XDS_PORT"] == "18000"
+    assert {8080, 9901} <= {host_port(p) for p in sim["ports"]}  # Envoy's ports, published by its netns
+    assert "/sim/v1/gateway" in " ".join(sim["entrypoint"]) and "127.0.0.1:8080" in " ".join(
+        sim["entrypoint"]
+    )
+    for name in ("worker", "webhook"):
+        env = environment(services[name])
+        assert env["FLEETMEND_GATEWAY"] == "envoy", name
+        assert json.loads(env["FLEETMEND_GATEWAY_ADMIN_URLS"]) == ["http://sim:9901"], name

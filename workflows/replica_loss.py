@@ -53,6 +53,7 @@ with workflow.unsafe.imports_passed_through():
         LossEvent,
         confirm_group,
         correlate,
+        groups_being_recreated,
         match_reports,
         size_loss,
     )
@@ -191,11 +192,13 @@ class ReplicaLossRecovery(Procedure):
         timings = self._inp.timings
         give_up = self.now() + timings.reappear_timeout_s
         looked_again = False
+        recreating: list[ReplicaGroup] = []
         while True:
             obs = await self._observe(
                 check_progress=True, light=True, summary="confirm: read pool, endpoints, engines"
             )
-            if match_reports(obs.snapshot, self._reports) or self.now() >= give_up:
+            recreating = groups_being_recreated(obs.snapshot, obs.workloads, self._reports)
+            if match_reports(obs.snapshot, self._reports) or recreating or self.now() >= give_up:
                 break
             # A LeaderWorkerSet deletes and recreates a whole group when one pod fails: until its pods are
             # back, the reported pod is in no group. Look again before calling it not-a-loss.
@@ -206,6 +209,13 @@ class ReplicaLossRecovery(Procedure):
                     f"recreating it): looking for it for up to {timings.reappear_timeout_s:g} s"
                 )
             await workflow.sleep(timings.poll_interval_s, summary="confirm: look again")
+        for g in recreating:
+            self.decide(
+                f"{g.id}: its LeaderWorkerSet {g.workload_name} deleted the group to re-create it (none "
+                "of its pods exists): confirming it as it was, since it serves nothing until new pods are ready",
+                {"group": g.id},
+            )
+        obs = _with_lost(obs, recreating)
         self._initial_obs = obs
         lost = self._confirm(obs, self._reports)
         if not lost:

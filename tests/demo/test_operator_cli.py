@@ -59,7 +59,7 @@ async def test_status_pause_resume_approve_and_rejections(
     ) as rig:
         await asyncio.sleep(8)
         pod = sorted(await rig.routing_set(pool))[0]
-        await rig.start_load(rate=30, duration_s=90, seed=6)
+        await rig.start_load(rate=12, duration_s=90, seed=6)  # enough to queue on the wedged engine
         await asyncio.sleep(2)
         await rig.inject(FaultKind.WEDGED_ENGINE, f"{namespace}/{pod}")
         await asyncio.sleep(1)

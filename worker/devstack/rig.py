@@ -207,7 +207,7 @@ async def fleet_rig(
     task_queue: str,
     speed: float = 1.0,
     run_worker: bool = True,
-    through_envoy: bool = False,
+    through_envoy: bool = True,
     in_process_sim: bool = False,
     **overrides: Any,
 ) -> AsyncIterator[FleetRig]:
