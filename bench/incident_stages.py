@@ -49,6 +49,7 @@ from temporalio.client import Client, WorkflowHandle
 
 from fleet.incident import PoolRef, incident_workflow_id
 from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, ServingObjectives
+from fleet.shedding import ShedLevel, account_shedding
 from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_WORKER_INDEX_LABEL, FaultKind
 from ledger.migrate import upgrade_head
 from ledger.scratch import acquire_server
@@ -116,6 +117,11 @@ class RunResult:
     goodput: int
     sent: int
     final_phase: str | None = None
+    shed: int = 0
+    # fleetmend runs: shares of all arrivals, from the shed levels the incident recorded
+    # (fleet.shedding.account_shedding): what the capacity gap called for refusing, and the excess.
+    gap_share: float | None = None
+    over_shed_share: float | None = None
 
 
 def world(fault: FaultClass) -> Any:
@@ -297,6 +303,7 @@ async def one_run(
             await asyncio.sleep(FAULT_AT_S)
             stages: dict[str, float | None] = {}
             phase: str | None = None
+            levels: list[ShedLevel] = []
             if mode != "no-fault":
                 target, lost, params = await target_and_lost(rig, fault)
                 fault_at = time.time()
@@ -312,6 +319,9 @@ async def one_run(
                         desc = await client.get_workflow_handle(incident_workflow_id(fault.pool)).describe()
                         status = await final_status(recovery)
                         phase = status.phase.value
+                        levels = [
+                            ShedLevel.model_validate(v) for v in status.figures.get("shed_levels") or []
+                        ]
                         assert desc.start_time is not None
                         stages = {
                             "incident opened": desc.start_time.timestamp() - fault_at,
@@ -337,7 +347,15 @@ async def one_run(
             while report["in_flight"] or report["sent"] < int(rate * LOAD_S * 0.9):
                 await asyncio.sleep(1.0)
                 report = await rig.load_report(load)
-            return RunResult(mode, stages, int(report["goodput"]), int(report["sent"]), phase)
+            result = RunResult(
+                mode, stages, int(report["goodput"]), int(report["sent"]), phase, shed=int(report["shed"])
+            )
+            if fleetmend and levels:
+                account = account_shedding(
+                    levels, arrivals=result.sent, shed=result.shed, arrival_rps=rate, until=time.time()
+                )
+                result.gap_share, result.over_shed_share = account.gap_share, account.over_shed_share
+            return result
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -370,7 +388,15 @@ def print_table(name: str, runs: list[RunResult]) -> None:
         good = statistics.mean(r.goodput for r in chosen)
         sent = statistics.mean(r.sent for r in chosen)
         ratio = f"{good / reference:.3f} of no-fault" if reference else ""
-        print(f"goodput {mode:17} {good:7.0f} of {sent:.0f} sent  {ratio}")
+        gaps = [r.gap_share for r in chosen if r.gap_share is not None]
+        optimum = ""
+        if reference and gaps:
+            # The capacity-limited optimum: the no-fault goodput minus the arrivals the capacity gap
+            # could not carry (the recorded gap, at the users' rate).
+            best = reference * (1.0 - statistics.mean(gaps))
+            overs = [r.over_shed_share for r in chosen if r.over_shed_share is not None]
+            optimum = f", {good / best:.3f} of the capacity-limited optimum; over-shed {statistics.mean(overs):.1%} of arrivals"
+        print(f"goodput {mode:17} {good:7.0f} of {sent:.0f} sent  {ratio}{optimum}")
     phases = sorted({r.final_phase or "?" for r in fm})
     print(f"fleetmend final phases: {', '.join(phases)}")
 
