@@ -77,21 +77,26 @@ def arrival_rate(
     lost_ids: Iterable[str],
     *,
     refused_share: float = 0.0,
+    counted_since: PoolObservation | None = None,
 ) -> tuple[float, str]:
     """Requests/s arriving at the pool, and where the figure comes from.
 
-    Counted by the gateway when it keeps a count (over the time between its two readings, not
-    ``seconds``: an observation reads the gateway first and its engines after) (requests past admission between the two
-    observations, scaled back up by the share admission refused): that is where requests arrive.
-    Otherwise estimated from the surviving engines: completions plus queue growth. That estimate
-    runs high just after a loss, when the lost replicas' retried requests land on the survivors'
-    queues at once and a one-off backlog reads as a rate.
+    Counted by the gateway when it keeps a count: requests past admission between two readings
+    of its counter (over the time between the readings, not ``seconds``: an observation reads the
+    gateway first and probes its engines after), scaled back up by the share admission refused.
+    That is where requests arrive. ``counted_since`` is an earlier observation to count from (a
+    longer window, less noise: arrivals do not change with a loss); a counter that went backwards
+    (an Envoy restarted in between) says nothing, and the next window is tried.
+
+    Otherwise estimated from the surviving engines between ``before`` and ``after``: completions
+    plus queue growth. That estimate runs high just after a loss, when the lost replicas' retried
+    requests land on the survivors' queues at once and a one-off backlog reads as a rate.
     """
-    counted = _counted_window(before, after)
-    if counted is not None:
-        admitted = counted[0] / counted[1]
-        kept = max(1e-6, 1.0 - min(refused_share, 1.0))
-        return admitted / kept, "counted by the gateway"
+    for start in (counted_since, before):
+        counted = _counted_window(start, after) if start is not None else None
+        if counted is not None:
+            kept = max(1e-6, 1.0 - min(refused_share, 1.0))
+            return counted[0] / counted[1] / kept, "counted by the gateway"
     lost = set(lost_ids)
     total = 0.0
     for gid, now in after.engines.items():
@@ -103,14 +108,16 @@ def arrival_rate(
 
 
 def _counted_window(before: PoolObservation, after: PoolObservation) -> tuple[int, float] | None:
-    """(requests the gateway admitted, seconds) between two observations' readings of its counter."""
+    """(requests the gateway admitted, seconds) between two observations' readings of its counter;
+    None without two readings, or when the counter went backwards (the gateway restarted)."""
     if before.gateway_admitted_total is None or after.gateway_admitted_total is None:
         return None
     start = before.snapshot.observed_at if before.gateway_counted_at is None else before.gateway_counted_at
     end = after.snapshot.observed_at if after.gateway_counted_at is None else after.gateway_counted_at
-    if end - start <= 0:
+    admitted = after.gateway_admitted_total - before.gateway_admitted_total
+    if end - start <= 0 or admitted < 0:
         return None
-    return max(0, after.gateway_admitted_total - before.gateway_admitted_total), end - start
+    return admitted, end - start
 
 
 def per_group_capacity(

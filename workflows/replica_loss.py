@@ -336,17 +336,14 @@ class ReplicaLossRecovery(Procedure):
         per_group, capacity_note = measurements.per_group_capacity(
             inp.objectives.group_capacity_rps, before, obs, seconds
         )
-        # A gateway's counter reads arrivals over the whole incident so far (first look -> now):
-        # a longer window than the two scrapes, so less noise, and arrivals do not change with a loss.
-        since = self._initial_obs
-        if since is None or since.gateway_admitted_total is None or obs.gateway_admitted_total is None:
-            since = before
+        # A gateway's counter is read from the incident's first look on: arrivals do not change with a loss.
         arrival, counted = measurements.arrival_rate(
-            since,
+            before,
             obs,
-            seconds if since is before else max(1e-3, obs.snapshot.observed_at - since.snapshot.observed_at),
+            seconds,
             lost_ids,
             refused_share=refused_fraction(self._admission),
+            counted_since=self._initial_obs,
         )
         self.decide(f"arrivals {arrival:.1f} req/s ({counted}); {capacity_note}")
         survivors = measurements.survivor_loads(before, obs, lost_ids)

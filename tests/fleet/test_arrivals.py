@@ -65,3 +65,15 @@ def test_the_window_is_between_the_two_readings_of_the_counter_not_the_two_obser
     second = _obs(3.2, {}, 60).model_copy(update={"gateway_counted_at": 3.0})
     counted, _ = arrival_rate(first, second, 1.7, [])
     assert counted == 20.0
+
+
+def test_a_count_from_the_first_look_wins_and_a_counter_that_went_backwards_is_not_a_rate() -> None:
+    first = _obs(0.0, {}, 0)
+    before, after = _obs(4.0, BEFORE, 80), _obs(5.0, AFTER, 100)
+    assert arrival_rate(before, after, 1.0, ["b"], counted_since=first)[0] == 20.0  # 100 over 5 s
+    # Envoy restarted between the first look and now: its counter starts again from 0.
+    restarted_before, restarted_after = _obs(4.0, BEFORE, 3), _obs(5.0, AFTER, 23)
+    rate, how = arrival_rate(restarted_before, restarted_after, 1.0, ["b"], counted_since=_obs(0.0, {}, 900))
+    assert (rate, how) == (20.0, "counted by the gateway")  # the window since the restart
+    rate, how = arrival_rate(_obs(0.0, BEFORE, 50), _obs(1.0, AFTER, 2), 1.0, ["b"])
+    assert rate == 28.0 and "queue growth" in how  # restarted between the two scrapes: the engines say

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -48,6 +47,7 @@ from ledger.store import make_engine
 from worker.config import KEPT_STACK_FILE, Settings, kept_stack_env
 from worker.devstack.rig import compressed_scenario
 from worker.devstack.scenarios import GROUP_CAPACITY_RPS, DemoScenario, PodPlace, Verdict, lost_group_pods
+from worker.devstack.sim_process import scenario_file
 from worker.devstack.stack import ALL_PARTS, DevStack, display_database_url
 from worker.processes import StackError
 from worker.webhook.app import ALERTMANAGER_PATH
@@ -143,8 +143,7 @@ def demo_settings(base: Settings, scenario: DemoScenario) -> Settings:
         from sim.scenario import SCENARIO_DIR, load_scenario
 
         sim = load_scenario(SCENARIO_DIR / f"{scenario.sim_scenario}.yaml")
-    scenario_file = state / f"{scenario.sim_scenario}.yaml"
-    scenario_file.write_text(yaml.safe_dump(sim.model_dump(mode="json", exclude_none=True), sort_keys=False))
+    sim_file = scenario_file(sim, state)
     # The demo's Envoy and control plane take free ports unless told otherwise: two demos (or a
     # demo beside `fleetmend dev`) never fight over 8080 / 9901 / 18000.
     ports = {
@@ -155,7 +154,7 @@ def demo_settings(base: Settings, scenario: DemoScenario) -> Settings:
     return base.model_copy(
         update={
             "state_dir": state,
-            "sim_scenario": scenario_file,
+            "sim_scenario": sim_file,
             "recovery_timings": DEMO_TIMINGS,
             "serving_objectives": ServingObjectives(group_capacity_rps=GROUP_CAPACITY_RPS),
             **ports,

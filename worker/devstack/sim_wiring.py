@@ -50,7 +50,7 @@ def settings_for_sim(
 
 def settings_for_running_sim(sim: Any) -> dict[str, Any]:
     """``settings_for_sim`` for a ``sim.runner.RunningSim`` (a thread) or a sim process
-    (``worker.devstack.stack.SimProcess``)."""
+    (``worker.devstack.sim_process.SimProcess``)."""
     serving = getattr(getattr(sim, "world", None), "serving", None)
     port = getattr(sim, "engine_port", None) or (
         serving.settings.engine_port if serving is not None else DEFAULT_ENGINE_PORT

@@ -193,7 +193,7 @@ class _SimPart:
 
     def __init__(self, stack: DevStack) -> None:
         self.stack = stack
-        self.handle: SimProcess | None = None  # worker.devstack.sim_process
+        self.handle: SimProcess | None = None
 
     @property
     def settings(self) -> Settings:
