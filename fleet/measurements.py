@@ -274,6 +274,16 @@ def survivor_loads(before: PoolObservation, after: PoolObservation, lost_ids: se
     return loads
 
 
+def routed_backlog(obs: PoolObservation, lost_ids: Iterable[str] = ()) -> float:
+    """Requests waiting in the queues of the routed serving groups (the survivors and what came back)."""
+    lost = set(lost_ids)
+    return sum(
+        obs.engines[g.id].waiting
+        for g in obs.snapshot.groups
+        if g.routed and g.id not in lost and g.id in obs.engines
+    )
+
+
 def warm_groups_before(initial: PoolObservation) -> int:
     """The warm floor a recovery restores: the ready groups (serving + spare) before the loss."""
     return len([g for g in initial.snapshot.groups if g.ready])

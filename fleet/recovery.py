@@ -80,6 +80,12 @@ class RecoveryTimings(BaseModel):
     deroute_timeout_s: float = Field(60.0, gt=0)
     replacement_timeout_s: float = Field(1800.0, gt=0)
     ramp_interval_s: float = Field(30.0, gt=0)
+    admission_interval_s: float = Field(
+        2.0,
+        gt=0,
+        description="While short of the warm floor, the survivors' queues are re-read this often and the "
+        "refused share recomputed (the queues absorb what they can of the gap first)",
+    )
     ramp_max_s: float = Field(1800.0, gt=0)
     warm_fraction: float = Field(0.9, gt=0, le=1.0)
     qualification_timeout_s: float = Field(1800.0, gt=0)
@@ -122,6 +128,13 @@ class ServingObjectives(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     ttft_p99_slo_s: float = Field(2.0, gt=0)
+    queue_wait_budget_s: float | None = Field(
+        None,
+        ge=0,
+        description="How long a request may wait in a survivor's queue during a capacity gap and still meet "
+        "its objective: the queues absorb the gap up to it before anything is refused. None = the TTFT SLO "
+        "(a queued request's wait is part of its TTFT); 0 = refuse the gap at once",
+    )
     warm_floor: int = Field(1, ge=0, description="Warm spare groups to keep")
     min_serving_groups: int = Field(1, ge=0, description="Capacity floor the guard protects")
     group_capacity_rps: float | None = Field(
@@ -130,6 +143,11 @@ class ServingObjectives(BaseModel):
         description="Requests/s one warm replica group sustains (from load tests); None = estimate",
     )
     max_concurrent_destructive: int = Field(1, ge=1, description="Rate limit per pool")
+
+    @property
+    def wait_budget_s(self) -> float:
+        """The queue wait budget in effect (``queue_wait_budget_s``, else the TTFT SLO)."""
+        return self.ttft_p99_slo_s if self.queue_wait_budget_s is None else self.queue_wait_budget_s
 
 
 class IncidentInput(BaseModel):

@@ -9,6 +9,16 @@ is never shed) and partially within a tier (``Admission.partial_shed``), so a
 touches. The arithmetic is written out in ``ShedDecision.reason`` so the
 incident record says *why* each share was refused.
 
+**Queues absorb a gap first.** A gap shorter than the requests' patience needs no refusal:
+the survivors' queues hold the excess and serve it once capacity returns (a spare promoted in
+seconds, a group its controller re-creates). ``QueueRoom`` says how many more requests the
+survivors' queues can take before a queued request would wait longer than the wait budget
+(``usable capacity x budget - backlog``); spread over the time until the admission is next
+recomputed, that room is an arrival rate the queues absorb, and only the rest of the gap is
+refused. Recomputed as the backlog grows, the refused share rises to the gap exactly when the
+queues are full, so nothing is refused that the fleet could serve within the budget, and
+nothing queues that would wait past it. Without a ``QueueRoom`` the gap is refused at once.
+
 ``decide_readmission`` recomputes the same arithmetic at every capacity change
 (spare promoted, replacement ready, each ramp step, survivors' measured rate):
 the refused share follows the gap down and is zero once capacity covers the
@@ -93,6 +103,26 @@ def survivor_pressure(load: SurvivorLoad, t: PressureThresholds) -> SurvivorPres
     return SurvivorPressure(group_id=load.group_id, saturation=saturation, thrashing=thrashing)
 
 
+class QueueRoom(BaseModel):
+    """How much of a gap the survivors' queues can absorb before the next look (see the module doc)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    wait_budget_s: float = Field(
+        ge=0, description="Longest a request may wait in a survivor's queue and still meet its objective"
+    )
+    backlog: float = Field(ge=0, description="Requests waiting in the routed replicas' queues now")
+    horizon_s: float = Field(gt=0, description="Until the admission is next recomputed")
+
+    def room(self, capacity_rps: float) -> float:
+        """Requests the queues can still take: what ``capacity_rps`` serves within the budget, less the backlog."""
+        return max(0.0, capacity_rps * self.wait_budget_s - self.backlog)
+
+    def absorbable_rps(self, capacity_rps: float) -> float:
+        """The room as an arrival rate over the horizon."""
+        return self.room(capacity_rps) / self.horizon_s
+
+
 class ShedDecision(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -107,6 +137,9 @@ class ShedDecision(BaseModel):
     shed_fraction: float = Field(description="Share of arrivals refused by admission")
     residual_shortfall_rps: float = Field(
         description="Excess still arriving after shedding (bounded queue rejects it)"
+    )
+    absorbed_rps: float = Field(
+        default=0.0, ge=0, description="Part of the gap the survivors' queues take until the next look"
     )
     mean_saturation: float = 0.0
     thrashing: tuple[str, ...] = ()
@@ -188,20 +221,30 @@ def _decide(
     t: PressureThresholds,
     keep_armed: bool,
     survivors: Sequence[SurvivorLoad] = (),
+    queues: QueueRoom | None = None,
 ) -> ShedDecision:
     usable = capacity_rps * t.target_utilization
     deficit = max(0.0, 1.0 - usable / arrival_rps) if arrival_rps > 0 else 0.0
     mean_sat, thrashing = _pressure(survivors, t)
     pressured = mean_sat >= 1.0 or bool(thrashing)
-    shares = shares_for_gap(deficit, mix)
+    absorbed = min(arrival_rps * deficit, queues.absorbable_rps(usable)) if queues and deficit > 0 else 0.0
+    to_refuse = max(0.0, deficit - absorbed / arrival_rps) if arrival_rps > 0 else 0.0
+    shares = shares_for_gap(to_refuse, mix)
     refused = shares.refused_fraction
-    residual = max(0.0, arrival_rps * (1.0 - refused) - usable)
+    residual = max(0.0, arrival_rps * (1.0 - refused) - usable - absorbed)
     armed = keep_armed or pressured or bool(shares.whole or shares.partial)
 
     parts = [
         f"{head}; arrivals {arrival_rps:.1f} req/s vs capacity {capacity_rps:.1f} req/s at "
         f"{t.target_utilization:.0%} = {usable:.1f} req/s -> {deficit:.1%} of arrivals cannot be carried"
     ]
+    if queues is not None and deficit > 0:
+        room = queues.room(usable)
+        parts.append(
+            f"the queues hold {queues.backlog:.0f} request(s) with room for {room:.0f} more within the "
+            f"{queues.wait_budget_s:g} s wait budget: they absorb {absorbed:.1f} req/s of the gap until the "
+            f"next look in {queues.horizon_s:g} s, {to_refuse:.1%} of arrivals is left to refuse"
+        )
     if survivors:
         parts.append(
             f"survivor saturation {mean_sat:.2f} (max(waiting/{t.queue_bound}, KV/{t.kv_ceiling:g}))"
@@ -213,7 +256,8 @@ def _decide(
             f"{share:.1%} of {tier.value} ({mix.get(tier, 0.0):.0%} of arrivals)"
             for tier, share in shares.partial.items()
         ]
-        parts.append(f"refuse {' + '.join(terms)} = {refused:.1%} of arrivals (the gap, lowest tiers first)")
+        what = "the gap" if absorbed <= 1e-9 else "the gap the queues cannot absorb"
+        parts.append(f"refuse {' + '.join(terms)} = {refused:.1%} of arrivals ({what}, lowest tiers first)")
         if residual > 1e-9:
             parts.append(
                 f"still {residual:.1f} req/s over capacity after shedding every sheddable tier: "
@@ -221,9 +265,8 @@ def _decide(
             )
     elif armed:
         why = "survivors are saturated/thrashing" if pressured else "the warm floor is not restored yet"
-        parts.append(
-            f"nothing refused (no capacity gap); queue bound {t.queue_bound} stays armed because {why}"
-        )
+        gap = "the queues absorb the gap" if deficit > 0 else "no capacity gap"
+        parts.append(f"nothing refused ({gap}); queue bound {t.queue_bound} stays armed because {why}")
     else:
         parts.append("no shedding needed")
     return ShedDecision(
@@ -239,6 +282,7 @@ def _decide(
         deficit_fraction=deficit,
         shed_fraction=refused,
         residual_shortfall_rps=residual,
+        absorbed_rps=absorbed,
         mean_saturation=mean_sat,
         thrashing=thrashing,
         reason="; ".join(parts),
@@ -254,11 +298,13 @@ def decide_shedding(
     thresholds: PressureThresholds | None = None,
     *,
     keep_armed: bool = False,
+    queues: QueueRoom | None = None,
 ) -> ShedDecision:
     """What share of which tiers to refuse so the survivors carry the load (the gap, exactly).
 
     ``per_group_capacity_rps`` fills the survivors' unknown capacities. ``keep_armed`` keeps the
     queue bound on even with no gap (a recovery passes True: its warm floor is not restored).
+    ``queues`` lets the survivors' queues absorb what they can of the gap first.
     """
     t = thresholds or PressureThresholds()
     mix = normalised_mix(tier_mix)
@@ -275,6 +321,7 @@ def decide_shedding(
         t=t,
         keep_armed=keep_armed,
         survivors=survivors,
+        queues=queues,
     )
 
 
@@ -286,8 +333,10 @@ def decide_readmission(
     warm_floor_restored: bool,
     tier_mix: Mapping[Tier, float] | None = None,
     thresholds: PressureThresholds | None = None,
+    queues: QueueRoom | None = None,
 ) -> ShedDecision:
-    """The admission after a capacity change: refuse the new gap; keep the queue bound until the floor is back."""
+    """The admission after a capacity change (or a new look at the queues): refuse the gap the
+    queues cannot absorb; keep the queue bound until the floor is back."""
     t = thresholds or PressureThresholds()
     mix = normalised_mix(tier_mix)
     if arrival_rps < 0 or capacity_rps < 0:
@@ -299,6 +348,7 @@ def decide_readmission(
         mix=mix,
         t=t,
         keep_armed=not warm_floor_restored,
+        queues=queues,
     )
 
 

@@ -43,6 +43,7 @@ FAST = RecoveryTimings(
     deroute_timeout_s=10,
     replacement_timeout_s=60,
     ramp_interval_s=2,
+    admission_interval_s=1,
     ramp_max_s=60,
     verify_timeout_s=60,
     approval_timeout_s=120,

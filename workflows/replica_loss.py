@@ -83,6 +83,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from fleet.retry_budget import decide_retry_policy
     from fleet.shedding import (
+        QueueRoom,
         ShedDecision,
         admission_changed,
         can_lift_shedding,
@@ -100,6 +101,7 @@ with workflow.unsafe.imports_passed_through():
         QUARANTINE_LABEL,
         QUARANTINE_TAINT_KEY,
         REMEDIATED_AT_ANNOTATION,
+        SHED_ORDER,
     )
     from workflows.procedure import Aborted, Procedure
 
@@ -136,6 +138,12 @@ class ReplicaLossRecovery(Procedure):
         self._per_group_rps = 0.0
         self._serving_groups = 0
         self._readmissions = 0
+        self._capacity_rps = 0.0
+        self._backlog = 0.0
+        # The admission keeper re-reads the survivors' queues from step 3 until verification.
+        self._admission_lock = asyncio.Lock()
+        self._keeping_admission = False
+        self._admission_keeper: asyncio.Task[None] | None = None
         self._unmatched: list[str] = []
         self._expected_new = 0
         self._quarantined: list[str] = []
@@ -177,6 +185,8 @@ class ReplicaLossRecovery(Procedure):
             return self.finish(Phase.DONE)
         except Aborted:
             return self.finish(Phase.ABORTED)
+        finally:
+            self._keeping_admission = False
 
     # ---------------------------------------------------------------- step 1
 
@@ -348,26 +358,88 @@ class ReplicaLossRecovery(Procedure):
         self.decide(f"arrivals {arrival:.1f} req/s ({counted}); {capacity_note}")
         survivors = measurements.survivor_loads(before, obs, lost_ids)
         self._arrival_rps, self._per_group_rps, self._serving_groups = arrival, per_group, len(survivors)
-        self._shed = decide_shedding(
-            arrival_rps=arrival,
-            survivors=survivors,
-            lost_capacity_rps=per_group * len([g for g in lost if g.role is GroupRole.SERVING]),
-            per_group_capacity_rps=per_group,
-            keep_armed=True,  # the warm floor is short until the replacement is back
-        )
-        self.figure("shed_tiers", [t.value for t in self._shed.tiers_touched])
-        await self._apply_shedding(self._shed, step="protect-shed")
+        self._backlog = measurements.routed_backlog(obs, lost_ids)
+        async with self._admission_lock:
+            self._shed = decide_shedding(
+                arrival_rps=arrival,
+                survivors=survivors,
+                lost_capacity_rps=per_group * len([g for g in lost if g.role is GroupRole.SERVING]),
+                per_group_capacity_rps=per_group,
+                keep_armed=True,  # the warm floor is short until the replacement is back
+                queues=self._queue_room(self._backlog),
+            )
+            self._capacity_rps = self._shed.survivor_capacity_rps
+            await self._apply_shedding(self._shed, step="protect-shed")
+        if not inp.dry_run:
+            self._keeping_admission = True
+            self._admission_keeper = asyncio.ensure_future(self._keep_admission(lost_ids))
         return obs
 
-    async def _readmit(self, change: str, capacity_rps: float, arrival_rps: float | None = None) -> None:
-        """A capacity change: recompute the gap and re-apply admission when the shed level moved."""
-        if arrival_rps is not None:
-            self._arrival_rps = arrival_rps
-        decision = decide_readmission(self._arrival_rps, capacity_rps, change, warm_floor_restored=False)
-        if not admission_changed(self._admission, decision.admission):
-            return
-        self._readmissions += 1
-        await self._apply_shedding(decision, step=f"readmit-{self._readmissions}")
+    def _queue_room(self, backlog: float) -> QueueRoom | None:
+        """What the routed replicas' queues can absorb until the keeper's next look (None: budget 0)."""
+        budget = self._inp.objectives.wait_budget_s
+        if budget <= 0:
+            return None
+        # Twice the interval: a change takes effect a moment after it is decided.
+        horizon = 2 * self._inp.timings.admission_interval_s
+        return QueueRoom(wait_budget_s=budget, backlog=backlog, horizon_s=horizon)
+
+    async def _keep_admission(self, lost_ids: set[str]) -> None:
+        """From step 3 until verification: re-read the queues every ``admission_interval_s`` and re-admit.
+
+        The queues absorb what they can of the gap; as they fill, the refused share rises to the
+        gap, and when capacity returns it falls. A look that changes nothing records nothing.
+        """
+        interval = self._inp.timings.admission_interval_s
+        while self._keeping_admission:
+            try:
+                await workflow.wait_condition(lambda: not self._keeping_admission, timeout=interval)
+                return
+            except TimeoutError:
+                pass
+            obs = await self._observe(summary="admission: the routed replicas' queues")
+            backlog = measurements.routed_backlog(obs, lost_ids)
+            if not self._keeping_admission:
+                return
+            await self._readmit(
+                f"queues re-read: {backlog:.0f} request(s) waiting on the routed replicas",
+                self._capacity_rps,
+                backlog=backlog,
+            )
+
+    async def _stop_keeping_admission(self) -> None:
+        self._keeping_admission = False
+        if self._admission_keeper is not None:
+            await self._admission_keeper
+            self._admission_keeper = None
+
+    async def _readmit(
+        self,
+        change: str,
+        capacity_rps: float,
+        arrival_rps: float | None = None,
+        *,
+        backlog: float | None = None,
+    ) -> None:
+        """A capacity change or a new look at the queues: recompute the gap the queues cannot absorb
+        and re-apply admission when the shed level moved."""
+        async with self._admission_lock:
+            if arrival_rps is not None:
+                self._arrival_rps = arrival_rps
+            if backlog is not None:
+                self._backlog = backlog
+            self._capacity_rps = capacity_rps
+            decision = decide_readmission(
+                self._arrival_rps,
+                capacity_rps,
+                change,
+                warm_floor_restored=False,
+                queues=self._queue_room(self._backlog),
+            )
+            if not admission_changed(self._admission, decision.admission):
+                return
+            self._readmissions += 1
+            await self._apply_shedding(decision, step=f"readmit-{self._readmissions}")
 
     def _record_shed_level(self, gap: float, refused: float) -> None:
         """The shed level over time (figure ``shed_levels``: at = epoch seconds, shares of arrivals)."""
@@ -379,6 +451,11 @@ class ReplicaLossRecovery(Procedure):
         """Every change of the shed level is a decision in the incident record, and one ledger effect."""
         self.decide(decision.reason, {"shed": decision.model_dump(mode="json")})
         self._record_shed_level(decision.deficit_fraction, decision.shed_fraction)
+        # Every tier refused any of during the incident, lowest first.
+        touched = set(self._status.figures.get("shed_tiers") or []) | {
+            t.value for t in decision.tiers_touched
+        }
+        self.figure("shed_tiers", [t.value for t in SHED_ORDER if t.value in touched])
         if decision.admission == self._admission:
             return
         refused = ", ".join(
@@ -1019,6 +1096,7 @@ class ReplicaLossRecovery(Procedure):
     async def verify_and_roll_back(self, lost: list[ReplicaGroup]) -> None:
         inp = self._inp
         await self.enter(Phase.VERIFYING, "Verifying before lifting the emergency measures")
+        await self._stop_keeping_admission()
         if inp.dry_run:
             self.decide("dry-run: nothing to verify; the plan is in the ledger as planned effects")
             return

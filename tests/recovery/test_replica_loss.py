@@ -77,14 +77,16 @@ async def test_gpu_node_lost_under_load_alert_storm_one_recovery(
         after = set(await _serving_pods(rig))
         lost = set(before) - after
         assert len(lost) == 2, (before, after)  # both replicas of the lost node are out of routing
-        # Shedding refused exactly the gap while short of capacity (lowest tier first), followed capacity
-        # back to zero refused, and admission was lifted after the warm floor was restored.
-        assert status.figures["shed_tiers"][0] == Tier.SHEDDABLE.value, text_
+        # The survivors were short of capacity (a gap) until the spare was promoted; their queues absorbed
+        # what they could of it within the wait budget, so at most the gap was refused (lowest tier
+        # first), the refused share followed capacity back to zero, and admission was lifted after the
+        # warm floor was restored.
         levels = status.figures["shed_levels"]
-        assert levels[0]["gap"] > 0 and levels[0]["refused"] == pytest.approx(
-            min(levels[0]["gap"], 0.8), abs=1e-3
-        ), levels
-        assert any(lv["refused"] == 0 for lv in levels[1:-1]), levels  # nothing refused before the lift
+        assert levels[0]["gap"] > 0 and levels[0]["refused"] <= levels[0]["gap"], levels
+        assert "the queues hold" in text_ and "within the 2 s wait budget" in text_, text_
+        assert all(lv["refused"] <= lv["gap"] + 1e-3 for lv in levels), levels
+        assert status.figures["shed_tiers"][:1] in ([], [Tier.SHEDDABLE.value]), text_
+        assert levels[-2]["refused"] == 0, levels  # nothing refused before the lift
         assert levels[-1] == {"at": levels[-1]["at"], "gap": 0.0, "refused": 0.0}
         # Every change of the shed level is a decision in the incident record.
         assert text_.count("of arrivals cannot be carried") == len(levels) - 1, text_
@@ -202,10 +204,13 @@ async def test_no_warm_spare_posts_lead_time_and_keeps_shedding_until_capacity_r
         await rig.start_load(rate=72, duration_s=120, seed=7)
         await asyncio.sleep(3)
         await rig.inject(FaultKind.NODE_LOST, "gpu-node-0")
-        incident = await rig.report_loss(node_report("gpu-node-0"), incident_config(warm_floor=0))
+        # Queue absorption off (a wait budget of 0): the gap is refused at once, not after the queues fill.
+        cfg = incident_config(warm_floor=0, queue_wait_budget_s=0)
+        incident = await rig.report_loss(node_report("gpu-node-0"), cfg)
         status = await finish(await wait_for_child(temporal_client, incident))
         text_ = decisions(status)
         assert status.phase == Phase.DONE, text_
+        assert "the queues hold" not in text_, text_
         lead = status.figures["lead_time_announced_seconds"]
         assert isinstance(lead, float) and lead > 0
         posted = [m["text"] for m in await rig.notifications() if "lead time" in m["text"]]

@@ -62,6 +62,7 @@ DEMO_TIMINGS = RecoveryTimings(
     deroute_timeout_s=10,
     replacement_timeout_s=60,
     ramp_interval_s=2,
+    admission_interval_s=1,
     ramp_max_s=60,
     verify_timeout_s=60,
     approval_timeout_s=600,  # --keep-running leaves time to try `fleetmend approve`
