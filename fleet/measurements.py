@@ -107,6 +107,45 @@ def arrival_rate(
     return total, "survivors' completions + queue growth (the gateway keeps no count)"
 
 
+class ArrivalTally(BaseModel):
+    """Arrivals at the gateway counted across an incident, one reading of its counter after another.
+
+    Each stretch between two readings adds the requests admission let through, scaled up by
+    the share admission refused during it (the refused share changes as the incident goes on,
+    so one long window could not be scaled by one share). The rate is over every counted
+    stretch: arrivals do not change with a loss, and a long count is steadier than the first
+    second or two after the fault (open-loop clients arrive in bursts). A counter that went
+    backwards (the gateway restarted) starts a new stretch; the time in between is not counted.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    requests: float = Field(default=0.0, ge=0)
+    seconds: float = Field(default=0.0, ge=0)
+    last_total: int | None = None
+    last_at: float | None = None
+
+    def add(self, obs: PoolObservation, refused_share: float) -> ArrivalTally:
+        """The tally after one more observation (admission refused ``refused_share`` since the last one)."""
+        total = obs.gateway_admitted_total
+        if total is None:
+            return self
+        at = obs.snapshot.observed_at if obs.gateway_counted_at is None else obs.gateway_counted_at
+        if self.last_total is None or self.last_at is None or total < self.last_total or at <= self.last_at:
+            return self.model_copy(update={"last_total": total, "last_at": max(at, self.last_at or at)})
+        kept = max(1e-6, 1.0 - min(max(refused_share, 0.0), 1.0))
+        return ArrivalTally(
+            requests=self.requests + (total - self.last_total) / kept,
+            seconds=self.seconds + (at - self.last_at),
+            last_total=total,
+            last_at=at,
+        )
+
+    def rate(self, min_seconds: float) -> float | None:
+        """Arrivals/s over what was counted, once at least ``min_seconds`` were."""
+        return self.requests / self.seconds if self.seconds >= min_seconds and self.seconds > 0 else None
+
+
 def _counted_window(before: PoolObservation, after: PoolObservation) -> tuple[int, float] | None:
     """(requests the gateway admitted, seconds) between two observations' readings of its counter;
     None without two readings, or when the counter went backwards (the gateway restarted)."""
@@ -281,6 +320,26 @@ def routed_backlog(obs: PoolObservation, lost_ids: Iterable[str] = ()) -> float:
         obs.engines[g.id].waiting
         for g in obs.snapshot.groups
         if g.routed and g.id not in lost and g.id in obs.engines
+    )
+
+
+def routed_served_rate(
+    before: PoolObservation, after: PoolObservation, lost_ids: Iterable[str] = ()
+) -> float:
+    """Requests/s the routed serving groups completed between two observations.
+
+    A lower bound on what they can serve (they may have had nothing more to do), and the
+    capacity itself while their queues are not empty: what the protect step may count on
+    when it is more than the configured or estimated figure.
+    """
+    lost = set(lost_ids)
+    seconds = after.snapshot.observed_at - before.snapshot.observed_at
+    if seconds <= 0:
+        return 0.0
+    return sum(
+        completion_rate(before.engines[g.id], after.engines[g.id], seconds)
+        for g in after.snapshot.groups
+        if g.routed and g.id not in lost and g.id in after.engines and g.id in before.engines
     )
 
 

@@ -107,6 +107,9 @@ with workflow.unsafe.imports_passed_through():
 
 # A Pending replacement is judged unplaceable only after this many looks (the scheduler needs a moment).
 PLACEMENT_LOOKS = 3
+# Arrivals the gateway counted over at least this long replace the first estimate (open-loop clients
+# arrive in bursts; the protect step's first window is a second or two).
+ARRIVALS_COUNTED_S = 5.0
 
 
 @workflow.defn(name="ReplicaLossRecovery")
@@ -135,6 +138,7 @@ class ReplicaLossRecovery(Procedure):
         # The admission the gateway has now (as this procedure set it), and what it is computed from.
         self._admission = Admission()
         self._arrival_rps = 0.0
+        self._arrivals = measurements.ArrivalTally()  # the gateway's count, from the first look on
         self._per_group_rps = 0.0
         self._serving_groups = 0
         self._readmissions = 0
@@ -227,6 +231,7 @@ class ReplicaLossRecovery(Procedure):
             )
         obs = _with_lost(obs, recreating)
         self._initial_obs = obs
+        self._arrivals = self._arrivals.add(obs, 0.0)
         lost = self._confirm(obs, self._reports)
         if not lost:
             return obs, []
@@ -356,6 +361,7 @@ class ReplicaLossRecovery(Procedure):
             counted_since=self._initial_obs,
         )
         self.decide(f"arrivals {arrival:.1f} req/s ({counted}); {capacity_note}")
+        self._arrivals = self._arrivals.add(before, 0.0).add(obs, refused_fraction(self._admission))
         survivors = measurements.survivor_loads(before, obs, lost_ids)
         self._arrival_rps, self._per_group_rps, self._serving_groups = arrival, per_group, len(survivors)
         self._backlog = measurements.routed_backlog(obs, lost_ids)
@@ -391,6 +397,8 @@ class ReplicaLossRecovery(Procedure):
         gap, and when capacity returns it falls. A look that changes nothing records nothing.
         """
         interval = self._inp.timings.admission_interval_s
+        previous: PoolObservation | None = None
+        served: float | None = None
         while self._keeping_admission:
             try:
                 await workflow.wait_condition(lambda: not self._keeping_admission, timeout=interval)
@@ -399,12 +407,32 @@ class ReplicaLossRecovery(Procedure):
                 pass
             obs = await self._observe(summary="admission: the routed replicas' queues")
             backlog = measurements.routed_backlog(obs, lost_ids)
+            self._arrivals = self._arrivals.add(obs, refused_fraction(self._admission))
+            arrival = self._arrivals.rate(ARRIVALS_COUNTED_S)
+            if previous is not None:
+                now = measurements.routed_served_rate(previous, obs, lost_ids)
+                served = now if served is None else 0.5 * now + 0.5 * served
+            previous = obs
             if not self._keeping_admission:
                 return
+            counted = (
+                f"; arrivals {arrival:.1f} req/s counted by the gateway over {self._arrivals.seconds:.0f} s"
+                if arrival is not None
+                else ""
+            )
+            capacity, measured = self._capacity_rps, ""
+            if served is not None and served > capacity:
+                # What the routed replicas served is a floor under their capacity: count on it.
+                capacity, measured = (
+                    served,
+                    f"; they served {served:.1f} req/s (more than the {self._capacity_rps:.1f} estimated)",
+                )
             await self._readmit(
-                f"queues re-read: {backlog:.0f} request(s) waiting on the routed replicas",
-                self._capacity_rps,
+                f"queues re-read: {backlog:.0f} request(s) waiting on the routed replicas{counted}{measured}",
+                capacity,
+                arrival,
                 backlog=backlog,
+                capacity_changed=False,
             )
 
     async def _stop_keeping_admission(self) -> None:
@@ -420,6 +448,7 @@ class ReplicaLossRecovery(Procedure):
         arrival_rps: float | None = None,
         *,
         backlog: float | None = None,
+        capacity_changed: bool = True,
     ) -> None:
         """A capacity change or a new look at the queues: recompute the gap the queues cannot absorb
         and re-apply admission when the shed level moved."""
@@ -428,7 +457,8 @@ class ReplicaLossRecovery(Procedure):
                 self._arrival_rps = arrival_rps
             if backlog is not None:
                 self._backlog = backlog
-            self._capacity_rps = capacity_rps
+            if capacity_changed:
+                self._capacity_rps = capacity_rps
             decision = decide_readmission(
                 self._arrival_rps,
                 capacity_rps,
@@ -1080,13 +1110,22 @@ class ReplicaLossRecovery(Procedure):
     ) -> None:
         """Each ramp step re-measures capacity (new replicas at their warmth) and arrivals, and re-admits."""
         seconds = max(1e-3, self.now() - previous_at)
-        admitted = measurements.admitted_rate(previous, current, seconds)
-        arrival = estimate_arrivals(admitted, self._admission, self._arrival_rps)
+        # Arrivals as the gateway counted them since the first look; the engines' admissions only
+        # when the gateway keeps no count.
+        arrival = self._arrivals.rate(ARRIVALS_COUNTED_S)
+        if arrival is not None:
+            counted = (
+                f"arrivals {arrival:.1f} req/s counted by the gateway over {self._arrivals.seconds:.0f} s"
+            )
+        else:
+            admitted = measurements.admitted_rate(previous, current, seconds)
+            arrival = estimate_arrivals(admitted, self._admission, self._arrival_rps)
+            counted = f"the engines admitted {admitted:.1f} req/s"
         established, warmth = measurements.ramp_capacity_shape(plan, new_pods)
         await self._readmit(
             f"ramp step {step}: {established} established group(s) + new "
             + (", ".join(f"{p} {w:.0%} warm" for p, w in sorted(warmth.items())) or "none")
-            + f" x {self._per_group_rps:.1f} req/s; admitted {admitted:.1f} req/s",
+            + f" x {self._per_group_rps:.1f} req/s; {counted}",
             pool_capacity_rps(self._per_group_rps, established, warmth),
             arrival,
         )

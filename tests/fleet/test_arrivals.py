@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fleet.engine_metrics import EngineSnapshot
-from fleet.measurements import arrival_rate
+from fleet.measurements import ArrivalTally, arrival_rate
 from fleet.observation import PoolObservation
 from tests.fleet.fleets import group, snapshot
 
@@ -77,3 +77,33 @@ def test_a_count_from_the_first_look_wins_and_a_counter_that_went_backwards_is_n
     assert (rate, how) == (20.0, "counted by the gateway")  # the window since the restart
     rate, how = arrival_rate(_obs(0.0, BEFORE, 50), _obs(1.0, AFTER, 2), 1.0, ["b"])
     assert rate == 28.0 and "queue growth" in how  # restarted between the two scrapes: the engines say
+
+
+def test_the_tally_scales_each_stretch_by_the_share_refused_during_it_and_skips_a_restart() -> None:
+    tally = ArrivalTally().add(_obs(0.0, {}, 100), 0.0)
+    tally = tally.add(_obs(2.0, {}, 140), 0.0)  # 20 req/s, nothing refused
+    tally = tally.add(_obs(4.0, {}, 170), 0.25)  # 15 admitted/s while a quarter was refused: 20 arrived/s
+    assert tally.rate(min_seconds=5.0) is None  # 4 s counted: not long enough yet
+    assert tally.rate(min_seconds=4.0) == 20.0
+    # The gateway restarted (its counter went back to 0): the stretch across the restart counts nothing.
+    tally = tally.add(_obs(6.0, {}, 5), 0.25)
+    tally = tally.add(_obs(8.0, {}, 35), 0.25)  # 15 admitted/s at a quarter refused: 20/s again
+    assert tally.seconds == 6.0 and tally.rate(min_seconds=5.0) == 20.0
+    # An observation without a count changes nothing.
+    assert tally.add(_obs(9.0, {}, None), 0.0) == tally
+
+
+@given(
+    rate=st.floats(1.0, 500.0),
+    refused=st.lists(st.floats(0.0, 0.9), min_size=1, max_size=20),
+)
+def test_a_steady_arrival_rate_is_counted_whatever_admission_refused(
+    rate: float, refused: list[float]
+) -> None:
+    tally = ArrivalTally().add(_obs(0.0, {}, 0), 0.0)
+    total = 0.0
+    for i, share in enumerate(refused, start=1):
+        total += rate * 1.0 * (1.0 - share)  # what the gateway let through in that second
+        tally = tally.add(_obs(float(i), {}, round(total * 1000)), share)
+    measured = tally.rate(min_seconds=1.0)
+    assert measured is not None and abs(measured / 1000 - rate) <= 0.01 * rate + 0.01
