@@ -9,6 +9,7 @@ storm reaches one workflow, not a thousand (DESIGN.md §6).
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -71,6 +72,19 @@ class LossReport(BaseModel):
     pod: str | None = None
     replica_group: str | None = None
     fault_hint: str | None = Field(None, description="e.g. 'gpu-xid:79' from the alert's labels")
+    about: Literal["node", "pod", "group"] | None = Field(
+        None,
+        description="What the report is about when it names more than that (the fast path names a lost "
+        "node's pods too, and a lost pod's node); None = the most specific name given",
+    )
     observed_at: float | None = Field(None, description="Unix seconds the alert started (startsAt)")
     source: str = "alertmanager"
     labels: dict[str, str] = Field(default_factory=dict)
+
+    def points_at_node(self, node: str) -> bool:
+        """This report is about ``node`` itself, not only about a pod or group that ran on it."""
+        if self.node != node:
+            return False
+        if self.about is not None:
+            return self.about == "node"
+        return self.pod is None and self.replica_group is None

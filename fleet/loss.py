@@ -351,7 +351,13 @@ def correlate(
 
 
 def match_reports(snapshot: PoolSnapshot, reports: Iterable[LossReport]) -> dict[str, ReplicaGroup]:
-    """The replica groups the reports are about: a named group, a pod's group, every group on a node."""
+    """The replica groups the reports are about: a named group, a pod's group, every group on a node.
+
+    A pod report that names its node makes the node's other groups candidates too: each is
+    confirmed on its own evidence (a dead node's other engines are lost; a healthy spare beside a
+    crashed pod is "slow-but-present"), so a node going down is handled as one incident even when
+    the first alert is about one of its pods.
+    """
     candidates: dict[str, ReplicaGroup] = {}
     for r in reports:
         if r.replica_group:
@@ -414,3 +420,36 @@ def groups_being_recreated(
             }
         )
     return list(out.values())
+
+
+# A fault hint that names the hardware: the node it ran on is suspect even while it reports Ready.
+HARDWARE_HINTS = ("xid", "nvlink", "thermal", "ecc")
+
+
+def failed_nodes(
+    lost: Iterable[ReplicaGroup], snapshot: PoolSnapshot, reports: Iterable[LossReport]
+) -> dict[str, str]:
+    """The nodes of the lost groups that failed themselves, with why (node -> reason).
+
+    A node failed when it is gone or not Ready, when a report is about the node itself
+    (``LossReport.points_at_node``), or when a report's fault hint names the hardware. A pod-level
+    fault (an OOM-killed engine, a crashed container) on a Ready node fails no node: the node is
+    not cordoned or triaged, and a warm spare on it may still be promoted.
+    """
+    reports = list(reports)
+    hardware = next(
+        (r.fault_hint for r in reports if r.fault_hint and any(k in r.fault_hint for k in HARDWARE_HINTS)),
+        None,
+    )
+    failed: dict[str, str] = {}
+    for node in sorted({n for g in lost for n in g.nodes}):
+        info = snapshot.node(node)
+        if info is None:
+            failed[node] = "gone from the API"
+        elif info.ready is not True:
+            failed[node] = f"Ready={info.ready}"
+        elif hardware is not None:
+            failed[node] = f"the fault hint names the hardware ({hardware})"
+        elif any(r.points_at_node(node) for r in reports):
+            failed[node] = "a report is about the node itself"
+    return failed

@@ -63,11 +63,14 @@ def _domains(group: ReplicaGroup, snapshot: PoolSnapshot, label: str) -> set[str
 def pick_spares(
     snapshot: PoolSnapshot,
     lost_group_ids: Iterable[str],
-    excluded_nodes: Iterable[str] = (),
+    excluded_nodes: Iterable[str] | None = None,
     domain_label: str = NVLINK_DOMAIN_LABEL,
 ) -> SparePick:
+    """``excluded_nodes``: nodes whose spares are not warm capacity (the nodes that failed,
+    ``fleet.loss.failed_nodes``); None = every node of the lost groups, for a caller that does
+    not know which of them failed."""
     lost = [snapshot.group(gid) for gid in dict.fromkeys(lost_group_ids)]
-    excluded = set(excluded_nodes) | {n for g in lost for n in g.nodes}
+    excluded = set(excluded_nodes) if excluded_nodes is not None else {n for g in lost for n in g.nodes}
     lost_ids = {g.id for g in lost}
     rejected: dict[str, str] = {}
     eligible: list[ReplicaGroup] = []

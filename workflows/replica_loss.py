@@ -53,6 +53,7 @@ with workflow.unsafe.imports_passed_through():
         LossEvent,
         confirm_group,
         correlate,
+        failed_nodes,
         groups_being_recreated,
         match_reports,
         size_loss,
@@ -152,6 +153,7 @@ class ReplicaLossRecovery(Procedure):
         self._expected_new = 0
         self._quarantined: list[str] = []
         self._lost_ids: set[str] = set()  # groups this recovery confirmed lost (and handles)
+        self._lost_groups: list[ReplicaGroup] = []
         self._started_at = workflow.now().timestamp()
         self.set_fingerprints([r.fingerprint for r in self._reports])
 
@@ -236,6 +238,7 @@ class ReplicaLossRecovery(Procedure):
         if not lost:
             return obs, []
         self._lost_ids.update(g.id for g in lost)
+        self._lost_groups = lost  # the runbook's own list: groups confirmed later join it
         size = size_loss(obs.snapshot, [g.id for g in lost])
         self.decide(f"loss confirmed: {size.summary}", {"loss": size.model_dump(mode="json")})
         self.figure("groups_lost", size.groups_lost)
@@ -542,8 +545,9 @@ class ReplicaLossRecovery(Procedure):
         inp = self._inp
         await self.enter(Phase.PROMOTING, "Promoting warm spares of the same model and revision")
         obs = _with_lost(obs, lost)
-        failed_nodes = sorted({n for g in lost for n in g.nodes})
-        pick = pick_spares(obs.snapshot, [g.id for g in lost if g.role is GroupRole.SERVING], failed_nodes)
+        # Spares on a node that failed are not warm capacity; a node that only hosted a crashed pod is fine.
+        failed = sorted(failed_nodes(lost, obs.snapshot, self._reports))
+        pick = pick_spares(obs.snapshot, [g.id for g in lost if g.role is GroupRole.SERVING], failed)
         self.decide(pick.reason, {"promotions": pick.promotions, "rejected": pick.rejected})
         promoted: list[ReplicaGroup] = []
         for lost_id, spare_id in pick.promotions.items():
@@ -640,20 +644,16 @@ class ReplicaLossRecovery(Procedure):
         still bind a replacement to it; cordoning first keeps replacements off it.
         Triage adds the taint and label later.
         """
-        hints = " ".join(r.fault_hint or "" for r in self._reports)
-        hardware_hint = any(k in hints for k in ("xid", "nvlink", "thermal", "ecc"))
-        for node in sorted({n for g in lost for n in g.nodes}):
+        for node, why in failed_nodes(lost, obs.snapshot, self._reports).items():
             info = obs.snapshot.node(node)
-            failed = info is None or info.ready is not True or hardware_hint
-            reported = any(r.node == node for r in self._reports)
-            if not (failed or reported) or (info is not None and info.unschedulable):
+            if info is not None and info.unschedulable:
                 continue
             await self.act(
                 ActActivities.cordon_node,
                 NodeCordon(step="fence", node=node),
                 f"cordon failed node {node} so no replacement lands on it",
             )
-            self.decide(f"cordoned {node}: replacements must not land on the failed node")
+            self.decide(f"cordoned {node} ({why}): replacements must not land on the failed node")
 
     def _room_for(self, obs: PoolObservation, g: ReplicaGroup, lost: list[ReplicaGroup]) -> bool:
         shape = GroupShape(pods=len(g.pods), gpus_per_pod=max(1, g.gpus_per_pod))
@@ -746,14 +746,14 @@ class ReplicaLossRecovery(Procedure):
 
     async def triage_hardware(self, obs: PoolObservation, lost: list[ReplicaGroup]) -> None:
         hint = next((r.fault_hint for r in self._reports if r.fault_hint), None)
+        failed = failed_nodes(lost, obs.snapshot, self._reports)
         nodes = []
         for node in sorted({n for g in lost for n in g.nodes}):
-            info = obs.snapshot.node(node)
-            if info is None or info.ready is not True or hint or any(r.node == node for r in self._reports):
+            if node in failed or hint:
                 nodes.append(node)
             else:
                 self.decide(
-                    f"{node} is Ready and no alert points at it: the loss is a pod-level fault, "
+                    f"{node} is Ready and no report is about it: the loss is a pod-level fault, "
                     "the node stays in service (no quarantine)"
                 )
         for node in nodes:
@@ -1269,6 +1269,8 @@ class ReplicaLossRecovery(Procedure):
             )
         if more:
             self._lost_ids.update(g.id for g in more)
+            # The steps still ahead (promote, rebuild, place, triage, verify) handle them too.
+            self._lost_groups.extend(more)
             self.decide(
                 f"{len(more)} more group(s) lost within the correlation window: "
                 f"{', '.join(g.id for g in more)}; derouting them now"

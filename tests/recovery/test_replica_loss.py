@@ -326,3 +326,35 @@ async def _pods_in_crash_loop(rig: FleetRig) -> list[str]:
             if waiting is not None and waiting.reason == "CrashLoopBackOff":
                 out.append(pod.metadata.name)
     return out
+
+
+async def test_an_oom_killed_engine_beside_the_spare_promotes_it_and_leaves_the_node_in_service(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    from kubernetes import client as kclient
+    from kubernetes import config as kconfig
+
+    async with gpu_pool(temporal_client, task_queue, ledger_url) as rig:
+        cfg = kclient.Configuration()
+        kconfig.load_kube_config(config_file=str(rig.settings.kubeconfig), client_configuration=cfg)
+        core = kclient.CoreV1Api(kclient.ApiClient(cfg))
+        pods = (await asyncio.to_thread(core.list_namespaced_pod, POOL.namespace)).items
+        node_of = {p.metadata.name: p.spec.node_name for p in pods}
+        spare = next(p for p in node_of if "spare" in p)
+        routed = await _serving_pods(rig)
+        # The serving pod that shares the spare's node: an engine crash there fails the pod, not the node.
+        victim = next(p for p in routed if node_of[p] == node_of[spare])
+        await rig.start_load(rate=40, duration_s=60, seed=5)
+        await asyncio.sleep(2)
+        await rig.inject(FaultKind.POD_OOMKILLED, f"{POOL.namespace}/{victim}")
+        # The alert names the pod and, as kube-state-metrics labels do, its node.
+        report = pod_report(victim, "fp-oom", alert="KubePodCrashLooping", node=node_of[victim])
+        incident = await rig.report_loss(report, incident_config())
+        status = await finish(await wait_for_child(temporal_client, incident))
+        text_ = decisions(status)
+        assert status.phase == Phase.DONE, text_
+        assert any(spare in g for g in status.figures["promoted"]), text_
+        node = node_of[victim]
+        assert f"cordoned {node}" not in text_, text_
+        assert f"{node} is Ready and no report is about it" in text_, text_
+        assert not (await asyncio.to_thread(core.read_node, node)).spec.unschedulable

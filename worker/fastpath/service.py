@@ -406,6 +406,7 @@ class FastPath:
                 node=node,
                 pod=pod_name,
                 replica_group=group,
+                about="node" if kind == "node" else "pod",
                 observed_at=first,
                 source="fastpath",
                 labels={EVIDENCE_LABEL: detection.reason[:500]},
