@@ -10,9 +10,11 @@ and takes screenshots through CDP. No Playwright, no browser download.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import struct
 import subprocess
@@ -170,12 +172,15 @@ class Page:
 @contextmanager
 def browser(timeout_s: float = 30) -> Iterator[Page]:
     """Headless Chromium with one page, over CDP; stopped on exit."""
-    with tempfile.TemporaryDirectory(prefix="fleetmend-chromium-") as profile:
+    # Chromium's helpers (crashpad, zygote) can still be writing to the profile a moment after the
+    # browser exits: its own session is stopped as a whole, and a leftover file is not a failure.
+    with tempfile.TemporaryDirectory(prefix="fleetmend-chromium-", ignore_cleanup_errors=True) as profile:
         proc = subprocess.Popen(
             [str(CHROMIUM), *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0", "about:blank"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            start_new_session=True,
         )
         try:
             port = _devtools_port(proc, Path(profile), timeout_s)
@@ -189,11 +194,13 @@ def browser(timeout_s: float = 30) -> Iterator[Page]:
             finally:
                 ws.close()
         finally:
-            proc.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
 
 
