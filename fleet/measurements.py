@@ -343,6 +343,22 @@ def routed_served_rate(
     )
 
 
+def smoothed(previous: float | None, now: float, weight: float = 0.5) -> float:
+    """An exponentially weighted mean: ``now`` with ``weight``, the previous mean with the rest."""
+    return now if previous is None else weight * now + (1.0 - weight) * previous
+
+
+def capacity_to_count_on(estimated_rps: float, served_rps: float | None) -> tuple[float, str]:
+    """The capacity the admission keeper counts on, and a note when it is not the estimate.
+
+    What the routed replicas served is a floor under their capacity: when it is more than the
+    configured or estimated figure, it is the better number.
+    """
+    if served_rps is None or served_rps <= estimated_rps:
+        return estimated_rps, ""
+    return served_rps, f"they served {served_rps:.1f} req/s (more than the {estimated_rps:.1f} estimated)"
+
+
 def warm_groups_before(initial: PoolObservation) -> int:
     """The warm floor a recovery restores: the ready groups (serving + spare) before the loss."""
     return len([g for g in initial.snapshot.groups if g.ready])

@@ -34,6 +34,7 @@ from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
 
 REPO = Path(__file__).resolve().parents[1]
 POOL = PoolRef(namespace="inference", service="llama")
+RANK_POOL = PoolRef(namespace="inference", service="llama-405b")  # the rank-lost world's LWS pool
 # ~400 tokens/s per replica in the compressed scenarios: about 15 requests/s of 8-32 tokens.
 GROUP_CAPACITY_RPS = 15.0
 
@@ -222,6 +223,31 @@ def stop_processes(*procs: subprocess.Popen[bytes] | None) -> None:
 
 
 @contextlib.asynccontextmanager
+async def rank_pool(
+    client: Client, task_queue: str, ledger_url: str, **overrides: Any
+) -> AsyncIterator[FleetRig]:
+    """The compressed rank-lost world (two LeaderWorkerSet groups of ``RANK_POOL``) with a worker, once
+    both groups are in the routing set. ``overrides`` go to ``fleet_rig``."""
+    async with fleet_rig(
+        client,
+        scenario=compressed_scenario("rank-lost"),
+        database_url=ledger_url,
+        task_queue=task_queue,
+        **overrides,
+    ) as rig:
+        await _until_routed(rig, RANK_POOL, 2)
+        yield rig
+
+
+async def _until_routed(rig: FleetRig, pool: PoolRef, groups: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while groups and len(await rig.routing_set(pool)) < groups:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the pool did not route {groups} groups within {timeout_s:g} s")
+        await asyncio.sleep(0.3)
+
+
+@contextlib.asynccontextmanager
 async def gpu_pool(
     client: Client, task_queue: str, ledger_url: str, *, routed: int = 5, **overrides: Any
 ) -> AsyncIterator[FleetRig]:
@@ -235,9 +261,5 @@ async def gpu_pool(
         task_queue=task_queue,
         **overrides,
     ) as rig:
-        deadline = time.monotonic() + 60
-        while routed and len(await rig.routing_set(POOL)) < routed:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the pool did not route {routed} groups within 60 s")
-            await asyncio.sleep(0.3)
+        await _until_routed(rig, POOL, routed)
         yield rig

@@ -413,25 +413,22 @@ class ReplicaLossRecovery(Procedure):
             self._arrivals = self._arrivals.add(obs, refused_fraction(self._admission))
             arrival = self._arrivals.rate(ARRIVALS_COUNTED_S)
             if previous is not None:
-                now = measurements.routed_served_rate(previous, obs, lost_ids)
-                served = now if served is None else 0.5 * now + 0.5 * served
+                served = measurements.smoothed(
+                    served, measurements.routed_served_rate(previous, obs, lost_ids)
+                )
             previous = obs
             if not self._keeping_admission:
                 return
-            counted = (
-                f"; arrivals {arrival:.1f} req/s counted by the gateway over {self._arrivals.seconds:.0f} s"
-                if arrival is not None
-                else ""
-            )
-            capacity, measured = self._capacity_rps, ""
-            if served is not None and served > capacity:
-                # What the routed replicas served is a floor under their capacity: count on it.
-                capacity, measured = (
-                    served,
-                    f"; they served {served:.1f} req/s (more than the {self._capacity_rps:.1f} estimated)",
+            capacity, measured = measurements.capacity_to_count_on(self._capacity_rps, served)
+            notes = [f"queues re-read: {backlog:.0f} request(s) waiting on the routed replicas"]
+            if arrival is not None:
+                notes.append(
+                    f"arrivals {arrival:.1f} req/s counted by the gateway over {self._arrivals.seconds:.0f} s"
                 )
+            if measured:
+                notes.append(measured)
             await self._readmit(
-                f"queues re-read: {backlog:.0f} request(s) waiting on the routed replicas{counted}{measured}",
+                "; ".join(notes),
                 capacity,
                 arrival,
                 backlog=backlog,

@@ -107,3 +107,13 @@ def test_a_steady_arrival_rate_is_counted_whatever_admission_refused(
         tally = tally.add(_obs(float(i), {}, round(total * 1000)), share)
     measured = tally.rate(min_seconds=1.0)
     assert measured is not None and abs(measured / 1000 - rate) <= 0.01 * rate + 0.01
+
+
+def test_the_keeper_counts_on_what_the_replicas_served_only_when_it_is_more_than_the_estimate() -> None:
+    from fleet.measurements import capacity_to_count_on, smoothed
+
+    assert capacity_to_count_on(15.0, None) == (15.0, "")
+    assert capacity_to_count_on(15.0, 12.0) == (15.0, "")  # idle replicas serve less than they can
+    capacity, note = capacity_to_count_on(15.0, 20.0)
+    assert capacity == 20.0 and note == "they served 20.0 req/s (more than the 15.0 estimated)"
+    assert smoothed(None, 8.0) == 8.0 and smoothed(10.0, 20.0) == 15.0

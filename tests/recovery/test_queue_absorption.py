@@ -10,8 +10,7 @@ import pytest
 from temporalio.client import Client
 
 from fleet.vocabulary import FaultKind
-from tests.support import POOL, decisions, finish, incident_config, pod_report, wait_for_child
-from worker.devstack.rig import compressed_scenario, fleet_rig
+from tests.support import RANK_POOL, decisions, finish, incident_config, pod_report, rank_pool, wait_for_child
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -19,16 +18,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 async def test_the_survivors_queue_absorbs_first_and_the_keeper_follows_it(
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
-    pool = POOL.model_copy(update={"service": "llama-405b"})
-    async with fleet_rig(
-        temporal_client,
-        scenario=compressed_scenario("rank-lost"),
-        database_url=ledger_url,
-        task_queue=task_queue,
-    ) as rig:
-        await asyncio.sleep(10)
+    pool = RANK_POOL
+    async with rank_pool(temporal_client, task_queue, ledger_url) as rig:
         leaders = await rig.routing_set(pool)
-        assert len(leaders) == 2, "the LWS groups never became ready"
+        assert len(leaders) == 2, leaders
         # ~80 % of the two groups: one survivor cannot carry it while its LeaderWorkerSet re-creates the other.
         load = await rig.start_load(rate=24, duration_s=60, seed=12, model=None, pool=pool.key)
         await asyncio.sleep(3)

@@ -17,6 +17,7 @@ from fleet.recovery import OperatorAction, Phase, ProcedureStatus
 from fleet.vocabulary import FaultKind, Tier
 from tests.support import (
     POOL,
+    RANK_POOL,
     decisions,
     finish,
     fleetmend_actions,
@@ -24,6 +25,7 @@ from tests.support import (
     incident_config,
     node_report,
     pod_report,
+    rank_pool,
     reconcile_with_world,
     wait_for_child,
     wait_for_phase,
@@ -227,16 +229,9 @@ async def test_no_warm_spare_posts_lead_time_and_keeps_shedding_until_capacity_r
 async def test_one_rank_lost_takes_the_whole_multi_node_group(
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
-    pool = POOL.model_copy(update={"service": "llama-405b"})
-    async with fleet_rig(
-        temporal_client,
-        scenario=compressed_scenario("rank-lost"),
-        database_url=ledger_url,
-        task_queue=task_queue,
-    ) as rig:
-        await asyncio.sleep(10)
+    pool = RANK_POOL
+    async with rank_pool(temporal_client, task_queue, ledger_url) as rig:
         leaders = await rig.routing_set(pool)
-        assert leaders, "the LWS groups never became ready"
         worker_pod = f"{leaders[0]}-1"  # rank 1 of group 0's leader
         await rig.start_load(rate=10, duration_s=90, seed=8, model=None, pool=pool.key)
         await asyncio.sleep(2)
@@ -331,13 +326,8 @@ async def _pods_in_crash_loop(rig: FleetRig) -> list[str]:
 async def test_an_oom_killed_engine_beside_the_spare_promotes_it_and_leaves_the_node_in_service(
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
-    from kubernetes import client as kclient
-    from kubernetes import config as kconfig
-
     async with gpu_pool(temporal_client, task_queue, ledger_url) as rig:
-        cfg = kclient.Configuration()
-        kconfig.load_kube_config(config_file=str(rig.settings.kubeconfig), client_configuration=cfg)
-        core = kclient.CoreV1Api(kclient.ApiClient(cfg))
+        core = rig.core
         pods = (await asyncio.to_thread(core.list_namespaced_pod, POOL.namespace)).items
         node_of = {p.metadata.name: p.spec.node_name for p in pods}
         spare = next(p for p in node_of if "spare" in p)

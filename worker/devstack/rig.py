@@ -133,18 +133,25 @@ class FleetRig:
         """The pods Envoy would send a new request of the pool to, now."""
         return [e.pod for e in (await asyncio.to_thread(self.gateway_adapter.routing_set, pool)).endpoints]
 
+    @property
+    def core(self) -> Any:
+        """``kubernetes.client.CoreV1Api`` on the simulated cluster's kubeconfig (made on first use)."""
+        if self._core is None:
+            from kubernetes import client as kclient
+            from kubernetes import config as kconfig
+
+            cfg = kclient.Configuration()
+            kconfig.load_kube_config(config_file=str(self.sim.kubeconfig), client_configuration=cfg)
+            self._core = kclient.CoreV1Api(kclient.ApiClient(cfg))
+        return self._core
+
     def engine_url(self, namespace: str, pod: str) -> str:
         """``http://{podIP}:{engine port}``: where the pod's engine listens, as fleetmend reaches it
         (the pod's IP from the Kubernetes API)."""
         from kubernetes import client as kclient
-        from kubernetes import config as kconfig
 
-        if self._core is None:
-            cfg = kclient.Configuration()
-            kconfig.load_kube_config(config_file=str(self.sim.kubeconfig), client_configuration=cfg)
-            self._core = kclient.CoreV1Api(kclient.ApiClient(cfg))
         try:
-            ip = self._core.read_namespaced_pod(pod, namespace).status.pod_ip
+            ip = self.core.read_namespaced_pod(pod, namespace).status.pod_ip
         except kclient.ApiException as exc:
             raise LookupError(f"pod {namespace}/{pod}: {exc.reason}") from exc
         if not ip:
