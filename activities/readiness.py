@@ -97,15 +97,21 @@ class PodConditionPatch(Effect):
             )
         except ApiException as exc:
             if exc.status == 404:
+                if not self.ready:
+                    # A pod that no longer exists is not ready anywhere: the outcome asked for holds.
+                    return self._gone()
                 raise PermanentEffectError(f"pod {self.ns}/{self.pod} no longer exists") from exc
             _permanent_if_client_error(exc, f"set {self.condition} on pod {self.ns}/{self.pod}")
             raise
         return {"pod": f"{self.ns}/{self.pod}", "condition": self.condition, "ready": self.ready}
 
+    def _gone(self) -> dict[str, Any]:
+        return {"pod": f"{self.ns}/{self.pod}", "condition": self.condition, "ready": False, "pod_gone": True}
+
     def probe(self, attempt: Attempt) -> dict[str, Any] | None:
         pod = kr.get_pod(self.k, self.ns, self.pod)
         if pod is None:
-            return None
+            return None if self.ready else self._gone()
         want = "True" if self.ready else "False"
         if kr.condition(pod, self.condition) == want:
             return {

@@ -64,11 +64,24 @@ class PodMetadataPatch(Effect):
             meta["annotations"] = annotations
         self.body = {"metadata": meta}
 
+    @property
+    def only_removes(self) -> bool:
+        """Every change removes a key: a pod that no longer exists already has the outcome asked for
+        (a deleted pod carries no router label), so its 404 is the effect done, not refused."""
+        changes = [*(self.body["metadata"].get("labels") or {}).values()]
+        changes += (self.body["metadata"].get("annotations") or {}).values()
+        return bool(changes) and all(value is None for value in changes)
+
+    def _gone(self) -> dict[str, Any]:
+        return {"patched": f"{self.ns}/{self.pod}", "metadata": self.body["metadata"], "pod_gone": True}
+
     def apply(self, attempt: Attempt) -> dict[str, Any]:
         try:
             self.k.core.patch_namespaced_pod(self.pod, self.ns, self.body, _preload_content=False)
         except ApiException as exc:
             if exc.status == 404:
+                if self.only_removes:
+                    return self._gone()
                 raise PermanentEffectError(f"pod {self.ns}/{self.pod} no longer exists") from exc
             _permanent_if_client_error(exc, f"patch pod {self.ns}/{self.pod}")
             raise
@@ -77,7 +90,7 @@ class PodMetadataPatch(Effect):
     def probe(self, attempt: Attempt) -> dict[str, Any] | None:
         pod = kr.get_pod(self.k, self.ns, self.pod)
         if pod is None:
-            return None
+            return self._gone() if self.only_removes else None
         meta = pod["metadata"]
         for field in ("labels", "annotations"):
             want = self.body["metadata"].get(field) or {}
