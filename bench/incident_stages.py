@@ -122,6 +122,7 @@ class RunResult:
     # (fleet.shedding.account_shedding): what the capacity gap called for refusing, and the excess.
     gap_share: float | None = None
     over_shed_share: float | None = None
+    seed: int | None = None  # the arrivals' seed: runs of one seed are the same load, fault and world
 
 
 def world(fault: FaultClass) -> Any:
@@ -348,7 +349,13 @@ async def one_run(
                 await asyncio.sleep(1.0)
                 report = await rig.load_report(load)
             result = RunResult(
-                mode, stages, int(report["goodput"]), int(report["sent"]), phase, shed=int(report["shed"])
+                mode,
+                stages,
+                int(report["goodput"]),
+                int(report["sent"]),
+                phase,
+                shed=int(report["shed"]),
+                seed=seed,
             )
             if fleetmend and levels:
                 account = account_shedding(
@@ -382,7 +389,7 @@ def print_table(name: str, runs: list[RunResult]) -> None:
             f"{stage:24}{cell([r.stages.get(stage) for r in fm])}   {cell([r.stages.get(stage) for r in k8s_only])}"
         )
 
-    # Shares of what each run sent: the runs after the first use other seeds (other arrivals).
+    # Shares of what each run sent (seeds differ between rounds: other arrivals, other totals).
     def share(r: RunResult) -> float:
         return r.goodput / r.sent if r.sent else 0.0
 
@@ -405,8 +412,31 @@ def print_table(name: str, runs: list[RunResult]) -> None:
             overs = [r.over_shed_share for r in chosen if r.over_shed_share is not None]
             optimum = f", {mean_share / best:.3f} of the capacity-limited optimum; over-shed {statistics.mean(overs):.1%} of arrivals"
         print(f"goodput {mode:17} {good:7.0f} of {sent:.0f} sent, {shed:.0f} shed  {ratio}{optimum}")
+    pairs = paired(runs)
+    if pairs:
+        diffs = ", ".join(f"{d:+d}" for _, d in pairs)
+        ahead = sum(1 for _, d in pairs if d >= 0)
+        print(
+            f"same seed, fleetmend minus Kubernetes-only (requests within deadline): {diffs}; "
+            f"fleetmend >= Kubernetes-only on {ahead} of {len(pairs)} seeds, total {sum(d for _, d in pairs):+d}"
+        )
     phases = sorted({r.final_phase or "?" for r in fm})
     print(f"fleetmend final phases: {', '.join(phases)}")
+
+
+def paired(runs: list[RunResult]) -> list[tuple[int, int]]:
+    """Per seed that has both: (seed, fleetmend's goodput minus Kubernetes-only's), the comparison on
+    the very same arrivals (runs without a recorded seed are left out)."""
+    first: dict[tuple[str, int], RunResult] = {}
+    for r in runs:
+        if r.seed is not None:
+            first.setdefault((r.mode, r.seed), r)
+    seeds = sorted({seed for mode, seed in first if mode == "fleetmend"})
+    return [
+        (seed, first["fleetmend", seed].goodput - first["kubernetes-only", seed].goodput)
+        for seed in seeds
+        if ("kubernetes-only", seed) in first
+    ]
 
 
 def plot(results: dict[str, list[RunResult]], path: Path) -> None:
@@ -457,7 +487,9 @@ async def main(rounds: int, classes: list[str], plot_path: Path | None, json_pat
         for name in classes:
             fault = CLASSES[name]
             runs: list[RunResult] = []
-            plan = [("fleetmend", r) for r in range(rounds)] + [("kubernetes-only", 0), ("no-fault", 0)]
+            # Every round runs the three modes on the same seed, so each fleetmend run is compared
+            # with Kubernetes alone and with no fault on the very same arrivals.
+            plan = [(mode, r) for r in range(rounds) for mode in MODES]
             for mode, r in plan:
                 url = pg.create_database("stages")
                 upgrade_head(url)
@@ -488,7 +520,12 @@ async def main(rounds: int, classes: list[str], plot_path: Path | None, json_pat
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3, help="fleetmend runs per fault class")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds per fault class; each runs fleetmend, Kubernetes-only and no-fault on one seed",
+    )
     parser.add_argument("--classes", default=",".join(CLASSES), help=f"comma-separated: {', '.join(CLASSES)}")
     parser.add_argument("--plot", type=Path, default=None, help="write the stage timeline (PNG) here")
     parser.add_argument("--json", type=Path, default=None, help="write every run's figures here")

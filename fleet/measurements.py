@@ -359,6 +359,22 @@ def capacity_to_count_on(estimated_rps: float, served_rps: float | None) -> tupl
     return served_rps, f"they served {served_rps:.1f} req/s (more than the {estimated_rps:.1f} estimated)"
 
 
+def next_admission_look(
+    current_s: float, base_s: float, max_s: float, *, admission_moved: bool, backlog: float
+) -> float:
+    """How long the admission keeper waits before its next look at the queues.
+
+    A look that moved admission, or found requests waiting (the queues absorbing a gap, so the
+    refused share is about to move), keeps the base interval; a steady look (nothing moved, queues
+    empty) doubles the wait up to ``max_s``. A recovery that waits hours for an operator then
+    adds a look per ``max_s``, not per ``base_s``, to its history; capacity changes re-admit at once
+    whatever the keeper's interval.
+    """
+    if admission_moved or backlog >= 1.0:
+        return base_s
+    return max(base_s, min(max_s, 2.0 * current_s))
+
+
 def warm_groups_before(initial: PoolObservation) -> int:
     """The warm floor a recovery restores: the ready groups (serving + spare) before the loss."""
     return len([g for g in initial.snapshot.groups if g.ready])

@@ -86,6 +86,12 @@ class RecoveryTimings(BaseModel):
         description="While short of the warm floor, the survivors' queues are re-read this often and the "
         "refused share recomputed (the queues absorb what they can of the gap first)",
     )
+    admission_max_interval_s: float = Field(
+        30.0,
+        gt=0,
+        description="While admission is steady (nothing moved, queues empty) the keeper's interval doubles "
+        "up to this; any movement brings it back to admission_interval_s",
+    )
     ramp_max_s: float = Field(1800.0, gt=0)
     warm_fraction: float = Field(0.9, gt=0, le=1.0)
     qualification_timeout_s: float = Field(1800.0, gt=0)

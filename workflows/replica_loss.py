@@ -149,6 +149,7 @@ class ReplicaLossRecovery(Procedure):
         self._admission_lock = asyncio.Lock()
         self._keeping_admission = False
         self._admission_keeper: asyncio.Task[None] | None = None
+        self._admission_look_s = inp.timings.admission_interval_s
         self._unmatched: list[str] = []
         self._expected_new = 0
         self._quarantined: list[str] = []
@@ -389,22 +390,25 @@ class ReplicaLossRecovery(Procedure):
         budget = self._inp.objectives.wait_budget_s
         if budget <= 0:
             return None
-        # Twice the interval: a change takes effect a moment after it is decided.
-        horizon = 2 * self._inp.timings.admission_interval_s
+        # Twice the keeper's interval: a change takes effect a moment after it is decided.
+        horizon = 2 * self._admission_look_s
         return QueueRoom(wait_budget_s=budget, backlog=backlog, horizon_s=horizon)
 
     async def _keep_admission(self, lost_ids: set[str]) -> None:
         """From step 3 until verification: re-read the queues every ``admission_interval_s`` and re-admit.
 
         The queues absorb what they can of the gap; as they fill, the refused share rises to the
-        gap, and when capacity returns it falls. A look that changes nothing records nothing.
+        gap, and when capacity returns it falls. A look that changes nothing records nothing, and
+        while looks change nothing the interval backs off (``measurements.next_admission_look``).
         """
-        interval = self._inp.timings.admission_interval_s
+        timings = self._inp.timings
         previous: PoolObservation | None = None
         served: float | None = None
         while self._keeping_admission:
             try:
-                await workflow.wait_condition(lambda: not self._keeping_admission, timeout=interval)
+                await workflow.wait_condition(
+                    lambda: not self._keeping_admission, timeout=self._admission_look_s
+                )
                 return
             except TimeoutError:
                 pass
@@ -427,12 +431,19 @@ class ReplicaLossRecovery(Procedure):
                 )
             if measured:
                 notes.append(measured)
-            await self._readmit(
+            moved = await self._readmit(
                 "; ".join(notes),
                 capacity,
                 arrival,
                 backlog=backlog,
                 capacity_changed=False,
+            )
+            self._admission_look_s = measurements.next_admission_look(
+                self._admission_look_s,
+                timings.admission_interval_s,
+                timings.admission_max_interval_s,
+                admission_moved=moved,
+                backlog=backlog,
             )
 
     async def _stop_keeping_admission(self) -> None:
@@ -449,9 +460,9 @@ class ReplicaLossRecovery(Procedure):
         *,
         backlog: float | None = None,
         capacity_changed: bool = True,
-    ) -> None:
+    ) -> bool:
         """A capacity change or a new look at the queues: recompute the gap the queues cannot absorb
-        and re-apply admission when the shed level moved."""
+        and re-apply admission when the shed level moved (True when it did)."""
         async with self._admission_lock:
             if arrival_rps is not None:
                 self._arrival_rps = arrival_rps
@@ -467,9 +478,10 @@ class ReplicaLossRecovery(Procedure):
                 queues=self._queue_room(self._backlog),
             )
             if not admission_changed(self._admission, decision.admission):
-                return
+                return False
             self._readmissions += 1
             await self._apply_shedding(decision, step=f"readmit-{self._readmissions}")
+            return True
 
     def _record_shed_level(self, gap: float, refused: float) -> None:
         """The shed level over time (figure ``shed_levels``: at = epoch seconds, shares of arrivals)."""

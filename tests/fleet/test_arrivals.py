@@ -117,3 +117,37 @@ def test_the_keeper_counts_on_what_the_replicas_served_only_when_it_is_more_than
     capacity, note = capacity_to_count_on(15.0, 20.0)
     assert capacity == 20.0 and note == "they served 20.0 req/s (more than the 15.0 estimated)"
     assert smoothed(None, 8.0) == 8.0 and smoothed(10.0, 20.0) == 15.0
+
+
+@given(
+    st.floats(0.5, 60.0),
+    st.floats(0.5, 5.0),
+    st.floats(0.5, 120.0),
+    st.booleans(),
+    st.floats(0.0, 50.0),
+)
+def test_the_keeper_backs_off_only_while_steady_and_never_past_its_cap(
+    current: float, base: float, cap: float, moved: bool, backlog: float
+) -> None:
+    from fleet.measurements import next_admission_look
+
+    wait = next_admission_look(current, base, cap, admission_moved=moved, backlog=backlog)
+    if moved or backlog >= 1.0:
+        assert wait == base  # the queues are moving: look again soon
+    else:
+        assert base <= wait <= max(base, cap)
+        assert wait <= max(base, 2 * current)  # at most doubles per steady look
+        if base <= current <= cap:
+            assert wait >= current  # a steady look never shortens the wait
+
+
+def test_steady_looks_double_the_wait_to_the_cap_and_movement_resets_it() -> None:
+    from fleet.measurements import next_admission_look
+
+    waits, wait = [], 2.0
+    for _ in range(6):
+        wait = next_admission_look(wait, 2.0, 30.0, admission_moved=False, backlog=0.0)
+        waits.append(wait)
+    assert waits == [4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
+    assert next_admission_look(30.0, 2.0, 30.0, admission_moved=False, backlog=3.0) == 2.0
+    assert next_admission_look(30.0, 2.0, 30.0, admission_moved=True, backlog=0.0) == 2.0
