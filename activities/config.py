@@ -26,10 +26,9 @@ class ActivityConfig(BaseModel):
     kube_context: str | None = None
     router_label: str = ROUTER_LABEL
     router_label_value: str = ROUTER_LABEL_VALUE
-    gateway: Literal["envoy", "sim-router"] = "envoy"
+    gateway: Literal["envoy"] = "envoy"
     gateway_admin_urls: list[str] = Field(default_factory=list)
     gateway_apply_timeout_s: float = 5.0
-    router_admin_url: str = "http://127.0.0.1:8480"
     metrics_url_template: str = "http://{pod_ip}:8000/metrics"
     health_url_template: str = "http://{pod_ip}:8000/health"
     node_telemetry_url_template: str = "http://{node}:9400/metrics"

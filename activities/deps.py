@@ -16,9 +16,8 @@ from temporalio import activity
 
 from activities.config import ActivityConfig
 from activities.envoy_gateway import EnvoyGateway
-from activities.gateway import Gateway, SimRouterGateway
+from activities.gateway import Gateway
 from activities.kube import USER_AGENT, KubeApis, kube_apis
-from activities.router_client import RouterClient
 from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX
 from gateway.store import GatewayStore
 from ledger.effect import EffectContext
@@ -55,10 +54,6 @@ class ActivityDeps:
     def gateway(self) -> Gateway:
         """The gateway adapter the ``gateway`` setting names (activities.gateway)."""
         s = self.settings
-        if s.gateway == "sim-router":
-            return SimRouterGateway(
-                RouterClient(s.router_admin_url, user_agent=USER_AGENT), s.router_admin_url
-            )
         return EnvoyGateway(
             GatewayStore(self.ledger.engine),
             s.gateway_admin_urls,

@@ -74,8 +74,8 @@ class EnvoyGateway:
         stored = self.store.get(pool.key)
         return stored.policy if stored is not None else GatewayPolicy()
 
-    def apply(self, pool: PoolRef, policy: GatewayPolicy, *, part: str | None = None) -> dict[str, Any]:
-        # ``part`` is not needed here: the whole policy is one revision, and its record is the ACK.
+    def apply(self, pool: PoolRef, policy: GatewayPolicy) -> dict[str, Any]:
+        # The whole policy is one revision, and its record is the Envoys' ACK of it.
         previous = self.store.get(pool.key)
         revision = self.store.put(pool.key, policy)
         deadline = time.monotonic() + self.apply_timeout_s
@@ -85,7 +85,7 @@ class EnvoyGateway:
                 restored = self.store.put(pool.key, previous.policy if previous else GatewayPolicy())
                 raise PermanentEffectError(
                     f"Envoy refused the config for {pool.key} (revision {revision}): {'; '.join(refused)}; "
-                    f"fleetmend put the previous policy back (revision {restored})"
+                    f"fleetmend put the previous policy back (revision {restored}){self._settle(restored)}"
                 )
             connected = any(a.connected for a in self.store.answers())
             if connected and not waiting:
@@ -96,6 +96,22 @@ class EnvoyGateway:
                     f"policy revision {revision} for {pool.key} not yet running everywhere ({who}) after "
                     f"{self.apply_timeout_s:.0f} s: check `fleetmend gateway serve` and the Envoys' logs"
                 )
+            time.sleep(0.05)
+
+    def _settle(self, restored: int) -> str:
+        """Wait (up to ``apply_timeout_s``) until every connected Envoy has answered the put-back.
+
+        Envoy refuses per resource type: a change whose clusters it NACKs may still have had its
+        endpoints (the weights) ACKed, so for a moment Envoy runs part of the refused change. The
+        put-back undoes that part; the refusal is reported once it has (or says who has not yet).
+        """
+        deadline = time.monotonic() + self.apply_timeout_s
+        while True:
+            waiting, _ = pending_envoys(self.store.answers(), restored)
+            if not waiting:
+                return ""
+            if time.monotonic() > deadline:
+                return f"; not yet answered by {', '.join(waiting)}"
             time.sleep(0.05)
 
     def applied(self, pool: PoolRef, policy: GatewayPolicy) -> dict[str, Any] | None:

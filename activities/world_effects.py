@@ -311,7 +311,7 @@ class _GatewayEffect(Effect):
         raise NotImplementedError
 
     def apply(self, attempt: Attempt) -> dict[str, Any]:
-        return self.gateway.apply(self.pool, self.desired(self.gateway.policy(self.pool)), part=self.what)
+        return self.gateway.apply(self.pool, self.desired(self.gateway.policy(self.pool)))
 
     def probe(self, attempt: Attempt) -> dict[str, Any] | None:
         current = self.gateway.policy(self.pool)

@@ -24,8 +24,11 @@ import argparse
 import asyncio
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
+from kubernetes import client as kclient
+from kubernetes import config as kconfig
 from temporalio.client import Client
 
 from fleet.incident import PoolRef, incident_workflow_id
@@ -43,6 +46,19 @@ POOL = PoolRef(namespace="inference", service="llama")
 def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def ready_endpoints(kubeconfig: Path) -> int:
+    """Ready endpoints in the pool's EndpointSlices, as Kubernetes (and so Envoy) sees them."""
+    cfg = kclient.Configuration()
+    kconfig.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
+    with kclient.ApiClient(cfg) as api:
+        slices = kclient.DiscoveryV1Api(api).list_namespaced_endpoint_slice(
+            POOL.namespace, label_selector=f"kubernetes.io/service-name={POOL.service}"
+        )
+    return sum(
+        1 for s in slices.items for e in s.endpoints or [] if e.conditions is not None and e.conditions.ready
+    )
 
 
 async def one_round(temporal: Client, grace_s: float, index: int) -> tuple[float, float]:
@@ -91,9 +107,7 @@ async def one_round(temporal: Client, grace_s: float, index: int) -> tuple[float
         task = asyncio.create_task(fast.run(stop))
         async with httpx.AsyncClient(base_url=str(sim.base_url), timeout=10) as http:
             deadline = time.monotonic() + 60
-            while (
-                len((await http.get("/router/v1/pools/inference/llama/routing-set")).json()["endpoints"]) < 5
-            ):
+            while await asyncio.to_thread(ready_endpoints, sim.kubeconfig) < 5:
                 assert time.monotonic() < deadline, "the pool never came up"
                 await asyncio.sleep(0.5)
             while not (fast.elector.leading and all(i.lists for i in fast.informers)):

@@ -4,7 +4,7 @@ Runs the shipped ``scale-down`` pool (8 replicas) with vLLM's default
 ``--shutdown-timeout=0`` under streaming load, twice on fresh simulators:
 
 * naive: delete two streaming pods (what ``kubectl delete pod`` or a plain
-  ``kubectl scale`` does) and count the streams the gateway journaled as cut;
+  ``kubectl scale`` does) and count the streams Envoy's access log shows cut;
 * fleetmend: ``PlannedScaleDown`` 8 -> 6 on a real Temporal dev server with a
   real worker and an embedded Postgres ledger.
 
@@ -19,8 +19,6 @@ import time
 import uuid
 from typing import Any
 
-from kubernetes import client as kc
-from kubernetes import config as kconfig
 from temporalio.testing import WorkflowEnvironment
 
 from fleet.incident import PoolRef
@@ -29,7 +27,7 @@ from fleet.scale_down import ScaleDownInput
 from ledger.migrate import upgrade_head
 from ledger.scratch import acquire_server
 from sim.scenario import SCENARIO_DIR, Scenario, load_scenario
-from worker.devstack.rig import FleetRig, fleet_rig
+from worker.devstack.rig import fleet_rig
 from worker.devstack.temporal_dev import throwaway_dev_server
 
 POOL = PoolRef(namespace="inference", service="llama")
@@ -41,17 +39,6 @@ def scenario() -> Scenario:
     return s.model_copy(update={"models": [s.models[0].model_copy(update={"shutdown_timeout_s": 0.0})]})
 
 
-async def cut_on(rig: FleetRig, pods: list[str]) -> int:
-    total = 0
-    for pod in pods:
-        r = await rig.http.get(
-            "/router/v1/journal",
-            params={"pool": POOL.key, "replica": pod, "outcome": "terminal_error", "limit": 10000},
-        )
-        total += sum(1 for e in r.json()["entries"] if e["truncated"])
-    return total
-
-
 async def naive(env: WorkflowEnvironment, url: str, rate: float) -> dict[str, Any]:
     async with fleet_rig(
         env.client, scenario=scenario(), database_url=url, task_queue="naive", run_worker=False
@@ -59,13 +46,10 @@ async def naive(env: WorkflowEnvironment, url: str, rate: float) -> dict[str, An
         await rig.start_load(rate=rate, duration_s=60, seed=5, **LOAD)
         await asyncio.sleep(4)
         victims = (await rig.routing_set(POOL))[:2]
-        cfg = kc.Configuration()
-        kconfig.load_kube_config(config_file=str(rig.sim.kubeconfig), client_configuration=cfg)
-        core = kc.CoreV1Api(kc.ApiClient(cfg))
         for pod in victims:
-            await asyncio.to_thread(core.delete_namespaced_pod, pod, POOL.namespace)
+            await asyncio.to_thread(rig.core.delete_namespaced_pod, pod, POOL.namespace)
         await asyncio.sleep(2)
-        return {"cut": await cut_on(rig, victims)}
+        return {"cut": await rig.cut_streams(POOL, victims)}
 
 
 async def fleetmend(env: WorkflowEnvironment, url: str, rate: float) -> dict[str, Any]:
@@ -88,7 +72,7 @@ async def fleetmend(env: WorkflowEnvironment, url: str, rate: float) -> dict[str
         wall = time.monotonic() - t0
         f = status.figures
         return {
-            "cut": await cut_on(rig, f["victims"]),
+            "cut": await rig.cut_streams(POOL, f["victims"]),
             "completed": f["victim_requests_completed"],
             "stop_routing_s": f["stop_routing_seconds"],
             "drain_s": f["drain_seconds"],

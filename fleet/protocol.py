@@ -1,13 +1,17 @@
-"""Wire models of the serving layer's HTTP APIs (router/gateway admin, request
-journal, fault injection, action log, incident channel).
+"""Wire models of the simulated world's HTTP APIs and the request records fleetmend reads.
 
-These are the contract between fleetmend's adapters (``activities/``) and the
-world they act on. The simulated fleet (``sim/``) serves exactly these shapes,
-so the same adapters drive a real gateway that exposes this admin API.
+fleetmend's adapters (``activities/``) speak real interfaces: Kubernetes, Envoy (xDS and its
+admin API), Prometheus text, Slack-compatible webhooks. The models here are the shapes those
+adapters hand the procedures (``RoutingSet``, ``JournalEntry`` - one request as Envoy's access
+log records it - ``RouterState``, the policy as applied) and the simulator's own control API.
+
+The simulator's router (``sim/serving``) serves the ``/router/v1`` paths below for the
+simulator's own tests and cost benches only: no fleetmend adapter calls them, and on every
+path fleetmend runs (dev, demo, tests, benches) user traffic goes through Envoy.
 
 Paths (all JSON; the sim serves them on its one port):
 
-Router / gateway, per pool (``{namespace}/{service}``):
+Simulator router, per pool (``{namespace}/{service}``; sim tests only):
   GET  /router/v1/pools/{ns}/{svc}/state           -> RouterState
   PUT  /router/v1/pools/{ns}/{svc}/weights         <- WeightsChange      (409 if stale)
   PUT  /router/v1/pools/{ns}/{svc}/admission       <- AdmissionChange    (409 if stale)

@@ -214,7 +214,7 @@ def test_compose_and_the_kubernetes_manifests_agree_on_shared_settings(
     k8s = find(render(OVERLAYS[0]), "ConfigMap", "fleetmend-config")["data"]
     compose = {**environment(services["worker"]), **environment(services["webhook"])}
     # Where the world is differs by design: the compose stack's serving layer is the sim.
-    world = {"FLEETMEND_ROUTER_ADMIN_URL", "FLEETMEND_KUBECONFIG", "FLEETMEND_GATEWAY"}
+    world = {"FLEETMEND_SIM_URL", "FLEETMEND_KUBECONFIG", "FLEETMEND_GATEWAY"}
     shared = sorted((set(k8s) & set(compose)) - world)
     assert {"FLEETMEND_TASK_QUEUE", "FLEETMEND_WORKER_METRICS_PORT", "FLEETMEND_WORKER_HEALTH_PORT"} <= set(
         shared

@@ -112,10 +112,10 @@ class Settings(BaseSettings):
     router_label_value: str = Field(ROUTER_LABEL_VALUE, description="Value of the router-only label")
 
     # Serving layer
-    gateway: Literal["envoy", "sim-router"] = Field(
+    gateway: Literal["envoy"] = Field(
         "envoy",
-        description="The gateway adapter: envoy (Envoy through fleetmend's xDS control plane) or "
-        "sim-router (the simulator's own router, tests only)",
+        description="The gateway adapter: envoy (Envoy through fleetmend's xDS control plane; "
+        "another gateway is one adapter file, activities/gateway.py)",
     )
     gateway_admin_urls: list[str] = Field(
         default_factory=list,
@@ -131,8 +131,10 @@ class Settings(BaseSettings):
     gateway_service_selector: str | None = Field(
         None, description="Label selector of the Services the gateway serves (unset: every Service)"
     )
-    router_admin_url: str = Field(
-        "http://127.0.0.1:8480", description="The simulator's router admin API (gateway=sim-router only)"
+    sim_url: str = Field(
+        "http://127.0.0.1:8480",
+        description="The simulator's own HTTP port (fleetmend dev and demo: its clock, faults, load "
+        "generator, incident channel and tickets); never a gateway",
     )
     metrics_url_template: str = Field(
         "http://{pod_ip}:8000/metrics",
@@ -167,7 +169,8 @@ class Settings(BaseSettings):
         None, description="Slack-compatible incoming webhook for the incident channel"
     )
     tickets_url: str | None = Field(
-        None, description="Ticket API base URL for ticket.create effects (unset = router_admin_url, the sim)"
+        None,
+        description="Ticket API base URL for ticket.create effects (unset = sim_url, the simulator's ticket API)",
     )
 
     # Webhook API

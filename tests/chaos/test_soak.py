@@ -20,8 +20,6 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from kubernetes import client as kc
-from kubernetes import config as kconfig
 from sqlalchemy import create_engine, text
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -127,12 +125,6 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
 # ---------------------------------------------------------------- the world, as an operator sees it
 
 
-def _core(rig: FleetRig) -> kc.CoreV1Api:
-    cfg = kc.Configuration()
-    kconfig.load_kube_config(config_file=str(rig.sim.kubeconfig), client_configuration=cfg)
-    return kc.CoreV1Api(kc.ApiClient(cfg))
-
-
 async def _groups_serving(rig: FleetRig, timeout_s: float = 120) -> list[str]:
     """Wait until all groups' leaders are routed again; returns them."""
     for _ in range(int(timeout_s / 0.5)):
@@ -144,7 +136,7 @@ async def _groups_serving(rig: FleetRig, timeout_s: float = 120) -> list[str]:
 
 
 async def _node_of(rig: FleetRig, pod: str) -> str:
-    obj = await asyncio.to_thread(_core(rig).read_namespaced_pod, pod, POOL.namespace)
+    obj = await asyncio.to_thread(rig.core.read_namespaced_pod, pod, POOL.namespace)
     assert obj.spec is not None and obj.spec.node_name
     return str(obj.spec.node_name)
 
@@ -155,7 +147,7 @@ async def _operator_returns(rig: FleetRig, node: str, fault: FaultKind) -> None:
     r.raise_for_status()
     if fault is FaultKind.GPU_XID:
         await rig.inject(fault, node, clear=True)  # the GPU was replaced
-    core = _core(rig)
+    core = rig.core
     obj = await asyncio.to_thread(core.read_node, node)
     taints = [t.to_dict() for t in ((obj.spec and obj.spec.taints) or []) if t.key != QUARANTINE_TAINT_KEY]
     body = {

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubernetes import client as kc
-from kubernetes import config as kconfig
 from temporalio.client import Client, WorkflowHandle
 
-from fleet.protocol import Outcome
 from fleet.scale_down import ScaleDownInput
 from sim.scenario import SCENARIO_DIR, Scenario, load_scenario
 from tests.support import POOL
@@ -46,18 +43,3 @@ async def start_scale_down(
     return await client.start_workflow(
         "PlannedScaleDown", inp, id=workflow_id, task_queue=rig.settings.task_queue
     )
-
-
-def core_api(rig: FleetRig) -> kc.CoreV1Api:
-    cfg = kc.Configuration()
-    kconfig.load_kube_config(config_file=str(rig.sim.kubeconfig), client_configuration=cfg)
-    return kc.CoreV1Api(kc.ApiClient(cfg))
-
-
-async def cut_streams_on(rig: FleetRig, pods: list[str]) -> int:
-    """Streams the gateway recorded as cut (terminal error after the first token) on ``pods``."""
-    cut = 0
-    for pod in pods:
-        entries = await rig.request_outcomes(POOL, replica=pod)
-        cut += sum(1 for e in entries if e.outcome == Outcome.TERMINAL_ERROR and e.truncated)
-    return cut

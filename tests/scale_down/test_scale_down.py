@@ -21,8 +21,6 @@ from fleet.recovery import OperatorAction, Phase
 from fleet.search_attributes import FLEETMEND_KIND, FLEETMEND_PHASE
 from tests.scale_down.helpers import (
     STREAMING,
-    core_api,
-    cut_streams_on,
     scale_down_input,
     start_scale_down,
     vllm_default_scenario,
@@ -52,16 +50,15 @@ async def _naive_baseline(client: Client, task_queue: str, ledger_url: str) -> i
         database_url=ledger_url,
         task_queue=task_queue,
         run_worker=False,
-        through_envoy=True,
     ) as rig:
         load = await rig.start_load(rate=16, duration_s=60, seed=5, **STREAMING)
         await asyncio.sleep(4)
         victims = (await rig.routing_set(POOL))[:2]
-        core = core_api(rig)
+        core = rig.core
         for pod in victims:
             await asyncio.to_thread(core.delete_namespaced_pod, pod, POOL.namespace)
         await asyncio.sleep(2)
-        cut = await cut_streams_on(rig, victims)
+        cut = await rig.cut_streams(POOL, victims)
         report = await rig.load_report(load)
         assert report["truncated_streams"] >= cut
         return cut
@@ -77,7 +74,6 @@ async def test_8_to_6_under_streaming_load_cuts_nothing_where_the_naive_way_cuts
         scenario=vllm_default_scenario(),
         database_url=ledger_url,
         task_queue=task_queue,
-        through_envoy=True,
     ) as rig:
         before = await rig.routing_set(POOL)
         assert len(before) == 8
@@ -103,7 +99,7 @@ async def test_8_to_6_under_streaming_load_cuts_nothing_where_the_naive_way_cuts
         text = decisions(status)
         victims = status.figures["victims"]
         report = await rig.load_report(load)
-        fleetmend_cut = await cut_streams_on(rig, victims)
+        fleetmend_cut = await rig.cut_streams(POOL, victims)
         print(
             f"\nscale-down 8 -> 6 under streaming load (16 req/s, 100-300 tokens, shutdown timeout 0): "
             f"naive pod deletion cut {naive_cut} stream(s); fleetmend cut {fleetmend_cut} "
@@ -122,7 +118,7 @@ async def test_8_to_6_under_streaming_load_cuts_nothing_where_the_naive_way_cuts
         assert len(after) == 6 and not set(victims) & set(after)
         pods = [
             p.metadata.name if p.metadata else ""
-            for p in (await asyncio.to_thread(core_api(rig).list_namespaced_pod, POOL.namespace)).items
+            for p in (await asyncio.to_thread(rig.core.list_namespaced_pod, POOL.namespace)).items
         ]
         assert len(pods) == 6 and not set(victims) & set(pods), pods
         # Lock the door first: gate false, router label off, deletion cost; then one absolute scale to 6.
@@ -150,7 +146,6 @@ async def test_drain_past_deadline_waits_for_the_operator_extend_then_accept_cut
         scenario=vllm_default_scenario(),
         database_url=ledger_url,
         task_queue=task_queue,
-        through_envoy=True,
     ) as rig:
         # Long generations (40-50 s each) cannot drain within a 1.5 s deadline.
         await rig.start_load(
@@ -205,7 +200,7 @@ async def test_drain_past_deadline_waits_for_the_operator_extend_then_accept_cut
         text = decisions(status)
         assert status.phase == Phase.DONE, text
         assert "(maintenance window closes): terminating with" in text
-        cut = await cut_streams_on(rig, status.figures["victims"])
+        cut = await rig.cut_streams(POOL, status.figures["victims"])
         assert cut > 0 and status.figures["cut_streams"] == cut, (cut, status.figures)
         assert len(status.figures["cut_request_ids"]) == min(cut, 50)
         assert status.verification is not None and status.verification.passed
@@ -313,7 +308,7 @@ async def test_a_refused_scale_stops_the_terminate_step_and_retry_after_the_fix_
         victims = waiting.figures["victims"]
         pods = {
             p.metadata.name
-            for p in (await asyncio.to_thread(core_api(rig).list_namespaced_pod, POOL.namespace)).items
+            for p in (await asyncio.to_thread(rig.core.list_namespaced_pod, POOL.namespace)).items
         }
         assert set(victims) <= pods, (victims, pods)  # a Deployment's group id is its pod's name
         with pytest.raises(WorkflowUpdateFailedError) as no_reason:

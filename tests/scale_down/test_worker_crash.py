@@ -13,7 +13,7 @@ from pathlib import Path
 from temporalio.client import Client
 
 from fleet.recovery import Phase
-from tests.scale_down.helpers import cut_streams_on, scale_down_input, start_scale_down, vllm_default_scenario
+from tests.scale_down.helpers import scale_down_input, start_scale_down, vllm_default_scenario
 from tests.support import (
     POOL,
     decisions,
@@ -65,7 +65,7 @@ async def test_worker_killed_mid_drain_resumes_with_no_duplicate_action(
             assert status.verification is not None and status.verification.passed, text
             assert "drained" in text
             victims = status.figures["victims"]
-            assert await cut_streams_on(rig, victims) == 0
+            assert await rig.cut_streams(POOL, victims) == 0
             assert len(await rig.routing_set(POOL)) == 6
 
             # 0 duplicate actions: the world's own log against the ledger, and by hand.

@@ -35,8 +35,7 @@ from temporalio.client import Client, WorkflowHandle, WorkflowQueryFailedError
 from temporalio.service import RPCError
 
 from activities.envoy_gateway import EnvoyGateway
-from activities.gateway import Gateway, SimRouterGateway
-from activities.router_client import RouterClient
+from activities.gateway import Gateway
 from fleet.incident import PoolRef, incident_workflow_id, scale_down_workflow_id
 from fleet.protocol import FaultRequest, JournalEntry, Outcome
 from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, RecoveryTimings, ServingObjectives
@@ -111,17 +110,6 @@ class DemoRun:
         return f"{self.ui_url.rstrip('/')}/namespaces/default/workflows/{quote(self.workflow_id, safe='')}"
 
 
-def demo_parts(settings: Settings) -> tuple[str, ...]:
-    """The demo's stack: every user request goes through a real Envoy that fleetmend configures.
-
-    ``FLEETMEND_GATEWAY=sim-router`` (the simulator's own router, kept for tests of the simulator)
-    leaves Envoy out.
-    """
-    if settings.gateway == "sim-router":
-        return tuple(p for p in ALL_PARTS if p != "gateway")
-    return ALL_PARTS
-
-
 def demo_settings(base: Settings, scenario: DemoScenario) -> Settings:
     """Settings for a demo run: a fresh state dir, the compressed scenario, short procedure timings."""
     state = base.state_dir / "demo"
@@ -178,7 +166,7 @@ STACK_ENV_SETTINGS = (
     "kubeconfig",
     "gateway",
     "gateway_admin_urls",
-    "router_admin_url",
+    "sim_url",
     "action_log_url",
 )
 
@@ -448,7 +436,7 @@ async def maybe_pipeline(stack: DevStack, run: DemoRun) -> AsyncIterator[Running
     async with alert_pipeline(
         s.state_dir / "alerting",
         binaries=binaries,
-        sim_address=s.router_admin_url.removeprefix("http://").rstrip("/"),
+        sim_address=s.sim_url.removeprefix("http://").rstrip("/"),
         webhook_address=f"{s.webhook_host}:{s.webhook_port}",
         webhook_token=token,
         worker_metrics_address=metrics,
@@ -865,19 +853,15 @@ async def run_demo(
     settings = demo_settings(settings, scenario)
     console.print(f"[bold]fleetmend demo[/] {scenario.name}: {scenario.summary}")
     console.print(f"starting the embedded stack under {settings.state_dir} ...")
-    async with DevStack(settings, parts=demo_parts(settings)) as stack, stack_env(stack.settings) as env_file:
+    async with DevStack(settings, parts=ALL_PARTS) as stack, stack_env(stack.settings) as env_file:
         s = stack.settings
         run = DemoRun(scenario=scenario, ui_url=s.temporal_ui_url)
-        console.print(f"Temporal UI: [cyan]{s.temporal_ui_url}[/]   sim: {s.router_admin_url}")
+        console.print(f"Temporal UI: [cyan]{s.temporal_ui_url}[/]   sim: {s.sim_url}")
         assert s.kubeconfig is not None
-        async with httpx.AsyncClient(base_url=s.router_admin_url, timeout=10) as http:
-            adapter: Gateway
-            if s.gateway == "envoy":
-                adapter = EnvoyGateway(
-                    GatewayStore(make_engine(s.database_url_value() or "", pool_size=2, pre_ping=True))
-                )
-            else:
-                adapter = SimRouterGateway(RouterClient(s.router_admin_url), s.router_admin_url)
+        async with httpx.AsyncClient(base_url=s.sim_url, timeout=10) as http:
+            adapter: Gateway = EnvoyGateway(
+                GatewayStore(make_engine(s.database_url_value() or "", pool_size=2, pre_ping=True))
+            )
             world = World(http, s.kubeconfig, adapter)
             pool = scenario.pool
 

@@ -26,8 +26,6 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
 from activities.envoy_gateway import EnvoyGateway
-from activities.gateway import Gateway, SimRouterGateway
-from activities.router_client import RouterClient
 from fleet.incident import (
     FLEET_INCIDENT_WORKFLOW,
     REPORT_LOSS_SIGNAL,
@@ -35,7 +33,7 @@ from fleet.incident import (
     PoolRef,
     incident_workflow_id,
 )
-from fleet.protocol import FaultRequest, JournalEntry
+from fleet.protocol import FaultRequest, JournalEntry, Outcome
 from fleet.recovery import IncidentInput
 from fleet.vocabulary import FaultKind
 from gateway.resources import UPSTREAM_HEADER
@@ -54,11 +52,11 @@ class FleetRig:
     settings: Settings
     sim: Any  # worker.devstack.sim_process.SimProcess, or sim.runner.RunningSim (in_process_sim)
     http: httpx.AsyncClient
+    gateway: LocalGateway  # the Envoy the users' requests go through, and its control plane
     worker: Worker | None = None
-    gateway: LocalGateway | None = None
     started_at: float = field(default_factory=time.time)  # unix seconds this rig was made
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
-    _envoy: Gateway | None = None
+    _envoy: EnvoyGateway | None = None
     _core: Any = None  # kubernetes.client.CoreV1Api on the sim's kubeconfig, made on first use
 
     @property
@@ -117,10 +115,8 @@ class FleetRig:
         return list(r.json())
 
     @property
-    def gateway_adapter(self) -> Gateway:
-        """The gateway adapter, as the worker's activities use it (Envoy, or the sim's router)."""
-        if self._envoy is None and self.gateway is None:
-            self._envoy = SimRouterGateway(RouterClient(self.base_url), self.base_url)
+    def gateway_adapter(self) -> EnvoyGateway:
+        """The gateway adapter, as the worker's activities use it."""
         if self._envoy is None:
             self._envoy = EnvoyGateway(
                 GatewayStore(
@@ -190,15 +186,22 @@ class FleetRig:
             await asyncio.wait_for(task, 20)
 
     async def request_outcomes(self, pool: PoolRef, replica: str | None = None) -> list[JournalEntry]:
-        """Every request the gateway served for ``pool`` (one entry per attempt), as the worker reads
-        them: Envoy's access log through the control plane, or the sim router's journal."""
+        """Every request Envoy served for ``pool`` (one entry per attempt), as the worker reads them:
+        Envoy's access log through the control plane."""
         # Envoy's record lives in the shared database and outlives this world (a test may serve two
-        # worlds with the same pod names on one ledger): only this world's requests count. The sim
-        # router's journal belongs to its world.
-        since = self.started_at if self.gateway is not None else None
+        # worlds with the same pod names on one ledger): only this world's requests count.
         return await asyncio.to_thread(
-            self.gateway_adapter.request_outcomes, pool, replica=replica, since=since
+            self.gateway_adapter.request_outcomes, pool, replica=replica, since=self.started_at
         )
+
+    async def cut_streams(self, pool: PoolRef, pods: list[str]) -> int:
+        """Streams Envoy recorded as cut on ``pods``: a terminal error after the first byte, the
+        failure a user sees as a truncated answer (never retried: the response had started)."""
+        cut = 0
+        for pod in pods:
+            entries = await self.request_outcomes(pool, replica=pod)
+            cut += sum(1 for e in entries if e.outcome == Outcome.TERMINAL_ERROR and e.truncated)
+        return cut
 
     async def router_state(self, pool: PoolRef) -> dict[str, Any]:
         """The pool's gateway policy (weights, admission, retry) as fleetmend last set it in Envoy."""
@@ -214,7 +217,6 @@ async def fleet_rig(
     task_queue: str,
     speed: float = 1.0,
     run_worker: bool = True,
-    through_envoy: bool = True,
     in_process_sim: bool = False,
     **overrides: Any,
 ) -> AsyncIterator[FleetRig]:
@@ -224,9 +226,8 @@ async def fleet_rig(
     The simulator runs in a child process of its own (``fleetmend sim``: a core to itself, as in
     the dev stack); ``in_process_sim`` serves it on a thread of this process instead, for a test
     that reaches into the simulated world's objects (``rig.sim.world``).
-    ``through_envoy``: users' requests go through a real Envoy that fleetmend configures (the
-    control plane on a thread, Envoy a child process) and the worker acts on it; otherwise on the
-    simulator's own router.
+    Users' requests go through a real Envoy that fleetmend configures (the control plane on a
+    thread, Envoy a child process), and the worker acts on it.
     """
     import tempfile
 
@@ -242,14 +243,12 @@ async def fleet_rig(
     gateway: LocalGateway | None = None
     rig: FleetRig | None = None
     try:
-        if through_envoy:
-            # Users' requests go through a real Envoy that fleetmend configures (worker.devstack.gateway).
-            gateway = LocalGateway(
-                kubeconfig=Path(sim.kubeconfig),
-                database_url=database_url,
-                workdir=Path(sim.kubeconfig).parent / "gateway",
-            )
-            await asyncio.to_thread(gateway.start)
+        gateway = LocalGateway(
+            kubeconfig=Path(sim.kubeconfig),
+            database_url=database_url,
+            workdir=Path(sim.kubeconfig).parent / "gateway",
+        )
+        await asyncio.to_thread(gateway.start)
         settings = load_settings(
             temporal_address=client.service_client.config.target_host,
             temporal_namespace=client.namespace,
@@ -258,16 +257,15 @@ async def fleet_rig(
             worker_metrics_port=0,
             **{
                 **settings_for_running_sim(sim),
-                **(gateway.settings_for_clients() if gateway else {}),
+                **gateway.settings_for_clients(),
                 **overrides,
             },
         )
         async with httpx.AsyncClient(base_url=sim.base_url, timeout=10.0) as http:
-            if gateway is not None:
-                reply = await http.put(
-                    "/sim/v1/gateway", json={"url": gateway.url, "upstream_header": UPSTREAM_HEADER}
-                )
-                reply.raise_for_status()
+            reply = await http.put(
+                "/sim/v1/gateway", json={"url": gateway.url, "upstream_header": UPSTREAM_HEADER}
+            )
+            reply.raise_for_status()
             rig = FleetRig(client=client, settings=settings, sim=sim, http=http, gateway=gateway)
             if not run_worker:
                 yield rig
@@ -280,7 +278,7 @@ async def fleet_rig(
                     rig.worker = worker
                     yield rig
     finally:
-        if rig is not None and isinstance(rig._envoy, EnvoyGateway):
+        if rig is not None and rig._envoy is not None:
             rig._envoy.store.engine.dispose()
         if gateway is not None:
             await asyncio.to_thread(gateway.stop)

@@ -32,11 +32,10 @@ def settings_for_sim(
     settings: dict[str, Any] = {
         "kubeconfig": kubeconfig,
         "kube_context": None,
-        # The simulator's own router unless an Envoy is put in front (worker.devstack.gateway):
-        # carrying every streamed request over real sockets through Envoy costs the sim's one
-        # Python process about twice the CPU, more than a 2-core machine has under the suite.
-        "gateway": "sim-router",
-        "router_admin_url": base,
+        # The users' requests go through Envoy (worker.devstack.gateway); the sim's port is its
+        # clock, faults, load generator, incident channel and tickets.
+        "gateway": "envoy",
+        "sim_url": base,
         "metrics_url_template": f"http://{{pod_ip}}:{engine_port}/metrics",
         "health_url_template": f"http://{{pod_ip}}:{engine_port}/health",
         "node_telemetry_url_template": base + "/nodes/{node}/metrics",

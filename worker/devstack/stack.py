@@ -296,7 +296,7 @@ class _GatewayPart:
         if "sim" in self.stack.requested:  # the sim's users send their requests through Envoy
             from gateway.resources import UPSTREAM_HEADER
 
-            async with httpx.AsyncClient(base_url=s.router_admin_url, timeout=10) as http:
+            async with httpx.AsyncClient(base_url=s.sim_url, timeout=10) as http:
                 reply = await http.put(
                     "/sim/v1/gateway", json={"url": self.gateway.url, "upstream_header": UPSTREAM_HEADER}
                 )

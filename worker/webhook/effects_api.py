@@ -232,7 +232,7 @@ def create_router(settings: Settings) -> APIRouter:
     )
     registry = default_registry(
         http,
-        tickets_url=settings.tickets_url or settings.router_admin_url,
+        tickets_url=settings.tickets_url or settings.sim_url,
         notifier_url=settings.notifier_url,
     )
     url = settings.database_url_value()
