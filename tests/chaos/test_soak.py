@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -250,6 +251,7 @@ async def test_ten_incidents_on_one_pool_with_crashes_restarts_and_a_refusal(sta
         await rig.start_load(rate=8, duration_s=1500, seed=31, model=None, pool=POOL.key)
         ended: list[tuple[str, str]] = []
         for n, day in enumerate(WEEK):
+            day_started = time.monotonic()
             report, node = await _inject(rig, day, n)
             if day.twist == "refuse":
                 await rig.refuse({"verbs": ["PATCH"], "path_contains": "/pods/", "error": "403"})
@@ -309,6 +311,11 @@ async def test_ten_incidents_on_one_pool_with_crashes_restarts_and_a_refusal(sta
                 await _operator_returns(rig, node, day.fault)
             await _groups_serving(rig)
             ended.append((child.id, status.phase.value))
+            # Where each day's time went (pytest shows it with -s, and beside any failure).
+            spans = ", ".join(f"{p.name.value} {(p.end or p.start) - p.start:.1f}" for p in status.phases)
+            print(
+                f"day {n} {day.fault.value} {day.twist or '-'}: {time.monotonic() - day_started:.1f} s ({spans})"
+            )
         assert len({cid for cid, _ in ended}) == len(WEEK)
         report_ = await reconcile_with_world(rig, stack.ledger_url, check_missing=True)
         assert report_.duplicates == [] and report_.orphans == [] and report_.missing == [], report_

@@ -93,7 +93,7 @@ async def test_gpu_node_lost_under_load_alert_storm_one_recovery(
         # Every change of the shed level is a decision in the incident record.
         assert text_.count("of arrivals cannot be carried") == len(levels) - 1, text_
         assert status.figures.get("shedding_lifted") is True, text_
-        assert (await rig.router_state(POOL))["admission"] == Admission().model_dump(mode="json")
+        assert (await rig.gateway_policy(POOL))["admission"] == Admission().model_dump(mode="json")
         # A warm spare was promoted; the new spare and the replacement are placed and routed.
         assert status.figures["promoted"], text_
         assert status.figures["lead_time_announced_seconds"] is not None  # one lost group had no spare

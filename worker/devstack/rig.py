@@ -203,7 +203,7 @@ class FleetRig:
             cut += sum(1 for e in entries if e.outcome == Outcome.TERMINAL_ERROR and e.truncated)
         return cut
 
-    async def router_state(self, pool: PoolRef) -> dict[str, Any]:
+    async def gateway_policy(self, pool: PoolRef) -> dict[str, Any]:
         """The pool's gateway policy (weights, admission, retry) as fleetmend last set it in Envoy."""
         return (await asyncio.to_thread(self.gateway_adapter.policy, pool)).model_dump(mode="json")
 
