@@ -1,4 +1,4 @@
-"""Read-only activities: look at the pool through Kubernetes, the router and the engines.
+"""Read-only activities: look at the pool through Kubernetes, the gateway (Envoy) and the engines.
 
 None of these mutate anything, so none go through the ledger. Each returns a
 pydantic model the workflow hands to the pure policies in ``fleet/``.
@@ -159,7 +159,7 @@ class ObserveActivities:
 
     @activity.defn(name="observe_pool")
     def observe_pool(self, req: ObserveRequest) -> PoolObservation:
-        """Kubernetes + router + engines, for one pool, as one observation."""
+        """Kubernetes + gateway + engines, for one pool, as one observation."""
         k = self.deps.kube
         ns, svc_name = req.pool.namespace, req.pool.service
         warnings: list[str] = []
@@ -540,7 +540,7 @@ class ObserveActivities:
 
     @activity.defn(name="await_derouted")
     def await_derouted(self, req: DerouteWait) -> DerouteSeen:
-        """Poll the router until none of ``pods`` is routable; report when (unix s) that was first seen.
+        """Poll the gateway until none of ``pods`` is routable; report when (unix s) that was first seen.
 
         Polls inside the activity (every 50 ms) rather than with workflow timers,
         whose granularity is too coarse to measure a sub-second deroute.

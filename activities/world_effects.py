@@ -6,8 +6,8 @@ ledger can store up front what the world's action log will show
 can prove every action happened once. Probes look at the target's state, so an
 attempt that crashed after applying is resolved by looking, never by repeating.
 
-Bodies are serialised the way the official client does (``json.dumps``), and
-for the router we send the bytes ourselves.
+Bodies are serialised the way the official client does (``json.dumps``). The gateway
+effects are policy revisions in fleetmend's xDS control plane; their record is Envoy's ACK.
 """
 
 from __future__ import annotations

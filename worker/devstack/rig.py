@@ -5,7 +5,9 @@ Temporal client and a migrated ledger database, it serves a scenario, runs a
 real worker (thread-pool activities, the registry's workflows) whose settings
 point every adapter at the simulator over HTTP, and offers the operator's moves
 — start load, inject a fault, deliver an alert — plus the facts an SRE checks
-afterwards (router state, journal, action log vs ledger).
+afterwards (the gateway policy in Envoy, Envoy's request outcomes, the action log vs
+the ledger). Every rig puts a real Envoy, configured by fleetmend's xDS control plane, in the
+users' data path.
 """
 
 from __future__ import annotations

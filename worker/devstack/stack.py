@@ -230,10 +230,11 @@ class _SimPart:
         return None
 
     def settings_for_clients(self) -> dict[str, Any]:
-        """Point the worker and webhook at the sim: kubeconfig, router admin API, engine/node metrics, health.
+        """Point the worker and webhook at the sim: kubeconfig, engine/node metrics, health, its control API.
 
         Engines are read at ``{pod_ip}:<the scenario's engine port>`` (each listens on its pod IP);
-        node telemetry, qualification and the router admin API at the sim's HTTP port."""
+        node telemetry, tickets and the incident channel at the sim's HTTP port; the gateway is
+        Envoy, through the control plane."""
         from worker.devstack.sim_wiring import settings_for_running_sim
 
         update = settings_for_running_sim(self.handle)
