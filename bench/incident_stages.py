@@ -123,6 +123,8 @@ class RunResult:
     gap_share: float | None = None
     over_shed_share: float | None = None
     seed: int | None = None  # the arrivals' seed: runs of one seed are the same load, fault and world
+    # What the requests that missed goodput got instead (the load generator's counts).
+    missed: dict[str, int] = field(default_factory=dict)
 
 
 def world(fault: FaultClass) -> Any:
@@ -356,6 +358,11 @@ async def one_run(
                 phase,
                 shed=int(report["shed"]),
                 seed=seed,
+                missed={
+                    k: int(report[k])
+                    for k in ("late", "terminal_errors", "truncated_streams", "rejected", "shed")
+                    if report.get(k)
+                },
             )
             if fleetmend and levels:
                 account = account_shedding(
@@ -412,6 +419,13 @@ def print_table(name: str, runs: list[RunResult]) -> None:
             overs = [r.over_shed_share for r in chosen if r.over_shed_share is not None]
             optimum = f", {mean_share / best:.3f} of the capacity-limited optimum; over-shed {statistics.mean(overs):.1%} of arrivals"
         print(f"goodput {mode:17} {good:7.0f} of {sent:.0f} sent, {shed:.0f} shed  {ratio}{optimum}")
+        kinds = sorted({k for r in chosen for k in r.missed})
+        if kinds:
+            means = ", ".join(
+                f"{k.replace('_', ' ')} {statistics.mean(r.missed.get(k, 0) for r in chosen):.1f}"
+                for k in kinds
+            )
+            print(f"{'':25} missed, mean per run: {means}")
     pairs = paired(runs)
     if pairs:
         diffs = ", ".join(f"{d:+d}" for _, d in pairs)

@@ -426,16 +426,63 @@ def groups_being_recreated(
 HARDWARE_HINTS = ("xid", "nvlink", "thermal", "ecc")
 
 
+def silent_nodes(lost: Iterable[ReplicaGroup], pods: Mapping[str, PodObservation]) -> dict[str, str]:
+    """Nodes of the lost groups that went silent while the API still calls them Ready (node -> why).
+
+    A dead machine stops its kubelet too: for the node-monitor grace (50 s by default) the API
+    still shows its pods Running and ready, while their engines stop answering. A crashed
+    container on a live node is the opposite: its kubelet reports the death within about a second
+    (its pod-lifecycle relist runs every second), as a termination, a waiting reason or a restart.
+    So a node is silent when every probed engine on it does not answer and Kubernetes shows no
+    death of any lost pod on it. Only meaningful on an observation taken after the kubelet had
+    time to report (``RecoveryTimings.kubelet_report_s`` after the loss was confirmed).
+    """
+    on_node: dict[str, list[PodObservation]] = defaultdict(list)
+    for g in lost:
+        for pod in g.pods:
+            o = pods.get(pod)
+            if o is not None and o.node:
+                on_node[o.node].append(o)
+    every: dict[str, list[PodObservation]] = defaultdict(list)
+    for o in pods.values():
+        if o.node in on_node:
+            every[o.node].append(o)
+    silent: dict[str, str] = {}
+    for node, mine in sorted(on_node.items()):
+        probed = [o for o in every[node] if o.engine_health is not EngineHealth.UNKNOWN]
+        unanswered = [o.pod for o in probed if o.engine_health is EngineHealth.UNREACHABLE]
+        reported = any(
+            not o.exists
+            or o.deleting
+            or o.phase != "Running"
+            or not o.containers_ready
+            or o.waiting_reason
+            or o.terminated_reason
+            for o in mine
+        )
+        if unanswered and len(unanswered) == len(probed) and not reported:
+            silent[node] = (
+                f"its engines do not answer ({', '.join(unanswered)}) while Kubernetes still shows "
+                "them Running and ready: the machine went silent, not a container"
+            )
+    return silent
+
+
 def failed_nodes(
-    lost: Iterable[ReplicaGroup], snapshot: PoolSnapshot, reports: Iterable[LossReport]
+    lost: Iterable[ReplicaGroup],
+    snapshot: PoolSnapshot,
+    reports: Iterable[LossReport],
+    silent: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The nodes of the lost groups that failed themselves, with why (node -> reason).
 
     A node failed when it is gone or not Ready, when a report is about the node itself
-    (``LossReport.points_at_node``), or when a report's fault hint names the hardware. A pod-level
-    fault (an OOM-killed engine, a crashed container) on a Ready node fails no node: the node is
-    not cordoned or triaged, and a warm spare on it may still be promoted.
+    (``LossReport.points_at_node``), when a report's fault hint names the hardware, or when it went
+    silent (``silent``: ``silent_nodes`` of a late enough observation). A pod-level fault (an
+    OOM-killed engine, a crashed container) on a Ready node fails no node: the node is not
+    cordoned or triaged, and a warm spare on it may still be promoted.
     """
+    lost = list(lost)
     reports = list(reports)
     hardware = next(
         (r.fault_hint for r in reports if r.fault_hint and any(k in r.fault_hint for k in HARDWARE_HINTS)),
@@ -452,4 +499,6 @@ def failed_nodes(
             failed[node] = f"the fault hint names the hardware ({hardware})"
         elif any(r.points_at_node(node) for r in reports):
             failed[node] = "a report is about the node itself"
+        elif silent and node in silent:
+            failed[node] = silent[node]
     return failed

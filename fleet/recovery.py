@@ -119,6 +119,13 @@ class RecoveryTimings(BaseModel):
         "shedding wait for step 8",
     )
     drain_deadline_s: float = Field(600.0, gt=0)
+    kubelet_report_s: float = Field(
+        2.0,
+        gt=0,
+        description="How long after a loss is confirmed a live kubelet has reported a container's death "
+        "(its pod-lifecycle relist runs every second): a lost pod still Running and ready past it, whose "
+        "engine does not answer, is on a machine that went silent, and its node is fenced",
+    )
     reappear_timeout_s: float = Field(
         120.0,
         gt=0,

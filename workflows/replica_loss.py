@@ -56,6 +56,7 @@ with workflow.unsafe.imports_passed_through():
         failed_nodes,
         groups_being_recreated,
         match_reports,
+        silent_nodes,
         size_loss,
     )
     from fleet.observation import PoolObservation
@@ -134,6 +135,8 @@ class ReplicaLossRecovery(Procedure):
         self._verdicts: list[GroupVerdict] = []
         self._correlation: Correlation | None = None
         self._initial_obs: PoolObservation | None = None
+        self._confirmed_at = 0.0
+        self._failed_nodes: dict[str, str] = {}  # node -> why, as the fence decided
         self._baseline: dict[str, float] = {}
         self._shed: ShedDecision | None = None
         # The admission the gateway has now (as this procedure set it), and what it is computed from.
@@ -234,6 +237,7 @@ class ReplicaLossRecovery(Procedure):
             )
         obs = _with_lost(obs, recreating)
         self._initial_obs = obs
+        self._confirmed_at = self.now()
         self._arrivals = self._arrivals.add(obs, 0.0)
         lost = self._confirm(obs, self._reports)
         if not lost:
@@ -652,8 +656,29 @@ class ReplicaLossRecovery(Procedure):
         Until the node controller marks a silent node unreachable, the scheduler may
         still bind a replacement to it; cordoning first keeps replacements off it.
         Triage adds the taint and label later.
+
+        A dead machine's pods still read Running and ready for the node-monitor grace: when a lost
+        pod's engine is silent and Kubernetes shows no death, the node is judged on an observation
+        taken once a live kubelet would have reported a crashed container (``kubelet_report_s``
+        after the loss was confirmed), so an OOM-killed engine does not fence its node.
         """
-        for node, why in failed_nodes(lost, obs.snapshot, self._reports).items():
+        failed = failed_nodes(lost, obs.snapshot, self._reports)
+        maybe_silent = set(silent_nodes(lost, obs.pods)) - set(failed)
+        # patched: a recovery that was already past this point when the worker was upgraded replays
+        # as it ran (no extra look), and only new passes take it.
+        if maybe_silent and workflow.patched("fence-silent-nodes"):
+            wait = self._confirmed_at + self._inp.timings.kubelet_report_s - self.now()
+            if wait > 0:
+                await workflow.sleep(wait, summary="fence: give a live kubelet time to report a crash")
+            obs = _with_lost(
+                await self._observe(
+                    light=True, summary=f"fence: did {', '.join(sorted(maybe_silent))} go silent?"
+                ),
+                lost,
+            )
+            failed = failed_nodes(lost, obs.snapshot, self._reports, silent_nodes(lost, obs.pods))
+        self._failed_nodes = failed
+        for node, why in failed.items():
             info = obs.snapshot.node(node)
             if info is not None and info.unschedulable:
                 continue
@@ -755,7 +780,7 @@ class ReplicaLossRecovery(Procedure):
 
     async def triage_hardware(self, obs: PoolObservation, lost: list[ReplicaGroup]) -> None:
         hint = next((r.fault_hint for r in self._reports if r.fault_hint), None)
-        failed = failed_nodes(lost, obs.snapshot, self._reports)
+        failed = {**failed_nodes(lost, obs.snapshot, self._reports), **self._failed_nodes}
         nodes = []
         for node in sorted({n for g in lost for n in g.nodes}):
             if node in failed or hint:

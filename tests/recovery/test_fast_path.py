@@ -23,7 +23,7 @@ from temporalio.client import Client
 from fleet.detection import Verdict
 from fleet.incident import incident_workflow_id
 from fleet.recovery import Phase, ProcedureStatus, ServingObjectives
-from fleet.vocabulary import FaultKind
+from fleet.vocabulary import QUARANTINE_LABEL, FaultKind
 from tests.support import (
     FAST,
     GROUP_CAPACITY_RPS,
@@ -123,6 +123,41 @@ async def test_gpu_node_lost_under_load_opens_the_incident_by_the_fast_path_and_
         # The evidence the fast path acted on is in the incident's record.
         assert f"{FAST_PATH_ALERT}" in text_ and "consecutive failed checks" in text_, text_
         assert fast.counts["reports_delivered"] >= 2  # both groups on the node
+
+
+async def test_a_dead_gpu_node_the_fast_path_reported_only_by_its_pods_is_fenced_and_quarantined(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    """No node alert ever arrives: the fast path reports the dead machine's pods as they stop
+    answering, while the API still calls the node Ready. The recovery must still see a machine,
+    not two crashed containers: fence the node before anything is placed, and quarantine it."""
+    async with gpu_pool(temporal_client, task_queue, ledger_url, **FAST_PATH_SETTINGS) as rig:
+        async with rig.fast_path():
+            await rig.start_load(rate=20, duration_s=60, seed=4)
+            await asyncio.sleep(2)
+            assert (await rig.inject(FaultKind.NODE_LOST, "gpu-node-0"))["accepted"]
+            deadline = time.monotonic() + 30
+            while not await _incident_running(temporal_client):
+                assert time.monotonic() < deadline, "no incident"
+                await asyncio.sleep(0.1)
+            child = await wait_for_child(
+                temporal_client, temporal_client.get_workflow_handle(incident_workflow_id(POOL))
+            )
+            status = await finish(child)
+        text_ = decisions(status)
+        node = await asyncio.to_thread(rig.core.read_node, "gpu-node-0")
+
+    assert status.phase == Phase.DONE, text_
+    reports = [d for d in status.decisions if d.summary.startswith("reported by the fast path")]
+    assert reports and all(", gpu-node-0)" not in d.summary for d in reports), text_  # its pods, not the node
+    fenced = [d.summary for d in status.decisions if d.summary.startswith("cordoned gpu-node-0")]
+    assert fenced, text_
+    placed = [d for d in status.decisions if d.phase == Phase.PLACING]
+    assert placed and min(d.at for d in placed) >= next(
+        d.at for d in status.decisions if d.summary.startswith("cordoned gpu-node-0")
+    ), text_  # fenced before any replacement was placed
+    assert node.spec is not None and node.spec.unschedulable, node.spec
+    assert node.metadata is not None and QUARANTINE_LABEL in (node.metadata.labels or {}), node.metadata
 
 
 async def test_a_slow_replica_opens_nothing_its_health_answers(
