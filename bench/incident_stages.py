@@ -48,6 +48,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from temporalio.client import Client, WorkflowHandle
 
 from fleet.incident import PoolRef, incident_workflow_id
+from fleet.protocol import Outcome
 from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, ServingObjectives
 from fleet.shedding import ShedLevel, account_shedding
 from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_WORKER_INDEX_LABEL, FaultKind
@@ -364,6 +365,12 @@ async def one_run(
                     if report.get(k)
                 },
             )
+            # Envoy's word on the requests it did not complete: response code and flags (UO overflow,
+            # UH no healthy host, UF connect failure, UC/UR cut, URX retries spent...).
+            for entry in await rig.request_outcomes(fault.pool):
+                if entry.outcome not in (Outcome.COMPLETED, Outcome.SHED):
+                    key = "envoy " + entry.detail.split(" via ")[0]
+                    result.missed[key] = result.missed.get(key, 0) + 1
             if fleetmend and levels:
                 account = account_shedding(
                     levels, arrivals=result.sent, shed=result.shed, arrival_rps=rate, until=time.time()
