@@ -350,14 +350,23 @@ def correlate(
     )
 
 
-def match_reports(snapshot: PoolSnapshot, reports: Iterable[LossReport]) -> dict[str, ReplicaGroup]:
+def match_reports(
+    snapshot: PoolSnapshot, reports: Iterable[LossReport], *, by_pod_name: bool = True
+) -> dict[str, ReplicaGroup]:
     """The replica groups the reports are about: a named group, a pod's group, every group on a node.
 
     A pod report that names its node makes the node's other groups candidates too: each is
     confirmed on its own evidence (a dead node's other engines are lost; a healthy spare beside a
     crashed pod is "slow-but-present"), so a node going down is handled as one incident even when
     the first alert is about one of its pods.
+
+    A reported pod that is gone while the rest of its LeaderWorkerSet group is still there (the
+    LeaderWorkerSet deleted the group to re-create it, and a worker is still terminating) is
+    matched to that group by the LeaderWorkerSet's pod naming (``by_pod_name``).
     """
+    lws_names = {
+        g.workload_name for g in snapshot.groups if g.workload_kind is WorkloadKind.LEADER_WORKER_SET
+    }
     candidates: dict[str, ReplicaGroup] = {}
     for r in reports:
         if r.replica_group:
@@ -368,14 +377,40 @@ def match_reports(snapshot: PoolSnapshot, reports: Iterable[LossReport]) -> dict
                 pass
         if r.pod and (g2 := snapshot.group_of_pod(r.pod)) is not None:
             candidates[g2.id] = g2
+        elif r.pod and by_pod_name and (gid := lws_group_of_pod(r.pod, lws_names)) is not None:
+            try:
+                g4 = snapshot.group(gid)
+                candidates[g4.id] = g4
+            except KeyError:
+                pass
         if r.node:
             for g3 in snapshot.groups_on_node(r.node):
                 candidates[g3.id] = g3
     return candidates
 
 
+def lws_group_of_pod(pod: str, leader_worker_sets: Iterable[str]) -> str | None:
+    """The group a LeaderWorkerSet pod belongs to, by the LeaderWorkerSet's pod naming: the leader is
+    ``<name>-<groupIndex>`` (it names the group), a worker ``<name>-<groupIndex>-<workerIndex>``.
+
+    For a pod that no longer exists (an alert names the pod its LeaderWorkerSet just deleted to
+    re-create the group) the name is all there is to go on. None when the name fits no
+    LeaderWorkerSet named in ``leader_worker_sets``.
+    """
+    names = set(leader_worker_sets)
+    for candidate in (pod, pod.rpartition("-")[0]):
+        name, _, index = candidate.rpartition("-")
+        if index.isdigit() and name in names:
+            return candidate
+    return None
+
+
 def groups_being_recreated(
-    snapshot: PoolSnapshot, workloads: Iterable[WorkloadSelector], reports: Iterable[LossReport]
+    snapshot: PoolSnapshot,
+    workloads: Iterable[WorkloadSelector],
+    reports: Iterable[LossReport],
+    *,
+    by_pod_name: bool = True,
 ) -> list[ReplicaGroup]:
     """Reported LeaderWorkerSet groups that are not in the pool because their controller is
     re-creating them: the LeaderWorkerSet still wants the group (its index is below
@@ -389,7 +424,7 @@ def groups_being_recreated(
     present = {g.id for g in snapshot.groups}
     out: dict[str, ReplicaGroup] = {}
     for r in reports:
-        gid = r.replica_group
+        gid = r.replica_group or (lws_group_of_pod(r.pod, wanted) if r.pod and by_pod_name else None)
         if not gid or gid in present or gid in out:
             continue
         name, _, index = gid.rpartition("-")

@@ -173,3 +173,21 @@ def awaiting_recreation(
         if g.workload_kind is WorkloadKind.LEADER_WORKER_SET
         and any(p in uids_now and uids_now[p] == uids_before.get(p) for p in g.pods)
     ]
+
+
+def uids_at_loss(
+    lost: Sequence[ReplicaGroup], first_look: Mapping[str, str], confirmed: Mapping[str, str]
+) -> dict[str, str]:
+    """The pods' uids to tell a re-created pod by: the lost groups' pods as the procedure first saw them.
+
+    Confirmation may look again for a while, and a LeaderWorkerSet re-creates a group under the same
+    pod names meanwhile (an OOM-killed leader restarts its whole group). Judged against the confirmed
+    look, the re-created pods would be "the same objects as at the loss": placement would wait for a
+    re-creation that already happened, and the ramp would find no new replica. A lost group's pod
+    that the first look did not see at all was already being re-created, so it has no uid at the loss.
+    Every other pod keeps its confirmed uid.
+    """
+    lost_pods = {p for g in lost for p in g.pods}
+    out = {p: uid for p, uid in confirmed.items() if p not in lost_pods}
+    out.update({p: first_look[p] for p in lost_pods if p in first_look})
+    return out

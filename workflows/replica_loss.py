@@ -73,7 +73,7 @@ with workflow.unsafe.imports_passed_through():
         remediation_gate,
         repaired,
     )
-    from fleet.rebuild import awaiting_recreation, plan_rebuild, pods_held_by_lost_nodes
+    from fleet.rebuild import awaiting_recreation, plan_rebuild, pods_held_by_lost_nodes, uids_at_loss
     from fleet.recovery import (
         CheckResult,
         IncidentCause,
@@ -213,12 +213,19 @@ class ReplicaLossRecovery(Procedure):
         give_up = self.now() + timings.reappear_timeout_s
         looked_again = False
         recreating: list[ReplicaGroup] = []
+        first_look: PoolObservation | None = None
+        # patched: a recovery that was confirming when the worker was upgraded replays as it ran.
+        by_pod_name = workflow.patched("lws-group-by-pod-name")
         while True:
             obs = await self._observe(
                 check_progress=True, light=True, summary="confirm: read pool, endpoints, engines"
             )
-            recreating = groups_being_recreated(obs.snapshot, obs.workloads, self._reports)
-            if match_reports(obs.snapshot, self._reports) or recreating or self.now() >= give_up:
+            first_look = first_look or obs
+            recreating = groups_being_recreated(
+                obs.snapshot, obs.workloads, self._reports, by_pod_name=by_pod_name
+            )
+            matched = match_reports(obs.snapshot, self._reports, by_pod_name=by_pod_name)
+            if matched or recreating or self.now() >= give_up:
                 break
             # A LeaderWorkerSet deletes and recreates a whole group when one pod fails: until its pods are
             # back, the reported pod is in no group. Look again before calling it not-a-loss.
@@ -242,6 +249,10 @@ class ReplicaLossRecovery(Procedure):
         lost = self._confirm(obs, self._reports)
         if not lost:
             return obs, []
+        if by_pod_name and first_look is not None:
+            # A group re-created while confirmation looked is new, not "the same pods as at the loss".
+            uids = uids_at_loss(lost, first_look.pod_uids, obs.pod_uids)
+            self._initial_obs = obs = obs.model_copy(update={"pod_uids": uids})
         self._lost_ids.update(g.id for g in lost)
         self._lost_groups = lost  # the runbook's own list: groups confirmed later join it
         size = size_loss(obs.snapshot, [g.id for g in lost])

@@ -348,3 +348,34 @@ async def test_an_oom_killed_engine_beside_the_spare_promotes_it_and_leaves_the_
         assert f"cordoned {node}" not in text_, text_
         assert f"{node} is Ready and no report is about it" in text_, text_
         assert not (await asyncio.to_thread(core.read_node, node)).spec.unschedulable
+
+
+async def test_an_oom_killed_leader_in_a_leaderworkerset_pool_is_recovered_as_its_group_is_recreated(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    """The LeaderWorkerSet deletes the whole group and re-creates it under the same names: the alert names a
+    pod that is already gone. The recovery must find the group, wait for its re-creation (not a timeout)
+    and ramp the re-created leader in, not wait out ``replacement_timeout_s`` and ``ramp_max_s``."""
+    pool = RANK_POOL
+    async with rank_pool(temporal_client, task_queue, ledger_url) as rig:
+        leaders = await rig.routing_set(pool)
+        victim = leaders[0]
+        await rig.start_load(rate=10, duration_s=90, seed=9, model=None, pool=pool.key)
+        await asyncio.sleep(2)
+        await rig.inject(FaultKind.POD_OOMKILLED, f"inference/{victim}")
+        report = pod_report(victim, "fp-oom-lws", alert="KubePodCrashLooping", pool=pool)
+        incident = await rig.report_loss(report, incident_config(pool))
+        status = await finish(await wait_for_child(temporal_client, incident))
+        text_ = decisions(status)
+        assert status.phase == Phase.DONE, text_
+        assert status.verification is not None and status.verification.passed, text_
+        assert f"{victim}: lost" in text_, text_
+        # One pod's engine died: not a failure-domain loss of the nodes its group ran on.
+        assert status.figures["cause"] == "single-loss", text_
+        # The re-created group was seen as the replacement, and ramped in until warm.
+        assert "every replacement is scheduled" in text_, text_
+        assert "replacements still Pending" not in text_, text_
+        assert "ramp complete" in text_ and "ramp window over" not in text_, text_
+        assert sorted(await rig.routing_set(pool)) == sorted(leaders)
+        report_ = await reconcile_with_world(rig, ledger_url)
+        assert report_.duplicates == [] and report_.orphans == [], report_
