@@ -6,7 +6,7 @@ The world's record of fleetmend's actions comes from where a real deployment kee
   JSON lines, as ``--audit-log-path`` writes them), for the API server the kubeconfig names
   (``audit_log_world`` overrides the host:port);
 * other targets' own action logs (``action_log_url``: the simulator's ``/sim/v1/actions`` for
-  tickets and the incident channel; Envoy's record of a gateway change is its ACK). When the audit log covers the Kubernetes API,
+  Jira issues and the incident channel; Envoy's record of a gateway change is its ACK). When the audit log covers the Kubernetes API,
   Kubernetes paths in that log are left out: the audit log is their record.
 
 Only fleetmend's own requests (its user agents) are compared.

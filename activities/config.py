@@ -37,7 +37,6 @@ class ActivityConfig(BaseModel):
     audit_log: Path | None = None  # the Kubernetes API server's audit log (reconcile)
     audit_log_world: str | None = None
     notifier_url: str | None = None
-    tickets_url: str | None = None
     # The policy an alert-started incident runs with (no explicit IncidentInput).
     dry_run: bool = False
     recovery_timings: RecoveryTimings = Field(default_factory=RecoveryTimings)

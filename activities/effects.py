@@ -3,8 +3,14 @@
 A model never names a URL: it names a registered *kind* with validated params, and
 the registry builds the effect against the endpoint configured for that kind.
 
-* ``ticket.create`` — ``POST {tickets_url}/sim/v1/tickets`` with ``Idempotency-Key: <op id>``;
-  probed with ``GET …/sim/v1/tickets?idempotency_key=<op id>``. Exactly once.
+* ``ticket.create`` — a Jira issue (REST API v2): ``POST {tickets_url}/rest/api/2/issue`` carrying
+  the label ``fleetmend-op-<sha256 of the op id>``; probed with a JQL search for that label
+  (``GET /rest/api/2/search`` on Jira Data Center, ``/rest/api/2/search/jql`` on Jira Cloud). Jira
+  takes no idempotency key: the ledger performs the create at most once, and after an unknown
+  outcome the label search says whether it landed. Exactly once. (Jira Cloud's search is
+  eventually consistent: an issue created within the last second or two may not show yet, so on
+  Cloud a probe that finds nothing right after a crash can repeat the create; Data Center's
+  search is read-after-write.)
 * ``notify.post`` — a Slack-compatible incoming webhook (``{"text": …}``). Such webhooks
   take no idempotency key and cannot be queried, so the kind declares
   **at-least-once**: after an unknown outcome the message is posted again. For an
@@ -15,14 +21,16 @@ the registry builds the effect against the endpoint configured for that kind.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from ledger.canonical import body_digest
 from ledger.effect import ActionSignature, Attempt, Effect
@@ -59,35 +67,97 @@ class NotifyParams(BaseModel):
     text: str = Field(min_length=1, max_length=4000)
 
 
+OPERATION_LABEL_PREFIX = "fleetmend-op-"
+
+
+def operation_label(op_id: str) -> str:
+    """The Jira label that marks the issue an operation opened (labels take no spaces or slashes)."""
+    return OPERATION_LABEL_PREFIX + hashlib.sha256(op_id.encode()).hexdigest()[:40]
+
+
+class JiraProject(BaseModel):
+    """Where, and as whom, ``ticket.create`` opens a Jira issue (REST API v2).
+
+    ``user`` set: HTTP Basic ``user:token`` (Jira Cloud: an account's email and API token); unset:
+    ``Authorization: Bearer <token>`` (a Jira Data Center personal access token).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_url: str = Field(min_length=1)
+    project: str = Field(default="OPS", min_length=1)
+    issue_type: str = Field(default="Task", min_length=1)
+    user: str | None = None
+    token: SecretStr
+    search: Literal["datacenter", "cloud"] = "datacenter"
+
+    def authorization(self) -> str:
+        secret = self.token.get_secret_value()
+        if self.user:
+            return "Basic " + base64.b64encode(f"{self.user}:{secret}".encode()).decode()
+        return f"Bearer {secret}"
+
+    @property
+    def search_path(self) -> str:
+        return "/rest/api/2/search/jql" if self.search == "cloud" else "/rest/api/2/search"
+
+
 class TicketCreate(Effect):
-    """Open a ticket; the op id is the ticket API's idempotency key and the probe's lookup key."""
+    """Open a Jira issue labelled with the operation; the label is what the probe searches for."""
 
     delivery = Delivery.EXACTLY_ONCE
 
-    def __init__(self, http: httpx.Client, base_url: str, params: TicketParams) -> None:
+    def __init__(self, http: httpx.Client, jira: JiraProject, params: TicketParams) -> None:
         self.http = http
-        self.url = base_url.rstrip("/") + "/sim/v1/tickets"
-        self.body = _json_bytes(params.model_dump())
+        self.jira = jira
+        self.base = jira.base_url.rstrip("/")
+        self.params = params
+
+    def body(self, op_id: str) -> bytes:
+        description = f"{self.params.body}\n\nOpened by fleetmend, operation {op_id}".lstrip()
+        fields = {
+            "project": {"key": self.jira.project},
+            "issuetype": {"name": self.jira.issue_type},
+            "summary": self.params.title,
+            "description": description,
+            "labels": ["fleetmend", operation_label(op_id)],
+        }
+        return _json_bytes({"fields": fields})
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": self.jira.authorization(), "Accept": "application/json"}
 
     def apply(self, attempt: Attempt) -> dict[str, Any]:
         response = self.http.post(
-            self.url,
-            content=self.body,
-            headers={"Idempotency-Key": attempt.op_id, "Content-Type": "application/json"},
+            f"{self.base}/rest/api/2/issue",
+            content=self.body(attempt.op_id),
+            headers={**self._headers(), "Content-Type": "application/json"},
         )
-        _raise_for_status(response, f"ticket API refused {attempt.op_id!r}")
-        return {"ticket": response.json()}
+        _raise_for_status(response, f"Jira refused the issue for {attempt.op_id!r}")
+        created = response.json()
+        return {"ticket": {"key": created.get("key"), "id": created.get("id"), "self": created.get("self")}}
 
     def probe(self, attempt: Attempt) -> dict[str, Any] | None:
-        response = self.http.get(self.url, params={"idempotency_key": attempt.op_id})
+        jql = f'project = "{self.jira.project}" AND labels = "{operation_label(attempt.op_id)}"'
+        response = self.http.get(
+            f"{self.base}{self.jira.search_path}",
+            params={"jql": jql, "fields": "summary,labels", "maxResults": 2},
+            headers=self._headers(),
+        )
         response.raise_for_status()
-        tickets = response.json()
-        return {"ticket": tickets[0]} if tickets else None
+        issues = response.json().get("issues") or []
+        if not issues:
+            return None
+        found = issues[0]
+        return {"ticket": {"key": found.get("key"), "id": found.get("id"), "self": found.get("self")}}
 
     def action_signature(self, attempt: Attempt) -> ActionSignature:
-        parts = urlsplit(self.url)
+        parts = urlsplit(f"{self.base}/rest/api/2/issue")
         return ActionSignature(
-            world=parts.netloc, verb="POST", path=parts.path, body_digest=body_digest(self.body)
+            world=parts.netloc,
+            verb="POST",
+            path=parts.path,
+            body_digest=body_digest(self.body(attempt.op_id)),
         )
 
 
@@ -157,19 +227,19 @@ class EffectRegistry:
 
 
 def default_registry(
-    http: httpx.Client, *, tickets_url: str | None, notifier_url: str | None
+    http: httpx.Client, *, tickets: JiraProject | None, notifier_url: str | None
 ) -> EffectRegistry:
-    """``ticket.create`` against ``tickets_url`` and ``notify.post`` to ``notifier_url`` (each when configured)."""
+    """``ticket.create`` in the Jira project ``tickets`` and ``notify.post`` to ``notifier_url`` (each when configured)."""
     registry = EffectRegistry(aliases={"ticket": "ticket.create", "notify": "notify.post"})
-    if tickets_url:
-        url = tickets_url
+    if tickets is not None:
+        jira = tickets
         registry.register(
             EffectKind(
                 name="ticket.create",
                 params_model=TicketParams,
-                build=lambda p: TicketCreate(http, url, TicketParams.model_validate(p)),
+                build=lambda p: TicketCreate(http, jira, TicketParams.model_validate(p)),
                 delivery=TicketCreate.delivery,
-                description="Open a ticket (idempotency key = operation id; exactly once)",
+                description=f"Open a Jira issue in {jira.project} (labelled with the operation; exactly once)",
             )
         )
     if notifier_url:

@@ -65,7 +65,7 @@ class ActionLogMiddleware:
     """Records every mutating HTTP request (after it was answered) in ``world.actions``.
 
     Everything except inference requests (``DATA_PLANE_PATHS``): Kubernetes writes, router
-    admin changes, faults, notifications, tickets. Callers may name themselves with an
+    admin changes, faults, notifications, Jira issues. Callers may name themselves with an
     ``X-Fleetmend-Client`` header (e.g. the workflow and step); otherwise the User-Agent is used.
     """
 

@@ -1,5 +1,6 @@
-"""What the recovery, scale-down, soak and demo tests share: the pool, fast timings, phase waits,
-the procedure's result, the operator's CLI, and the ledger reconciled against the world's own log.
+"""What the recovery, scale-down, soak, demo and ledger tests share: the pool, fast timings, phase waits,
+the procedure's result, the operator's CLI, the simulated Jira, and the ledger reconciled against the
+world's own log.
 
 Conditions are waited on (a phase, a child, a result), never slept for.
 """
@@ -16,10 +17,13 @@ from collections.abc import AsyncIterator, Collection
 from pathlib import Path
 from typing import Any
 
+import httpx
+from pydantic import SecretStr
 from sqlalchemy import create_engine
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
+from activities.effects import JiraProject, operation_label
 from fleet.incident import LossReport, PoolRef
 from fleet.recovery import (
     IncidentInput,
@@ -31,6 +35,7 @@ from fleet.recovery import (
 )
 from ledger.reconcile import ReconcileReport, reconcile
 from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
+from worker.devstack.sim_wiring import SIM_JIRA_TOKEN
 
 REPO = Path(__file__).resolve().parents[1]
 POOL = PoolRef(namespace="inference", service="llama")
@@ -266,3 +271,35 @@ async def gpu_pool(
     ) as rig:
         await _until_routed(rig, POOL, routed)
         yield rig
+
+
+# ---------------------------------------------------------------- the simulated Jira (sim.serving.jira)
+
+JIRA_ISSUE_PATH = "/rest/api/2/issue"
+
+
+def sim_jira(base_url: str) -> JiraProject:
+    """The Jira project ``ticket.create`` opens issues in, on the simulator at ``base_url``."""
+    return JiraProject(base_url=base_url, token=SecretStr(SIM_JIRA_TOKEN))
+
+
+def jira_issues(http: httpx.Client, base_url: str = "", op_id: str | None = None) -> list[dict[str, Any]]:
+    """The issues in the simulated Jira (those ``op_id`` opened, when given), as its search returns them."""
+    jql = f'labels = "{operation_label(op_id)}"' if op_id else ""
+    answer = http.get(
+        f"{base_url}/rest/api/2/search",
+        params={"jql": jql},
+        headers={"Authorization": f"Bearer {SIM_JIRA_TOKEN}"},
+    )
+    answer.raise_for_status()
+    return list(answer.json()["issues"])
+
+
+def open_issue_by_hand(http: httpx.Client, base_url: str, summary: str) -> httpx.Response:
+    """An issue opened outside fleetmend's ledger (an operator, or a request behind the ledger's back)."""
+    fields = {"project": {"key": "OPS"}, "issuetype": {"name": "Task"}, "summary": summary}
+    return http.post(
+        f"{base_url}{JIRA_ISSUE_PATH}",
+        json={"fields": fields},
+        headers={"Authorization": f"Bearer {SIM_JIRA_TOKEN}"},
+    )

@@ -134,7 +134,7 @@ class Settings(BaseSettings):
     sim_url: str = Field(
         "http://127.0.0.1:8480",
         description="The simulator's own HTTP port (fleetmend dev and demo: its clock, faults, load "
-        "generator, incident channel and tickets); never a gateway",
+        "generator, incident channel and Jira); never a gateway",
     )
     metrics_url_template: str = Field(
         "http://{pod_ip}:8000/metrics",
@@ -170,7 +170,23 @@ class Settings(BaseSettings):
     )
     tickets_url: str | None = Field(
         None,
-        description="Ticket API base URL for ticket.create effects (unset = sim_url, the simulator's ticket API)",
+        description="Jira base URL for ticket.create effects (REST API v2; unset = no ticket.create kind)",
+    )
+    tickets_project: str = Field(
+        "OPS", min_length=1, description="Jira project key ticket.create opens issues in"
+    )
+    tickets_issue_type: str = Field("Task", min_length=1, description="Jira issue type of those issues")
+    tickets_user: str | None = Field(
+        None, description="Jira Cloud: the account's email (Basic auth with the token); unset = Bearer token"
+    )
+    tickets_token: SecretStr | None = Field(
+        None,
+        description="Jira API token (Cloud) or personal access token (Data Center); needed with tickets_url",
+    )
+    tickets_search: Literal["datacenter", "cloud"] = Field(
+        "datacenter",
+        description="Which JQL search the ticket probe uses: /rest/api/2/search (Data Center) or "
+        "/rest/api/2/search/jql (Cloud)",
     )
 
     # Webhook API

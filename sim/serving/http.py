@@ -25,6 +25,7 @@ from fleet.protocol import (
 )
 from fleet.vocabulary import MODEL_LABEL, TIER_HEADER, Tier
 from sim.serving.faults import FaultError
+from sim.serving.jira import install_jira_routes
 from sim.serving.kubeview import pod_labels
 from sim.serving.layer import ServingLayer
 from sim.serving.loadgen import install_load_routes
@@ -45,7 +46,7 @@ class EffectsConfig(BaseModel):
     )
     share: float = Field(default=0.0, ge=0.0, le=1.0)
     kind: str = Field(default="ticket", min_length=1)
-    target: str = Field(default="sim-tickets", min_length=1)
+    target: str = Field(default="jira", min_length=1)
     token: str | None = Field(
         default=None,
         min_length=1,
@@ -53,12 +54,6 @@ class EffectsConfig(BaseModel):
         "write-only: reads show only whether one is set",
     )
     token_set: bool = Field(default=False, description="read-only: a token is configured")
-
-
-class TicketBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    title: str = Field(min_length=1, max_length=500)
-    body: str = Field(default="", max_length=20_000)
 
 
 def _error(status: int, message: str, **extra: Any) -> JSONResponse:
@@ -280,21 +275,6 @@ def build_router(layer: ServingLayer) -> APIRouter:
     async def get_notify() -> list[dict[str, Any]]:
         return layer.notifications
 
-    @api.post("/sim/v1/tickets", status_code=201, tags=["sim"])
-    async def post_ticket(body: TicketBody, idempotency_key: str | None = Header(None)) -> Any:
-        try:
-            ticket, created = layer.create_ticket(body.title, body.body, idempotency_key)
-        except ValueError as exc:
-            return _error(422, str(exc))
-        if created:
-            return JSONResponse(ticket, status_code=201)
-        return JSONResponse(ticket, status_code=200, headers={"Idempotent-Replayed": "true"})
-
-    @api.get("/sim/v1/tickets", tags=["sim"])
-    async def get_tickets(idempotency_key: str | None = None) -> list[dict[str, Any]]:
-        return [
-            t for t in layer.tickets if idempotency_key is None or t["idempotency_key"] == idempotency_key
-        ]
-
     install_load_routes(api, layer)
+    install_jira_routes(api, layer)
     return api

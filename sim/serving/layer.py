@@ -78,7 +78,6 @@ class ServingSettings(BaseModel):
     serve_engines: bool = Field(
         default=True, description="run each engine's HTTP server on its pod IP (off: in-process only)"
     )
-    tickets_honour_idempotency_key: bool = True
     traffic: TrafficSpec | None = None
 
 
@@ -115,7 +114,7 @@ class ServingLayer:
         self.telemetry: dict[str, NodeTelemetry] = {}
         self.thermal_nodes: dict[str, float] = {}
         self.notifications: list[dict[str, Any]] = []
-        self.tickets: list[dict[str, Any]] = []
+        self.issues: list[dict[str, Any]] = []  # the world's Jira (sim.serving.jira)
         self._scheduled: list[FaultRequest] = []
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -318,31 +317,26 @@ class ServingLayer:
                 out[index] = min(1.0, 0.1 + engine.num_running / max(1, engine.spec.max_num_seqs) * 4)
         return out
 
-    # ---- incident channel and tickets ---------------------------------------------------------
+    # ---- incident channel and Jira issues ---------------------------------------------------------
     def notify(self, message: NotifyMessage) -> None:
         self.notifications.append({"received_at": self.clock.now(), **message.model_dump()})
 
-    def create_ticket(
-        self, title: str, body: str, idempotency_key: str | None
-    ) -> tuple[dict[str, Any], bool]:
-        """(ticket, created). A repeated Idempotency-Key with the same content replays the first ticket;
-        with different content it is refused (ValueError). ``tickets_honour_idempotency_key: false``
-        turns the target into one that duplicates (to show what the ledger prevents)."""
-        if idempotency_key and self.settings.tickets_honour_idempotency_key:
-            for existing in self.tickets:
-                if existing["idempotency_key"] == idempotency_key:
-                    if (existing["title"], existing["body"]) != (title, body):
-                        raise ValueError(
-                            f"Idempotency-Key {idempotency_key!r} was already used for a ticket with different "
-                            "content; use a new key for a new ticket"
-                        )
-                    return existing, False
-        ticket = {
-            "id": f"TKT-{len(self.tickets) + 1:05d}",
-            "idempotency_key": idempotency_key,
-            "title": title,
-            "body": body,
-            "created_at": self.clock.now(),
+    def create_issue(
+        self, *, project: str, issue_type: str, summary: str, description: str, labels: list[str]
+    ) -> dict[str, Any]:
+        """A new Jira issue (``sim.serving.jira``). Jira takes no idempotency key: every create is a new issue."""
+        number = len(self.issues) + 1
+        issue = {
+            "id": str(10000 + number),
+            "key": f"{project}-{number}",
+            "fields": {
+                "project": {"key": project},
+                "issuetype": {"name": issue_type},
+                "summary": summary,
+                "description": description,
+                "labels": labels,
+                "created": self.clock.now(),
+            },
         }
-        self.tickets.append(ticket)
-        return ticket, True
+        self.issues.append(issue)
+        return issue

@@ -84,7 +84,7 @@ class RouterConfig(BaseModel):
         default=0.0, ge=0, le=1, description="share of requests that propose an effect"
     )
     effect_kind: str = "ticket"
-    effect_target: str = "sim-tickets"
+    effect_target: str = "jira"
     effect_token: str | None = Field(
         default=None, description="bearer token for effect_url (fleetmend's FLEETMEND_EFFECTS_TOKEN)"
     )

@@ -347,6 +347,7 @@ def test_cli_reconcile_reads_the_action_log_from_fleetmend_action_log_url(
     from activities.effects import TicketCreate, TicketParams
     from sim.runner import start_sim
     from sim.scenario import shipped_scenarios
+    from tests.support import JIRA_ISSUE_PATH, open_issue_by_hand, sim_jira
 
     runner = CliRunner()
     monkeypatch.setenv("FLEETMEND_DATABASE_URL", ledger_url)
@@ -358,11 +359,15 @@ def test_cli_reconcile_reads_the_action_log_from_fleetmend_action_log_url(
     ):
         params = TicketParams(title="GPU node lost", body="gpu-node-2 NotReady")
         outcome = ledger.perform(
-            "req-1/0", "ticket.create", "oncall", params, TicketCreate(fleetmend_http, sim.base_url, params)
+            "req-1/0",
+            "ticket.create",
+            "oncall",
+            params,
+            TicketCreate(fleetmend_http, sim_jira(sim.base_url), params),
         )
         assert outcome.state == "applied"
         # An operator's own request is the world's business, not a fleetmend orphan.
-        someone_else.post(f"{sim.base_url}/sim/v1/tickets", json={"title": "opened by an operator"})
+        assert open_issue_by_hand(someone_else, sim.base_url, "opened by an operator").status_code == 201
         world = sim.base_url.split("//", 1)[1]
 
         monkeypatch.setenv("FLEETMEND_ACTION_LOG_URL", f"{sim.base_url}/sim/v1/actions")
@@ -372,11 +377,11 @@ def test_cli_reconcile_reads_the_action_log_from_fleetmend_action_log_url(
         assert report["world"] == world and report["world_actions_compared"] == 1
 
         # A ticket fleetmend opened behind the ledger's back: an orphan, found through the setting alone.
-        fleetmend_http.post(f"{sim.base_url}/sim/v1/tickets", json={"title": "no ledger row"})
+        assert open_issue_by_hand(fleetmend_http, sim.base_url, "no ledger row").status_code == 201
         found = runner.invoke(app, ["ledger", "reconcile", "--json"])
         assert found.exit_code == 1, found.output
         assert [(o["verb"], o["path"]) for o in json.loads(found.stdout)["orphans"]] == [
-            ("POST", "/sim/v1/tickets")
+            ("POST", JIRA_ISSUE_PATH)
         ]
         everyone = runner.invoke(app, ["ledger", "reconcile", "--json", "--client", ""])
         assert len(json.loads(everyone.stdout)["orphans"]) == 2  # the operator's ticket too

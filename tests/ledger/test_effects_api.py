@@ -27,6 +27,7 @@ from sim.scenario import shipped_scenarios
 from tests.ledger.world import SimulatedCrash
 from tests.sim.serving_fixtures import running_serving, scenario
 from tests.sim.test_serving_streaming import MODEL
+from tests.support import JIRA_ISSUE_PATH, jira_issues, open_issue_by_hand, sim_jira
 from worker.config import Settings
 from worker.webhook.app import create_app
 from worker.webhook.effects_api import effects_router
@@ -83,7 +84,9 @@ def served_effects_api(
     ledger_token: str | None = LEDGER_TOKEN,
 ) -> tuple[ServedApp, httpx.Client]:
     http = httpx.Client(timeout=5)
-    registry = default_registry(http, tickets_url=sim_base_url, notifier_url=f"{sim_base_url}/sim/v1/notify")
+    registry = default_registry(
+        http, tickets=sim_jira(sim_base_url), notifier_url=f"{sim_base_url}/sim/v1/notify"
+    )
     app = FastAPI()
     app.include_router(
         effects_router(
@@ -120,21 +123,20 @@ def anonymous(served_api: ServedApp) -> Iterator[httpx.Client]:
 TICKET = {
     "operation_id": "req-17/0",
     "kind": "ticket.create",
-    "target": "sim-tickets",
+    "target": "jira",
     "params": {"title": "inference request req-17", "body": "proposed by req-17"},
 }
 
 
-def tickets(sim_http: httpx.Client, key: str | None = None) -> list[dict[str, Any]]:
-    params = {"idempotency_key": key} if key else {}
-    return list(sim_http.get("/sim/v1/tickets", params=params).json())
+def tickets(sim_http: httpx.Client, op_id: str | None = None) -> list[dict[str, Any]]:
+    return jira_issues(sim_http, op_id=op_id)
 
 
 def ticket_posts(sim_http: httpx.Client) -> list[dict[str, Any]]:
     return [
         a
         for a in sim_http.get("/sim/v1/actions").json()
-        if a["verb"] == "POST" and a["path"] == "/sim/v1/tickets"
+        if a["verb"] == "POST" and a["path"] == JIRA_ISSUE_PATH
     ]
 
 
@@ -146,13 +148,15 @@ def test_first_call_and_every_repeat_get_the_same_answer_and_one_ticket(
     body = first.json()
     assert body["state"] == "applied" and body["replayed"] is False and body["request_id"] == "req-17"
     ticket = body["result"]["ticket"]
-    assert ticket["idempotency_key"] == "req-17/0"
+    assert ticket["key"].startswith("OPS-")
 
     for _ in range(3):
         again = api.post("/v1/effects", json=TICKET)
         assert again.status_code == 200
         assert again.json()["result"] == body["result"] and again.json()["replayed"] is True
-    assert tickets(sim_http, "req-17/0") == [ticket]
+    (issue,) = tickets(sim_http, "req-17/0")
+    assert issue["key"] == ticket["key"] and issue["fields"]["summary"] == "inference request req-17"
+    assert "req-17/0" in issue["fields"]["description"]  # the operation, for whoever reads the issue
     posts = ticket_posts(sim_http)
     assert len(posts) == 1  # the world saw one request, not four
     assert posts[0]["body_digest"] == body["action_signature"]["body_digest"]
@@ -254,7 +258,7 @@ def test_ticket_landed_before_a_crash_is_found_by_probe_not_reposted(
                 "ticket.create",
                 "oncall",
                 params,
-                CrashAfterPost(http, sim.base_url, params),
+                CrashAfterPost(http, sim_jira(sim.base_url), params),
             )
         time.sleep(0.3)
         outcome = ledger.perform(
@@ -262,7 +266,7 @@ def test_ticket_landed_before_a_crash_is_found_by_probe_not_reposted(
             "ticket.create",
             "oncall",
             params,
-            TicketCreate(http, sim.base_url, params),
+            TicketCreate(http, sim_jira(sim.base_url), params),
         )
     assert outcome.state == "applied" and outcome.replayed and outcome.fence == 2
     assert len(tickets(sim_http, "wf/ticket/gpu-node-2")) == 1 and len(ticket_posts(sim_http)) == 1
@@ -274,14 +278,14 @@ def test_ticket_landed_before_a_crash_is_found_by_probe_not_reposted(
         world=world,
         actions=world_actions_from_sim(world, sim_http.get("/sim/v1/actions").json()),
     ).clean
-    sim_http.post("/sim/v1/tickets", json={"title": "opened by hand"})
+    assert open_issue_by_hand(sim_http, "", "opened by hand").status_code == 201
     report = reconcile(
         ledger.engine,
         world=world,
         actions=world_actions_from_sim(world, sim_http.get("/sim/v1/actions").json()),
     )
     assert [(o.verb, o.path) for o in report.orphans] == [
-        ("POST", "/sim/v1/tickets")
+        ("POST", JIRA_ISSUE_PATH)
     ] and report.duplicates == []
 
 
@@ -403,6 +407,7 @@ def test_every_route_of_the_worker_api_but_health_metrics_and_docs_needs_a_token
         ledger_token=SecretStr(LEDGER_TOKEN),
         database_url=SecretStr(ledger_url),
         tickets_url="http://127.0.0.1:9",
+        tickets_token=SecretStr("jira-token"),
     )
     app = create_app(settings)
     served = ServedApp(app)

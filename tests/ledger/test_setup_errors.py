@@ -43,6 +43,7 @@ async def test_effect_api_without_a_database_answers_503_with_the_fix() -> None:
     settings = Settings(
         database_url=None,
         tickets_url="http://127.0.0.1:9",
+        tickets_token=SecretStr("jira-token"),
         effects_token=SecretStr("effects-token"),
         ledger_token=SecretStr("ledger-token"),
     )

@@ -1,4 +1,4 @@
-"""Inference-proposed effects carry the request's operation id (also on retry); notify sink and tickets."""
+"""Inference-proposed effects carry the request's operation id (also on retry); notify sink and the simulated Jira."""
 
 from __future__ import annotations
 
@@ -71,26 +71,43 @@ async def test_a_retried_request_proposes_its_effect_again_under_the_same_operat
         assert sim.layer.router.effect_answers["fx-1/0"]["body"]["state"] == "applied"
 
 
-async def test_notify_sink_and_tickets_with_idempotency_key() -> None:
+async def test_notify_sink_and_the_jira_issue_api() -> None:
     async with running_serving(scenario(), speed=20) as sim:
         r = await sim.http.post("/sim/v1/notify", json={"text": "replica lost", "blocks": []})
         assert r.status_code == 200 and r.text == "ok"
         assert [m["text"] for m in (await sim.http.get("/sim/v1/notify")).json()] == ["replica lost"]
         assert (await sim.http.post("/sim/v1/notify", json={"txt": "typo"})).status_code == 422
 
-        ticket = {"title": "node gpu-node-0 quarantined", "body": "Xid 79"}
-        created = await sim.http.post("/sim/v1/tickets", json=ticket, headers={"Idempotency-Key": "op-1"})
-        assert created.status_code == 201 and created.json()["idempotency_key"] == "op-1"
-        replay = await sim.http.post("/sim/v1/tickets", json=ticket, headers={"Idempotency-Key": "op-1"})
-        assert replay.status_code == 200 and replay.json()["id"] == created.json()["id"]
-        assert replay.headers["idempotent-replayed"] == "true"
-        clash = await sim.http.post(
-            "/sim/v1/tickets", json={**ticket, "body": "other"}, headers={"Idempotency-Key": "op-1"}
+        auth = {"Authorization": "Bearer any-token"}
+        fields = {
+            "project": {"key": "OPS"},
+            "issuetype": {"name": "Task"},
+            "summary": "node gpu-node-0 quarantined",
+            "description": "Xid 79",
+            "labels": ["fleetmend", "fleetmend-op-1"],
+        }
+        assert (await sim.http.post("/rest/api/2/issue", json={"fields": fields})).status_code == 401
+        created = await sim.http.post("/rest/api/2/issue", json={"fields": fields}, headers=auth)
+        assert created.status_code == 201 and created.json()["key"] == "OPS-1"
+        assert created.json()["self"].endswith(f"/rest/api/2/issue/{created.json()['id']}")
+        # Like Jira, no idempotency key: the same create again is a second issue (the ledger's job to prevent).
+        again = await sim.http.post("/rest/api/2/issue", json={"fields": fields}, headers=auth)
+        assert again.status_code == 201 and again.json()["key"] == "OPS-2"
+        missing = await sim.http.post(
+            "/rest/api/2/issue", json={"fields": {**fields, "summary": ""}}, headers=auth
         )
-        assert clash.status_code == 422 and "different content" in clash.json()["detail"]
-        probe = await sim.http.get("/sim/v1/tickets", params={"idempotency_key": "op-1"})
-        assert [t["id"] for t in probe.json()] == [created.json()["id"]]
-        assert (await sim.http.get("/sim/v1/tickets", params={"idempotency_key": "op-2"})).json() == []
+        assert missing.status_code == 400 and "summary" in missing.json()["errors"]
+        one = await sim.http.get("/rest/api/2/issue/OPS-1", headers=auth)
+        assert one.json()["fields"]["description"] == "Xid 79"
+        assert (await sim.http.get("/rest/api/2/issue/OPS-9", headers=auth)).status_code == 404
+        # JQL on project and labels, on both searches (Data Center's and Cloud's).
+        jql = 'project = "OPS" AND labels = "fleetmend-op-1"'
+        dc = (await sim.http.get("/rest/api/2/search", params={"jql": jql}, headers=auth)).json()
+        assert dc["total"] == 2 and [i["key"] for i in dc["issues"]] == ["OPS-1", "OPS-2"]
+        cloud = await sim.http.get("/rest/api/2/search/jql", params={"jql": 'labels = "other"'}, headers=auth)
+        assert cloud.json() == {"issues": [], "isLast": True}
+        bad = await sim.http.get("/rest/api/2/search", params={"jql": "summary ~ gpu"}, headers=auth)
+        assert bad.status_code == 400 and "not supported" in bad.json()["errorMessages"][0]
         # Every POST reached the world's action log (the independent evidence the ledger is audited against).
         actions = (await sim.http.get("/sim/v1/actions")).json()
-        assert sum(1 for a in actions if a["path"] == "/sim/v1/tickets" and a["verb"] == "POST") == 3
+        assert sum(1 for a in actions if a["path"] == "/rest/api/2/issue" and a["verb"] == "POST") == 4

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_ENGINE_PORT = 8000  # vLLM's default --port, and the simulator's (sim.k8s.podips)
+# The simulated Jira wants a token, as a real one does, and takes any: this one names the dev stack.
+SIM_JIRA_TOKEN = "fleetmend-dev"
 
 
 def settings_for_sim(
@@ -33,13 +35,15 @@ def settings_for_sim(
         "kubeconfig": kubeconfig,
         "kube_context": None,
         # The users' requests go through Envoy (worker.devstack.gateway); the sim's port is its
-        # clock, faults, load generator, incident channel and tickets.
+        # clock, faults, load generator, incident channel and a Jira (REST API v2) for tickets.
         "gateway": "envoy",
         "sim_url": base,
         "metrics_url_template": f"http://{{pod_ip}}:{engine_port}/metrics",
         "health_url_template": f"http://{{pod_ip}}:{engine_port}/health",
         "node_telemetry_url_template": base + "/nodes/{node}/metrics",
         "notifier_url": base + "/sim/v1/notify",
+        "tickets_url": base,
+        "tickets_token": SIM_JIRA_TOKEN,
         "action_log_url": base + "/sim/v1/actions",
     }
     if audit_log is not None:

@@ -233,7 +233,7 @@ class _SimPart:
         """Point the worker and webhook at the sim: kubeconfig, engine/node metrics, health, its control API.
 
         Engines are read at ``{pod_ip}:<the scenario's engine port>`` (each listens on its pod IP);
-        node telemetry, tickets and the incident channel at the sim's HTTP port; the gateway is
+        node telemetry, Jira (tickets) and the incident channel at the sim's HTTP port; the gateway is
         Envoy, through the control plane."""
         from worker.devstack.sim_wiring import settings_for_running_sim
 

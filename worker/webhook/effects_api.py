@@ -33,7 +33,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
-from activities.effects import EffectRegistry, UnknownEffectKind, default_registry
+from activities.effects import EffectRegistry, JiraProject, UnknownEffectKind, default_registry
 from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX
 from ledger.audit import EffectDetail, EffectFilter, EffectPage, InvalidQuery, list_effects, show_effect
 from ledger.effect import EffectContext
@@ -222,19 +222,35 @@ def effects_router(
     return router
 
 
+def jira_project(settings: Settings) -> JiraProject | None:
+    """The Jira project ``ticket.create`` opens issues in; None without ``FLEETMEND_TICKETS_URL``."""
+    if not settings.tickets_url:
+        return None
+    if settings.tickets_token is None:
+        raise ValueError(
+            "FLEETMEND_TICKETS_URL is set but FLEETMEND_TICKETS_TOKEN is not: Jira refuses anonymous issue "
+            "creation. Set the token (a Cloud API token with FLEETMEND_TICKETS_USER, or a Data Center "
+            "personal access token), or unset FLEETMEND_TICKETS_URL to serve no ticket.create kind"
+        )
+    return JiraProject(
+        base_url=settings.tickets_url,
+        project=settings.tickets_project,
+        issue_type=settings.tickets_issue_type,
+        user=settings.tickets_user,
+        token=settings.tickets_token,
+        search=settings.tickets_search,
+    )
+
+
 def create_router(settings: Settings) -> APIRouter:
     """The router the webhook app mounts: the ledger at ``FLEETMEND_DATABASE_URL`` (connected on first use),
-    ``ticket.create`` against ``FLEETMEND_TICKETS_URL`` (default: the router admin URL, the sim) and
-    ``notify.post`` to ``FLEETMEND_NOTIFIER_URL`` when set."""
+    ``ticket.create`` in the Jira at ``FLEETMEND_TICKETS_URL`` and ``notify.post`` to
+    ``FLEETMEND_NOTIFIER_URL``, each when set."""
     # The user agent is how a target's action log (the sim's) attributes these requests to fleetmend.
     http = httpx.Client(
         timeout=httpx.Timeout(5.0, connect=2.0), headers={"User-Agent": "fleetmend-effects-api/0.1"}
     )
-    registry = default_registry(
-        http,
-        tickets_url=settings.tickets_url or settings.sim_url,
-        notifier_url=settings.notifier_url,
-    )
+    registry = default_registry(http, tickets=jira_project(settings), notifier_url=settings.notifier_url)
     url = settings.database_url_value()
     lock = threading.Lock()
     built: list[EffectLedger] = []
