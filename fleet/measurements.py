@@ -359,18 +359,37 @@ def capacity_to_count_on(estimated_rps: float, served_rps: float | None) -> tupl
     return served_rps, f"they served {served_rps:.1f} req/s (more than the {estimated_rps:.1f} estimated)"
 
 
+# Once Temporal suggests continuing as new (the history is thousands of events long), the keeper looks
+# this many times its steady interval apart: a recovery stuck for days cannot reach the server's hard
+# history limit (51,200 events) through the keeper's looks.
+PARKED_FACTOR = 10.0
+
+
 def next_admission_look(
-    current_s: float, base_s: float, max_s: float, *, admission_moved: bool, backlog: float
+    current_s: float,
+    base_s: float,
+    max_s: float,
+    *,
+    admission_moved: bool,
+    backlog: float,
+    awaiting_operator: bool = False,
+    history_large: bool = False,
 ) -> float:
     """How long the admission keeper waits before its next look at the queues.
 
     A look that moved admission, or found requests waiting (the queues absorbing a gap, so the
     refused share is about to move), keeps the base interval; a steady look (nothing moved, queues
-    empty) doubles the wait up to ``max_s``. A recovery that waits hours for an operator then
-    adds a look per ``max_s``, not per ``base_s``, to its history; capacity changes re-admit at once
-    whatever the keeper's interval.
+    empty) doubles the wait up to ``max_s``. While the procedure awaits an operator, waiting
+    requests alone do not hold the base interval (nothing the procedure does will change capacity
+    until somebody answers; only a moving admission does). Once the workflow's history is large
+    (``history_large``: Temporal's continue-as-new suggestion), the keeper looks every
+    ``PARKED_FACTOR`` x ``max_s`` whatever happens: about 130 history events an hour, so days of
+    waiting stay far below the server's history limit. Capacity changes re-admit at once whatever
+    the keeper's interval.
     """
-    if admission_moved or backlog >= 1.0:
+    if history_large:
+        return max(base_s, PARKED_FACTOR * max_s)
+    if admission_moved or (backlog >= 1.0 and not awaiting_operator):
         return base_s
     return max(base_s, min(max_s, 2.0 * current_s))
 

@@ -153,6 +153,7 @@ class ReplicaLossRecovery(Procedure):
         self._keeping_admission = False
         self._admission_keeper: asyncio.Task[None] | None = None
         self._admission_look_s = inp.timings.admission_interval_s
+        self._keeper_parked = False  # the keeper looks PARKED_FACTOR x its max interval apart
         self._unmatched: list[str] = []
         self._expected_new = 0
         self._quarantined: list[str] = []
@@ -453,12 +454,24 @@ class ReplicaLossRecovery(Procedure):
                 backlog=backlog,
                 capacity_changed=False,
             )
+            bounded = workflow.patched("keeper-bounds-history")
+            history_large = bounded and workflow.info().is_continue_as_new_suggested()
+            if history_large and not self._keeper_parked:
+                self._keeper_parked = True
+                self.decide(
+                    f"the recovery's history is long ({workflow.info().get_current_history_length()} events): "
+                    f"the admission keeper re-reads the queues every "
+                    f"{measurements.PARKED_FACTOR * timings.admission_max_interval_s:.0f} s from now on "
+                    "(capacity changes still re-admit at once)"
+                )
             self._admission_look_s = measurements.next_admission_look(
                 self._admission_look_s,
                 timings.admission_interval_s,
                 timings.admission_max_interval_s,
                 admission_moved=moved,
                 backlog=backlog,
+                awaiting_operator=bounded and self._status.phase is Phase.AWAITING_OPERATOR,
+                history_large=history_large,
             )
 
     async def _stop_keeping_admission(self) -> None:

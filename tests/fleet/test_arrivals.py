@@ -151,3 +151,24 @@ def test_steady_looks_double_the_wait_to_the_cap_and_movement_resets_it() -> Non
     assert waits == [4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
     assert next_admission_look(30.0, 2.0, 30.0, admission_moved=False, backlog=3.0) == 2.0
     assert next_admission_look(30.0, 2.0, 30.0, admission_moved=True, backlog=0.0) == 2.0
+
+
+def test_a_recovery_waiting_for_an_operator_or_with_a_long_history_looks_less_often() -> None:
+    """A recovery stuck at an operator gate under load must not fill its history with looks every 2 s."""
+    from fleet.measurements import PARKED_FACTOR, next_admission_look
+
+    # Waiting requests keep the base interval while the procedure acts, not while it waits for a human.
+    assert next_admission_look(2.0, 2.0, 30.0, admission_moved=False, backlog=4.0) == 2.0
+    assert (
+        next_admission_look(2.0, 2.0, 30.0, admission_moved=False, backlog=4.0, awaiting_operator=True) == 4.0
+    )
+    # A moving admission is still followed closely while waiting.
+    assert (
+        next_admission_look(16.0, 2.0, 30.0, admission_moved=True, backlog=4.0, awaiting_operator=True) == 2.0
+    )
+    # Temporal suggests continuing as new: parked, whatever moves (about 130 history events an hour).
+    for moved in (False, True):
+        parked = next_admission_look(2.0, 2.0, 30.0, admission_moved=moved, backlog=9.0, history_large=True)
+        assert parked == PARKED_FACTOR * 30.0
+    events_per_look = 11  # activity 3, timer 2, two workflow tasks 6
+    assert 3600 / (PARKED_FACTOR * 30.0) * events_per_look * 24 * 4 < 51_200 - 4_096  # four days of waiting
