@@ -308,6 +308,7 @@ async def one_run(
             stages: dict[str, float | None] = {}
             phase: str | None = None
             levels: list[ShedLevel] = []
+            lost: set[str] = set()
             if mode != "no-fault":
                 target, lost, params = await target_and_lost(rig, fault)
                 fault_at = time.time()
@@ -366,10 +367,12 @@ async def one_run(
                 },
             )
             # Envoy's word on the requests it did not complete: response code and flags (UO overflow,
-            # UH no healthy host, UF connect failure, UC/UR cut, URX retries spent...).
+            # UH no healthy host, UF connect failure, UC/UR cut, URX retries spent...), and whether the
+            # replica was one the fault took (a cut on a survivor would be something fleetmend did).
             for entry in await rig.request_outcomes(fault.pool):
                 if entry.outcome not in (Outcome.COMPLETED, Outcome.SHED):
-                    key = "envoy " + entry.detail.split(" via ")[0]
+                    where = "lost" if entry.replica in lost else "survivor" if entry.replica else "no replica"
+                    key = f"envoy {entry.detail.split(' via ')[0]} ({where})"
                     result.missed[key] = result.missed.get(key, 0) + 1
             if fleetmend and levels:
                 account = account_shedding(

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from worker.devstack.scenarios import DEFAULT_SCENARIO
 from worker.processes import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,17 +159,64 @@ def keep_running_demo(scenario: str, output_dir: Path) -> Iterator[DemoProcess]:
         _stop(run)
 
 
-# Package scope: the kept demos (a loaded fleet each) stop when the demo tests are done, not at the
-# end of the session - they would slow every later test on a 2-core machine.
+# The kept demos, and the scenario each one is: a test of that scenario reads the kept run instead of
+# running the demo again.
+KEPT = {DEFAULT_SCENARIO: "kept_demo", "fragmented": "kept_fragmented"}
+_RUNNING: dict[str, DemoProcess] = {}  # kept fixture name -> its running demo
+_LAST_USER: dict[str, str] = {}  # kept fixture name -> nodeid of the last test that uses it
+
+
+def kept_fixtures(item: pytest.Item) -> set[str]:
+    """The kept demos a test uses: as fixtures, or through its ``scenario`` parameter."""
+    names = {n for n in KEPT.values() if n in getattr(item, "fixturenames", ())}
+    callspec = getattr(item, "callspec", None)
+    scenario = callspec.params.get("scenario") if callspec is not None else None
+    if isinstance(scenario, str) and scenario in KEPT:
+        names.add(KEPT[scenario])
+    return names
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run each kept demo's tests one after another, the default demo's first and the fragmented one's
+    last, and note each one's last user: the kept demo stops right after it (a kept demo is a loaded
+    fleet of its own, and on 2 cores it slows every demo run beside it)."""
+    order = {"kept_demo": 0, "kept_fragmented": 2}
+    demo = [i for i in items if i.nodeid.startswith("tests/demo/")]
+    if not demo:
+        return
+
+    def rank(item: pytest.Item) -> int:
+        kept = kept_fixtures(item)
+        return min((order[k] for k in kept), default=1)
+
+    first = items.index(demo[0])
+    others = [i for i in items if not i.nodeid.startswith("tests/demo/")]
+    ordered = sorted(demo, key=rank)  # stable: file order within a group
+    items[:] = others[:first] + ordered + others[first:]
+    for item in ordered:
+        for name in kept_fixtures(item):
+            _LAST_USER[name] = item.nodeid
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    for name, last in _LAST_USER.items():
+        if item.nodeid == last and name in _RUNNING:
+            _stop(_RUNNING.pop(name))
+
+
 @pytest.fixture(scope="package")
 def kept_demo(output_dir: Path) -> Iterator[DemoProcess]:
-    """The default scenario (what ``make demo`` runs), left running after its summary."""
-    with keep_running_demo("gpu-node-loss", output_dir) as run:
+    """The default scenario (what ``make demo`` runs), left running after its summary until its last test."""
+    with keep_running_demo(DEFAULT_SCENARIO, output_dir) as run:
+        _RUNNING["kept_demo"] = run
         yield run
+        _RUNNING.pop("kept_demo", None)
 
 
 @pytest.fixture(scope="package")
 def kept_fragmented(output_dir: Path) -> Iterator[DemoProcess]:
     """The fragmented scenario: its recovery stays open, awaiting an operator (a live workflow for the UI)."""
     with keep_running_demo("fragmented", output_dir) as run:
+        _RUNNING["kept_fragmented"] = run
         yield run
+        _RUNNING.pop("kept_fragmented", None)

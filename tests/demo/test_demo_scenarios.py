@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.demo.conftest import FLEETMEND, DemoProcess, run_demo_cli
+from tests.demo.conftest import FLEETMEND, KEPT, DemoProcess, run_demo_cli
 from worker.devstack.scenarios import DEFAULT_SCENARIO, SCENARIOS
 
 ISSUE_KEYS = {
@@ -157,7 +157,6 @@ def test_worker_exposes_sdk_and_fleetmend_metrics(kept_demo: DemoProcess) -> Non
 
 
 # Scenarios that run as a kept demo anyway (a package fixture): their report is read, not run again.
-KEPT = {DEFAULT_SCENARIO: "kept_demo", "fragmented": "kept_fragmented"}
 
 
 @pytest.mark.slow
