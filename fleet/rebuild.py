@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleet.loss import PodObservation
 from fleet.pool import GroupRole, NodeInfo, ReplicaGroup, WorkloadKind
 
 
@@ -191,3 +192,16 @@ def uids_at_loss(
     out = {p: uid for p, uid in confirmed.items() if p not in lost_pods}
     out.update({p: first_look[p] for p in lost_pods if p in first_look})
     return out
+
+
+def still_counted(retire_pods: Iterable[str], pods: Mapping[str, PodObservation]) -> list[str]:
+    """Lost pods a scale-down should have retired that their controller still counts: present and not
+    being deleted.
+
+    The rebuild scales a workload down by its lost pods (marked to go first), then up by the
+    replacements. A controller that sees only the second of two quick updates (its informer
+    coalesces them, as Kubernetes' ReplicaSet controller may) removes one pod where two were
+    lost, and keeps counting the other - on a dead node - as a replica, so no replacement is
+    created for it. The scale-up waits until this list is empty.
+    """
+    return sorted(p for p in retire_pods if p in pods and not pods[p].deleting)

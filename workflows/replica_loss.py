@@ -73,7 +73,13 @@ with workflow.unsafe.imports_passed_through():
         remediation_gate,
         repaired,
     )
-    from fleet.rebuild import awaiting_recreation, plan_rebuild, pods_held_by_lost_nodes, uids_at_loss
+    from fleet.rebuild import (
+        awaiting_recreation,
+        plan_rebuild,
+        pods_held_by_lost_nodes,
+        still_counted,
+        uids_at_loss,
+    )
     from fleet.recovery import (
         CheckResult,
         IncidentCause,
@@ -628,11 +634,13 @@ class ReplicaLossRecovery(Procedure):
             pool_groups=self._initial_obs.snapshot.groups if self._initial_obs else (),
         )
         self._expected_new = plan.expected_new
+        # patched: a recovery that was past this point when the worker was upgraded replays as it ran.
+        retire_first = workflow.patched("retire-before-regrow")
         for workload in plan.workloads:
             await self.mark_removed_first(
                 inp.pool, workload.retire_pods, step="retire-mark", why="lost pod leaves"
             )
-            for scale in workload.scales:
+            for n, scale in enumerate(workload.scales):
                 report = await self.act(
                     ActActivities.scale_workload,
                     ScaleChange(
@@ -645,6 +653,8 @@ class ReplicaLossRecovery(Procedure):
                     scale.summary,
                 )
                 self.decide(scale.summary, {"ledger": report.state})
+                if retire_first and n == 0 and workload.retire_pods and len(workload.scales) > 1:
+                    await self._await_retired(workload.retire_pods, f"{scale.kind} {scale.name}")
         unmatched = [g for g in lost if g.id in plan.unmatched]
         if not unmatched:
             self.figure("lead_time_announced_seconds", None)
@@ -660,6 +670,29 @@ class ReplicaLossRecovery(Procedure):
         )
         await self.notify("lead-time", text)
         self.decide(text, {"lead_time": estimate.model_dump(mode="json")})
+
+    async def _await_retired(self, pods: tuple[str, ...], workload: str) -> None:
+        """Before scaling up: has the workload's controller let the lost pods go (``fleet.rebuild.still_counted``)?"""
+        timings = self._inp.timings
+        if self._inp.dry_run:
+            return
+        deadline = self.now() + timings.deroute_timeout_s
+        while True:
+            obs = await self._observe(light=True, summary=f"rebuild: has {workload} let the lost pods go?")
+            left = still_counted(pods, obs.pods)
+            if not left:
+                return
+            if self.now() >= deadline:
+                self.decide(
+                    f"{workload} still counts {', '.join(left)} {timings.deroute_timeout_s:g} s after the "
+                    "scale-down that retires them: scaling up anyway (verification shows whether a "
+                    "replacement came for each)",
+                    {"still_counted": left},
+                )
+                return
+            await workflow.sleep(
+                timings.poll_interval_s, summary=f"rebuild: {workload} to let {', '.join(left)} go"
+            )
 
     async def _force_delete(self, pods: list[str], why: str, lost: list[ReplicaGroup], *, step: str) -> None:
         """The last resort (DESIGN.md §3 step 2): an operator approves, the capacity guard agrees, then grace 0."""

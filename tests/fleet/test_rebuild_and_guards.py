@@ -236,3 +236,21 @@ def test_a_leader_worker_set_scale_down_picks_its_highest_group_index() -> None:
     }
     choice = choose_victims(snapshot(groups), target_groups=2, loads=idle_first, warm_floor=1)
     assert choice.victims == ("llama-lws-2",)  # not the idle group 0: the LWS would remove index 2 anyway
+
+
+def test_the_scale_up_waits_until_the_controller_lets_every_lost_pod_go() -> None:
+    """Scale-down by the lost pods, then up by the replacements: a controller that saw only the second
+    update removed one lost pod where two were lost, and still counts the other as a replica."""
+    from fleet.loss import PodObservation
+    from fleet.rebuild import still_counted
+
+    lost = ("llama-a", "llama-b")
+    coalesced = {
+        "llama-a": PodObservation(pod="llama-a", deleting=True),
+        "llama-b": PodObservation(pod="llama-b"),  # still Running on the dead node, counted as a replica
+        "llama-c": PodObservation(pod="llama-c"),
+    }
+    assert still_counted(lost, coalesced) == ["llama-b"]
+    both_leaving = {**coalesced, "llama-b": PodObservation(pod="llama-b", deleting=True)}
+    assert still_counted(lost, both_leaving) == []
+    assert still_counted(lost, {"llama-c": coalesced["llama-c"]}) == []  # already gone
