@@ -232,9 +232,13 @@ async def test_a_lost_node_reaches_exactly_one_incident_through_prometheus_and_a
         if not await workflow_ids(temporal_client, f'WorkflowId = "{workflow_id}"', timeout_s=0):
             return []
         signals = await report_loss_signals(temporal_client, workflow_id)
-        return [s for s in signals if s["alert_name"] == "KubeNodeNotReady"]
+        node = [s for s in signals if s["alert_name"] == "KubeNodeNotReady"]
+        # One signal per replica group, delivered one after the other: wait for every group's.
+        return node if {s["replica_group"] for s in node} >= set(lost_pods) else []
 
-    node_signals = await wait_for("KubeNodeNotReady to reach the incident", node_loss_signalled, 90, logs)
+    node_signals = await wait_for(
+        "KubeNodeNotReady to reach the incident for every group on the node", node_loss_signalled, 90, logs
+    )
 
     # Exactly one workflow, a FleetIncident for the lost node's pool, on the configured task queue.
     assert await workflow_ids(temporal_client, f'TaskQueue = "{webhook.settings.task_queue}"') == [
@@ -479,7 +483,9 @@ async def test_a_2000_alert_group_with_one_real_node_loss_opens_that_incident(
                 if not await workflow_ids(temporal_client, f'WorkflowId = "{workflow_id}"', timeout_s=0):
                     return []
                 signals = await report_loss_signals(temporal_client, workflow_id)
-                return [s for s in signals if s["alert_name"] == "KubeNodeNotReady"]
+                node = [s for s in signals if s["alert_name"] == "KubeNodeNotReady"]
+                # One signal per replica group, one after the other: wait for every group's.
+                return node if {s["replica_group"] for s in node} >= set(lost_pods) else []
 
             node_signals = await wait_for(
                 "the node loss to reach the incident", node_loss_signalled, 120, logs
