@@ -160,6 +160,7 @@ class ReplicaLossRecovery(Procedure):
         self._admission_keeper: asyncio.Task[None] | None = None
         self._admission_look_s = inp.timings.admission_interval_s
         self._keeper_parked = False  # the keeper looks PARKED_FACTOR x its max interval apart
+        self._by_pod_name = False  # LeaderWorkerSet pods matched by name (set by the confirm step's patch)
         self._unmatched: list[str] = []
         self._expected_new = 0
         self._quarantined: list[str] = []
@@ -222,7 +223,7 @@ class ReplicaLossRecovery(Procedure):
         recreating: list[ReplicaGroup] = []
         first_look: PoolObservation | None = None
         # patched: a recovery that was confirming when the worker was upgraded replays as it ran.
-        by_pod_name = workflow.patched("lws-group-by-pod-name")
+        by_pod_name = self._by_pod_name = workflow.patched("lws-group-by-pod-name")
         while True:
             obs = await self._observe(
                 check_progress=True, light=True, summary="confirm: read pool, endpoints, engines"
@@ -277,7 +278,7 @@ class ReplicaLossRecovery(Procedure):
 
     def _confirm(self, obs: PoolObservation, reports: list[LossReport]) -> list[ReplicaGroup]:
         """Resolve reports to replica groups (node → groups, pod → group) and confirm each."""
-        candidates = match_reports(obs.snapshot, reports)
+        candidates = match_reports(obs.snapshot, reports, by_pod_name=self._by_pod_name)
         lost: list[ReplicaGroup] = []
         for g in candidates.values():
             verdict = confirm_group(g, obs.pods, obs.snapshot.nodes, obs.routed_pods, obs.publish_not_ready)
