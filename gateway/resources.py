@@ -20,6 +20,8 @@ CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
 LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
+# A retry goes to a host the request has not tried yet (Envoy's previous_hosts retry host predicate).
+PREVIOUS_HOSTS_PREDICATE = "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
 # Response header naming the engine that served the request (Envoy fills it in).
 UPSTREAM_HEADER = "x-fleetmend-upstream"
 # Ramp weights are floats; Envoy's load_balancing_weight is an integer >= 1.
@@ -204,6 +206,15 @@ def virtual_host(snapshot: PoolSnapshot, dp: DataPlaneSettings) -> dict[str, obj
         forward["retry_policy"] = {
             "retry_on": "connect-failure,refused-stream,reset-before-request",
             "num_retries": retry.max_attempts - 1,
+            # Never the host that just refused: without this a weighted round robin (a ramp gives the
+            # lost replica's neighbours uneven weights) can hand the retry to the same dead host.
+            "retry_host_predicate": [
+                {
+                    "name": "envoy.retry_host_predicates.previous_hosts",
+                    "typed_config": {"@type": f"type.googleapis.com/{PREVIOUS_HOSTS_PREDICATE}"},
+                }
+            ],
+            "host_selection_retry_max_attempts": "10",  # picks per retry before taking a tried host
             "retry_back_off": {
                 "base_interval": duration(max(retry.backoff_base_s, 0.001)),
                 "max_interval": duration(max(retry.backoff_max_s, retry.backoff_base_s, 0.001)),

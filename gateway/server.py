@@ -32,13 +32,14 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.route.v3 import route_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
-from google.protobuf import any_pb2, json_format
+from google.protobuf import any_pb2, descriptor_pb2, descriptor_pool, json_format
 from google.protobuf.message import Message
 
 from gateway.outcomes import request_row
 from gateway.resources import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
+    PREVIOUS_HOSTS_PREDICATE,
     ROUTE_TYPE,
     DataPlaneSettings,
     PoolSnapshot,
@@ -51,6 +52,28 @@ from gateway.resources import (
 from gateway.store import GatewayStore, StoredPolicy, version_string
 
 log = logging.getLogger("fleetmend.xds")
+
+
+def _declare_previous_hosts_predicate() -> None:
+    """Declare Envoy's ``PreviousHostsPredicate`` in protobuf's default pool.
+
+    The route's retry policy names it (a retry goes to a host this request has not tried yet), but
+    ``xds-protos`` does not ship its module. The message has no fields, so declaring it here is the
+    whole of its .proto; ``json_format`` then packs ``{"@type": ...}`` like any other Envoy type.
+    """
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindMessageTypeByName(PREVIOUS_HOSTS_PREDICATE)
+    except KeyError:
+        package, _, name = PREVIOUS_HOSTS_PREDICATE.rpartition(".")
+        proto = descriptor_pb2.FileDescriptorProto(
+            name=package.replace(".", "/") + "/previous_hosts.proto", package=package, syntax="proto3"
+        )
+        proto.message_type.add(name=name)
+        pool.Add(proto)
+
+
+_declare_previous_hosts_predicate()
 
 _MESSAGES: dict[str, type[Message]] = {
     CLUSTER_TYPE: cluster_pb2.Cluster,

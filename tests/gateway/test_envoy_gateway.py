@@ -300,10 +300,36 @@ def test_a_restarted_control_plane_serves_the_same_state_and_takes_new_changes(g
     assert weighted(served_by(gw, 50), "llama-1", 0.8)
 
 
-def test_retries_happen_only_before_a_response_started(gw: Gateway, engines: list[Engine]) -> None:
-    gone = Engine("llama-gone", f"{_octets()}.7")  # never started: connections are refused
-    gw.hosts.set(engines[0], gone)
-    gw.adapter.apply(POOL, GatewayPolicy(retry=RetryPolicy(max_attempts=3, budget_fraction=1.0)))
-    wait_for(lambda: len(json.dumps(config_dump(gw)).split("llama-gone")) > 1)
+def envoy_counter(gw: Gateway, name: str) -> int:
+    text = httpx.get(gw.envoy.admin_url + "/stats", params={"filter": f"^{name}$"}).text
+    return sum(int(line.rpartition(": ")[2]) for line in text.splitlines() if line.strip())
+
+
+def test_a_refused_connection_is_retried_on_another_host_never_the_same(
+    gw: Gateway, engines: list[Engine]
+) -> None:
+    """An engine that dies between two health checks refuses connections; each request's one retry
+    goes to the live engine even though the dead one carries three times its weight, where a
+    weighted round robin would pick the dead one again for two retries in three: Envoy's previous_hosts predicate, named by the route."""
+    # Health checks a minute apart and fleetmend's gateway-failure ejection out of reach: until
+    # Envoy's default outlier rule ejects it (consecutive_5xx, 5 refused connections) Envoy believes
+    # the dead engine is fine, so only the retry can save those requests.
+    gw.restart_plane(DataPlaneSettings(health_check_interval_s=60, consecutive_gateway_failure=1000))
+    doomed = Engine("llama-doomed", f"{_octets()}.8").start()
+    gw.hosts.set(engines[0], doomed)
+    policy = GatewayPolicy(
+        weights={"llama-0": 1.0, "llama-doomed": 3.0}, retry=RetryPolicy(max_attempts=2, budget_fraction=1.0)
+    )
+    gw.adapter.apply(POOL, policy)
+    wait_for(lambda: '"load_balancing_weight": 300' in json.dumps(config_dump(gw)))
+    wait_for(lambda: served_by(gw, 1) == {"llama-doomed": 1})  # its health check passed: it is routed
+    doomed.kill()
+    cluster = f"cluster.{POOL.key}"
+    refused_before = envoy_counter(gw, f"{cluster}.upstream_cx_connect_fail")
+    retried_before = envoy_counter(gw, f"{cluster}.upstream_rq_retry_success")
     seen = served_by(gw, 20)
-    assert seen == {"llama-0": 20}, seen  # a refused connection is retried onto the live engine
+    refused = envoy_counter(gw, f"{cluster}.upstream_cx_connect_fail") - refused_before
+    retried = envoy_counter(gw, f"{cluster}.upstream_rq_retry_success") - retried_before
+    assert refused >= 4, refused  # the dead engine was the first choice until it was ejected
+    assert seen == {"llama-0": 20}, seen  # and every request's single retry went to the live engine
+    assert retried == refused, (retried, refused)
