@@ -2,12 +2,13 @@
 and what the users got (goodput) with fleetmend, with only Kubernetes acting, and with no fault.
 
     .venv/bin/python -m bench.incident_stages [--rounds 3] [--classes gpu-node-lost,rank-lost,gpu-xid,engine-crash]
-                                              [--plot docs/incident-stages.png] [--json out.json]
+                                              [--load-share 0.7] [--plot docs/incident-stages.png] [--json out.json]
 
 Every run serves a fresh compressed world (``worker.devstack.rig.compressed_scenario``: the sim at
 real speed, start-up 4 s, cache warm-up 8 s, node-monitor grace 5 s, taint-eviction tolerations
 20 s, so Kubernetes' own recovery also fits in a run) under open-loop load at 70 % of the pool's
-capacity, then kills the fault class's target. Three modes, same world, same seeded arrivals:
+capacity (``--load-share``: at 90 % the lost replica's share is more than the survivors' headroom),
+then kills the fault class's target. Three modes, same world, same seeded arrivals:
 
 * **fleetmend** — a real worker and fleetmend's fast path (Lease, informers, engine ``/health``)
   opening the incident; Temporal dev server and Postgres for real. Stages, from the fault:
@@ -274,7 +275,13 @@ def span_time(status: ProcedureStatus, phase: Phase, edge: str, fault_at: float)
 
 
 async def one_run(
-    client: Client, database_url: str, fault: FaultClass, mode: str, index: int, seed: int
+    client: Client,
+    database_url: str,
+    fault: FaultClass,
+    mode: str,
+    index: int,
+    seed: int,
+    load_share: float = LOAD_SHARE,
 ) -> RunResult:
     fleetmend = mode == "fleetmend"
     extra: dict[str, Any] = (
@@ -302,7 +309,7 @@ async def one_run(
         async with contextlib.AsyncExitStack() as stack:
             if fleetmend:
                 await stack.enter_async_context(rig.fast_path(identity=f"bench-{index}"))
-            rate = round(fault.groups * GROUP_CAPACITY_RPS * LOAD_SHARE, 1)
+            rate = round(fault.groups * GROUP_CAPACITY_RPS * load_share, 1)
             load = await rig.start_load(rate=rate, duration_s=LOAD_S, seed=seed, pool=fault.pool.key)
             await asyncio.sleep(FAULT_AT_S)
             stages: dict[str, float | None] = {}
@@ -501,15 +508,23 @@ def plot(results: dict[str, list[RunResult]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-async def main(rounds: int, classes: list[str], plot_path: Path | None, json_path: Path | None) -> None:
+async def main(
+    rounds: int,
+    classes: list[str],
+    plot_path: Path | None,
+    json_path: Path | None,
+    load_share: float = LOAD_SHARE,
+) -> None:
     pg = acquire_server()
     env = await throwaway_dev_server()
     results: dict[str, list[RunResult]] = {}
     index = 0
     async with env, contextlib.AsyncExitStack() as cleanup:
         cleanup.callback(pg.stop)  # an embedded Postgres would outlive the bench otherwise
-        for name in classes:
-            fault = CLASSES[name]
+        for fault_class in classes:
+            fault = CLASSES[fault_class]
+            # A load other than the default is its own table (and its own key in --json).
+            name = fault_class if load_share == LOAD_SHARE else f"{fault_class} at {load_share:.0%} load"
             runs: list[RunResult] = []
             # Every round runs the three modes on the same seed, so each fleetmend run is compared
             # with Kubernetes alone and with no fault on the very same arrivals.
@@ -519,7 +534,9 @@ async def main(rounds: int, classes: list[str], plot_path: Path | None, json_pat
                 upgrade_head(url)
                 index += 1
                 try:
-                    result = await one_run(env.client, url, fault, mode, index, seed=11 + r)
+                    result = await one_run(
+                        env.client, url, fault, mode, index, seed=11 + r, load_share=load_share
+                    )
                 except Exception as err:  # one broken run is reported, the table goes on without it
                     print(f"{name} {mode} #{r + 1}: FAILED: {type(err).__name__}: {err}")
                     continue
@@ -551,6 +568,12 @@ if __name__ == "__main__":
         help="rounds per fault class; each runs fleetmend, Kubernetes-only and no-fault on one seed",
     )
     parser.add_argument("--classes", default=",".join(CLASSES), help=f"comma-separated: {', '.join(CLASSES)}")
+    parser.add_argument(
+        "--load-share",
+        type=float,
+        default=LOAD_SHARE,
+        help=f"open-loop load as a share of the pool's capacity before the fault (default {LOAD_SHARE})",
+    )
     parser.add_argument("--plot", type=Path, default=None, help="write the stage timeline (PNG) here")
     parser.add_argument("--json", type=Path, default=None, help="write every run's figures here")
     parser.add_argument(
@@ -574,4 +597,6 @@ if __name__ == "__main__":
     unknown = [c for c in args.classes.split(",") if c not in CLASSES]
     if unknown:
         parser.error(f"unknown fault class(es) {unknown}; choose from {sorted(CLASSES)}")
-    asyncio.run(main(args.rounds, args.classes.split(","), args.plot, args.json))
+    if not 0 < args.load_share <= 1.5:
+        parser.error(f"--load-share {args.load_share} is not a share of capacity; give a number in (0, 1.5]")
+    asyncio.run(main(args.rounds, args.classes.split(","), args.plot, args.json, args.load_share))
