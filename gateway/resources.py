@@ -93,7 +93,9 @@ def cluster(snapshot: PoolSnapshot, dp: DataPlaneSettings) -> dict[str, object]:
     if policy.retry.retry_before_first_byte:
         thresholds["retry_budget"] = {
             "budget_percent": {"value": round(policy.retry.budget_fraction * 100, 3)},
-            "min_retry_concurrency": 1,
+            # Envoy's own default floor: the burst of refused connections at the moment a host
+            # dies is retried even while the budget's share of few active requests rounds to 0-1.
+            "min_retry_concurrency": 3,
         }
     else:
         thresholds["max_retries"] = 0
