@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import importlib
 import json
 import logging
 import time
@@ -58,10 +59,13 @@ def _declare_previous_hosts_predicate() -> None:
     """Declare Envoy's ``PreviousHostsPredicate`` in protobuf's default pool.
 
     The route's retry policy names it (a retry goes to a host this request has not tried yet), but
-    ``xds-protos`` does not ship its module. The message has no fields, so declaring it here is the
-    whole of its .proto; ``json_format`` then packs ``{"@type": ...}`` like any other Envoy type.
+    ``xds-protos`` 1.85 does not ship its module. The message has no fields, so declaring it here is
+    the whole of its .proto; ``json_format`` then packs ``{"@type": ...}`` like any other Envoy type.
+    A release of ``xds-protos`` that ships the module is used instead.
     """
     pool = descriptor_pool.Default()
+    with contextlib.suppress(ImportError):
+        importlib.import_module("envoy.extensions.retry.host.previous_hosts.v3.previous_hosts_pb2")
     try:
         pool.FindMessageTypeByName(PREVIOUS_HOSTS_PREDICATE)
     except KeyError:
