@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import json
 import random
+import re
 import threading
 import time
 import uuid
@@ -301,16 +302,18 @@ def test_a_restarted_control_plane_serves_the_same_state_and_takes_new_changes(g
 
 
 def envoy_counter(gw: Gateway, name: str) -> int:
-    text = httpx.get(gw.envoy.admin_url + "/stats", params={"filter": f"^{name}$"}).text
-    return sum(int(line.rpartition(": ")[2]) for line in text.splitlines() if line.strip())
+    """One of Envoy's counters, by its exact name (admin ``/stats`` in JSON, as the adapter reads it)."""
+    r = httpx.get(gw.envoy.admin_url + "/stats", params={"format": "json", "filter": f"^{re.escape(name)}$"})
+    return sum(int(s.get("value") or 0) for s in r.json().get("stats", []) if s.get("name") == name)
 
 
 def test_a_refused_connection_is_retried_on_another_host_never_the_same(
     gw: Gateway, engines: list[Engine]
 ) -> None:
     """An engine that dies between two health checks refuses connections; each request's one retry
-    goes to the live engine even though the dead one carries three times its weight, where a
-    weighted round robin would pick the dead one again for two retries in three: Envoy's previous_hosts predicate, named by the route."""
+    goes to the live engine even though the dead one carries three times its weight (a weighted
+    round robin alone would hand it the retry again): Envoy's previous_hosts predicate, named by
+    the route."""
     # Health checks a minute apart and fleetmend's gateway-failure ejection out of reach: until
     # Envoy's default outlier rule ejects it (consecutive_5xx, 5 refused connections) Envoy believes
     # the dead engine is fine, so only the retry can save those requests.
