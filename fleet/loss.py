@@ -17,7 +17,8 @@ Contract (all pure; the activities gather the observations):
 * ``correlate(events, snapshot, window_s)`` -> ``Correlation``: several losses
   within the window are one incident; a loss of the revision being rolled out
   is a **bad rollout** (revert, never replace); two or more lost nodes in one
-  NVLink domain, or every pool node of a zone, is a **domain loss**.
+  NVLink domain, or every pool node of a zone, is a **domain loss** (a
+  multi-node group lost to one rank's fault does not make its Ready nodes lost).
 """
 
 from __future__ import annotations
@@ -263,6 +264,22 @@ class Correlation(BaseModel):
     )
 
 
+def _implicated_nodes(event: LossEvent, snapshot: PoolSnapshot) -> tuple[str, ...]:
+    """The nodes a lost group says something about, as evidence of a node or domain failure.
+
+    A group on one node: its node (the loss is all that is known of it, and two such losses on two
+    nodes of one NVLink domain are the domain's signature). A group spanning several nodes: only
+    those of its nodes that are not Ready. One rank OOM-killed or lost takes the whole group with it,
+    and a LeaderWorkerSet re-creates the group, but the nodes under its healthy ranks did not fail;
+    counting them would call every multi-node group loss a failure-domain loss.
+    """
+    if len(event.nodes) <= 1:
+        return event.nodes
+    return tuple(
+        n for n in event.nodes if (node := snapshot.node(n)) is None or node.ready is not True
+    )
+
+
 def correlate(
     events: Iterable[LossEvent],
     snapshot: PoolSnapshot,
@@ -297,7 +314,7 @@ def correlate(
                 replace=False,
             )
 
-    lost_nodes = sorted({n for e in inside for n in e.nodes})
+    lost_nodes = sorted({n for e in inside for n in _implicated_nodes(e, snapshot)})
     by_domain: dict[str, list[str]] = defaultdict(list)
     for name in lost_nodes:
         node = snapshot.node(name)

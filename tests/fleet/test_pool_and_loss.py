@@ -169,6 +169,19 @@ def test_two_nodes_of_one_nvlink_domain_is_a_domain_loss() -> None:
     assert c.cause is IncidentCause.DOMAIN_LOSS and c.domain == f"{NVLINK_DOMAIN_LABEL}=nvl-a"
 
 
+def test_a_multi_node_group_lost_on_ready_nodes_is_a_single_loss_not_its_domain() -> None:
+    """One rank OOM-killed takes its whole two-node group (a LeaderWorkerSet re-creates it): the nodes
+    under it are Ready, so their shared NVLink domain did not fail. Both nodes NotReady is the domain."""
+    two_node = group("g1", ("n1", "n2"), pods=2)
+    ready = snapshot([two_node], [node("n1", "nvl-a"), node("n2", "nvl-a")])
+    event = LossEvent(group_id="g1", revision="r1", nodes=("n1", "n2"), at=10)
+    c = correlate([event], ready, window_s=60)
+    assert c.cause is IncidentCause.SINGLE_LOSS, c.reason
+    down = snapshot([two_node], [node("n1", "nvl-a", ready=False), node("n2", "nvl-a", ready=None)])
+    c = correlate([event], down, window_s=60)
+    assert c.cause is IncidentCause.DOMAIN_LOSS and c.domain == f"{NVLINK_DOMAIN_LABEL}=nvl-a", c.reason
+
+
 def test_whole_zone_lost_is_a_domain_loss() -> None:
     snap = _fleet().model_copy(update={"target_revision": None, "rollout_in_progress": False})
     events = [
