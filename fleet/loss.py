@@ -275,9 +275,7 @@ def _implicated_nodes(event: LossEvent, snapshot: PoolSnapshot) -> tuple[str, ..
     """
     if len(event.nodes) <= 1:
         return event.nodes
-    return tuple(
-        n for n in event.nodes if (node := snapshot.node(n)) is None or node.ready is not True
-    )
+    return tuple(n for n in event.nodes if (node := snapshot.node(n)) is None or node.ready is not True)
 
 
 def correlate(
