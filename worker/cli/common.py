@@ -29,7 +29,7 @@ UNAVAILABLE = 1  # something the command needs is not there (Temporal, a databas
 
 err_console = Console(stderr=True)
 T = TypeVar("T")
-_connected = False  # a Temporal client was made in this process (see ``leave``)
+_connected = False  # this process tried to make a Temporal client (see ``leave``)
 
 
 def fail(message: str, code: int = REFUSED) -> typer.Exit:
@@ -41,12 +41,11 @@ def fail(message: str, code: int = REFUSED) -> typer.Exit:
 async def temporal_client(settings: Settings) -> Client:
     """The client every command uses (``worker.temporal_client.connect``); unreachable = one error line, exit 1."""
     global _connected
+    _connected = True  # set before trying: a failed connect has already started the core runtime's threads
     try:
-        client = await connect(settings)
+        return await connect(settings)
     except Exception as err:
         raise fail(unreachable_message(settings, err), UNAVAILABLE) from None
-    _connected = True
-    return client
 
 
 def connected() -> bool:
