@@ -18,6 +18,7 @@ import pytest
 import pytest_asyncio
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
@@ -29,6 +30,19 @@ from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
 
 # Postgres: pg_server (session), pg_url (an empty database per test), ledger_url (migrated).
 pytest_plugins = ["tests.pg"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Unset COLUMNS and LINES before any test module (and so any CLI module) is imported.
+
+    pytest-xdist's workers run with COLUMNS=80 and LINES=24. rich freezes a Console's width when COLUMNS is
+    set as the Console is built, and the CLI's consoles are built when its modules are imported: every table
+    would then be 80 columns wide whatever width a test's CliRunner asks for. Tests that read a table set
+    COLUMNS for the command they run.
+    """
+    for name in ("COLUMNS", "LINES"):
+        os.environ.pop(name, None)
+
 
 # Time-skipping is a dynamic-config switch of the dev server (DESIGN.md §6b).
 TIME_SKIPPING_ARGS = ["--dynamic-config-value", "frontend.WorkflowTimeSkippingEnabled=true"]
@@ -85,6 +99,28 @@ async def time_skipping_env(temporal_cli: Path) -> AsyncIterator[WorkflowEnviron
 def temporal_client(temporal_env: WorkflowEnvironment) -> Client:
     """A client of the session dev server, with the pydantic data converter."""
     return temporal_env.client
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def no_workflow_outlives_its_test(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    """Terminate what a test left running on the session's dev server when the test ends.
+
+    Workflow ids are well known per pool (``incident/inference/llama``): an incident a test left open
+    in its cool-down would be "the open incident" a later test's scale-down yields to, and which test
+    runs next in the same process depends on how the suite is split between pytest-xdist workers.
+    """
+    yield
+    env = getattr(request.node, "funcargs", {}).get("temporal_env")  # set up for this test's fixtures
+    if not isinstance(env, WorkflowEnvironment):
+        return
+    client = env.client
+    async for execution in client.list_workflows('ExecutionStatus="Running"'):
+        handle = client.get_workflow_handle(execution.id, run_id=execution.run_id)
+        try:
+            await handle.terminate(reason=f"test over: {request.node.nodeid}")
+        except RPCError as err:
+            if err.status != RPCStatusCode.NOT_FOUND:  # closed since it was listed: nothing to do
+                raise
 
 
 @pytest.fixture
