@@ -32,6 +32,21 @@ from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
 pytest_plugins = ["tests.pg"]
 
 
+# Tests that share a package-scoped fixture run in one pytest-xdist process (``--dist loadgroup``): the demo
+# package keeps one running demo per scenario for all its files, with one report path per scenario.
+SHARED_PACKAGES = ("tests/demo/",)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Put each test in an xdist group: its file's, or its package's when the package shares a fixture."""
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        path = item.nodeid.split("::", 1)[0]
+        group = next((pkg for pkg in SHARED_PACKAGES if path.startswith(pkg)), path)
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Unset COLUMNS and LINES before any test module (and so any CLI module) is imported.
 

@@ -31,7 +31,7 @@ from tests.conftest import running_worker
 from tests.timer_workflow import SixHourWait
 from worker import jsonlog
 from worker.config import Settings, load_settings
-from worker.processes import free_port
+from worker.processes import free_port, log_tail
 from worker.startup_checks import StartupCheckError, check_search_attributes, missing_search_attributes
 from worker.worker import connect_checked, metrics_runtime, run_worker
 from workflows.smoke import FleetmendSmoke
@@ -213,3 +213,16 @@ def test_fleetmend_worker_command_logs_json_serves_and_stops_on_sigterm(
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_child_that_panicked_is_reported_by_its_panic_line_not_only_its_stack(tmp_path: Path) -> None:
+    log = tmp_path / "temporal.log"
+    stack = [f"\tgoroutine frame {i}" for i in range(40)]
+    log.write_text(
+        "\n".join(["starting", "panic: listen tcp 127.0.0.1:4242: bind: address already in use", *stack])
+    )
+    tail = log_tail(log).splitlines()
+    assert tail[0] == "panic: listen tcp 127.0.0.1:4242: bind: address already in use"
+    assert tail[-1] == "\tgoroutine frame 39" and len(tail) == 7
+    log.write_text("one\ntwo\nError: can't set frontend port 1: in use\n")  # already among the last lines
+    assert log_tail(log) == "one\ntwo\nError: can't set frontend port 1: in use"

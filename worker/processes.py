@@ -111,10 +111,23 @@ def terminate(proc: subprocess.Popen[bytes], *, timeout_s: float = 15.0) -> None
         proc.wait(timeout=5)
 
 
+# The line a Go program (Temporal's CLI, Envoy's wrappers) or Python prints first when it gives up.
+_CAUSE_PREFIXES = ("panic:", "fatal error:", "Error:", "error:")
+
+
 def log_tail(path: Path, lines: int = 5) -> str:
-    """The last lines of a child's log, for an error message that shows why it died."""
+    """The last lines of a child's log, for an error message that shows why it died.
+
+    A Go panic ends in a long stack trace whose last lines say nothing: the first ``panic:`` /
+    ``Error:`` line of the log comes first when it is not among the last lines.
+    """
     try:
         text = path.read_text(errors="replace")
     except OSError:
         return ""
-    return "\n".join(text.strip().splitlines()[-lines:])
+    every = text.strip().splitlines()
+    tail = every[-lines:]
+    cause = next((line for line in every if line.lstrip().startswith(_CAUSE_PREFIXES)), None)
+    if cause is not None and cause not in tail:
+        tail = [cause, "...", *tail]
+    return "\n".join(tail)
