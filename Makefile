@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(BIN)/fleetmend demo
 
 test: $(STAMP) system-deps
-	$(BIN)/python -m pytest -q -ra --durations=30 -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -ra --durations=30 -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

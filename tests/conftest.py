@@ -21,6 +21,8 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
+from xdist.remote import Producer
+from xdist.scheduler import LoadScopeScheduling
 
 from fleet.search_attributes import ALL_SEARCH_ATTRIBUTES
 from worker.config import Settings, load_settings
@@ -32,19 +34,29 @@ from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
 pytest_plugins = ["tests.pg"]
 
 
-# Tests that share a package-scoped fixture run in one pytest-xdist process (``--dist loadgroup``): the demo
-# package keeps one running demo per scenario for all its files, with one report path per scenario.
+# Packages whose files share a package-scoped fixture: the demo package keeps one running demo per scenario
+# for all its files, with one report path per scenario.
 SHARED_PACKAGES = ("tests/demo/",)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Put each test in an xdist group: its file's, or its package's when the package shares a fixture."""
-    for item in items:
-        if item.get_closest_marker("xdist_group"):
-            continue
-        path = item.nodeid.split("::", 1)[0]
-        group = next((pkg for pkg in SHARED_PACKAGES if path.startswith(pkg)), path)
-        item.add_marker(pytest.mark.xdist_group(group))
+class FileOrSharedPackageScheduling(LoadScopeScheduling):
+    """``--dist loadfile``, except that a package in ``SHARED_PACKAGES`` goes to one process as a whole.
+
+    (xdist's ``loadgroup`` marks would say the same, but they work by rewriting node ids, which pytest 9.2
+    no longer reads.)
+    """
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = nodeid.split("::", 1)[0]
+        return next((pkg for pkg in SHARED_PACKAGES if path.startswith(pkg)), path)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LoadScopeScheduling | None:
+    """``make test`` runs ``-n 2 --dist loadfile``: split by file, keeping shared packages whole."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    return FileOrSharedPackageScheduling(config, log)
 
 
 def pytest_configure(config: pytest.Config) -> None:
