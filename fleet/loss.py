@@ -271,7 +271,9 @@ def _implicated_nodes(event: LossEvent, snapshot: PoolSnapshot) -> tuple[str, ..
     nodes of one NVLink domain are the domain's signature). A group spanning several nodes: only
     those of its nodes that are not Ready. One rank OOM-killed or lost takes the whole group with it,
     and a LeaderWorkerSet re-creates the group, but the nodes under its healthy ranks did not fail;
-    counting them would call every multi-node group loss a failure-domain loss.
+    counting them would call every multi-node group loss a failure-domain loss. (``failed_nodes`` is
+    the stricter rule the fence uses, with the reports: there a single-node group's Ready node is
+    not failed either, since cordoning it is an action; naming a cause is not.)
     """
     if len(event.nodes) <= 1:
         return event.nodes

@@ -111,7 +111,7 @@ def terminate(proc: subprocess.Popen[bytes], *, timeout_s: float = 15.0) -> None
         proc.wait(timeout=5)
 
 
-# The line a Go program (Temporal's CLI, Envoy's wrappers) or Python prints first when it gives up.
+# How the line that says why a child gave up starts: a Go panic or error (Temporal's CLI), or our own CLIs.
 _CAUSE_PREFIXES = ("panic:", "fatal error:", "Error:", "error:")
 
 
