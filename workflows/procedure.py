@@ -20,6 +20,10 @@ through this toolkit:
   budget; when the budget is spent the operator is asked (``retry`` or ``abort``).
 * ``deroute(...)`` - remove the router-only label and wait until the router no
   longer routes to the pods; a router that does not follow is escalated, not ignored.
+* ``observe_pool(pool, summary)`` - one look at a pool (Kubernetes + gateway + engines).
+* ``window(look, interval_s)`` - two looks an interval apart (a rate needs two).
+* ``poll(look, until, interval_s, deadline, summary)`` - look until a condition holds or a
+  deadline passes; says which it was. Every "wait until" of every procedure is this loop.
 * ``await_operator(what)`` - an approval gate (the ``approve`` Update).
 * ``notify(topic, text)`` - the incident channel, through the ledger.
 * ``enter(phase)`` / ``decide`` / ``figure`` - step boundaries and the record an SRE
@@ -32,7 +36,7 @@ Rejections live in the Update validators only: an exception other than
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -43,9 +47,10 @@ from temporalio.exceptions import TimeoutError as TemporalTimeoutError
 
 with workflow.unsafe.imports_passed_through():
     from activities.act import ActActivities, EffectReport, EffectRequest, NotifyRequest, PodLabelsChange
-    from activities.observe import DerouteSeen, DerouteWait, ObserveActivities
+    from activities.observe import DerouteSeen, DerouteWait, ObserveActivities, ObserveRequest
     from fleet import search_attributes as sa
     from fleet.incident import PoolRef
+    from fleet.observation import PoolObservation
     from fleet.recovery import (
         TERMINAL_PHASES,
         Decision,
@@ -329,6 +334,65 @@ class Procedure:
                 await self.escalate(
                     Refusal(step="observe", what=summary, error=describe_failure(err), can_skip=False)
                 )
+
+    async def observe_pool(
+        self,
+        pool: PoolRef,
+        summary: str,
+        *,
+        check_progress_of: Iterable[str] = (),
+        focus_nodes: Iterable[str] = (),
+        focus_pods: Iterable[str] = (),
+        light: bool = False,
+    ) -> PoolObservation:
+        """One look at a pool: its workloads, pods, EndpointSlices, the gateway and the engines."""
+        return await self.observe(
+            ObserveActivities.observe_pool,
+            ObserveRequest(
+                pool=pool,
+                check_progress_of=sorted(check_progress_of),
+                focus_nodes=sorted(focus_nodes),
+                focus_pods=sorted(focus_pods),
+                light=light,
+            ),
+            summary,
+        )
+
+    async def window(
+        self, look: Callable[[str], Awaitable[ResultT]], interval_s: float, *, summary: str
+    ) -> tuple[ResultT, ResultT]:
+        """Two looks ``interval_s`` apart (a rate, a queue's trend, a counter's delta needs two)."""
+        first = await look(f"{summary}: first look")
+        await workflow.sleep(interval_s, summary=f"{summary}: interval"[:190])
+        second = await look(f"{summary}: second look")
+        return first, second
+
+    async def poll(
+        self,
+        look: Callable[[], Awaitable[ResultT]],
+        until: Callable[[ResultT], bool],
+        *,
+        interval_s: float,
+        deadline: float | None,
+        summary: str,
+        on_miss: Callable[[ResultT], None] | None = None,
+    ) -> tuple[ResultT, bool]:
+        """Look until ``until(look())`` holds or ``deadline`` (workflow time) has passed.
+
+        Returns the last look and whether the condition held (False: the deadline passed;
+        the caller says what that means). ``on_miss`` runs after every look that did not
+        satisfy the condition, before the interval (to record what is still awaited).
+        ``deadline=None`` polls until the condition holds.
+        """
+        while True:
+            value = await look()
+            if until(value):
+                return value, True
+            if deadline is not None and self.now() > deadline:
+                return value, False
+            if on_miss is not None:
+                on_miss(value)
+            await workflow.sleep(interval_s, summary=summary[:190])
 
     async def deroute(
         self, pool: PoolRef, pods: list[str], label: str, *, step: str, why: str, timeout_s: float
