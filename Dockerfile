@@ -5,7 +5,9 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY fleet fleet
 COPY workflows workflows
+COPY kube kube
 COPY activities activities
+COPY gateway gateway
 COPY ledger ledger
 COPY worker worker
 COPY sim sim

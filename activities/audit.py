@@ -24,8 +24,8 @@ from pydantic import BaseModel
 from temporalio import activity
 
 from activities.deps import ActivityDeps
-from activities.kube import USER_AGENT, kube_apis
 from fleet.verification import LedgerReconcile
+from kube.client import USER_AGENT, kube_apis
 from ledger.reconcile import WorldAction, reconcile, world_actions_from_audit, world_actions_from_sim
 
 KUBERNETES_API_PREFIXES = ("/api/", "/apis/")

@@ -17,9 +17,9 @@ from temporalio import activity
 from activities.config import ActivityConfig
 from activities.envoy_gateway import EnvoyGateway
 from activities.gateway import Gateway
-from activities.kube import USER_AGENT, KubeApis, kube_apis
 from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX
 from gateway.store import GatewayStore
+from kube.client import USER_AGENT, KubeApis, kube_apis
 from ledger.effect import EffectContext
 from ledger.store import EffectLedger
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from activities.kube import LWS_GROUP, LWS_PLURAL, LWS_VERSION, KubeApis
+from kube.client import LWS_GROUP, LWS_PLURAL, LWS_VERSION, KubeApis
 
 Obj = dict[str, Any]
 

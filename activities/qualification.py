@@ -24,7 +24,6 @@ from temporalio import activity
 from activities import kube_reads as kr
 from activities.act import EffectReport, EffectRequest, perform_effect
 from activities.deps import ActivityDeps, operation_id
-from activities.kube import KubeApis
 from activities.world_effects import _digest, _permanent_if_client_error, _world
 from fleet.qualification import (
     OPERATION_ANNOTATION,
@@ -37,6 +36,7 @@ from fleet.qualification import (
     machine_id,
 )
 from fleet.vocabulary import QUARANTINE_TAINT_KEY
+from kube.client import KubeApis
 from ledger.audit import EFFECTS
 from ledger.effect import ActionSignature, Attempt, Effect
 from ledger.errors import PermanentEffectError

@@ -28,13 +28,13 @@ from temporalio import activity
 from activities import kube_reads as kr
 from activities.act import EffectReport, EffectRequest, perform_effect
 from activities.deps import ActivityDeps
-from activities.kube import KubeApis
 from activities.world_effects import _digest, _permanent_if_client_error, _world
 from fleet.engine_metrics import parse_engine_metrics
 from fleet.incident import PoolRef
 from fleet.readiness import EngineSample, ReadinessState, ReadinessThresholds, next_readiness
 from fleet.scale_down import DRAINING_ANNOTATION
 from fleet.vocabulary import LWS_WORKER_INDEX_LABEL, MODEL_LABEL, SERVING_READY_CONDITION
+from kube.client import KubeApis
 from ledger.effect import ActionSignature, Attempt, Effect
 from ledger.errors import PermanentEffectError
 

@@ -11,12 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from activities.kube import kube_apis
 from fleet.vocabulary import ROUTER_LABEL, ROUTER_LABEL_VALUE
 from gateway.resources import DataPlaneSettings, RoutedHost
 from gateway.server import ControlPlane, serve
 from gateway.store import GatewayStore
 from gateway.world import RoutingWatch
+from kube.client import kube_apis
 from ledger.store import make_engine
 
 

@@ -14,10 +14,10 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from activities.kube import KubeApis
 from fleet.vocabulary import ROUTER_LABEL, ROUTER_LABEL_VALUE
 from gateway.resources import RoutedHost
-from worker.fastpath.informer import Informer
+from kube.client import KubeApis
+from kube.informer import Informer
 
 Obj = dict[str, Any]
 

@@ -25,7 +25,7 @@ from tests.deploy.manifests import OVERLAYS, SERVICE_ACCOUNTS, render
 from tests.deploy.secrets_probe import ReadSecrets, list_secrets
 from tests.support import finish, gpu_pool, incident_config, node_report, wait_for_child
 from worker.config import load_settings
-from worker.webhook.topology import PoolTopology
+from worker.intake.topology import PoolTopology
 from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
 
 # Granted but not exercised by the gpu-node-loss recovery recorded here, each with the feature

@@ -17,12 +17,12 @@ from kubernetes import client, config
 
 from fleet.detection import EvidenceKind, observe
 from fleet.vocabulary import LWS_GROUP_KEY_LABEL, LWS_WORKER_INDEX_LABEL, MODEL_LABEL, ROUTER_LABEL
+from kube.informer import Informer
+from kube.lease import LeaderElector
 from sim.runner import RunningSim, start_sim
 from sim.scenario import shipped_scenarios
 from worker.config import load_settings
 from worker.devstack.sim_wiring import settings_for_running_sim
-from worker.fastpath.informer import Informer
-from worker.fastpath.lease import LeaderElector
 from worker.fastpath.service import FastPath
 
 NS = "inference"

@@ -401,8 +401,8 @@ def test_cli_reconcile_reads_the_api_servers_audit_log(
 ) -> None:
     """``ledger reconcile`` against a Kubernetes audit log (the sim's, as ``--audit-log-path`` writes):
     clean after fleetmend's own cordon, then a planted orphan and a planted duplicate are found."""
-    from activities.kube import USER_AGENT, kube_apis
     from activities.world_effects import NodePatch
+    from kube.client import USER_AGENT, kube_apis
     from sim.runner import start_sim
     from sim.scenario import shipped_scenarios
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from activities.kube import KubeApis, kube_apis
 from activities.readiness import PodConditionPatch
 from activities.world_effects import PodMetadataPatch
 from fleet.vocabulary import ROUTER_LABEL, SERVING_READY_CONDITION
+from kube.client import KubeApis, kube_apis
 from ledger import EffectLedger
 from ledger.errors import EffectFailed
 from sim.runner import start_sim

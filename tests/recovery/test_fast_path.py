@@ -37,13 +37,13 @@ from tests.support import (
 )
 from worker.devstack.rig import FleetRig
 from worker.fastpath.service import FAST_PATH_ALERT
-from worker.webhook.alertmanager import AlertmanagerPayload
+from worker.intake.alertmanager import AlertmanagerPayload
+from worker.intake.intake import AlertIntake
+from worker.intake.metrics import WebhookMetrics
+from worker.intake.routing import AlertRouter
+from worker.intake.rules import load_alert_rules
+from worker.intake.topology import PoolTopology
 from worker.webhook.examples import alert, notification
-from worker.webhook.intake import AlertIntake
-from worker.webhook.metrics import WebhookMetrics
-from worker.webhook.routing import AlertRouter
-from worker.webhook.rules import load_alert_rules
-from worker.webhook.topology import PoolTopology
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -9,11 +9,11 @@ import asyncio
 import pytest
 from temporalio.client import Client
 
-from activities.kube import kube_apis
 from activities.world_effects import NodePatch
 from fleet.incident import LossReport
 from fleet.recovery import Phase
 from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX, QUARANTINE_TAINT_KEY, FaultKind
+from kube.client import kube_apis
 from ledger.effect import EffectContext
 from ledger.store import EffectLedger
 from tests.recovery.test_hardware_path import TIMINGS, _core, _rows, _scenario, _serving

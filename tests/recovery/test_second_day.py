@@ -12,9 +12,9 @@ from kubernetes import config as kconfig
 from sqlalchemy import create_engine, text
 from temporalio.client import Client, WorkflowExecutionStatus
 
-from activities.kube import USER_AGENT
 from fleet.recovery import IncidentCause, OperatorAction, Phase, ProcedureStatus, RecoveryInput, RetryBudget
 from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX, QUARANTINE_LABEL, QUARANTINE_TAINT_KEY, FaultKind
+from kube.client import USER_AGENT
 from tests.support import (
     FAST,
     POOL,

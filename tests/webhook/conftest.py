@@ -27,8 +27,8 @@ from temporalio.testing import WorkflowEnvironment
 
 from fleet.incident import REPORT_LOSS_SIGNAL
 from worker.config import Settings
+from worker.intake.rules import AlertRules, parse_alert_rules
 from worker.webhook.app import ALERTMANAGER_PATH, create_app
-from worker.webhook.rules import AlertRules, parse_alert_rules
 
 # Alerts that name the pool directly need no Kubernetes API: status-code and storm
 # tests use these; node/pod resolution is tested against the simulated cluster.

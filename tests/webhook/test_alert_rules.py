@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from worker.config import Settings
+from worker.intake.rules import AlertRulesError, load_alert_rules, parse_alert_rules
 from worker.webhook.examples import example_alert
-from worker.webhook.rules import AlertRulesError, load_alert_rules, parse_alert_rules
 
 REPO = Path(__file__).resolve().parents[2]
 PROMETHEUS_RULES = REPO / "deploy" / "prometheus" / "rules.yml"

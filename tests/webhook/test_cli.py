@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from worker.cli.app import app
-from worker.webhook.alertmanager import AlertmanagerPayload
+from worker.intake.alertmanager import AlertmanagerPayload
 from worker.webhook.examples import EXAMPLES, alertmanager_fingerprint
 
 runner = CliRunner()
@@ -17,7 +17,7 @@ runner = CliRunner()
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_every_example_is_a_valid_v4_payload_for_a_routed_alert(name: str) -> None:
-    from worker.webhook.rules import load_alert_rules
+    from worker.intake.rules import load_alert_rules
 
     result = runner.invoke(app, ["alert", "--example", name])
 

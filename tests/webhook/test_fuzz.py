@@ -28,9 +28,9 @@ from tests.webhook.conftest import (
     webhook_settings,
     workflow_ids,
 )
+from worker.intake.rules import AlertRules
 from worker.webhook.app import create_app
 from worker.webhook.examples import alert, notification
-from worker.webhook.rules import AlertRules
 
 BODY_LIMIT = 4096
 FUZZ_POOL = f"fuzz-{secrets.token_hex(4)}"

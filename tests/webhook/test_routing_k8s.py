@@ -21,14 +21,14 @@ import pytest
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from activities.kube import kube_apis
+from kube.client import kube_apis
 from sim.runner import RunningSim, start_sim, write_kubeconfig
 from sim.scenario import load_scenario
 from tests.webhook.conftest import ServedWebhook, report_loss_signals, serve_webhook, webhook_settings
+from worker.intake.topology import PoolTopology
 from worker.processes import free_port
 from worker.webhook.app import create_app
 from worker.webhook.examples import example_alert, example_payload, large_group
-from worker.webhook.topology import PoolTopology
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "sim" / "scenarios"
 

@@ -31,10 +31,10 @@ from tests.webhook.conftest import (
 )
 from worker.cli.app import app as cli_app
 from worker.config import Settings
+from worker.intake.rules import AlertRules
 from worker.processes import free_port
 from worker.webhook.app import WebhookConfigError, create_app
 from worker.webhook.examples import alert, example_payload, notification
-from worker.webhook.rules import AlertRules
 
 
 def pool_payload(service: str, namespace: str = "llm", **extra: str) -> dict[str, Any]:

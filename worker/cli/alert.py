@@ -12,9 +12,9 @@ from rich.console import Console
 
 from worker import jsonlog
 from worker.config import Settings, load_settings
+from worker.intake.rules import AlertRulesError, load_alert_rules
 from worker.webhook.app import ALERTMANAGER_PATH, WebhookConfigError, create_app, serve
 from worker.webhook.examples import EXAMPLES, example_payload
-from worker.webhook.rules import AlertRulesError, load_alert_rules
 
 console = Console()
 err_console = Console(stderr=True)

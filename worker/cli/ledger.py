@@ -273,7 +273,7 @@ def _load_audit_log(
 ) -> tuple[str, list[WorldAction]]:
     """The Kubernetes mutations an API server's audit log records (fleetmend's only, unless ``client``='')."""
     from activities.audit import read_audit_log
-    from activities.kube import kube_apis
+    from kube.client import kube_apis
 
     world = audit_world or settings.audit_log_world
     if not world:

@@ -4,9 +4,9 @@ Once per cluster (``LeaderElector`` on a Lease) the worker runs three informers
 (Nodes; Pods of the managed pools, i.e. carrying the model label; EndpointSlices)
 and probes the ``/health`` of every routed pod (``health_url_template``). Each
 observation becomes ``fleet.detection.Evidence``; the pure policy decides; a
-confirmed loss is delivered through the webhook's own ``AlertIntake`` — the same
-signal-with-start into the pool's ``FleetIncident`` — with one report per
-affected replica group (resolved by the webhook's ``PoolTopology``), so the
+confirmed loss is delivered through the ``AlertIntake`` the webhook uses too
+(``worker/intake/``) — the same signal-with-start into the pool's ``FleetIncident`` —
+with one report per affected replica group (resolved by the intake's ``PoolTopology``), so the
 Alertmanager alert that arrives later names the same groups and is absorbed by
 the open incident. A slow-but-present replica is recorded as not-a-loss
 (logged and counted) and opens nothing.
@@ -27,18 +27,19 @@ from typing import Any
 import httpx
 from kubernetes import client as k8s
 
-from activities.kube import kube_apis
 from fleet.detection import Detection, DetectionPolicy, EntityState, Evidence, EvidenceKind, observe
 from fleet.incident import LossReport, PoolRef, Severity, incident_workflow_id
 from fleet.qualification import gpu_problem_conditions
 from fleet.vocabulary import LWS_GROUP_KEY_LABEL, LWS_WORKER_INDEX_LABEL, MODEL_LABEL
+from kube.client import kube_apis
+from kube.informer import Informer
+from kube.lease import LeaderElector
 from worker.config import Settings
-from worker.fastpath.informer import Informer
-from worker.fastpath.lease import LeaderElector
-from worker.webhook.intake import Delivery
-from worker.webhook.routing import RoutedReport
-from worker.webhook.rules import RuleAction
-from worker.webhook.topology import PodNotFound, PoolTopology
+from worker.intake.intake import AlertIntake, Delivery
+from worker.intake.metrics import WebhookMetrics
+from worker.intake.routing import AlertRouter, RoutedReport
+from worker.intake.rules import RuleAction, load_alert_rules
+from worker.intake.topology import PodNotFound, PoolTopology
 
 log = logging.getLogger("fleetmend.fastpath")
 
@@ -440,12 +441,7 @@ class FastPath:
 def build_fast_path(
     settings: Settings, client_factory: Callable[[], Awaitable[Any]], *, identity: str | None = None
 ) -> FastPath:
-    """The fast path wired like the webhook: its topology, and its intake for the signal-with-start."""
-    from worker.webhook.intake import AlertIntake
-    from worker.webhook.metrics import WebhookMetrics
-    from worker.webhook.routing import AlertRouter
-    from worker.webhook.rules import load_alert_rules
-
+    """The fast path wired like the webhook: the intake's topology, rules and signal-with-start."""
     topology = PoolTopology.from_settings(settings)
     intake = AlertIntake(
         settings,

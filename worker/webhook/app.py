@@ -43,13 +43,13 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
 from worker.config import Settings
-from worker.webhook.alertmanager import SUPPORTED_VERSION, AlertmanagerPayload
+from worker.intake.alertmanager import SUPPORTED_VERSION, AlertmanagerPayload
+from worker.intake.intake import AlertIntake, IntakeResult, TemporalClientFactory, TemporalUnavailable
+from worker.intake.metrics import WebhookMetrics
+from worker.intake.routing import AlertRouter
+from worker.intake.rules import AlertRules, load_alert_rules
+from worker.intake.topology import KubernetesUnavailable, PoolTopology
 from worker.webhook.auth import TokenReuse, bearer_matches, check_tokens_distinct
-from worker.webhook.intake import AlertIntake, IntakeResult, TemporalClientFactory, TemporalUnavailable
-from worker.webhook.metrics import WebhookMetrics
-from worker.webhook.routing import AlertRouter
-from worker.webhook.rules import AlertRules, load_alert_rules
-from worker.webhook.topology import KubernetesUnavailable, PoolTopology
 
 log = logging.getLogger("fleetmend.webhook")
 

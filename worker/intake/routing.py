@@ -15,9 +15,9 @@ from enum import StrEnum
 from pydantic import ValidationError
 
 from fleet.incident import LossReport, PoolRef, Severity, incident_workflow_id
-from worker.webhook.alertmanager import AlertmanagerAlert
-from worker.webhook.rules import AlertRule, AlertRules, RuleAction
-from worker.webhook.topology import (
+from worker.intake.alertmanager import AlertmanagerAlert
+from worker.intake.rules import AlertRule, AlertRules, RuleAction
+from worker.intake.topology import (
     AffectedGroup,
     PoolTopology,
     TopologyAnswers,

@@ -1,4 +1,7 @@
-"""Prometheus metrics of the alert webhook (served on its ``/metrics``).
+"""Prometheus metrics of the alert intake, served on the webhook's ``/metrics``.
+
+The intake counts alerts and signals; the webhook app adds its request counts to the
+same registry. The fast path's intake keeps its own instance.
 
 Each app gets its own registry so several receivers (tests, benchmarks) in one
 process never share counts. Label values are bounded: reasons are enums and

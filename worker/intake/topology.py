@@ -28,9 +28,9 @@ from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config import ConfigException
 
-from activities.kube import KubeApis, kube_apis
 from fleet.incident import PoolRef
 from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL, LWS_WORKER_INDEX_LABEL
+from kube.client import KubeApis, kube_apis
 from worker.config import Settings
 
 T = TypeVar("T")

@@ -28,10 +28,10 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from fleet.incident import FLEET_INCIDENT_WORKFLOW, REPORT_LOSS_SIGNAL, LossReport
 from worker.config import Settings
-from worker.webhook.alertmanager import AlertmanagerAlert, AlertmanagerPayload
-from worker.webhook.metrics import WebhookMetrics
-from worker.webhook.routing import AlertRouter, IgnoredAlert, IgnoreReason, RoutedReport
-from worker.webhook.rules import RuleAction
+from worker.intake.alertmanager import AlertmanagerAlert, AlertmanagerPayload
+from worker.intake.metrics import WebhookMetrics
+from worker.intake.routing import AlertRouter, IgnoredAlert, IgnoreReason, RoutedReport
+from worker.intake.rules import RuleAction
 
 log = logging.getLogger("fleetmend.webhook")
 

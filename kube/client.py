@@ -1,9 +1,10 @@
-"""Kubernetes API access for activities: the official ``kubernetes`` client.
+"""Kubernetes API access: the official ``kubernetes`` client, one per cluster address.
 
-The client is synchronous, so every activity that uses it is a plain ``def``
-run by the worker's thread-pool ``activity_executor`` (DESIGN.md §6b). One
-``ApiClient`` per process: the client pools connections and is thread-safe for
-requests.
+Activities, the gateway's control plane and the worker's alert intake and fast path
+all build their APIs here. The client is synchronous, so every activity that uses it
+is a plain ``def`` run by the worker's thread-pool ``activity_executor`` (DESIGN.md
+§6b). One ``ApiClient`` per process and address: the client pools connections and is
+thread-safe for requests.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ kind of fault it suggests and what fleetmend should do with it:
 * ``signal-open-incident`` — context for an incident that is already running
   (e.g. KV-cache saturation on the survivors); ignored when none is open.
 
-The shipped defaults (``worker/webhook/rules.yaml``) cover every alert in
+The shipped defaults (``worker/intake/rules.yaml``) cover every alert in
 ``deploy/prometheus/rules.yml``. A custom file (``FLEETMEND_ALERT_RULES_FILE``)
 is validated when the webhook starts; a mistake stops it with a message that
 names the rule and the field, never at the first alert at 3 a.m.
@@ -202,5 +202,5 @@ def _explain(err: ValidationError, data: dict[str, object], source: str) -> str:
             if name:
                 where = f"{where} (rule for {name})"
         lines.append(f"  - {where}: {problem['msg']}")
-    lines.append("Fix the file (format: worker/webhook/rules.yaml) or unset FLEETMEND_ALERT_RULES_FILE.")
+    lines.append("Fix the file (format: worker/intake/rules.yaml) or unset FLEETMEND_ALERT_RULES_FILE.")
     return "\n".join(lines)
