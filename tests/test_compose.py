@@ -12,6 +12,7 @@ import json
 import os
 import re
 import subprocess
+import tomllib
 import uuid
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,17 @@ async def test_search_attribute_job_makes_the_worker_check_pass(
         assert done.returncode == 0, done.stderr
     assert "already registered" in done.stdout
     await check_search_attributes(temporal_client, namespace)
+
+
+def test_the_image_copies_every_package_the_distribution_ships() -> None:
+    """``pip install .`` in the image silently leaves out a package whose sources were not copied
+    (the image once lacked ``gateway/``, so ``fleetmend gateway serve`` could not start in it)."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    shipped = [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    build_stage = dockerfile.split("RUN pip install", 1)[0]
+    missing = [p for p in shipped if f"COPY {p} {p}\n" not in build_stage]
+    assert not missing, f"Dockerfile does not COPY {missing} before pip install"
 
 
 def test_the_sim_service_loads_a_shipped_scenario(services: dict[str, dict[str, Any]]) -> None:
