@@ -241,7 +241,7 @@ def test_a_leader_worker_set_scale_down_picks_its_highest_group_index() -> None:
 def test_the_scale_up_waits_until_the_controller_lets_every_lost_pod_go() -> None:
     """Scale-down by the lost pods, then up by the replacements: a controller that saw only the second
     update removed one lost pod where two were lost, and still counts the other as a replica."""
-    from fleet.loss import PodObservation
+    from fleet.observation import PodObservation
     from fleet.rebuild import still_counted
 
     lost = ("llama-a", "llama-b")
