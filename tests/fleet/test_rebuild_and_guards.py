@@ -8,10 +8,10 @@ from hypothesis import strategies as st
 
 from fleet.capacity import measured_token_rates, recovery_guard, scale_down_guard
 from fleet.engine_metrics import EngineSnapshot
-from fleet.measurements import recovery_observations, warm_groups_before
 from fleet.observation import PoolObservation
 from fleet.pool import GroupRole, ReplicaGroup, WorkloadKind
 from fleet.rebuild import plan_rebuild
+from fleet.recovery_observations import recovery_observations, warm_groups_before
 from fleet.verification import LedgerReconcile
 from tests.fleet.fleets import group, snapshot
 
