@@ -9,7 +9,8 @@ Lock the door, let seated tables finish, then turn out the lights:
    **stop routing** (remove the router-only label);
 3. **drain** - poll the victims' running + waiting requests to zero, bounded by
    the drain deadline; at the deadline report what is still streaming and wait
-   for ``extend`` or ``accept_cut`` (no answer: extend once, then ask again);
+   for ``extend`` or ``accept_cut`` (no answer: extend once, then ask again) -
+   ``workflows/drain.py``, a base of this workflow;
 4. **terminate** - deletion cost on the victims, then scale the workload to an
    absolute count, so the drained pods are the ones removed;
 5. **verify** - the remaining groups ready, no victim stream cut (unless an
@@ -241,6 +242,8 @@ class PlannedScaleDown(Drain):
             return
         self.figure("stop_routing_seconds", round(max(0.0, seen.at - self._drain_since), 3))
         self.decide(f"no new requests go to {', '.join(pods)}")
+
+    # ---------------------------------------------------------------- step 3: Drain.drain (workflows/drain.py)
 
     # ---------------------------------------------------------------- step 4
 
