@@ -289,20 +289,17 @@ class PlannedScaleDown(Drain):
             refusal = Refusal(step="terminate-scale", what=f"scale {kind}/{name}", error=scale.problem)
             if await self.escalate(refusal) == "skip":
                 return
+        current, replicas = scale.current, scale.replicas
         self.decide(
-            f"scale {kind}/{name} from {scale.current} to {scale.replicas} replica groups (absolute)",
-            {"workload": f"{kind}/{name}", "from": scale.current, "to": scale.replicas},
+            f"scale {kind}/{name} from {current} to {replicas} replica groups (absolute)",
+            {"workload": f"{kind}/{name}", "from": current, "to": replicas},
         )
         await self.act(
             ActActivities.scale_workload,
             ScaleChange(
-                step="terminate-scale",
-                namespace=inp.pool.namespace,
-                kind=kind,
-                name=name,
-                replicas=scale.replicas,
+                step="terminate-scale", namespace=inp.pool.namespace, kind=kind, name=name, replicas=replicas
             ),
-            f"scale {kind}/{name} to {scale.replicas}",
+            f"scale {kind}/{name} to {replicas}",
         )
 
     # ---------------------------------------------------------------- step 5
