@@ -172,13 +172,16 @@ def workload_scale(
     """
     current = next((w.replicas for w in obs.workloads if w.kind == kind and w.name == name), None)
     if current is None:
-        problem: str | None = f"{kind} {namespace}/{name} of the victims is gone; nothing to scale"
-        return WorkloadScale(current=None, replicas=0, problem=problem)
-    problem = (
-        lws_scale_problem(obs, name, groups, current) if kind == WorkloadKind.LEADER_WORKER_SET else None
-    )
+        gone = f"{kind} {namespace}/{name} of the victims is gone; nothing to scale"
+        return WorkloadScale(current=None, replicas=0, problem=gone)
     still_there = [g for g in groups if any(p in obs.pods for p in g.pods)]
-    return WorkloadScale(current=current, replicas=max(0, current - len(still_there)), problem=problem)
+    return WorkloadScale(
+        current=current,
+        replicas=max(0, current - len(still_there)),
+        problem=lws_scale_problem(obs, name, groups, current)
+        if kind == WorkloadKind.LEADER_WORKER_SET
+        else None,
+    )
 
 
 def victims_present(obs: PoolObservation, pods: Iterable[str]) -> list[str]:

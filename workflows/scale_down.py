@@ -314,11 +314,12 @@ class PlannedScaleDown(Drain):
             return
         victim_ids = {g.id for g in self._victims}
         target = serving_without(before.snapshot, victim_ids)
-        waiting: list[bool] = []
+        announced = False
 
         def settling(obs: PoolObservation) -> None:
-            if not waiting:
-                waiting.append(True)
+            nonlocal announced
+            if not announced:
+                announced = True
                 self.decide(
                     f"{ready_without(obs.snapshot, victim_ids)} of {target} remaining groups read ready and "
                     f"routed: waiting up to {inp.verify_settle_s:.0f} s for them to settle before verifying"
