@@ -17,8 +17,13 @@ from activities import kube_reads as kr
 from activities.deps import ActivityDeps
 from fleet.engine_metrics import EngineSnapshot, NodeGpuTelemetry, parse_dcgm_metrics, parse_engine_metrics
 from fleet.incident import PoolRef
-from fleet.loss import EndpointConditions, EngineHealth, PodObservation
-from fleet.observation import PoolObservation, WorkloadSelector
+from fleet.observation import (
+    EndpointConditions,
+    EngineHealth,
+    PodObservation,
+    PoolObservation,
+    WorkloadSelector,
+)
 from fleet.pool import GroupRole, NodeInfo, PoolSnapshot, ReplicaGroup, Taint, WorkloadKind
 from fleet.protocol import JournalEntry, RouterState
 from fleet.qualification import QUALIFICATION_LABEL, GpuHolder, machine_id

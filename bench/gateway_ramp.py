@@ -10,7 +10,7 @@ pod IP and rejoins the routing set. Then:
 * ``envoy-slow-start``: the cluster's ``slow_start_config`` (window = the warm-up time), Envoy's
   peer baseline: a new host's weight grows with time since it joined, whatever it serves;
 * ``fleetmend-measured``: every interval the replicas' ``/metrics`` are read and the weights set
-  with the product's own ``fleet.measurements.plan_weights`` (the replica-loss ramp, step 9),
+  with the product's own ``fleet.warmth.plan_weights`` (the replica-loss ramp, step 9),
   through the gateway adapter.
 
 Printed: requests that arrived while the replacement was cold, how many it served, and how many
@@ -33,9 +33,9 @@ import httpx
 from activities.envoy_gateway import EnvoyGateway
 from fleet.engine_metrics import EngineSnapshot, parse_engine_metrics
 from fleet.incident import PoolRef
-from fleet.measurements import plan_weights
 from fleet.protocol import GatewayPolicy
 from fleet.vocabulary import FaultKind
+from fleet.warmth import plan_weights
 from gateway.resources import UPSTREAM_HEADER, DataPlaneSettings
 from gateway.store import GatewayStore
 from ledger.migrate import upgrade_head

@@ -26,70 +26,16 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.incident import LossReport
+from fleet.observation import EngineHealth, PodObservation, WorkloadSelector
 from fleet.pool import GroupRole, NodeInfo, PoolSnapshot, ReplicaGroup, WorkloadKind
 from fleet.recovery import IncidentCause
 from fleet.vocabulary import NVLINK_DOMAIN_LABEL, ZONE_LABEL
 
-if TYPE_CHECKING:
-    from fleet.observation import WorkloadSelector  # fleet.observation imports this module
-
 _ENGINE_DEAD_WAITING_REASONS = frozenset({"CrashLoopBackOff", "RunContainerError", "CreateContainerError"})
-
-
-class EngineHealth(StrEnum):
-    OK = "ok"  # /health 200
-    FAILING = "failing"  # /health 5xx (EngineDeadError -> 503)
-    UNREACHABLE = "unreachable"  # connection refused / timed out
-    UNKNOWN = "unknown"  # not probed
-
-
-class EndpointConditions(BaseModel):
-    """One endpoint of the Service's EndpointSlices. ``None`` follows Kubernetes' nil semantics."""
-
-    model_config = ConfigDict(frozen=True)
-
-    pod: str
-    ready: bool | None = None  # nil = true
-    serving: bool | None = None  # nil = true
-    terminating: bool | None = None  # nil = false
-
-    def routable(self, publish_not_ready: bool) -> bool:
-        """Would a router following the slice send traffic here?
-
-        Under ``publishNotReadyAddresses`` (e.g. LWS headless Services) ``ready`` is
-        always true, so ``serving`` and ``terminating`` are what count.
-        """
-        if publish_not_ready:
-            return self.serving is not False and self.terminating is not True
-        return self.ready is not False
-
-
-class PodObservation(BaseModel):
-    """What the activities saw of one pod of a group."""
-
-    model_config = ConfigDict(frozen=True)
-
-    pod: str
-    exists: bool = True
-    phase: str = "Running"
-    node: str | None = None
-    deleting: bool = Field(default=False, description="metadata.deletionTimestamp set")
-    pod_ready: bool = True
-    containers_ready: bool = True
-    waiting_reason: str | None = None
-    terminated_reason: str | None = Field(default=None, description="Current or last termination reason")
-    restart_count: int = 0
-    status_reason: str | None = Field(default=None, description="status.reason, e.g. Evicted, NodeLost")
-    engine_health: EngineHealth = EngineHealth.UNKNOWN
-    engine_progressing: bool | None = Field(
-        default=None, description="False = requests queued/running but no token advanced between two scrapes"
-    )
-    endpoint: EndpointConditions | None = Field(default=None, description="None = not in any EndpointSlice")
 
 
 class Verdict(StrEnum):

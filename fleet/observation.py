@@ -3,17 +3,71 @@
 It bundles the Kubernetes view (``PoolSnapshot``, pods, EndpointSlice
 conditions, the Service and every workload selector), the router's view
 (routing set, configuration) and the engines' view (one metrics scrape and a
-health answer per group leader). Policies in ``fleet/`` decide from it.
+health answer per group leader). Policies in ``fleet/`` decide from it: what
+was seen of one pod (``PodObservation``, with its EndpointSlice conditions and
+its engine's health) is judged lost or present by ``fleet.loss``.
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.engine_metrics import EngineSnapshot
-from fleet.loss import PodObservation
 from fleet.pool import PoolSnapshot
 from fleet.protocol import RouterState
+
+
+class EngineHealth(StrEnum):
+    OK = "ok"  # /health 200
+    FAILING = "failing"  # /health 5xx (EngineDeadError -> 503)
+    UNREACHABLE = "unreachable"  # connection refused / timed out
+    UNKNOWN = "unknown"  # not probed
+
+
+class EndpointConditions(BaseModel):
+    """One endpoint of the Service's EndpointSlices. ``None`` follows Kubernetes' nil semantics."""
+
+    model_config = ConfigDict(frozen=True)
+
+    pod: str
+    ready: bool | None = None  # nil = true
+    serving: bool | None = None  # nil = true
+    terminating: bool | None = None  # nil = false
+
+    def routable(self, publish_not_ready: bool) -> bool:
+        """Would a router following the slice send traffic here?
+
+        Under ``publishNotReadyAddresses`` (e.g. LWS headless Services) ``ready`` is
+        always true, so ``serving`` and ``terminating`` are what count.
+        """
+        if publish_not_ready:
+            return self.serving is not False and self.terminating is not True
+        return self.ready is not False
+
+
+class PodObservation(BaseModel):
+    """What the activities saw of one pod of a group."""
+
+    model_config = ConfigDict(frozen=True)
+
+    pod: str
+    exists: bool = True
+    phase: str = "Running"
+    node: str | None = None
+    deleting: bool = Field(default=False, description="metadata.deletionTimestamp set")
+    pod_ready: bool = True
+    containers_ready: bool = True
+    waiting_reason: str | None = None
+    terminated_reason: str | None = Field(default=None, description="Current or last termination reason")
+    restart_count: int = 0
+    status_reason: str | None = Field(default=None, description="status.reason, e.g. Evicted, NodeLost")
+    engine_health: EngineHealth = EngineHealth.UNKNOWN
+    engine_progressing: bool | None = Field(
+        default=None, description="False = requests queued/running but no token advanced between two scrapes"
+    )
+    endpoint: EndpointConditions | None = Field(default=None, description="None = not in any EndpointSlice")
 
 
 class WorkloadSelector(BaseModel):

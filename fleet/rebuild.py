@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleet.loss import PodObservation
+from fleet.observation import PodObservation
 from fleet.pool import GroupRole, NodeInfo, ReplicaGroup, WorkloadKind
 
 

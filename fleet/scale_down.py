@@ -4,18 +4,25 @@
 a Temporal Schedule or a test. ``drain_progress`` turns one scrape of the
 victims' engines into "still streaming where", and ``deadline_choice`` says
 what the procedure does when an operator does not answer at the drain
-deadline: extend once by the original deadline, then keep asking.
+deadline: extend once by the original deadline, then keep asking. The rest
+answer the termination's questions: which workload to scale to what absolute
+count (``workload_scale``; a LeaderWorkerSet only removes its highest groups),
+whether the victims are gone and nothing else is going, and how many groups
+verification expects ready.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fleet.engine_metrics import EngineSnapshot
 from fleet.incident import PoolRef
-from fleet.recovery import RetryBudget
+from fleet.observation import PoolObservation
+from fleet.pool import PoolSnapshot, ReplicaGroup, WorkloadKind
+from fleet.recovery import Refusal, RetryBudget
+from fleet.vocabulary import LWS_GROUP_INDEX_LABEL
 
 # Pods a scale-down is draining carry this annotation (value: the workflow id):
 # the readiness keeper leaves their gate alone, so a drained replica never turns ready again.
@@ -112,3 +119,101 @@ def drain_progress(pods: list[str], scrapes: Mapping[str, EngineSnapshot]) -> Dr
 def deadline_choice(unanswered_asks: int) -> str:
     """At an unanswered deadline: extend once by the original deadline, then only ask again."""
     return "extend" if unanswered_asks == 0 else "ask-again"
+
+
+def victim_pods(victims: Iterable[ReplicaGroup]) -> list[str]:
+    """Every pod of the victim groups, group by group (leaders and workers)."""
+    return [p for g in victims for p in g.pods]
+
+
+def victims_by_workload(victims: Iterable[ReplicaGroup]) -> dict[tuple[str, str], list[ReplicaGroup]]:
+    """The victims grouped by the workload that owns them, (kind, name) in sorted order: one scale each."""
+    out: dict[tuple[str, str], list[ReplicaGroup]] = {}
+    for g in victims:
+        out.setdefault((g.workload_kind.value, g.workload_name), []).append(g)
+    return dict(sorted(out.items()))
+
+
+def lws_scale_problem(
+    obs: PoolObservation, name: str, groups: list[ReplicaGroup], current: int
+) -> str | None:
+    """A LeaderWorkerSet scales down from its highest group index: the victims must be those."""
+    wanted = {str(i) for i in range(current - len(groups), current)}
+    have: set[str] = set()
+    for g in groups:
+        leader = obs.pods.get(g.leader_pod)
+        index = g.id.rsplit("-", 1)[-1] if leader is not None else ""
+        have.add(index)
+    if have != wanted:
+        return (
+            f"LeaderWorkerSet {name} removes group indexes {sorted(wanted)} ({LWS_GROUP_INDEX_LABEL}) "
+            f"when scaled down, not the victims {sorted(g.id for g in groups)}; name the highest groups "
+            "as explicit victims"
+        )
+    return None
+
+
+class WorkloadScale(BaseModel):
+    """How to scale one victims' workload: to an absolute count, or why that would remove the wrong pods."""
+
+    model_config = ConfigDict(frozen=True)
+
+    current: int | None
+    replicas: int
+    problem: str | None = None
+
+
+def workload_scale(
+    obs: PoolObservation, namespace: str, kind: str, name: str, groups: list[ReplicaGroup]
+) -> WorkloadScale:
+    """The absolute replica count that removes exactly ``groups`` (those still present) from the workload.
+
+    Absolute, not relative: a retried or replayed scale never removes a group twice.
+    """
+    current = next((w.replicas for w in obs.workloads if w.kind == kind and w.name == name), None)
+    if current is None:
+        gone = f"{kind} {namespace}/{name} of the victims is gone; nothing to scale"
+        return WorkloadScale(current=None, replicas=0, problem=gone)
+    still_there = [g for g in groups if any(p in obs.pods for p in g.pods)]
+    return WorkloadScale(
+        current=current,
+        replicas=max(0, current - len(still_there)),
+        problem=lws_scale_problem(obs, name, groups, current)
+        if kind == WorkloadKind.LEADER_WORKER_SET
+        else None,
+    )
+
+
+def victims_present(obs: PoolObservation, pods: Iterable[str]) -> list[str]:
+    """Victim pods still in the pool (terminating ones included): the termination is not over."""
+    return [p for p in pods if p in obs.pods]
+
+
+def termination_overdue(present: list[str], timeout_s: float) -> Refusal:
+    """What an operator is asked when victims outlive the termination timeout (retry the wait, skip, abort)."""
+    return Refusal(
+        step="terminate-wait",
+        what=f"terminate {', '.join(present)}",
+        error=f"still present {timeout_s:g} s after the scale-down; check the pods' finalizers and the "
+        "workload controller",
+    )
+
+
+def others_terminating(obs: PoolObservation, pods: Iterable[str]) -> list[str]:
+    """Pool pods being deleted that are not victims: the workload controller chose other pods."""
+    victims = set(pods)
+    return sorted(
+        p for p, o in obs.pods.items() if o.deleting and p not in victims and obs.snapshot.group_of_pod(p)
+    )
+
+
+def serving_without(snapshot: PoolSnapshot, victim_ids: Iterable[str]) -> int:
+    """Serving groups the pool keeps once the victims are gone: what verification expects ready."""
+    victims = set(victim_ids)
+    return len([g for g in snapshot.serving if g.id not in victims])
+
+
+def ready_without(snapshot: PoolSnapshot, victim_ids: Iterable[str]) -> int:
+    """Remaining serving groups that read ready and routed."""
+    victims = set(victim_ids)
+    return len([g for g in snapshot.serving if g.ready and g.routed and g.id not in victims])

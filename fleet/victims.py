@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleet.engine_metrics import EngineSnapshot
 from fleet.pool import GroupRole, PoolSnapshot, ReplicaGroup, WorkloadKind
 
 
@@ -41,6 +42,14 @@ class GroupLoad(BaseModel):
     @property
     def in_flight(self) -> float:
         return self.running + self.waiting
+
+
+def group_loads(engines: Mapping[str, EngineSnapshot]) -> dict[str, GroupLoad]:
+    """Each group's load from its leader's scrape: what draining it would wait for, and its warm cache."""
+    return {
+        gid: GroupLoad(running=e.running, waiting=e.waiting, kv_usage=e.kv_usage)
+        for gid, e in engines.items()
+    }
 
 
 class VictimChoice(BaseModel):

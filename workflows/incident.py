@@ -34,22 +34,22 @@ from datetime import timedelta
 from pydantic import BaseModel, ConfigDict, Field
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
-from temporalio.exceptions import ActivityError, ChildWorkflowError
+from temporalio.exceptions import ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.act import ActActivities, NotifyRequest
     from activities.observe import ObserveActivities
     from fleet import search_attributes as sa
     from fleet.incident import AlertStatus, LossReport, PoolRef
     from fleet.recovery import (
-        Decision,
         IncidentCause,
         IncidentInput,
         OperatorAction,
         Phase,
         ProcedureStatus,
         RecoveryInput,
+        RetryBudget,
     )
+    from workflows.procedure import Record, should_continue_as_new
     from workflows.replica_loss import ReplicaLossRecovery
 
 
@@ -81,39 +81,36 @@ class IncidentCarry(BaseModel):
     runs: int = Field(1, description="Runs of this incident so far (this one included)")
 
 
-def should_continue_as_new() -> bool:
-    """History getting long, or a newer worker version is the target: hand over to a fresh run."""
-    info = workflow.info()
-    return info.is_continue_as_new_suggested() or info.is_target_worker_deployment_version_changed()
-
-
 @workflow.defn(name="FleetIncident")
-class FleetIncident:
+class FleetIncident(Record):
+    """The toolkit's ``Record``: the same record, incident channel and operation-id scope
+    (``<workflow id>@<first run id>``) as the procedures. Its one effect - the channel message
+    about a failed recovery - is posted even in a dry run: an operator must hear of it."""
+
     @workflow.init
     def __init__(self, pool: PoolRef | IncidentInput | IncidentCarry) -> None:
         self._pending: list[LossReport] = []
-        self._fingerprints: set[str] = set()
+        self._seen: set[str] = set()  # alert fingerprints
         self._entities: set[str] = set()
         self._resolved: set[str] = set()
         self._absorbed = 0
         ref = pool.config.pool if isinstance(pool, IncidentCarry) else pool
         ref = ref.pool if isinstance(ref, IncidentInput) else ref
-        self._status = ProcedureStatus(
-            workflow=workflow.info().workflow_id, pool=ref, phase=Phase.CORRELATING
-        )
+        status = ProcedureStatus(workflow=workflow.info().workflow_id, pool=ref, phase=Phase.CORRELATING)
         self._children: list[str] = []
         self._failed: dict[str, str] = {}  # failed recovery -> why, until an operator resolves it
         self._runs = 1
         if isinstance(pool, IncidentCarry):
             self._pending = list(pool.pending)
-            self._fingerprints = set(pool.fingerprints)
+            self._seen = set(pool.fingerprints)
             self._entities = set(pool.entities)
             self._resolved = set(pool.resolved)
             self._absorbed = pool.absorbed
-            self._status = pool.status
+            status = pool.status
             self._children = list(pool.children)
             self._failed = dict(pool.failed)
             self._runs = pool.runs + 1
+        super().__init__(status, budget=RetryBudget(), dry_run=False)
 
     @workflow.signal(name="report_loss", description="An alert says a replica of this pool may be lost")
     def report_loss(self, report: LossReport) -> None:
@@ -121,11 +118,11 @@ class FleetIncident:
             # Recorded, never used to abort a half-done step: the procedure verifies for itself.
             self._resolved.add(report.fingerprint)
             return
-        if report.fingerprint in self._fingerprints or entity_key(report) in self._entities:
+        if report.fingerprint in self._seen or entity_key(report) in self._entities:
             self._absorbed += 1
-            self._fingerprints.add(report.fingerprint)
+            self._seen.add(report.fingerprint)
             return
-        self._fingerprints.add(report.fingerprint)
+        self._seen.add(report.fingerprint)
         self._entities.add(entity_key(report))
         self._pending.append(report)
 
@@ -135,13 +132,7 @@ class FleetIncident:
     )
     def resolve(self, action: OperatorAction) -> ProcedureStatus:
         failed, self._failed = self._failed, {}
-        self._status.decisions.append(
-            Decision(
-                phase=self._status.phase,
-                summary=f"resolved by {action.operator}: {action.reason} (failed: {', '.join(sorted(failed))})",
-                at=workflow.now().timestamp(),
-            )
-        )
+        self.decide(f"resolved by {action.operator}: {action.reason} (failed: {', '.join(sorted(failed))})")
         self._status.awaiting = None
         return self._status
 
@@ -156,7 +147,7 @@ class FleetIncident:
     def status(self) -> ProcedureStatus:
         self._status.figures.update(
             {
-                "alerts_seen": len(self._fingerprints) + self._absorbed,
+                "alerts_seen": len(self._seen) + self._absorbed,
                 "alerts_absorbed": self._absorbed,
                 "resolved_alerts": len(self._resolved),
                 "entities": sorted(self._entities),
@@ -184,20 +175,12 @@ class FleetIncident:
                 summary=f"load incident policy for {pool.key}",
             )
         self._status.dry_run = config.dry_run
-        workflow.upsert_search_attributes(
-            [
-                sa.FLEETMEND_KIND.value_set("incident"),
-                sa.FLEETMEND_NAMESPACE.value_set(pool.namespace),
-                sa.FLEETMEND_POOL.value_set(pool.key),
-                sa.FLEETMEND_PHASE.value_set(Phase.CORRELATING.value),
-                sa.FLEETMEND_DRY_RUN.value_set(config.dry_run),
-            ]
-        )
+        self.begin("incident", pool)
         timings = config.timings
         while True:
             if should_continue_as_new():
                 await self._continue_as_new(config)
-            self._set_details(f"Waiting for loss reports on **{pool.key}**")
+            self.set_details(f"Waiting for loss reports on **{pool.key}**")
             try:
                 await workflow.wait_condition(
                     lambda: bool(self._pending) or should_continue_as_new(),
@@ -212,9 +195,8 @@ class FleetIncident:
             if self._pending:
                 await self._run_recovery(pool, config)
 
-        self._status.phase = Phase.DONE
-        workflow.upsert_search_attributes([sa.FLEETMEND_PHASE.value_set(Phase.DONE.value)])
-        self._set_details(f"Incident on **{pool.key}** closed after {len(self._children)} recoveries")
+        self.set_phase(Phase.DONE)
+        self.set_details(f"Incident on **{pool.key}** closed after {len(self._children)} recoveries")
         await workflow.wait_condition(workflow.all_handlers_finished)
         return self._status
 
@@ -226,7 +208,7 @@ class FleetIncident:
                 config=config,
                 status=self._status,
                 pending=self._pending,
-                fingerprints=sorted(self._fingerprints),
+                fingerprints=sorted(self._seen),
                 entities=sorted(self._entities),
                 resolved=sorted(self._resolved),
                 absorbed=self._absorbed,
@@ -240,11 +222,10 @@ class FleetIncident:
     async def _await_resolution(self, pool: PoolRef) -> None:
         """A failed recovery keeps the incident open and visible until ``resolve`` (or a new loss)."""
         what = "; ".join(f"{c}: {why}" for c, why in sorted(self._failed.items()))
-        self._status.phase = Phase.AWAITING_OPERATOR
+        self.set_phase(Phase.AWAITING_OPERATOR)
         self._status.awaiting = f"failed recovery needs an operator — {what}; answer with `resolve`"
-        workflow.upsert_search_attributes([sa.FLEETMEND_PHASE.value_set(Phase.AWAITING_OPERATOR.value)])
-        self._set_details(f"**Awaiting operator**: {self._status.awaiting}")
-        await self._notify(
+        self.set_details(f"**Awaiting operator**: {self._status.awaiting}")
+        await self.notify(
             f"failed-{len(self._children)}",
             f"[fleetmend] {pool.key}: recovery failed and the incident stays open — {what}. "
             f"Handle it, then `fleetmend resolve {workflow.info().workflow_id} --reason ...`.",
@@ -254,36 +235,11 @@ class FleetIncident:
         )
         if self._failed and not self._pending:
             return  # continue-as-new: the next run picks the wait up again, still awaiting the operator
-        self._status.phase = Phase.CORRELATING
-        workflow.upsert_search_attributes([sa.FLEETMEND_PHASE.value_set(Phase.CORRELATING.value)])
-
-    async def _notify(self, topic: str, text: str) -> None:
-        info = workflow.info()
-        try:
-            await workflow.execute_activity_method(
-                ActActivities.notify,
-                NotifyRequest(
-                    step="notify",
-                    topic=topic,
-                    text=text,
-                    scope=f"{info.workflow_id}@{info.first_execution_run_id}",
-                ),
-                start_to_close_timeout=timedelta(seconds=30),
-                schedule_to_close_timeout=timedelta(seconds=120),
-                summary=f"incident channel: {topic}",
-            )
-        except ActivityError as err:
-            self._status.decisions.append(
-                Decision(
-                    phase=self._status.phase,
-                    summary=f"incident channel unreachable: {err.cause or err}",
-                    at=workflow.now().timestamp(),
-                )
-            )
+        self.set_phase(Phase.CORRELATING)
 
     async def _run_recovery(self, pool: PoolRef, config: IncidentInput) -> None:
         first = self._pending.pop(0)
-        now = workflow.now().timestamp()
+        now = self.now()
         n = len(self._children) + 1
         info = workflow.info()
         child_id = f"{info.workflow_id}/{info.first_execution_run_id[:8]}/recovery-{n}"
@@ -300,14 +256,8 @@ class FleetIncident:
         )
         self._children.append(child_id)
         self._status.phase = Phase.CORRELATING
-        self._status.decisions.append(
-            Decision(
-                phase=Phase.CORRELATING,
-                summary=f"recovery {child_id} started for {entity_key(first)} ({first.alert_name})",
-                at=now,
-            )
-        )
-        self._set_details(f"Recovery **{child_id}** running for {entity_key(first)}")
+        self.decide(f"recovery {child_id} started for {entity_key(first)} ({first.alert_name})")
+        self.set_details(f"Recovery **{child_id}** running for {entity_key(first)}")
         handle = await workflow.start_child_workflow(
             ReplicaLossRecovery.run,
             child_input,
@@ -327,17 +277,14 @@ class FleetIncident:
         window_end = now + config.timings.correlation_window_s
         # Losses within the window join this recovery as one correlated incident.
         while True:
-            remaining = window_end - workflow.now().timestamp()
+            remaining = window_end - self.now()
             if self._pending and remaining > 0:
                 batch, self._pending = self._pending, []
                 await handle.signal(ReplicaLossRecovery.add_losses, batch)
-                self._status.decisions.append(
-                    Decision(
-                        phase=Phase.CORRELATING,
-                        summary=f"{len(batch)} more loss(es) within the correlation window joined {child_id}",
-                        figures={"entities": [entity_key(r) for r in batch]},
-                        at=workflow.now().timestamp(),
-                    )
+                self.decide(
+                    f"{len(batch)} more loss(es) within the correlation window joined {child_id}",
+                    {"entities": [entity_key(r) for r in batch]},
+                    phase=Phase.CORRELATING,
                 )
                 continue
             if remaining <= 0:
@@ -356,25 +303,11 @@ class FleetIncident:
             result: ProcedureStatus = await handle
             if result.phase is Phase.FAILED:
                 self._failed[child_id] = "ended in phase failed"
-            self._status.decisions.append(
-                Decision(
-                    phase=result.phase,
-                    summary=f"{child_id} ended in phase {result.phase.value}",
-                    figures={
-                        "verification_passed": result.verification.passed if result.verification else None
-                    },
-                    at=workflow.now().timestamp(),
-                )
+            self.decide(
+                f"{child_id} ended in phase {result.phase.value}",
+                {"verification_passed": result.verification.passed if result.verification else None},
+                phase=result.phase,
             )
         except ChildWorkflowError as err:
             self._failed[child_id] = str(err.cause or err)[:500]
-            self._status.decisions.append(
-                Decision(
-                    phase=Phase.FAILED,
-                    summary=f"{child_id} failed: {err.cause or err}",
-                    at=workflow.now().timestamp(),
-                )
-            )
-
-    def _set_details(self, text: str) -> None:
-        workflow.set_current_details(text)
+            self.decide(f"{child_id} failed: {err.cause or err}", phase=Phase.FAILED)

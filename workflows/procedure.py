@@ -24,6 +24,10 @@ through this toolkit:
 * ``window(look, interval_s)`` - two looks an interval apart (a rate needs two).
 * ``poll(look, until, interval_s, deadline, summary)`` - look until a condition holds or a
   deadline passes; says which it was. Every "wait until" of every procedure is this loop.
+  ``window``, ``poll`` and ``now`` are ``Watch``: the readiness keeper samples with them too.
+* ``Record`` (the base of ``Procedure`` and of ``FleetIncident``): the status record
+  (``decide``, ``figure``, ``set_phase``, ``begin``), the incident channel (``notify``) and the
+  operation-id ``scope`` - one copy for every workflow that keeps a record.
 * ``await_operator(what)`` - an approval gate (the ``approve`` Update).
 * ``notify(topic, text)`` - the incident channel, through the ledger.
 * ``enter(phase)`` / ``decide`` / ``figure`` - step boundaries and the record an SRE
@@ -111,22 +115,175 @@ class Aborted(Exception):
     """An operator aborted the procedure (the ``abort`` Update), or it gave up waiting."""
 
 
-class Procedure:
+def should_continue_as_new() -> bool:
+    """History getting long, or a newer worker version is the target: hand over to a fresh run."""
+    info = workflow.info()
+    return info.is_continue_as_new_suggested() or info.is_target_worker_deployment_version_changed()
+
+
+class Watch:
+    """Looking at the world over time, the same way in every workflow (procedures, incident, keeper)."""
+
+    def now(self) -> float:
+        return workflow.now().timestamp()
+
+    async def window(
+        self,
+        look: Callable[[str], Awaitable[ResultT]],
+        interval_s: float,
+        *,
+        summary: str,
+        first: ResultT | None = None,
+    ) -> tuple[ResultT, ResultT]:
+        """Two looks ``interval_s`` apart (a rate, a queue's trend, a counter's delta needs two).
+
+        ``first``: a look the workflow already took (it starts the window; only the second is taken).
+        """
+        if first is None:
+            first = await look(f"{summary}: first look")
+        await workflow.sleep(interval_s, summary=f"{summary}: interval"[:190])
+        second = await look(f"{summary}: second look")
+        return first, second
+
+    async def poll(
+        self,
+        look: Callable[[], Awaitable[ResultT]],
+        until: Callable[[ResultT], bool],
+        *,
+        interval_s: float,
+        deadline: float | None,
+        summary: str,
+        on_miss: Callable[[ResultT], None] | None = None,
+        first: ResultT | None = None,
+        look_at_deadline: bool = False,
+    ) -> tuple[ResultT, bool]:
+        """Look until ``until(look())`` holds or ``deadline`` (workflow time) has passed.
+
+        Returns the last look and whether the condition held (False: the deadline passed;
+        the caller says what that means). ``on_miss`` runs after every look that did not
+        satisfy the condition, before the interval (to record what is still awaited).
+        ``deadline=None`` polls until the condition holds. ``first``: a look the workflow
+        already took, judged before any new one (a wait resumed after an operator answered
+        starts with an interval, not a look). ``look_at_deadline``: the interval before the
+        deadline is cut short so that one look falls on it (a deadline promised to an operator).
+        """
+        value = first
+        while True:
+            if value is None:
+                value = await look()
+            if until(value):
+                return value, True
+            now = self.now()
+            if deadline is not None and now > deadline:
+                return value, False
+            if on_miss is not None:
+                on_miss(value)
+            interval = interval_s
+            if look_at_deadline and deadline is not None:
+                interval = min(interval_s, max(0.05, deadline - now))
+            await workflow.sleep(interval, summary=summary[:190])
+            value = None
+
+
+class Record(Watch):
+    """A workflow an SRE reads and hears from: its status record, search attributes, the incident
+    channel, and the operation-id scope its ledger effects are keyed by (procedures and FleetIncident)."""
+
+    def __init__(self, status: ProcedureStatus, *, budget: RetryBudget, dry_run: bool) -> None:
+        self._status = status
+        self._budget = budget
+        self._dry_run = dry_run
+        self._fingerprints: list[str] = []
+
+    @property
+    def scope(self) -> str:
+        """Operation-id scope: one procedure's whole life (retries, replays, continue-as-new), never another's."""
+        info = workflow.info()
+        return f"{info.workflow_id}@{info.first_execution_run_id}"
+
+    def set_fingerprints(self, fingerprints: list[str]) -> None:
+        self._fingerprints = sorted(set(fingerprints))[:20]
+
+    async def notify(self, topic: str, text: str) -> None:
+        """Post to the incident channel through the ledger. A refused post is recorded, never escalated
+        (the channel is how an operator hears of escalations)."""
+        request = NotifyRequest(
+            step="notify",
+            topic=topic,
+            text=text,
+            scope=self.scope,
+            dry_run=self._dry_run,
+            fingerprints=self._fingerprints,
+        )
+        try:
+            report = await workflow.execute_activity_method(
+                ActActivities.notify,
+                request,
+                start_to_close_timeout=timedelta(seconds=self._budget.call_timeout_s),
+                schedule_to_close_timeout=timedelta(seconds=self._budget.budget_s),
+                retry_policy=activity_retry(self._budget),
+                summary=f"incident channel: {topic}"[:190],
+            )
+        except ActivityError as err:
+            self.decide(f"incident channel unreachable ({describe_failure(err)}); message was: {text}")
+            return
+        self._count(report)
+
+    # ================================================================ the record
+
+    def begin(self, kind: str, pool: PoolRef, **extra: Any) -> None:
+        """Search attributes every procedure carries (the UI's filters); ``extra`` keyword SAs by key name."""
+        pairs: list[SearchAttributeUpdate[Any]] = [
+            sa.FLEETMEND_KIND.value_set(kind),
+            sa.FLEETMEND_NAMESPACE.value_set(pool.namespace),
+            sa.FLEETMEND_POOL.value_set(pool.key),
+            sa.FLEETMEND_PHASE.value_set(self._status.phase.value),
+            sa.FLEETMEND_DRY_RUN.value_set(self._status.dry_run),
+        ]
+        if "severity" in extra:
+            pairs.append(sa.FLEETMEND_SEVERITY.value_set(str(extra["severity"])))
+        workflow.upsert_search_attributes(pairs)
+
+    def set_phase(self, phase: Phase) -> None:
+        """The current phase, in the status and in the search attribute the UI filters on."""
+        self._status.phase = phase
+        workflow.upsert_search_attributes([sa.FLEETMEND_PHASE.value_set(phase.value)])
+
+    def decide(
+        self, summary: str, figures: dict[str, Any] | None = None, *, phase: Phase | None = None
+    ) -> None:
+        """One entry of the record; ``phase`` when it is about another phase than the current one."""
+        self._status.decisions.append(
+            Decision(phase=phase or self._status.phase, summary=summary, figures=figures or {}, at=self.now())
+        )
+
+    def figure(self, key: str, value: Any) -> None:
+        self._status.figures[key] = value
+
+    def set_details(self, text: str) -> None:
+        workflow.set_current_details(text)
+
+    def _count(self, report: EffectReport) -> None:
+        figures = self._status.figures
+        key = f"effects_{report.state}"
+        figures[key] = figures.get(key, 0) + 1
+        if report.replayed:
+            figures["effects_deduplicated"] = figures.get("effects_deduplicated", 0) + 1
+
+
+class Procedure(Record):
     """The toolkit; a subclass's ``@workflow.init`` builds its state and calls ``super().__init__``."""
 
     def __init__(
         self, status: ProcedureStatus, *, budget: RetryBudget, dry_run: bool, operator_wait_s: float
     ) -> None:
-        self._status = status
-        self._budget = budget
-        self._dry_run = dry_run
+        super().__init__(status, budget=budget, dry_run=dry_run)
         self._operator_wait_s = operator_wait_s
         self._paused = False
         self._abort: OperatorAction | None = None
         self._awaiting: str | None = None
         self._approval: OperatorAction | None = None
         self._answer: tuple[str, OperatorAction] | None = None
-        self._fingerprints: list[str] = []
         self._refusals = 0
         # Steps that run side by side (triage beside the ramp) ask one question at a time.
         self._escalation = asyncio.Lock()
@@ -239,15 +396,6 @@ class Procedure:
 
     # ================================================================ acting and observing
 
-    @property
-    def scope(self) -> str:
-        """Operation-id scope: one procedure's whole life (retries, replays, continue-as-new), never another's."""
-        info = workflow.info()
-        return f"{info.workflow_id}@{info.first_execution_run_id}"
-
-    def set_fingerprints(self, fingerprints: list[str]) -> None:
-        self._fingerprints = sorted(set(fingerprints))[:20]
-
     async def act(
         self, activity: Callable[[Any, ReqT], EffectReport], request: ReqT, summary: str
     ) -> EffectReport:
@@ -358,42 +506,6 @@ class Procedure:
             summary,
         )
 
-    async def window(
-        self, look: Callable[[str], Awaitable[ResultT]], interval_s: float, *, summary: str
-    ) -> tuple[ResultT, ResultT]:
-        """Two looks ``interval_s`` apart (a rate, a queue's trend, a counter's delta needs two)."""
-        first = await look(f"{summary}: first look")
-        await workflow.sleep(interval_s, summary=f"{summary}: interval"[:190])
-        second = await look(f"{summary}: second look")
-        return first, second
-
-    async def poll(
-        self,
-        look: Callable[[], Awaitable[ResultT]],
-        until: Callable[[ResultT], bool],
-        *,
-        interval_s: float,
-        deadline: float | None,
-        summary: str,
-        on_miss: Callable[[ResultT], None] | None = None,
-    ) -> tuple[ResultT, bool]:
-        """Look until ``until(look())`` holds or ``deadline`` (workflow time) has passed.
-
-        Returns the last look and whether the condition held (False: the deadline passed;
-        the caller says what that means). ``on_miss`` runs after every look that did not
-        satisfy the condition, before the interval (to record what is still awaited).
-        ``deadline=None`` polls until the condition holds.
-        """
-        while True:
-            value = await look()
-            if until(value):
-                return value, True
-            if deadline is not None and self.now() > deadline:
-                return value, False
-            if on_miss is not None:
-                on_miss(value)
-            await workflow.sleep(interval_s, summary=summary[:190])
-
     async def deroute(
         self, pool: PoolRef, pods: list[str], label: str, *, step: str, why: str, timeout_s: float
     ) -> DerouteSeen | None:
@@ -464,31 +576,6 @@ class Procedure:
                 step=step,
                 why=f"{why}: pod-deletion-cost {REMOVE_FIRST_DELETION_COST} on {pod} (removed first)",
             )
-
-    async def notify(self, topic: str, text: str) -> None:
-        """Post to the incident channel through the ledger. A refused post is recorded, never escalated
-        (the channel is how an operator hears of escalations)."""
-        request = NotifyRequest(
-            step="notify",
-            topic=topic,
-            text=text,
-            scope=self.scope,
-            dry_run=self._dry_run,
-            fingerprints=self._fingerprints,
-        )
-        try:
-            report = await workflow.execute_activity_method(
-                ActActivities.notify,
-                request,
-                start_to_close_timeout=timedelta(seconds=self._budget.call_timeout_s),
-                schedule_to_close_timeout=timedelta(seconds=self._budget.budget_s),
-                retry_policy=activity_retry(self._budget),
-                summary=f"incident channel: {topic}"[:190],
-            )
-        except ActivityError as err:
-            self.decide(f"incident channel unreachable ({describe_failure(err)}); message was: {text}")
-            return
-        self._count(report)
 
     # ================================================================ asking an operator
 
@@ -590,27 +677,13 @@ class Procedure:
 
     # ================================================================ phases and the record
 
-    def begin(self, kind: str, pool: PoolRef, **extra: Any) -> None:
-        """Search attributes every procedure carries (the UI's filters); ``extra`` keyword SAs by key name."""
-        pairs: list[SearchAttributeUpdate[Any]] = [
-            sa.FLEETMEND_KIND.value_set(kind),
-            sa.FLEETMEND_NAMESPACE.value_set(pool.namespace),
-            sa.FLEETMEND_POOL.value_set(pool.key),
-            sa.FLEETMEND_PHASE.value_set(self._status.phase.value),
-            sa.FLEETMEND_DRY_RUN.value_set(self._dry_run),
-        ]
-        if "severity" in extra:
-            pairs.append(sa.FLEETMEND_SEVERITY.value_set(str(extra["severity"])))
-        workflow.upsert_search_attributes(pairs)
-
     def finish(self, phase: Phase) -> ProcedureStatus:
         status = self._status
         now = self.now()
         if status.phases and status.phases[-1].end is None:
             status.phases[-1].end = now
-        status.phase = phase
         status.phases.append(PhaseSpan(name=phase, start=now, end=now))
-        workflow.upsert_search_attributes([sa.FLEETMEND_PHASE.value_set(phase.value)])
+        self.set_phase(phase)
         self.set_details(f"**{phase.value}** — {status.decisions[-1].summary if status.decisions else ''}")
         return status
 
@@ -621,8 +694,7 @@ class Procedure:
         if status.phases and status.phases[-1].end is None:
             status.phases[-1].end = now
         status.phases.append(PhaseSpan(name=phase, start=now))
-        status.phase = phase
-        workflow.upsert_search_attributes([sa.FLEETMEND_PHASE.value_set(phase.value)])
+        self.set_phase(phase)
         self.set_details(f"**Phase:** {phase.value}\n\n{details}")
         await self.on_phase_entered(phase)
 
@@ -637,24 +709,3 @@ class Procedure:
             await workflow.wait_condition(lambda: not self._paused or self._abort is not None)
             if self._abort is not None:
                 raise Aborted()
-
-    def decide(self, summary: str, figures: dict[str, Any] | None = None) -> None:
-        self._status.decisions.append(
-            Decision(phase=self._status.phase, summary=summary, figures=figures or {}, at=self.now())
-        )
-
-    def figure(self, key: str, value: Any) -> None:
-        self._status.figures[key] = value
-
-    def set_details(self, text: str) -> None:
-        workflow.set_current_details(text)
-
-    def now(self) -> float:
-        return workflow.now().timestamp()
-
-    def _count(self, report: EffectReport) -> None:
-        figures = self._status.figures
-        key = f"effects_{report.state}"
-        figures[key] = figures.get(key, 0) + 1
-        if report.replayed:
-            figures["effects_deduplicated"] = figures.get("effects_deduplicated", 0) + 1

@@ -33,6 +33,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet import search_attributes as sa
     from fleet.incident import PoolRef
     from fleet.readiness import ReadinessThresholds
+    from workflows.procedure import Watch, should_continue_as_new
 
 READINESS_KEEPER_WORKFLOW = "ReadinessKeeper"
 
@@ -64,16 +65,12 @@ class KeeperStatus(BaseModel):
     last_error: str | None = None
 
 
-def should_continue_as_new() -> bool:
-    """History getting long, or a newer worker version is the target: start a fresh run on it."""
-    info = workflow.info()
-    return info.is_continue_as_new_suggested() or info.is_target_worker_deployment_version_changed()
-
-
 @workflow.defn(name=READINESS_KEEPER_WORKFLOW)
-class ReadinessKeeper:
+class ReadinessKeeper(Watch):
     def __init__(self) -> None:
         self._status: KeeperStatus | None = None
+        self._gates: dict[str, PodGate] = {}
+        self._samples_this_run = 0
 
     @workflow.run
     async def run(self, inp: KeeperInput) -> None:
@@ -87,35 +84,52 @@ class ReadinessKeeper:
                 sa.FLEETMEND_DRY_RUN.value_set(inp.dry_run),
             ]
         )
-        gates = dict(inp.gates)
-        for _ in range(inp.samples_per_run):
-            result: GateSyncResult = await workflow.execute_activity_method(
-                ReadinessActivities.sync_readiness_gates,
-                GateSyncRequest(pool=inp.pool, thresholds=inp.thresholds, gates=gates, dry_run=inp.dry_run),
-                start_to_close_timeout=timedelta(seconds=max(10.0, inp.interval_s * 5)),
-                retry_policy=TemporalRetryPolicy(maximum_interval=timedelta(seconds=10)),
-                summary=f"sample {inp.pool.key}: KV, queue, health -> readiness gates",
-            )
-            gates = result.gates
-            status.samples += 1
-            status.writes += len(result.writes)
-            status.verdicts = result.verdicts
-            status.skipped = result.skipped
-            status.recent_writes = (status.recent_writes + result.writes)[-50:]
-            not_ready = sorted(p for p, v in result.verdicts.items() if not v.startswith("ready"))
-            workflow.set_current_details(
-                f"**{len(result.verdicts) - len(not_ready)} of {len(result.verdicts)}** replicas can take more "
-                f"work" + (f"; not ready: {', '.join(not_ready)}" if not_ready else "")
-            )
-            if should_continue_as_new():
-                break
+        self._gates = dict(inp.gates)
+        await self.poll(
+            lambda: self._sample(inp),
+            lambda _: self._samples_this_run >= inp.samples_per_run or should_continue_as_new(),
+            interval_s=inp.interval_s,
+            deadline=None,
+            summary="next readiness sample",
+        )
+        if not should_continue_as_new():
+            # The run's quota is spent, not the history: the next run's first sample keeps the interval.
             await workflow.sleep(inp.interval_s, summary="next readiness sample")
         workflow.continue_as_new(
             inp.model_copy(
-                update={"gates": gates, "samples_before": status.samples, "writes_before": status.writes}
+                update={
+                    "gates": self._gates,
+                    "samples_before": status.samples,
+                    "writes_before": status.writes,
+                }
             ),
             initial_versioning_behavior=workflow.ContinueAsNewVersioningBehavior.AUTO_UPGRADE,
         )
+
+    async def _sample(self, inp: KeeperInput) -> GateSyncResult:
+        """One sample: KV, queue and health of every replica, and the gate writes they call for."""
+        status = self._status
+        assert status is not None
+        result: GateSyncResult = await workflow.execute_activity_method(
+            ReadinessActivities.sync_readiness_gates,
+            GateSyncRequest(pool=inp.pool, thresholds=inp.thresholds, gates=self._gates, dry_run=inp.dry_run),
+            start_to_close_timeout=timedelta(seconds=max(10.0, inp.interval_s * 5)),
+            retry_policy=TemporalRetryPolicy(maximum_interval=timedelta(seconds=10)),
+            summary=f"sample {inp.pool.key}: KV, queue, health -> readiness gates",
+        )
+        self._gates = result.gates
+        self._samples_this_run += 1
+        status.samples += 1
+        status.writes += len(result.writes)
+        status.verdicts = result.verdicts
+        status.skipped = result.skipped
+        status.recent_writes = (status.recent_writes + result.writes)[-50:]
+        not_ready = sorted(p for p, v in result.verdicts.items() if not v.startswith("ready"))
+        workflow.set_current_details(
+            f"**{len(result.verdicts) - len(not_ready)} of {len(result.verdicts)}** replicas can take more "
+            f"work" + (f"; not ready: {', '.join(not_ready)}" if not_ready else "")
+        )
+        return result
 
     @workflow.query(name="status", description="Every replica's readiness verdict and the recent gate writes")
     def status(self) -> KeeperStatus:

@@ -41,8 +41,8 @@ with workflow.unsafe.imports_passed_through():
         QualificationJobRequest,
         QualificationRead,
     )
-    from fleet import measurements
     from fleet import search_attributes as sa
+    from fleet.arrivals import ArrivalTally, admitted_rate, arrival_rate
     from fleet.capacity import recovery_guard
     from fleet.engine_metrics import EngineSnapshot
     from fleet.incident import LossReport
@@ -89,7 +89,9 @@ with workflow.unsafe.imports_passed_through():
         Refusal,
         VerificationReport,
     )
+    from fleet.recovery_observations import in_flight_record, recovery_observations, warm_groups_before
     from fleet.retry_budget import decide_retry_policy
+    from fleet.service_rate import capacity_to_count_on, per_group_capacity, routed_served_rate, smoothed
     from fleet.shedding import (
         QueueRoom,
         ShedDecision,
@@ -102,6 +104,7 @@ with workflow.unsafe.imports_passed_through():
         refused_fraction,
     )
     from fleet.spares import pick_spares
+    from fleet.survivor_load import PARKED_FACTOR, next_admission_look, routed_backlog, survivor_loads
     from fleet.triage import PodFault, triage_node
     from fleet.verification import verify_recovery
     from fleet.vocabulary import (
@@ -111,6 +114,7 @@ with workflow.unsafe.imports_passed_through():
         REMEDIATED_AT_ANNOTATION,
         SHED_ORDER,
     )
+    from fleet.warmth import RampPlan, new_leaders, plan_weights, ramp_capacity_shape
     from workflows.procedure import Aborted, Procedure
 
 # A Pending replacement is judged unplaceable only after this many looks (the scheduler needs a moment).
@@ -148,7 +152,7 @@ class ReplicaLossRecovery(Procedure):
         # The admission the gateway has now (as this procedure set it), and what it is computed from.
         self._admission = Admission()
         self._arrival_rps = 0.0
-        self._arrivals = measurements.ArrivalTally()  # the gateway's count, from the first look on
+        self._arrivals = ArrivalTally()  # the gateway's count, from the first look on
         self._per_group_rps = 0.0
         self._serving_groups = 0
         self._readmissions = 0
@@ -375,11 +379,9 @@ class ReplicaLossRecovery(Procedure):
         obs = await self._observe(summary="survivors: second scrape")
         seconds = max(1e-3, obs.snapshot.observed_at - before.snapshot.observed_at)
         lost_ids = {g.id for g in lost}
-        per_group, capacity_note = measurements.per_group_capacity(
-            inp.objectives.group_capacity_rps, before, obs, seconds
-        )
+        per_group, capacity_note = per_group_capacity(inp.objectives.group_capacity_rps, before, obs, seconds)
         # A gateway's counter is read from the incident's first look on: arrivals do not change with a loss.
-        arrival, counted = measurements.arrival_rate(
+        arrival, counted = arrival_rate(
             before,
             obs,
             seconds,
@@ -389,9 +391,9 @@ class ReplicaLossRecovery(Procedure):
         )
         self.decide(f"arrivals {arrival:.1f} req/s ({counted}); {capacity_note}")
         self._arrivals = self._arrivals.add(before, 0.0).add(obs, refused_fraction(self._admission))
-        survivors = measurements.survivor_loads(before, obs, lost_ids)
+        survivors = survivor_loads(before, obs, lost_ids)
         self._arrival_rps, self._per_group_rps, self._serving_groups = arrival, per_group, len(survivors)
-        self._backlog = measurements.routed_backlog(obs, lost_ids)
+        self._backlog = routed_backlog(obs, lost_ids)
         async with self._admission_lock:
             self._shed = decide_shedding(
                 arrival_rps=arrival,
@@ -422,7 +424,7 @@ class ReplicaLossRecovery(Procedure):
 
         The queues absorb what they can of the gap; as they fill, the refused share rises to the
         gap, and when capacity returns it falls. A look that changes nothing records nothing, and
-        while looks change nothing the interval backs off (``measurements.next_admission_look``).
+        while looks change nothing the interval backs off (``next_admission_look``).
         """
         timings = self._inp.timings
         previous: PoolObservation | None = None
@@ -436,17 +438,15 @@ class ReplicaLossRecovery(Procedure):
             except TimeoutError:
                 pass
             obs = await self._observe(summary="admission: the routed replicas' queues")
-            backlog = measurements.routed_backlog(obs, lost_ids)
+            backlog = routed_backlog(obs, lost_ids)
             self._arrivals = self._arrivals.add(obs, refused_fraction(self._admission))
             arrival = self._arrivals.rate(ARRIVALS_COUNTED_S)
             if previous is not None:
-                served = measurements.smoothed(
-                    served, measurements.routed_served_rate(previous, obs, lost_ids)
-                )
+                served = smoothed(served, routed_served_rate(previous, obs, lost_ids))
             previous = obs
             if not self._keeping_admission:
                 return
-            capacity, measured = measurements.capacity_to_count_on(self._capacity_rps, served)
+            capacity, measured = capacity_to_count_on(self._capacity_rps, served)
             notes = [f"queues re-read: {backlog:.0f} request(s) waiting on the routed replicas"]
             if arrival is not None:
                 notes.append(
@@ -468,10 +468,10 @@ class ReplicaLossRecovery(Procedure):
                 self.decide(
                     f"the recovery's history is long ({workflow.info().get_current_history_length()} events): "
                     f"the admission keeper re-reads the queues every "
-                    f"{measurements.PARKED_FACTOR * timings.admission_max_interval_s:.0f} s from now on "
+                    f"{PARKED_FACTOR * timings.admission_max_interval_s:.0f} s from now on "
                     "(capacity changes still re-admit at once)"
                 )
-            self._admission_look_s = measurements.next_admission_look(
+            self._admission_look_s = next_admission_look(
                 self._admission_look_s,
                 timings.admission_interval_s,
                 timings.admission_max_interval_s,
@@ -552,7 +552,7 @@ class ReplicaLossRecovery(Procedure):
         inp = self._inp
         await self.enter(Phase.IN_FLIGHT, "Deciding the lost replicas' in-flight requests")
         lost_ids = {g.id for g in lost}
-        decision = decide_retry_policy(measurements.survivor_loads(obs, obs, lost_ids))
+        decision = decide_retry_policy(survivor_loads(obs, obs, lost_ids))
         self.decide(decision.reason, {"retry": decision.policy.model_dump(mode="json")})
         await self.act(
             ActActivities.set_retry_policy,
@@ -565,9 +565,7 @@ class ReplicaLossRecovery(Procedure):
             JournalRequest(pool=inp.pool, replicas=leaders),
             f"collect the request journal of {', '.join(leaders)}",
         )
-        record = measurements.in_flight_record(
-            journal, since=(inp.first_signal_at or self._started_at) - 60.0
-        )
+        record = in_flight_record(journal, since=(inp.first_signal_at or self._started_at) - 60.0)
         self.figure("in_flight", record)
         self.decide(
             f"lost replicas' requests: {record['retried']} retried before first byte, {record['terminal_errors']} "
@@ -1143,7 +1141,7 @@ class ReplicaLossRecovery(Procedure):
         backoff: dict[str, float] = {}
         while True:
             obs = await self._observe(summary="ramp: routed replicas and their engines")
-            new_pods |= measurements.new_leaders(initial, obs)
+            new_pods |= new_leaders(initial, obs)
             routed_leaders = sorted(
                 g.leader_pod
                 for g in obs.snapshot.groups
@@ -1163,7 +1161,7 @@ class ReplicaLossRecovery(Procedure):
                 f"ramp: measure {len(routed_leaders)} replicas",
             )
             if previous is not None:
-                plan = measurements.plan_weights(
+                plan = plan_weights(
                     previous,
                     current,
                     max(1e-3, self.now() - previous_at),
@@ -1198,7 +1196,7 @@ class ReplicaLossRecovery(Procedure):
         current: dict[str, EngineSnapshot],
         previous_at: float,
         new_pods: set[str],
-        plan: measurements.RampPlan,
+        plan: RampPlan,
     ) -> None:
         """Each ramp step re-measures capacity (new replicas at their warmth) and arrivals, and re-admits."""
         seconds = max(1e-3, self.now() - previous_at)
@@ -1210,10 +1208,10 @@ class ReplicaLossRecovery(Procedure):
                 f"arrivals {arrival:.1f} req/s counted by the gateway over {self._arrivals.seconds:.0f} s"
             )
         else:
-            admitted = measurements.admitted_rate(previous, current, seconds)
+            admitted = admitted_rate(previous, current, seconds)
             arrival = estimate_arrivals(admitted, self._admission, self._arrival_rps)
             counted = f"the engines admitted {admitted:.1f} req/s"
-        established, warmth = measurements.ramp_capacity_shape(plan, new_pods)
+        established, warmth = ramp_capacity_shape(plan, new_pods)
         await self._readmit(
             f"ramp step {step}: {established} established group(s) + new "
             + (", ".join(f"{p} {w:.0%} warm" for p, w in sorted(warmth.items())) or "none")
@@ -1249,7 +1247,7 @@ class ReplicaLossRecovery(Procedure):
                 warm_groups=sum(1 for g in obs.snapshot.groups if g.ready),
                 warm_floor=self._warm_target(),
                 replacement_warm=report.passed,
-                survivors=measurements.survivor_loads(before, obs, lost_ids),
+                survivors=survivor_loads(before, obs, lost_ids),
             )
             self.decide(f"lift shedding? {lift.reason}")
             if lift.lift or report.passed:
@@ -1282,7 +1280,7 @@ class ReplicaLossRecovery(Procedure):
                 ReconcileRequest(workflow_id=workflow.info().workflow_id),
                 "verify: ledger reconciliation",
             )
-            observations = measurements.recovery_observations(
+            observations = recovery_observations(
                 initial,
                 before,
                 obs,
@@ -1319,7 +1317,7 @@ class ReplicaLossRecovery(Procedure):
 
     def _warm_target(self) -> int:
         assert self._initial_obs is not None
-        return measurements.warm_groups_before(self._initial_obs)
+        return warm_groups_before(self._initial_obs)
 
     # ================================================================ operator steering and losses
 

@@ -9,7 +9,8 @@ Lock the door, let seated tables finish, then turn out the lights:
    **stop routing** (remove the router-only label);
 3. **drain** - poll the victims' running + waiting requests to zero, bounded by
    the drain deadline; at the deadline report what is still streaming and wait
-   for ``extend`` or ``accept_cut`` (no answer: extend once, then ask again);
+   for ``extend`` or ``accept_cut`` (no answer: extend once, then ask again) -
+   ``workflows/drain.py``, a base of this workflow;
 4. **terminate** - deletion cost on the victims, then scale the workload to an
    absolute count, so the drained pods are the ones removed;
 5. **verify** - the remaining groups ready, no victim stream cut (unless an
@@ -25,8 +26,6 @@ claim, gate, deroute or scale stops the step and asks an operator (``retry`` /
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
@@ -34,32 +33,34 @@ with workflow.unsafe.imports_passed_through():
     from activities.act import ActActivities, ScaleChange
     from activities.audit import AuditActivities, ReconcileRequest
     from activities.coordination import IncidentState, incident_on_pool
-    from activities.drain import CutStreamsRequest, DrainActivities, DrainLook
-    from activities.observe import ObserveActivities, ObserveRequest
+    from activities.drain import CutStreamsRequest, DrainActivities
     from activities.readiness import ReadinessActivities, ServingReadyChange
     from fleet import search_attributes as sa
     from fleet.capacity import scale_down_guard
     from fleet.incident import PLANNED_SCALE_DOWN_WORKFLOW
     from fleet.observation import PoolObservation
-    from fleet.pool import ReplicaGroup, WorkloadKind
+    from fleet.pool import ReplicaGroup
     from fleet.recovery import OperatorAction, Phase, ProcedureStatus, Refusal
     from fleet.scale_down import (
         DRAINING_ANNOTATION,
-        DrainProgress,
         ScaleDownInput,
-        deadline_choice,
+        others_terminating,
+        ready_without,
+        serving_without,
+        termination_overdue,
+        victim_pods,
+        victims_by_workload,
+        victims_present,
+        workload_scale,
     )
     from fleet.verification import verify_scale_down
-    from fleet.victims import GroupLoad, choose_victims
-    from fleet.vocabulary import LWS_GROUP_INDEX_LABEL
-    from workflows.procedure import Aborted, Procedure
-
-# A drain look is a few scrapes: a short timeout lets a drain resume quickly on another worker.
-_LOOK_TIMEOUT_S = 10.0
+    from fleet.victims import choose_victims, group_loads
+    from workflows.drain import Drain
+    from workflows.procedure import Aborted
 
 
 @workflow.defn(name=PLANNED_SCALE_DOWN_WORKFLOW)
-class PlannedScaleDown(Procedure):
+class PlannedScaleDown(Drain):
     @workflow.init
     def __init__(self, inp: ScaleDownInput) -> None:
         # Status exists before the run starts: an Update delivered with the first task sees a running procedure.
@@ -81,12 +82,8 @@ class PlannedScaleDown(Procedure):
             status, budget=inp.retry, dry_run=inp.dry_run, operator_wait_s=inp.operator_timeout_s
         )
         self._inp = inp
-        self._at_deadline = False
-        self._extension: OperatorAction | None = None
-        self._cut_accepted: OperatorAction | None = None
         self._victims: list[ReplicaGroup] = []
         self._drain_since: float | None = None
-        self._last_progress: DrainProgress | None = None
 
     # ================================================================ the procedure
 
@@ -100,7 +97,7 @@ class PlannedScaleDown(Procedure):
                 return self.finish(Phase.DONE)
             await self.guard_capacity(obs)
             await self.mark_not_ready(obs)
-            await self.drain()
+            await self.drain(inp, [g.leader_pod for g in self._victims])
             await self.yield_to_incident("before terminating")
             await self.terminate()
             await self.verify(obs)
@@ -114,51 +111,46 @@ class PlannedScaleDown(Procedure):
         """Wait while a replica-loss incident is open on this pool; give up (abort) after the bound."""
         inp = self._inp
         started = self.now()
-        previous: Phase | None = None
-        while True:
-            state: IncidentState = await self.call(
-                incident_on_pool, inp.pool, f"is a replica-loss incident open on {inp.pool.key}? ({when})"
+        state = await self._incident_on_pool(when)
+        if not state.open:
+            return
+        previous = self._status.phase
+        self.decide(f"yielding {when}: {state.reason}", {"incident": state.workflow_id})
+        self.figure("yielded_to", state.workflow_id)
+        await self.enter(
+            Phase.YIELDING,
+            f"**Yielding** to {state.reason}: a scale-down must not take replicas away while the "
+            f"pool is recovering. Re-checking every {inp.incident_poll_s:g} s.",
+        )
+        state, over = await self.poll(
+            lambda: self._incident_on_pool(when, checkpoint=True),
+            lambda s: not s.open,
+            interval_s=inp.incident_poll_s,
+            deadline=started + inp.incident_yield_max_s,
+            summary=f"yielding to {state.workflow_id}",
+            first=state,
+        )
+        if not over:
+            self.decide(
+                f"gave up after yielding {self.now() - started:.0f} s to {state.workflow_id}; nothing was "
+                "removed after the incident opened - run the scale-down again once the pool has recovered"
             )
-            if not state.open:
-                if previous is not None:
-                    self.decide(f"incident over ({state.reason}); resuming {when}")
-                    await self.enter(previous, f"resumed after the incident ({state.reason})")
-                return
-            waited = self.now() - started
-            if previous is None:
-                previous = self._status.phase
-                self.decide(f"yielding {when}: {state.reason}", {"incident": state.workflow_id})
-                self.figure("yielded_to", state.workflow_id)
-                await self.enter(
-                    Phase.YIELDING,
-                    f"**Yielding** to {state.reason}: a scale-down must not take replicas away while the "
-                    f"pool is recovering. Re-checking every {inp.incident_poll_s:g} s.",
-                )
-            if waited >= inp.incident_yield_max_s:
-                self.decide(
-                    f"gave up after yielding {waited:.0f} s to {state.workflow_id}; nothing was removed "
-                    "after the incident opened - run the scale-down again once the pool has recovered"
-                )
-                raise Aborted()
-            await workflow.sleep(inp.incident_poll_s, summary=f"yielding to {state.workflow_id}")
-            await self.checkpoint()
+            raise Aborted()
+        self.decide(f"incident over ({state.reason}); resuming {when}")
+        await self.enter(previous, f"resumed after the incident ({state.reason})")
 
     # ---------------------------------------------------------------- step 1
 
     async def choose_victims(self) -> PoolObservation:
         inp = self._inp
         await self.enter(Phase.CHOOSING_VICTIMS, "Choosing victims: whole groups, the cheapest to lose")
-        obs = await self._observe("choose victims: read pool, engines")
-        loads = {
-            gid: GroupLoad(running=e.running, waiting=e.waiting, kv_usage=e.kv_usage)
-            for gid, e in obs.engines.items()
-        }
+        obs = await self.observe_pool(inp.pool, "choose victims: read pool, engines")
         try:
             choice = choose_victims(
                 obs.snapshot,
                 target_groups=inp.target_groups,
                 explicit=inp.victims,
-                loads=loads,
+                loads=group_loads(obs.engines),
                 warm_floor=inp.warm_floor,
             )
         except ValueError as err:
@@ -180,11 +172,17 @@ class PlannedScaleDown(Procedure):
         return obs
 
     async def guard_capacity(self, obs: PoolObservation) -> None:
-        """Capacity-aware guard (DESIGN.md §6a): can the groups left carry today's demand?"""
+        """Capacity-aware guard (DESIGN.md §6a): can the groups left carry today's demand?
+
+        The serving rates are two looks an interval apart; the first is the one victims were chosen by.
+        """
         inp = self._inp
-        interval = max(inp.poll_interval_s, 1.0)
-        await workflow.sleep(interval, summary="guard: measurement interval")
-        after = await self._observe("guard: serving rate of every group")
+        _, after = await self.window(
+            lambda summary: self.observe_pool(inp.pool, summary),
+            max(inp.poll_interval_s, 1.0),
+            summary="guard: serving rate of every group",
+            first=obs,
+        )
         decision, demand = scale_down_guard(
             obs,
             after,
@@ -203,7 +201,7 @@ class PlannedScaleDown(Procedure):
     async def mark_not_ready(self, obs: PoolObservation) -> None:
         inp = self._inp
         wid = workflow.info().workflow_id
-        pods = self._victim_pods()
+        pods = victim_pods(self._victims)
         await self.enter(Phase.MARKING_NOT_READY, f"Marking {', '.join(pods)} not ready and out of routing")
         label = obs.router_label
         selecting = obs.controllers_selecting(label)
@@ -245,158 +243,53 @@ class PlannedScaleDown(Procedure):
         self.figure("stop_routing_seconds", round(max(0.0, seen.at - self._drain_since), 3))
         self.decide(f"no new requests go to {', '.join(pods)}")
 
-    # ---------------------------------------------------------------- step 3
-
-    async def drain(self) -> None:
-        inp = self._inp
-        leaders = [g.leader_pod for g in self._victims]
-        await self.enter(
-            Phase.DRAINING,
-            f"Draining {', '.join(leaders)}: waiting for running + waiting requests to reach zero "
-            f"(deadline {inp.drain_deadline_s:g} s)",
-        )
-        started = self.now()
-        deadline = started + inp.drain_deadline_s
-        unanswered = 0
-        while True:
-            progress = await self._look(leaders)
-            if progress.drained:
-                self.figure("drain_seconds", round(self.now() - started, 2))
-                self.decide(f"drained: {progress.summary()}")
-                return
-            if inp.dry_run:
-                self.decide(f"dry-run: would wait for {progress.summary()}")
-                return
-            now = self.now()
-            if now >= deadline:
-                self.figure("in_flight_at_deadline", progress.in_flight)
-                verdict, extra_s = await self._deadline_reached(progress, unanswered)
-                if verdict == "cut":
-                    return
-                if verdict == "unanswered":
-                    unanswered += 1
-                deadline = self.now() + extra_s
-                await self.enter(Phase.DRAINING, f"Draining, {extra_s:g} s more: {progress.summary()}")
-                continue
-            self.set_details(
-                f"**Phase:** draining\n\n{progress.summary()}; deadline in {deadline - now:.0f} s"
-            )
-            await workflow.sleep(min(inp.poll_interval_s, max(0.05, deadline - now)), summary="drain poll")
-            await self.checkpoint()
-
-    async def _deadline_reached(self, progress: DrainProgress, unanswered: int) -> tuple[str, float]:
-        """Report what still streams and wait for ``extend`` / ``accept_cut``; no answer: extend once."""
-        inp = self._inp
-        what = (
-            f"drain deadline passed with {progress.summary()}: `extend` (extend_s) to wait longer, or "
-            "`accept_cut` to terminate now and cut them"
-        )
-        self.decide(what, {"still_streaming": progress.model_dump(mode="json")})
-        self._extension = self._cut_accepted = None
-        self._at_deadline = True
-        status = self._status
-        status.awaiting = what
-        await self.enter(Phase.AWAITING_OPERATOR, f"**Awaiting operator**: {what}")
-        await self.notify(f"drain-deadline-{len(status.decisions)}", f"[fleetmend] {inp.pool.key}: {what}")
-        try:
-            await workflow.wait_condition(
-                lambda: (
-                    self._extension is not None or self._cut_accepted is not None or self._abort is not None
-                ),
-                timeout=timedelta(seconds=inp.operator_timeout_s),
-                timeout_summary="operator: extend or accept_cut",
-            )
-        except TimeoutError:
-            choice = deadline_choice(unanswered)
-            if choice == "extend":
-                self.decide(
-                    f"no operator answered within {inp.operator_timeout_s:g} s: extending the drain once by "
-                    f"{inp.drain_deadline_s:g} s; at the next deadline the procedure asks again and waits"
-                )
-                return "unanswered", inp.drain_deadline_s
-            self.decide(f"still no answer after {inp.operator_timeout_s:g} s: asking again")
-            return "unanswered", inp.poll_interval_s
-        finally:
-            self._at_deadline = False
-            status.awaiting = None
-        if self._abort is not None:
-            raise Aborted()
-        if self._cut_accepted is not None:
-            a = self._cut_accepted
-            self.figure("cut_accepted_in_flight", progress.in_flight)
-            self.figure("cut_accepted_by", a.operator)
-            self.decide(f"cut accepted by {a.operator} ({a.reason}): terminating with {progress.summary()}")
-            return "cut", 0.0
-        assert self._extension is not None
-        extra = self._extension.extend_s or inp.drain_deadline_s
-        self.decide(f"drain extended by {extra:g} s by {self._extension.operator}: {self._extension.reason}")
-        return "extended", extra
+    # ---------------------------------------------------------------- step 3: Drain.drain (workflows/drain.py)
 
     # ---------------------------------------------------------------- step 4
 
     async def terminate(self) -> None:
         inp = self._inp
-        pods = self._victim_pods()
+        pods = victim_pods(self._victims)
         await self.enter(Phase.TERMINATING, f"Terminating the drained {', '.join(pods)}")
         await self.mark_removed_first(inp.pool, pods, step="deletion-cost", why="drained victim leaves")
-        by_workload: dict[tuple[str, str], list[ReplicaGroup]] = {}
-        for g in self._victims:
-            by_workload.setdefault((g.workload_kind.value, g.workload_name), []).append(g)
-        for (kind, name), groups in sorted(by_workload.items()):
+        for (kind, name), groups in victims_by_workload(self._victims).items():
             await self._scale_down_workload(kind, name, groups)
         if inp.dry_run:
             self.decide(f"dry-run: would wait for {', '.join(pods)} to terminate")
             return
         started = self.now()
+        last: PoolObservation | None = None
         while True:
-            obs = await self._observe("terminate: are the victims gone?")
-            left = [p for p in pods if p in obs.pods]
-            wrong = sorted(
-                p
-                for p, o in obs.pods.items()
-                if o.deleting and p not in pods and obs.snapshot.group_of_pod(p)
+            obs, gone = await self.poll(
+                lambda: self._termination_look(pods),
+                lambda o: not victims_present(o, pods),
+                interval_s=inp.poll_interval_s,
+                deadline=started + inp.terminate_timeout_s,
+                summary="wait for the victims to terminate",
+                first=last,  # after an operator's retry: an interval first, then the next look
             )
-            if wrong:
-                self.figure("non_victims_terminating", wrong)
-            if not left:
+            last = obs
+            if gone:
                 self.figure("terminate_seconds", round(self.now() - started, 2))
                 self.decide(f"{', '.join(pods)} terminated")
                 return
-            if self.now() - started > inp.terminate_timeout_s:
-                refusal = Refusal(
-                    step="terminate-wait",
-                    what=f"terminate {', '.join(left)}",
-                    error=f"still present {inp.terminate_timeout_s:g} s after the scale-down; check the pods' "
-                    "finalizers and the workload controller",
-                )
-                if await self.escalate(refusal) == "skip":
-                    return
-                started = self.now()
-            await workflow.sleep(inp.poll_interval_s, summary="wait for the victims to terminate")
+            overdue = termination_overdue(victims_present(obs, pods), inp.terminate_timeout_s)
+            if await self.escalate(overdue) == "skip":
+                return
+            started = self.now()
 
     async def _scale_down_workload(self, kind: str, name: str, groups: list[ReplicaGroup]) -> None:
         """Scale one workload to an absolute count without the victims; what blocks it goes to an operator."""
         inp = self._inp
         while True:
-            now_obs = await self._observe("terminate: current workload replicas")
-            current = next((w.replicas for w in now_obs.workloads if w.kind == kind and w.name == name), None)
-            problem = None
-            if current is None:
-                problem = f"{kind} {inp.pool.namespace}/{name} of the victims is gone; nothing to scale"
-            elif kind == WorkloadKind.LEADER_WORKER_SET.value:
-                problem = self._check_lws_victims(now_obs, name, groups, current)
-            if problem is None:
+            obs = await self.observe_pool(inp.pool, "terminate: current workload replicas")
+            scale = workload_scale(obs, inp.pool.namespace, kind, name, groups)
+            if scale.problem is None:
                 break
-            if (
-                await self.escalate(
-                    Refusal(step="terminate-scale", what=f"scale {kind}/{name}", error=problem)
-                )
-                == "skip"
-            ):
+            refusal = Refusal(step="terminate-scale", what=f"scale {kind}/{name}", error=scale.problem)
+            if await self.escalate(refusal) == "skip":
                 return
-        assert current is not None
-        still_there = [g for g in groups if any(p in now_obs.pods for p in g.pods)]
-        replicas = max(0, current - len(still_there))
+        current, replicas = scale.current, scale.replicas
         self.decide(
             f"scale {kind}/{name} from {current} to {replicas} replica groups (absolute)",
             {"workload": f"{kind}/{name}", "from": current, "to": replicas},
@@ -409,25 +302,6 @@ class PlannedScaleDown(Procedure):
             f"scale {kind}/{name} to {replicas}",
         )
 
-    @staticmethod
-    def _check_lws_victims(
-        obs: PoolObservation, name: str, groups: list[ReplicaGroup], current: int
-    ) -> str | None:
-        """A LeaderWorkerSet scales down from its highest group index: the victims must be those."""
-        wanted = {str(i) for i in range(current - len(groups), current)}
-        have: set[str] = set()
-        for g in groups:
-            leader = obs.pods.get(g.leader_pod)
-            index = g.id.rsplit("-", 1)[-1] if leader is not None else ""
-            have.add(index)
-        if have != wanted:
-            return (
-                f"LeaderWorkerSet {name} removes group indexes {sorted(wanted)} ({LWS_GROUP_INDEX_LABEL}) "
-                f"when scaled down, not the victims {sorted(g.id for g in groups)}; name the highest groups "
-                "as explicit victims"
-            )
-        return None
-
     # ---------------------------------------------------------------- step 5
 
     async def verify(self, before: PoolObservation) -> None:
@@ -439,24 +313,30 @@ class PlannedScaleDown(Procedure):
             )
             return
         victim_ids = {g.id for g in self._victims}
-        target = len([g for g in before.snapshot.serving if g.id not in victim_ids])
-        settle_until = self.now() + inp.verify_settle_s
-        waited = False
-        while True:
-            obs = await self._observe("verify: remaining replica groups")
-            ready = len([g for g in obs.snapshot.serving if g.ready and g.routed and g.id not in victim_ids])
-            if ready >= target or self.now() >= settle_until:
-                break
-            if not waited:
-                waited = True
+        target = serving_without(before.snapshot, victim_ids)
+        announced = False
+
+        def settling(obs: PoolObservation) -> None:
+            nonlocal announced
+            if not announced:
+                announced = True
                 self.decide(
-                    f"{ready} of {target} remaining groups read ready and routed: waiting up to "
-                    f"{inp.verify_settle_s:.0f} s for them to settle before verifying"
+                    f"{ready_without(obs.snapshot, victim_ids)} of {target} remaining groups read ready and "
+                    f"routed: waiting up to {inp.verify_settle_s:.0f} s for them to settle before verifying"
                 )
-            await workflow.sleep(inp.poll_interval_s, summary="verify: let the remaining groups settle")
+
+        obs, _ = await self.poll(
+            lambda: self.observe_pool(inp.pool, "verify: remaining replica groups"),
+            lambda o: ready_without(o.snapshot, victim_ids) >= target,
+            interval_s=inp.poll_interval_s,
+            deadline=self.now() + inp.verify_settle_s,
+            summary="verify: let the remaining groups settle",
+            on_miss=settling,
+        )
+        ready = ready_without(obs.snapshot, victim_ids)
         cut = await self.observe(
             DrainActivities.cut_streams,
-            CutStreamsRequest(pool=inp.pool, replicas=self._victim_pods(), since=self._drain_since),
+            CutStreamsRequest(pool=inp.pool, replicas=victim_pods(self._victims), since=self._drain_since),
             "gateway journal: did any victim stream end cut?",
         )
         reconcile = await self.observe(
@@ -474,8 +354,7 @@ class PlannedScaleDown(Procedure):
             ledger=reconcile,
             accepted_cut=accepted,
         )
-        status = self._status
-        status.verification = report
+        self._status.verification = report
         self.figure("cut_streams", cut.cut)
         self.figure("cut_request_ids", cut.cut_request_ids)
         self.figure("victim_requests_completed", cut.completed)
@@ -492,50 +371,11 @@ class PlannedScaleDown(Procedure):
                 if not c.passed
             )
             # Replicas are gone by now: a failed verification stays visible until an operator answers.
-            if (
-                await self.escalate(Refusal(step="verify", what="scale-down verification", error=failing))
-                == "retry"
-            ):
+            refusal = Refusal(step="verify", what="scale-down verification", error=failing)
+            if await self.escalate(refusal) == "retry":
                 await self.verify(before)
 
     # ================================================================ operator steering
-
-    @workflow.update(
-        name="extend", description="Give the drain more time (extend_s, default the drain deadline)"
-    )
-    def extend(self, action: OperatorAction) -> ProcedureStatus:
-        self._extension = action
-        return self._status
-
-    @extend.validator
-    def _validate_extend(self, action: OperatorAction) -> None:
-        self._require_running()
-        if not self._at_deadline:
-            raise ValueError(
-                f"the drain is not waiting at its deadline (phase {self._status.phase.value}); extend "
-                "applies once the deadline passed and status.awaiting asks for it"
-            )
-
-    @workflow.update(
-        name="accept_cut",
-        description="Terminate now although streams are still running on the victims (they are cut and "
-        "recorded)",
-    )
-    def accept_cut(self, action: OperatorAction) -> ProcedureStatus:
-        self._cut_accepted = action
-        return self._status
-
-    @accept_cut.validator
-    def _validate_accept_cut(self, action: OperatorAction) -> None:
-        self._require_running()
-        if not self._at_deadline:
-            raise ValueError(
-                f"nothing to cut: the drain is not waiting at its deadline (phase {self._status.phase.value})"
-            )
-        if not action.reason:
-            raise ValueError(
-                "accepting a cut needs a reason (it goes into the record next to the cut streams)"
-            )
 
     async def _ask_operator(self, what: str) -> OperatorAction:
         timeout_s = self._inp.operator_timeout_s
@@ -549,26 +389,22 @@ class PlannedScaleDown(Procedure):
         self.decide(f"approved by {approval.operator}: {approval.reason}")
         return approval
 
-    # ================================================================ plumbing
+    # ================================================================ looks
 
-    async def _observe(self, summary: str) -> PoolObservation:
-        return await self.observe(
-            ObserveActivities.observe_pool, ObserveRequest(pool=self._inp.pool), summary
+    async def _incident_on_pool(self, when: str, *, checkpoint: bool = False) -> IncidentState:
+        if checkpoint:  # between re-checks an operator may pause or abort
+            await self.checkpoint()
+        inp = self._inp
+        state: IncidentState = await self.call(
+            incident_on_pool, inp.pool, f"is a replica-loss incident open on {inp.pool.key}? ({when})"
         )
+        return state
 
-    async def _look(self, leaders: list[str]) -> DrainProgress:
-        progress = await self.observe(
-            DrainActivities.drain_look,
-            DrainLook(pool=self._inp.pool, pods=leaders),
-            "drain: running + waiting on the victims",
-            timeout_s=_LOOK_TIMEOUT_S,
-        )
-        self._last_progress = progress
-        self.figure("victims_in_flight", progress.in_flight)
-        return progress
-
-    def _victim_pods(self) -> list[str]:
-        return [p for g in self._victims for p in g.pods]
+    async def _termination_look(self, pods: list[str]) -> PoolObservation:
+        obs = await self.observe_pool(self._inp.pool, "terminate: are the victims gone?")
+        if wrong := others_terminating(obs, pods):
+            self.figure("non_victims_terminating", wrong)
+        return obs
 
 
 __all__ = ["PlannedScaleDown", "ScaleDownInput"]

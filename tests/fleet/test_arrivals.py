@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fleet.arrivals import ArrivalTally, arrival_rate
 from fleet.engine_metrics import EngineSnapshot
-from fleet.measurements import ArrivalTally, arrival_rate
 from fleet.observation import PoolObservation
 from tests.fleet.fleets import group, snapshot
 
@@ -110,7 +110,7 @@ def test_a_steady_arrival_rate_is_counted_whatever_admission_refused(
 
 
 def test_the_keeper_counts_on_what_the_replicas_served_only_when_it_is_more_than_the_estimate() -> None:
-    from fleet.measurements import capacity_to_count_on, smoothed
+    from fleet.service_rate import capacity_to_count_on, smoothed
 
     assert capacity_to_count_on(15.0, None) == (15.0, "")
     assert capacity_to_count_on(15.0, 12.0) == (15.0, "")  # idle replicas serve less than they can
@@ -129,7 +129,7 @@ def test_the_keeper_counts_on_what_the_replicas_served_only_when_it_is_more_than
 def test_the_keeper_backs_off_only_while_steady_and_never_past_its_cap(
     current: float, base: float, cap: float, moved: bool, backlog: float
 ) -> None:
-    from fleet.measurements import next_admission_look
+    from fleet.survivor_load import next_admission_look
 
     wait = next_admission_look(current, base, cap, admission_moved=moved, backlog=backlog)
     if moved or backlog >= 1.0:
@@ -142,7 +142,7 @@ def test_the_keeper_backs_off_only_while_steady_and_never_past_its_cap(
 
 
 def test_steady_looks_double_the_wait_to_the_cap_and_movement_resets_it() -> None:
-    from fleet.measurements import next_admission_look
+    from fleet.survivor_load import next_admission_look
 
     waits, wait = [], 2.0
     for _ in range(6):
@@ -155,7 +155,7 @@ def test_steady_looks_double_the_wait_to_the_cap_and_movement_resets_it() -> Non
 
 def test_a_recovery_waiting_for_an_operator_or_with_a_long_history_looks_less_often() -> None:
     """A recovery stuck at an operator gate under load must not fill its history with looks every 2 s."""
-    from fleet.measurements import PARKED_FACTOR, next_admission_look
+    from fleet.survivor_load import PARKED_FACTOR, next_admission_look
 
     # Waiting requests keep the base interval while the procedure acts, not while it waits for a human.
     assert next_admission_look(2.0, 2.0, 30.0, admission_moved=False, backlog=4.0) == 2.0

@@ -5,7 +5,8 @@ that went silent with its pods still reading Running and ready, does."""
 from __future__ import annotations
 
 from fleet.incident import LossReport
-from fleet.loss import EngineHealth, PodObservation, failed_nodes, match_reports, silent_nodes
+from fleet.loss import failed_nodes, match_reports, silent_nodes
+from fleet.observation import EngineHealth, PodObservation
 from fleet.pool import GroupRole
 from fleet.spares import pick_spares
 

@@ -5,16 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from fleet.loss import (
-    EndpointConditions,
-    EngineHealth,
-    LossEvent,
-    PodObservation,
-    Verdict,
-    confirm_group,
-    correlate,
-    size_loss,
-)
+from fleet.loss import LossEvent, Verdict, confirm_group, correlate, size_loss
+from fleet.observation import EndpointConditions, EngineHealth, PodObservation
 from fleet.pool import GroupRole, ReplicaGroup
 from fleet.recovery import IncidentCause
 from fleet.vocabulary import NVLINK_DOMAIN_LABEL

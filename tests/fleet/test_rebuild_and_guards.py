@@ -8,10 +8,10 @@ from hypothesis import strategies as st
 
 from fleet.capacity import measured_token_rates, recovery_guard, scale_down_guard
 from fleet.engine_metrics import EngineSnapshot
-from fleet.measurements import recovery_observations, warm_groups_before
 from fleet.observation import PoolObservation
 from fleet.pool import GroupRole, ReplicaGroup, WorkloadKind
 from fleet.rebuild import plan_rebuild
+from fleet.recovery_observations import recovery_observations, warm_groups_before
 from fleet.verification import LedgerReconcile
 from tests.fleet.fleets import group, snapshot
 
@@ -241,7 +241,7 @@ def test_a_leader_worker_set_scale_down_picks_its_highest_group_index() -> None:
 def test_the_scale_up_waits_until_the_controller_lets_every_lost_pod_go() -> None:
     """Scale-down by the lost pods, then up by the replacements: a controller that saw only the second
     update removed one lost pod where two were lost, and still counts the other as a replica."""
-    from fleet.loss import PodObservation
+    from fleet.observation import PodObservation
     from fleet.rebuild import still_counted
 
     lost = ("llama-a", "llama-b")

@@ -1,0 +1,87 @@
+"""The survivors' load after a loss: queues, KV-cache usage and preemptions, from two scrapes.
+
+``survivor_loads`` gives the pressure figures of every routed serving group
+that survived (what shedding, the retry budget and verification decide from),
+``routed_backlog`` the requests waiting in the routed groups' queues, and
+``next_admission_look`` how long the admission keeper waits before it looks at
+those queues again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from fleet.engine_metrics import EngineSnapshot
+from fleet.observation import PoolObservation
+from fleet.shedding import SurvivorLoad
+
+# Once Temporal suggests continuing as new (the history is thousands of events long), the keeper looks
+# this many times its steady interval apart: a recovery stuck for days cannot reach the server's hard
+# history limit (51,200 events) through the keeper's looks.
+PARKED_FACTOR = 10.0
+
+
+def survivor_load(
+    group_id: str, before: EngineSnapshot, after: EngineSnapshot, seconds: float
+) -> SurvivorLoad:
+    """One survivor's pressure figures from two scrapes."""
+    preempt = max(0.0, after.preemptions_total - before.preemptions_total) / seconds if seconds > 0 else 0.0
+    return SurvivorLoad(
+        group_id=group_id,
+        waiting=after.waiting,
+        running=after.running,
+        kv_usage=after.kv_usage,
+        preemptions_per_s=preempt,
+        waiting_delta=after.waiting - before.waiting,
+    )
+
+
+def survivor_loads(before: PoolObservation, after: PoolObservation, lost_ids: set[str]) -> list[SurvivorLoad]:
+    """Pressure on every routed serving group that survived (queues, KV, preemptions/s)."""
+    seconds = max(1e-3, after.snapshot.observed_at - before.snapshot.observed_at)
+    loads = []
+    for g in after.snapshot.serving:
+        if g.id in lost_ids or not g.routed or g.id not in after.engines:
+            continue
+        now_e = after.engines[g.id]
+        loads.append(survivor_load(g.id, before.engines.get(g.id, now_e), now_e, seconds))
+    return loads
+
+
+def routed_backlog(obs: PoolObservation, lost_ids: Iterable[str] = ()) -> float:
+    """Requests waiting in the queues of the routed serving groups (the survivors and what came back)."""
+    lost = set(lost_ids)
+    return sum(
+        obs.engines[g.id].waiting
+        for g in obs.snapshot.groups
+        if g.routed and g.id not in lost and g.id in obs.engines
+    )
+
+
+def next_admission_look(
+    current_s: float,
+    base_s: float,
+    max_s: float,
+    *,
+    admission_moved: bool,
+    backlog: float,
+    awaiting_operator: bool = False,
+    history_large: bool = False,
+) -> float:
+    """How long the admission keeper waits before its next look at the queues.
+
+    A look that moved admission, or found requests waiting (the queues absorbing a gap, so the
+    refused share is about to move), keeps the base interval; a steady look (nothing moved, queues
+    empty) doubles the wait up to ``max_s``. While the procedure awaits an operator, waiting
+    requests alone do not hold the base interval (nothing the procedure does will change capacity
+    until somebody answers; only a moving admission does). Once the workflow's history is large
+    (``history_large``: Temporal's continue-as-new suggestion), the keeper looks every
+    ``PARKED_FACTOR`` x ``max_s`` whatever happens: about 130 history events an hour, so days of
+    waiting stay far below the server's history limit. Capacity changes re-admit at once whatever
+    the keeper's interval.
+    """
+    if history_large:
+        return max(base_s, PARKED_FACTOR * max_s)
+    if admission_moved or (backlog >= 1.0 and not awaiting_operator):
+        return base_s
+    return max(base_s, min(max_s, 2.0 * current_s))
