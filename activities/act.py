@@ -27,7 +27,7 @@ from activities.world_effects import (
     SetWeights,
 )
 from fleet.incident import PoolRef
-from fleet.protocol import Admission, RetryPolicy
+from fleet.gateway import Admission, RetryPolicy
 from ledger.effect import Effect
 from ledger.errors import EffectFailed
 from ledger.models import EffectState

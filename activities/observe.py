@@ -20,7 +20,7 @@ from fleet.incident import PoolRef
 from fleet.loss import EndpointConditions, EngineHealth, PodObservation
 from fleet.observation import PoolObservation, WorkloadSelector
 from fleet.pool import GroupRole, NodeInfo, PoolSnapshot, ReplicaGroup, Taint, WorkloadKind
-from fleet.protocol import JournalEntry, RouterState
+from fleet.gateway import JournalEntry, RouterState
 from fleet.qualification import QUALIFICATION_LABEL, GpuHolder, machine_id
 from fleet.recovery import IncidentInput
 from fleet.vocabulary import (

@@ -24,7 +24,7 @@ from activities import kube_reads as kr
 from activities.gateway import Gateway
 from activities.kube import LWS_GROUP, LWS_PLURAL, LWS_VERSION, KubeApis
 from fleet.incident import PoolRef
-from fleet.protocol import Admission, GatewayPolicy, RetryPolicy
+from fleet.gateway import Admission, GatewayPolicy, RetryPolicy
 from ledger.effect import ActionSignature, Attempt, Effect
 from ledger.errors import PermanentEffectError
 

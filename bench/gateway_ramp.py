@@ -34,7 +34,7 @@ from activities.envoy_gateway import EnvoyGateway
 from fleet.engine_metrics import EngineSnapshot, parse_engine_metrics
 from fleet.incident import PoolRef
 from fleet.measurements import plan_weights
-from fleet.protocol import GatewayPolicy
+from fleet.gateway import GatewayPolicy
 from fleet.vocabulary import FaultKind
 from gateway.resources import UPSTREAM_HEADER, DataPlaneSettings
 from gateway.store import GatewayStore

@@ -19,7 +19,9 @@ import copy
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fleet.protocol import FaultRequest, Outcome
+from sim.control import FaultRequest
+
+from fleet.gateway import Outcome
 from fleet.vocabulary import FaultKind, Tier
 from sim.app import BoundPorts, serve
 from sim.scenario import parse_scenario

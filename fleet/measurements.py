@@ -30,8 +30,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.engine_metrics import EngineSnapshot
+from fleet.gateway import JournalEntry, Outcome
 from fleet.observation import PoolObservation
-from fleet.protocol import JournalEntry, Outcome
 from fleet.ramp import rate_weights
 from fleet.shedding import SurvivorLoad
 from fleet.verification import (

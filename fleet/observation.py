@@ -11,9 +11,9 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.engine_metrics import EngineSnapshot
+from fleet.gateway import RouterState
 from fleet.loss import PodObservation
 from fleet.pool import PoolSnapshot
-from fleet.protocol import RouterState
 
 
 class WorkloadSelector(BaseModel):

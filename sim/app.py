@@ -8,9 +8,9 @@ request to the audit log (``sim.k8s.audit``) and every mutation to the action lo
 ``build_app(world)`` is the rest of the world on plain HTTP (what in production are other
 services: the gateway's admin API, the engines' metrics, the incident channel):
 
-* ``GET  /sim/v1/clock`` -> ``fleet.protocol.SimClock``;
+* ``GET  /sim/v1/clock`` -> ``sim.control.ClockReading``;
   ``POST /sim/v1/clock/advance`` ``{"seconds": S}`` jumps sim time ahead;
-* ``GET  /sim/v1/actions?since_seq=N`` -> ``list[fleet.protocol.ActionLogEntry]``: every
+* ``GET  /sim/v1/actions?since_seq=N`` -> ``list[fleet.actionlog.ActionLogEntry]``: every
   mutating request (POST/PUT/PATCH/DELETE) either server received, on any path but inference
   (the Kubernetes API's own record is its audit log; this one is the simulator's, for tests);
 * ``GET|PUT /sim/v1/api-faults`` ``{"rules": [ApiFaultRule...]}``: error rates on chosen verbs;
@@ -39,8 +39,9 @@ import uvicorn
 from fastapi import FastAPI, HTTPException, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleet.protocol import ActionLogEntry, SimClock
+from fleet.actionlog import ActionLogEntry
 from sim.actionlog import MUTATING_VERBS
+from sim.control import ClockReading
 from sim.k8s.api import KubeApi
 from sim.k8s.api import build_kube_app as build_kube_routes
 from sim.k8s.audit import AuditLog, AuditMiddleware
@@ -143,15 +144,15 @@ def build_app(world: SimWorld, *, serving: bool = True) -> FastAPI:
     )
     app.state.world = world
 
-    @app.get("/sim/v1/clock", response_model=SimClock)
-    async def clock() -> SimClock:
-        return SimClock(now=world.clock.now(), speed=world.clock.speed)
+    @app.get("/sim/v1/clock", response_model=ClockReading)
+    async def clock() -> ClockReading:
+        return ClockReading(now=world.clock.now(), speed=world.clock.speed)
 
-    @app.post("/sim/v1/clock/advance", response_model=SimClock)
-    async def advance(body: ClockAdvance) -> SimClock:
+    @app.post("/sim/v1/clock/advance", response_model=ClockReading)
+    async def advance(body: ClockAdvance) -> ClockReading:
         world.clock.advance(body.seconds)
         world.kick()
-        return SimClock(now=world.clock.now(), speed=world.clock.speed)
+        return ClockReading(now=world.clock.now(), speed=world.clock.speed)
 
     @app.get("/sim/v1/actions", response_model=list[ActionLogEntry])
     async def actions(since_seq: int = Query(0, ge=0)) -> list[ActionLogEntry]:

@@ -62,7 +62,8 @@ with workflow.unsafe.imports_passed_through():
     from fleet.observation import PoolObservation
     from fleet.placement import GroupShape, place_group
     from fleet.pool import GroupRole, ReplicaGroup
-    from fleet.protocol import Admission, QualificationState
+    from fleet.gateway import Admission
+    from fleet.qualification import QualificationState
     from fleet.qualification import (
         MACHINE_ANNOTATION,
         GpuHolder,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fleet.protocol import QualificationState
+from fleet.qualification import QualificationState
 from fleet.qualification import (
     GpuHolder,
     Identity,

@@ -25,7 +25,7 @@ from fastapi.responses import StreamingResponse
 
 from activities.envoy_gateway import EnvoyGateway
 from fleet.incident import PoolRef
-from fleet.protocol import Admission, GatewayPolicy, Outcome, RetryPolicy
+from fleet.gateway import Admission, GatewayPolicy, Outcome, RetryPolicy
 from fleet.vocabulary import TIER_HEADER, Tier
 from gateway.bootstrap import BootstrapSettings
 from gateway.resources import DataPlaneSettings, RoutedHost

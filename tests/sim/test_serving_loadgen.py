@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fleet.protocol import FaultRequest
+from sim.control import FaultRequest
 from fleet.vocabulary import FaultKind, Tier
 from sim.serving.baselines import apply_kubernetes_default_routing, measure_deroute
 from sim.serving.loadgen import LoadSpec, arrivals, start_load

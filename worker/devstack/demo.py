@@ -37,7 +37,8 @@ from temporalio.service import RPCError
 from activities.envoy_gateway import EnvoyGateway
 from activities.gateway import Gateway
 from fleet.incident import PoolRef, incident_workflow_id, scale_down_workflow_id
-from fleet.protocol import FaultRequest, JournalEntry, Outcome
+from sim.control import FaultRequest
+from fleet.gateway import JournalEntry, Outcome
 from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, RecoveryTimings, ServingObjectives
 from fleet.shedding import ShedLevel, account_shedding
 from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL, LWS_WORKER_INDEX_LABEL, REVISION_LABEL

@@ -35,7 +35,8 @@ from fleet.incident import (
     PoolRef,
     incident_workflow_id,
 )
-from fleet.protocol import FaultRequest, JournalEntry, Outcome
+from sim.control import FaultRequest
+from fleet.gateway import JournalEntry, Outcome
 from fleet.recovery import IncidentInput
 from fleet.vocabulary import FaultKind
 from gateway.resources import UPSTREAM_HEADER
