@@ -157,7 +157,7 @@ class ServingLayer:
                 url.rstrip("/"),
                 upstream_header=upstream_header,
                 host_for=self._pool_host,
-                replica_of=self._pod_at,
+                replica_of=self.pod_at,
             )
         )
         if self.gateway is not None and self._loop is not None:
@@ -197,7 +197,7 @@ class ServingLayer:
         namespace, _, service = pool.partition("/")
         return f"{service}.{namespace}"
 
-    def _pod_at(self, upstream: str) -> str | None:
+    def pod_at(self, upstream: str) -> str | None:
         """The pod whose IP a gateway named as a request's upstream ("ip:port")."""
         ip = upstream.rsplit(":", 1)[0]
         for pod in self.kube.pods():
