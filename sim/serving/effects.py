@@ -65,7 +65,10 @@ class EffectProposer:
             "operation_id": op_id,
             "kind": self.config.kind,
             "target": self.config.target,
-            "params": {"title": f"inference request {request_id}", "body": f"proposed by request {request_id}"},
+            "params": {
+                "title": f"inference request {request_id}",
+                "body": f"proposed by request {request_id}",
+            },
         }
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=5.0)

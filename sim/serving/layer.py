@@ -63,7 +63,8 @@ class ServingSettings(BaseModel):
 
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineSpec overrides for every model")
     effects: EffectsConfig = Field(
-        default_factory=lambda: EffectsConfig(), description="effects the model proposes (sim.serving.effects)"
+        default_factory=lambda: EffectsConfig(),
+        description="effects the model proposes (sim.serving.effects)",
     )
     probe_period_s: float = Field(default=10.0, gt=0)
     probe_failure_threshold: int = Field(default=3, ge=1)

@@ -14,7 +14,7 @@ import pytest
 
 from fleet.gateway import Outcome
 from sim.serving.engine import EngineRefused, EngineRequest
-from tests.sim.serving_fixtures import NAMESPACE, POOL_REF, RunningServing, running_serving, scenario
+from tests.sim.serving_fixtures import NAMESPACE, POOL_REF, running_serving, scenario
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 # Slow sequences (2 tokens/s) so a test can act while a stream is open.
@@ -49,7 +49,9 @@ async def read_sse(lines: Any) -> tuple[int, list[dict[str, Any]], bool]:
     return tokens, errors, done
 
 
-async def test_a_stream_cut_after_its_first_token_is_cut_for_the_user_and_never_retried(ledger_url: str) -> None:
+async def test_a_stream_cut_after_its_first_token_is_cut_for_the_user_and_never_retried(
+    ledger_url: str,
+) -> None:
     async with running_serving(scenario(load=SLOW), speed=10, gateway_db=ledger_url) as sim:
         await sim.wait_serving(2)
         body = {"model": MODEL, "max_tokens": 32, "stream": True}
@@ -77,14 +79,19 @@ async def test_a_stream_cut_after_its_first_token_is_cut_for_the_user_and_never_
         assert entry.outcome == Outcome.TERMINAL_ERROR and entry.truncated and entry.attempt == 1
 
 
-async def test_deleting_a_pod_drains_with_a_shutdown_timeout_and_cuts_streams_without_one(ledger_url: str) -> None:
+async def test_deleting_a_pod_drains_with_a_shutdown_timeout_and_cuts_streams_without_one(
+    ledger_url: str,
+) -> None:
     """``kubectl delete pod`` over the Kubernetes API: vLLM's --shutdown-timeout decides the streams' fate."""
     for timeout_s, expect_done in ((30.0, True), (0.0, False)):
         scn = scenario(load=SLOW, model={"shutdown_timeout_s": timeout_s})
         async with running_serving(scn, speed=10, gateway_db=ledger_url) as sim:
             await sim.wait_serving(2)
             body = {"model": MODEL, "max_tokens": 16, "stream": True}
-            async with sim.gateway_client() as users, users.stream("POST", "/v1/completions", json=body) as response:
+            async with (
+                sim.gateway_client() as users,
+                users.stream("POST", "/v1/completions", json=body) as response,
+            ):
                 replica = sim.replica_of(response)
                 assert replica is not None
                 lines = response.aiter_lines()
@@ -103,7 +110,9 @@ async def test_deleting_a_pod_drains_with_a_shutdown_timeout_and_cuts_streams_wi
                         "the terminating pod to leave the routing set",
                     )
                     with pytest.raises(EngineRefused) as refused:
-                        engine.submit(EngineRequest("late-comer", 10, 4, 4, _NullSink()), sim.world.clock.now())
+                        engine.submit(
+                            EngineRequest("late-comer", 10, 4, 4, _NullSink()), sim.world.clock.now()
+                        )
                     assert refused.value.status == 503
                 tokens, errors, done = await read_sse(lines)
             # Cut: the connection ends without [DONE], or vLLM's error chunk ends the stream.

@@ -121,7 +121,9 @@ async def gateway_in_front(
     await asyncio.to_thread(gateway.start)
     try:
         async with httpx.AsyncClient(base_url=sim_url, timeout=10.0) as http:
-            reply = await http.put("/sim/v1/gateway", json={"url": gateway.url, "upstream_header": UPSTREAM_HEADER})
+            reply = await http.put(
+                "/sim/v1/gateway", json={"url": gateway.url, "upstream_header": UPSTREAM_HEADER}
+            )
             reply.raise_for_status()
         yield gateway
     finally:
