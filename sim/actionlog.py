@@ -2,7 +2,7 @@
 
 fleetmend's ledger claims "at most once"; this log is the independent
 evidence: each POST/PUT/PATCH/DELETE that reached the simulator (Kubernetes API,
-router admin API, faults, the simulated Jira) with its time, verb, path, a
+faults, the simulated Jira) with its time, verb, path, a
 digest of its body, the client identity and the status answered. Served at
 ``GET /sim/v1/actions?since_seq=N`` as ``list[fleet.actionlog.ActionLogEntry]``.
 """

@@ -15,7 +15,7 @@ services: the gateway's admin API, the engines' metrics, the incident channel):
   (the Kubernetes API's own record is its audit log; this one is the simulator's, for tests);
 * ``GET|PUT /sim/v1/api-faults`` ``{"rules": [ApiFaultRule...]}``: error rates on chosen verbs;
 * ``POST /sim/v1/nodes/{node}/lose`` and ``/restore``: node loss on demand;
-* whatever ``sim.serving.attach(world, app)`` adds (router, engines' metrics, faults, notify),
+* whatever ``sim.serving.attach(world, app)`` adds (engines' metrics, faults, load, notify),
   when the ``sim.serving`` package is installed.
 
 ``serve(world, host, port, kube_port=...)`` runs both with uvicorn on the current loop, with the
@@ -65,8 +65,8 @@ DATA_PLANE_PATHS = ("/v1/completions", "/v1/chat/completions")
 class ActionLogMiddleware:
     """Records every mutating HTTP request (after it was answered) in ``world.actions``.
 
-    Everything except inference requests (``DATA_PLANE_PATHS``): Kubernetes writes, router
-    admin changes, faults, notifications, Jira issues. Callers may name themselves with an
+    Everything except inference requests (``DATA_PLANE_PATHS``): Kubernetes writes, faults,
+    load and gateway settings, notifications, Jira issues. Callers may name themselves with an
     ``X-Fleetmend-Client`` header (e.g. the workflow and step); otherwise the User-Agent is used.
     """
 
@@ -187,7 +187,7 @@ def build_app(world: SimWorld, *, serving: bool = True) -> FastAPI:
 
 
 def attach_serving_layer(world: SimWorld, app: FastAPI) -> bool:
-    """Let ``sim.serving`` (router, engines, load, faults) add its routes, if it is present."""
+    """Let ``sim.serving`` (engines, load, faults) add its routes, if it is present."""
     if importlib.util.find_spec("sim.serving") is None:
         return False
     serving = importlib.import_module("sim.serving")
@@ -203,7 +203,7 @@ def attach_serving_layer(world: SimWorld, app: FastAPI) -> bool:
 class BoundPorts:
     """Where the two servers listen (the real ports when 0 was asked for)."""
 
-    port: int  # plain HTTP: simulator control, router, engines, notify
+    port: int  # plain HTTP: simulator control, engines' metrics, notify
     kube_port: int  # HTTPS: the Kubernetes API
 
 
