@@ -16,11 +16,11 @@ from temporalio import activity
 from activities import kube_reads as kr
 from activities.deps import ActivityDeps
 from fleet.engine_metrics import EngineSnapshot, NodeGpuTelemetry, parse_dcgm_metrics, parse_engine_metrics
+from fleet.gateway import JournalEntry, RouterState
 from fleet.incident import PoolRef
 from fleet.loss import EndpointConditions, EngineHealth, PodObservation
 from fleet.observation import PoolObservation, WorkloadSelector
 from fleet.pool import GroupRole, NodeInfo, PoolSnapshot, ReplicaGroup, Taint, WorkloadKind
-from fleet.gateway import JournalEntry, RouterState
 from fleet.qualification import QUALIFICATION_LABEL, GpuHolder, machine_id
 from fleet.recovery import IncidentInput
 from fleet.vocabulary import (

@@ -23,8 +23,8 @@ from kubernetes.client.exceptions import ApiException
 from activities import kube_reads as kr
 from activities.gateway import Gateway
 from activities.kube import LWS_GROUP, LWS_PLURAL, LWS_VERSION, KubeApis
-from fleet.incident import PoolRef
 from fleet.gateway import Admission, GatewayPolicy, RetryPolicy
+from fleet.incident import PoolRef
 from ledger.effect import ActionSignature, Attempt, Effect
 from ledger.errors import PermanentEffectError
 

@@ -32,9 +32,9 @@ import httpx
 
 from activities.envoy_gateway import EnvoyGateway
 from fleet.engine_metrics import EngineSnapshot, parse_engine_metrics
+from fleet.gateway import GatewayPolicy
 from fleet.incident import PoolRef
 from fleet.measurements import plan_weights
-from fleet.gateway import GatewayPolicy
 from fleet.vocabulary import FaultKind
 from gateway.resources import UPSTREAM_HEADER, DataPlaneSettings
 from gateway.store import GatewayStore

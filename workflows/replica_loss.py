@@ -45,6 +45,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet import search_attributes as sa
     from fleet.capacity import recovery_guard
     from fleet.engine_metrics import EngineSnapshot
+    from fleet.gateway import Admission
     from fleet.incident import LossReport
     from fleet.leadtime import estimate_lead_time
     from fleet.loss import (
@@ -62,12 +63,11 @@ with workflow.unsafe.imports_passed_through():
     from fleet.observation import PoolObservation
     from fleet.placement import GroupShape, place_group
     from fleet.pool import GroupRole, ReplicaGroup
-    from fleet.gateway import Admission
-    from fleet.qualification import QualificationState
     from fleet.qualification import (
         MACHINE_ANNOTATION,
         GpuHolder,
         Identity,
+        QualificationState,
         Verdict,
         clear_for_qualification,
         identity,

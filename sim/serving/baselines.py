@@ -58,9 +58,10 @@ async def measure_deroute(
 ) -> DerouteMeasurement:
     """Inject ``fault`` and time (sim seconds) until ``pod`` leaves the pool's routing set (the ready,
     router-labelled endpoints a gateway routes to). With the ``load`` running meanwhile, also count
-    its requests the replica answered with a failure from the fault on (None without a load)."""
+    its requests the replica failed (None without a load): all of them, as the replica was healthy
+    before the fault (a request's arrival time is when it was due, not when it reached the
+    replica, so a time filter would drop requests the fault failed)."""
     start = layer.clock.now()
-    since = load.sim_now() if load is not None else 0.0
     layer.submit_fault(fault)
     elapsed: float | None = None
     while layer.clock.now() - start < timeout_s:
@@ -70,9 +71,5 @@ async def measure_deroute(
         await layer.clock.sleep(poll_s)
     failed = None
     if load is not None:
-        failed = sum(
-            1
-            for r in load.results
-            if r.replica == pod and r.arrived_at >= since and r.outcome not in ("goodput", "late")
-        )
+        failed = sum(1 for r in load.results if r.replica == pod and r.outcome not in ("goodput", "late"))
     return DerouteMeasurement(pod, fault.kind.value, elapsed, failed)

@@ -41,7 +41,9 @@ async def effect_recorder() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
         await task
 
 
-async def test_a_request_sent_again_to_another_replica_proposes_its_effect_under_the_same_operation_id() -> None:
+async def test_a_request_sent_again_to_another_replica_proposes_its_effect_under_the_same_operation_id() -> (
+    None
+):
     async with effect_recorder() as (url, calls), running_serving(scenario(load=SLOW), speed=10) as sim:
         first, second = await sim.wait_serving(2)
         bad = await sim.http.put("/sim/v1/serving/effects", json={"url": "ftp://x", "share": 1.0})

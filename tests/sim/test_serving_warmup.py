@@ -88,7 +88,9 @@ async def run_with_one_cold_replica(
         return report, {"warm": warm, "cold": cold, "rates": rates, "late_on": late_on}
 
 
-async def test_equal_share_to_a_cold_replica_makes_requests_late_and_rate_weights_do_not(ledger_url: str) -> None:
+async def test_equal_share_to_a_cold_replica_makes_requests_late_and_rate_weights_do_not(
+    ledger_url: str,
+) -> None:
     spec = LoadSpec(rate=6.0, duration_s=40.0, seed=11, tiers={Tier.STANDARD: 1.0}, prompt_tokens=(128, 1024))
     equal, info_e = await run_with_one_cold_replica("equal", spec, ledger_url)
     weighted, info_w = await run_with_one_cold_replica("rate", spec, ledger_url)

@@ -128,3 +128,39 @@ async def gateway_in_front(
         yield gateway
     finally:
         await asyncio.to_thread(gateway.stop)
+
+
+@contextlib.asynccontextmanager
+async def serve_behind_envoy(
+    world: Any, database_url: str, workdir: Path, data_plane: DataPlaneSettings | None = None
+) -> AsyncIterator[tuple[str, LocalGateway]]:
+    """Serve ``world`` (a ``sim.world.SimWorld``) in this event loop, its Kubernetes API over TLS
+    with a kubeconfig under ``workdir``, and Envoy with fleetmend's control plane in front of its
+    engines (``gateway_in_front``); yields the simulator's base URL and the gateway. For benches
+    that reach into the world in-process while users' requests go through Envoy."""
+    from sim.app import BoundPorts, serve
+    from sim.k8s.tls import generate_serving_certs
+    from sim.runner import write_kubeconfig
+
+    certs = generate_serving_certs(workdir / "pki")
+    stop = asyncio.Event()
+    bound: asyncio.Future[BoundPorts] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(world, "127.0.0.1", 0, certs=certs, ready=bound.set_result, stop=stop))
+    try:
+        ports = await asyncio.wait_for(bound, 30)
+        base_url = f"http://127.0.0.1:{ports.port}"
+        kubeconfig = write_kubeconfig(
+            workdir / "kubeconfig",
+            f"https://127.0.0.1:{ports.kube_port}",
+            world.token,
+            world.scenario.namespace,
+            certs.ca_pem(),
+        )
+        async with gateway_in_front(
+            base_url, kubeconfig, database_url, workdir / "gateway", data_plane
+        ) as gateway:
+            yield base_url, gateway
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 15)
