@@ -26,8 +26,8 @@ from activities.world_effects import (
     SetRetryPolicy,
     SetWeights,
 )
+from fleet.gateway import Admission, RetryPolicy
 from fleet.incident import PoolRef
-from fleet.protocol import Admission, RetryPolicy
 from ledger.effect import Effect
 from ledger.errors import EffectFailed
 from ledger.models import EffectState

@@ -13,8 +13,8 @@ from activities import kube_reads as kr
 from activities.deps import ActivityDeps
 from activities.observe import ObserveActivities
 from fleet.engine_metrics import EngineSnapshot
+from fleet.gateway import Outcome
 from fleet.incident import PoolRef
-from fleet.protocol import Outcome
 from fleet.scale_down import DrainProgress, drain_progress
 
 

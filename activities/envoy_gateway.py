@@ -25,8 +25,8 @@ from typing import Any
 
 import httpx
 
+from fleet.gateway import GatewayPolicy, JournalEntry, RoutedEndpoint, RoutingSet
 from fleet.incident import PoolRef
-from fleet.protocol import GatewayPolicy, JournalEntry, RoutedEndpoint, RoutingSet
 from gateway.resources import CLUSTER_TYPE, ENDPOINT_TYPE, ROUTE_TYPE, WEIGHT_SCALE
 from gateway.store import EnvoyAnswer, GatewayStore, revision_of
 from ledger.effect import ActionSignature

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from fleet.gateway import GatewayPolicy, JournalEntry, RoutingSet
 from fleet.incident import PoolRef
-from fleet.protocol import GatewayPolicy, JournalEntry, RoutingSet
 from ledger.effect import ActionSignature
 
 

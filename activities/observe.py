@@ -16,6 +16,7 @@ from temporalio import activity
 from activities import kube_reads as kr
 from activities.deps import ActivityDeps
 from fleet.engine_metrics import EngineSnapshot, NodeGpuTelemetry, parse_dcgm_metrics, parse_engine_metrics
+from fleet.gateway import JournalEntry, RouterState
 from fleet.incident import PoolRef
 from fleet.observation import (
     EndpointConditions,
@@ -25,7 +26,6 @@ from fleet.observation import (
     WorkloadSelector,
 )
 from fleet.pool import GroupRole, NodeInfo, PoolSnapshot, ReplicaGroup, Taint, WorkloadKind
-from fleet.protocol import JournalEntry, RouterState
 from fleet.qualification import QUALIFICATION_LABEL, GpuHolder, machine_id
 from fleet.recovery import IncidentInput
 from fleet.vocabulary import (

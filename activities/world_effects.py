@@ -22,8 +22,8 @@ from kubernetes.client.exceptions import ApiException
 
 from activities import kube_reads as kr
 from activities.gateway import Gateway
+from fleet.gateway import Admission, GatewayPolicy, RetryPolicy
 from fleet.incident import PoolRef
-from fleet.protocol import Admission, GatewayPolicy, RetryPolicy
 from kube.client import LWS_GROUP, LWS_PLURAL, LWS_VERSION, KubeApis
 from ledger.effect import ActionSignature, Attempt, Effect
 from ledger.errors import PermanentEffectError

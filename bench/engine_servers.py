@@ -1,11 +1,11 @@
 """Cost of every engine listening on its own pod IP: memory and file descriptors per pod, tick cost,
-and CPU per request over a pod socket vs the in-process router.
+and CPU per request over a pod socket.
 
 Serves a world of ``--pods`` single-GPU serving pods (``--pods / 8`` nodes x 8 GPUs), first with
 the engine servers off, then on, and prints the difference per pod: resident memory, open file
 descriptors, and the time one ``EngineServers.sync()`` (run every serving tick) takes. Then
 sends ``--requests`` streamed completions straight to pod IPs (round robin, over real sockets)
-and the same number through the router in-process, and prints CPU milliseconds per request.
+and prints CPU milliseconds per request.
 
 Run:  .venv/bin/python bench/engine_servers.py [--pods 300] [--requests 300]
 """
@@ -24,7 +24,6 @@ import httpx
 from sim.app import BoundPorts, serve
 from sim.scenario import parse_scenario
 from sim.serving.layer import ServingLayer
-from sim.serving.loadgen import LoadSpec, start_load
 from sim.world import SimWorld
 
 MODEL = "bench/model"
@@ -146,14 +145,6 @@ async def main(pods: int, requests: int) -> None:
     print(
         f"  {done}/{requests} streamed completions (16 tokens) over pod sockets, client in the same process: "
         f"{1000 * cpu / requests:.2f} ms CPU/request ({wall:.1f}s wall)"
-    )
-    c0, w0 = cpu_s(), time.monotonic()
-    report = await start_load(
-        layer, LoadSpec(rate=requests / 3, duration_s=3, seed=1, model=MODEL, output_tokens=(16, 16))
-    ).wait()
-    cpu = cpu_s() - c0
-    print(
-        f"  {report.sent} through the router in-process: {1000 * cpu / max(1, report.sent):.2f} ms CPU/request"
     )
     stop.set()
     await asyncio.wait_for(task, 30)

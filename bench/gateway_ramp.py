@@ -32,8 +32,8 @@ import httpx
 
 from activities.envoy_gateway import EnvoyGateway
 from fleet.engine_metrics import EngineSnapshot, parse_engine_metrics
+from fleet.gateway import GatewayPolicy
 from fleet.incident import PoolRef
-from fleet.protocol import GatewayPolicy
 from fleet.vocabulary import FaultKind
 from fleet.warmth import plan_weights
 from gateway.resources import UPSTREAM_HEADER, DataPlaneSettings

@@ -48,8 +48,8 @@ from kubernetes import config as k8s_config
 from prometheus_client.parser import text_string_to_metric_families
 from temporalio.client import Client, WorkflowHandle
 
+from fleet.gateway import Outcome
 from fleet.incident import PoolRef, incident_workflow_id
-from fleet.protocol import Outcome
 from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, ServingObjectives
 from fleet.shedding import ShedLevel, account_shedding
 from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_WORKER_INDEX_LABEL, FaultKind

@@ -15,8 +15,8 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.engine_metrics import EngineSnapshot
+from fleet.gateway import RouterState
 from fleet.pool import PoolSnapshot
-from fleet.protocol import RouterState
 
 
 class EngineHealth(StrEnum):

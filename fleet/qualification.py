@@ -30,7 +30,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleet.protocol import QualificationState
 from fleet.vocabulary import GPU_RESOURCE, QUARANTINE_TAINT_KEY
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
@@ -38,6 +37,12 @@ QUALIFICATION_LABEL = "fleetmend.io/qualification"
 MACHINE_ANNOTATION = "fleetmend.io/machine"
 OPERATION_ANNOTATION = "fleetmend.io/operation-id"
 DEFAULT_DCGM_IMAGE = "nvcr.io/nvidia/cloud-native/dcgm:3.3.9-1-ubuntu22.04"
+
+
+class QualificationState(StrEnum):
+    RUNNING = "running"
+    PASSED = "passed"
+    FAILED = "failed"
 
 
 class QualificationSpec(BaseModel):

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from fleet.gateway import JournalEntry, Outcome
 from fleet.observation import PoolObservation
-from fleet.protocol import JournalEntry, Outcome
 from fleet.service_rate import window_ttft_p99
 from fleet.survivor_load import survivor_load
 from fleet.verification import (

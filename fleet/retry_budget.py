@@ -12,7 +12,7 @@ bounded by a budget drawn from the survivors' queue headroom:
 
 No headroom disables retries altogether (the gateway answers at once instead
 of piling retries onto saturated survivors). ``decide_retry_policy`` returns the
-``fleet.protocol.RetryPolicy`` to PUT on the router and the arithmetic as text.
+``fleet.gateway.RetryPolicy`` to set in the gateway and the arithmetic as text.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from fleet.protocol import RetryPolicy
+from fleet.gateway import RetryPolicy
 from fleet.shedding import SurvivorLoad
 
 

@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleet.protocol import Admission
+from fleet.gateway import Admission
 from fleet.vocabulary import SHED_ORDER, Tier
 
 DEFAULT_TIER_MIX: dict[Tier, float] = {Tier.CRITICAL: 0.2, Tier.STANDARD: 0.5, Tier.SHEDDABLE: 0.3}

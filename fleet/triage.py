@@ -32,7 +32,7 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.engine_metrics import CLOCK_EVENT_HW_THERMAL, CLOCK_EVENT_SW_THERMAL, NodeGpuTelemetry
-from fleet.protocol import QualificationState
+from fleet.qualification import QualificationState
 
 
 class FaultClass(StrEnum):

@@ -13,7 +13,7 @@ from typing import Any
 
 from envoy.data.accesslog.v3 import accesslog_pb2
 
-from fleet.protocol import JournalEntry, Outcome
+from fleet.gateway import JournalEntry, Outcome
 from fleet.vocabulary import TIER_HEADER, Tier
 
 # Envoy's response-flag short names (access-log docs) for the ALS booleans fleetmend reads.

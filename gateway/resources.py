@@ -12,7 +12,7 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleet.protocol import GatewayPolicy
+from fleet.gateway import GatewayPolicy
 from fleet.vocabulary import SHED_ORDER, TIER_HEADER, Tier
 
 ROUTE_CONFIG_NAME = "fleetmend"

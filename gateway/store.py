@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from sqlalchemy import Engine, delete, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 
-from fleet.protocol import GatewayPolicy, JournalEntry
+from fleet.gateway import GatewayPolicy, JournalEntry
 from gateway.outcomes import journal_entry
 from ledger.models import gateway_acks_table, gateway_policies_table, gateway_requests_table
 

@@ -36,7 +36,7 @@ from urllib.parse import parse_qs, urlsplit
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import Engine, Table, func, select
 
-from fleet.protocol import ActionLogEntry
+from fleet.actionlog import ActionLogEntry
 from ledger.models import DivergenceRecord, EffectRecord, EffectState
 from ledger.outcome import EffectOutcome
 

@@ -2,9 +2,9 @@
 
 fleetmend's ledger claims "at most once"; this log is the independent
 evidence: each POST/PUT/PATCH/DELETE that reached the simulator (Kubernetes API,
-router admin API, faults, the simulated Jira) with its time, verb, path, a
+faults, the simulated Jira) with its time, verb, path, a
 digest of its body, the client identity and the status answered. Served at
-``GET /sim/v1/actions?since_seq=N`` as ``list[fleet.protocol.ActionLogEntry]``.
+``GET /sim/v1/actions?since_seq=N`` as ``list[fleet.actionlog.ActionLogEntry]``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import threading
 
-from fleet.protocol import ActionLogEntry
+from fleet.actionlog import ActionLogEntry
 
 MUTATING_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 

@@ -8,14 +8,14 @@ request to the audit log (``sim.k8s.audit``) and every mutation to the action lo
 ``build_app(world)`` is the rest of the world on plain HTTP (what in production are other
 services: the gateway's admin API, the engines' metrics, the incident channel):
 
-* ``GET  /sim/v1/clock`` -> ``fleet.protocol.SimClock``;
+* ``GET  /sim/v1/clock`` -> ``sim.control.ClockReading``;
   ``POST /sim/v1/clock/advance`` ``{"seconds": S}`` jumps sim time ahead;
-* ``GET  /sim/v1/actions?since_seq=N`` -> ``list[fleet.protocol.ActionLogEntry]``: every
+* ``GET  /sim/v1/actions?since_seq=N`` -> ``list[fleet.actionlog.ActionLogEntry]``: every
   mutating request (POST/PUT/PATCH/DELETE) either server received, on any path but inference
   (the Kubernetes API's own record is its audit log; this one is the simulator's, for tests);
 * ``GET|PUT /sim/v1/api-faults`` ``{"rules": [ApiFaultRule...]}``: error rates on chosen verbs;
 * ``POST /sim/v1/nodes/{node}/lose`` and ``/restore``: node loss on demand;
-* whatever ``sim.serving.attach(world, app)`` adds (router, engines' metrics, faults, notify),
+* whatever ``sim.serving.attach(world, app)`` adds (engines' metrics, faults, load, notify),
   when the ``sim.serving`` package is installed.
 
 ``serve(world, host, port, kube_port=...)`` runs both with uvicorn on the current loop, with the
@@ -39,8 +39,9 @@ import uvicorn
 from fastapi import FastAPI, HTTPException, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleet.protocol import ActionLogEntry, SimClock
+from fleet.actionlog import ActionLogEntry
 from sim.actionlog import MUTATING_VERBS
+from sim.control import ClockReading
 from sim.k8s.api import KubeApi
 from sim.k8s.api import build_kube_app as build_kube_routes
 from sim.k8s.audit import AuditLog, AuditMiddleware
@@ -64,8 +65,8 @@ DATA_PLANE_PATHS = ("/v1/completions", "/v1/chat/completions")
 class ActionLogMiddleware:
     """Records every mutating HTTP request (after it was answered) in ``world.actions``.
 
-    Everything except inference requests (``DATA_PLANE_PATHS``): Kubernetes writes, router
-    admin changes, faults, notifications, Jira issues. Callers may name themselves with an
+    Everything except inference requests (``DATA_PLANE_PATHS``): Kubernetes writes, faults,
+    load and gateway settings, notifications, Jira issues. Callers may name themselves with an
     ``X-Fleetmend-Client`` header (e.g. the workflow and step); otherwise the User-Agent is used.
     """
 
@@ -143,15 +144,15 @@ def build_app(world: SimWorld, *, serving: bool = True) -> FastAPI:
     )
     app.state.world = world
 
-    @app.get("/sim/v1/clock", response_model=SimClock)
-    async def clock() -> SimClock:
-        return SimClock(now=world.clock.now(), speed=world.clock.speed)
+    @app.get("/sim/v1/clock", response_model=ClockReading)
+    async def clock() -> ClockReading:
+        return ClockReading(now=world.clock.now(), speed=world.clock.speed)
 
-    @app.post("/sim/v1/clock/advance", response_model=SimClock)
-    async def advance(body: ClockAdvance) -> SimClock:
+    @app.post("/sim/v1/clock/advance", response_model=ClockReading)
+    async def advance(body: ClockAdvance) -> ClockReading:
         world.clock.advance(body.seconds)
         world.kick()
-        return SimClock(now=world.clock.now(), speed=world.clock.speed)
+        return ClockReading(now=world.clock.now(), speed=world.clock.speed)
 
     @app.get("/sim/v1/actions", response_model=list[ActionLogEntry])
     async def actions(since_seq: int = Query(0, ge=0)) -> list[ActionLogEntry]:
@@ -186,7 +187,7 @@ def build_app(world: SimWorld, *, serving: bool = True) -> FastAPI:
 
 
 def attach_serving_layer(world: SimWorld, app: FastAPI) -> bool:
-    """Let ``sim.serving`` (router, engines, load, faults) add its routes, if it is present."""
+    """Let ``sim.serving`` (engines, load, faults) add its routes, if it is present."""
     if importlib.util.find_spec("sim.serving") is None:
         return False
     serving = importlib.import_module("sim.serving")
@@ -202,7 +203,7 @@ def attach_serving_layer(world: SimWorld, app: FastAPI) -> bool:
 class BoundPorts:
     """Where the two servers listen (the real ports when 0 was asked for)."""
 
-    port: int  # plain HTTP: simulator control, router, engines, notify
+    port: int  # plain HTTP: simulator control, engines' metrics, notify
     kube_port: int  # HTTPS: the Kubernetes API
 
 

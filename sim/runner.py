@@ -10,7 +10,7 @@ Used by the ``fleetmend sim`` command's tests, the workflow tests and the demo::
 
 Two servers bind free loopback ports by default (``port=0``, ``kube_port=0``): the
 Kubernetes API over HTTPS (``RunningSim.kube_url``, with a CA generated at start) and the
-rest of the simulated world over plain HTTP (``RunningSim.base_url``: router, engines'
+rest of the simulated world over plain HTTP (``RunningSim.base_url``: engines'
 metrics, notify, ``/sim/v1/...``). ``start_sim`` writes a kubeconfig (cluster, bearer-token
 user and context all named ``sim``; the CA as ``certificate-authority-data``), points the API
 server's audit log at ``audit.log`` next to it, and returns once both answer.
@@ -77,7 +77,7 @@ def write_kubeconfig(
 class RunningSim:
     """A simulator serving in a background thread.
 
-    ``base_url`` is the plain-HTTP world (router, engines, ``/sim/v1``); ``kube_url`` the
+    ``base_url`` is the plain-HTTP world (engines' metrics, ``/sim/v1``); ``kube_url`` the
     Kubernetes API (HTTPS; trust ``ca_cert``); ``audit_log`` the API server's audit events.
     """
 
@@ -133,7 +133,7 @@ def start_sim(
     ``port`` / ``kube_port``: 0 = a free port. ``kubeconfig``: where to write it (default: a
     temporary directory); the CA and serving certificate go to ``pki/`` beside it, and the audit
     log to ``audit_log`` (default ``audit.log`` beside it). ``serving=False`` serves the Kubernetes
-    side only (no engines, router or load). ``watch_history``: watch events kept per resource.
+    side only (no engines or load). ``watch_history``: watch events kept per resource.
     """
     loaded = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
     world = SimWorld(loaded, speed=speed, token=token, watch_history=watch_history)

@@ -52,10 +52,10 @@ import secrets
 from collections.abc import Callable
 from typing import Any, Literal
 
-from fleet.protocol import FaultRequest
 from fleet.vocabulary import MODEL_LABEL, REVISION_LABEL, SERVING_READY_CONDITION, FaultKind
 from sim.actionlog import ActionLog
 from sim.clock import SimClock
+from sim.control import FaultRequest
 from sim.k8s.controlplane import ControlPlane, StartupProfile
 from sim.k8s.faults import ApiFaults
 from sim.k8s.manifests import build_objects, rollout_patch

@@ -45,6 +45,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.arrivals import ArrivalTally, admitted_rate, arrival_rate
     from fleet.capacity import recovery_guard
     from fleet.engine_metrics import EngineSnapshot
+    from fleet.gateway import Admission
     from fleet.incident import LossReport
     from fleet.leadtime import estimate_lead_time
     from fleet.loss import (
@@ -62,11 +63,11 @@ with workflow.unsafe.imports_passed_through():
     from fleet.observation import PoolObservation
     from fleet.placement import GroupShape, place_group
     from fleet.pool import GroupRole, ReplicaGroup
-    from fleet.protocol import Admission, QualificationState
     from fleet.qualification import (
         MACHINE_ANNOTATION,
         GpuHolder,
         Identity,
+        QualificationState,
         Verdict,
         clear_for_qualification,
         identity,

@@ -1,9 +1,9 @@
-"""The serving layer of the simulated fleet: vLLM-like engines, the gateway, telemetry, faults, load.
+"""The serving layer of the simulated fleet: vLLM-like engines, telemetry, faults, load.
 
 ``attach(world, app)`` builds a ``ServingLayer`` for a ``SimWorld``, mounts its
-HTTP API (``fleet.protocol`` paths) on the simulator's FastAPI app, and starts
-its tick loop with the app (lifespan). ``world.serving`` then names the layer,
-so ``start_load(world, ...)`` drives its router in-process.
+HTTP API (``sim.serving.http``, shapes in ``sim.control``) on the simulator's FastAPI app,
+and starts its tick loop with the app (lifespan). ``world.serving`` then names the layer, so
+``start_load(world, ...)`` sends load through the gateway set in front of its engines.
 """
 
 from __future__ import annotations

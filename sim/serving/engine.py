@@ -88,7 +88,7 @@ class EngineRefused(Exception):
 
 
 class TokenSink(Protocol):
-    """Where an engine delivers one request's progress (the router's attempt)."""
+    """Where an engine delivers one request's progress (the pod server's stream)."""
 
     def on_tokens(self, count: int, now: float) -> None: ...
     def on_finished(self, reason: str, now: float) -> None: ...

@@ -33,8 +33,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from fleet.protocol import FaultRequest
 from fleet.vocabulary import GPU_RESOURCE, LWS_GROUP_KEY_LABEL, REVISION_LABEL, FaultKind
+from sim.control import FaultRequest
 from sim.scenario import ModelRevision
 from sim.serving.supervisor import is_leader
 from sim.serving.telemetry import (

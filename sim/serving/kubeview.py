@@ -1,8 +1,8 @@
 """The serving layer's read-only view of the simulated cluster.
 
 Kept current from the object store's watch events (no deep-copying list per
-tick): the router derives its routing set from EndpointSlices and pod labels
-here, and the engine supervisor derives which engines exist from pods.
+tick): what a gateway would route to is derived from EndpointSlices and pod labels
+here (``routed_pods``), and the engine supervisor derives which engines exist from pods.
 Watch callbacks may arrive on any thread; they only replace dict entries and
 bump a generation counter, which the serving tick loop reads.
 """
@@ -10,8 +10,10 @@ bump a generation counter, which the serving tick loop reads.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
+from fleet.vocabulary import MODEL_LABEL, ROUTER_LABEL, ROUTER_LABEL_VALUE
 from sim.k8s.store import ObjectStore, WatchEvent
 
 Obj = dict[str, Any]
@@ -102,3 +104,46 @@ def node_ready(node: Obj) -> str | None:
         if cond.get("type") == "Ready":
             return cond.get("status")
     return None
+
+
+def routed_pods(kube: KubeView, pool: str) -> list[tuple[str, str | None]]:
+    """``(pod, node)`` of every endpoint a gateway routes pool ``namespace/service`` to: the ready
+    endpoints of the Service's EndpointSlices whose pods carry the router-only label.
+
+    The same rule fleetmend's gateway control plane reads from the Kubernetes API
+    (``gateway.world``); the simulator uses it to time a deroute without a gateway of its own.
+    """
+    namespace, _, service = pool.partition("/")
+    out: list[tuple[str, str | None]] = []
+    for eps in kube.endpoint_slices(namespace, service):
+        for ep in eps.get("endpoints") or []:
+            if (ep.get("conditions") or {}).get("ready") is False:
+                continue
+            name = (ep.get("targetRef") or {}).get("name")
+            pod = kube.pod(namespace, name) if name else None
+            if pod is None or pod_labels(pod).get(ROUTER_LABEL) != ROUTER_LABEL_VALUE:
+                continue
+            if all(name != seen for seen, _ in out):
+                out.append((str(name), (pod.get("spec") or {}).get("nodeName")))
+    return out
+
+
+def served_models(kube: KubeView, engine_names: Callable[[str], list[str]]) -> dict[str, str]:
+    """Model names (the pods' model label and the names their engines serve) -> pool ``ns/service``,
+    from the pods behind each Service: the Service a user names (as ``Host``) for a model."""
+    out: dict[str, str] = {}
+    for svc in kube.services():
+        selector = (svc.get("spec") or {}).get("selector") or {}
+        if not selector:
+            continue
+        ns, name = svc["metadata"]["namespace"], svc["metadata"]["name"]
+        for pod in kube.pods():
+            labels = pod_labels(pod)
+            if pod["metadata"]["namespace"] != ns or any(labels.get(k) != v for k, v in selector.items()):
+                continue
+            model = labels.get(MODEL_LABEL)
+            if model:
+                out.setdefault(model, f"{ns}/{name}")
+                for served in engine_names(f"{ns}/{pod['metadata']['name']}"):
+                    out.setdefault(served, f"{ns}/{name}")
+    return out

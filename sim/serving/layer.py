@@ -1,4 +1,8 @@
-"""The serving layer of one simulated world: engines, router, telemetry, faults, sinks.
+"""The serving layer of one simulated world: engines, telemetry, faults, load, sinks.
+
+The simulator has no gateway: users' requests (``/sim/v1/load``) go through the one set with
+``PUT /sim/v1/gateway`` (a real Envoy that fleetmend's control plane configures, in the dev
+stack, the demo and the tests) to the engines on their pod IPs.
 
 ``ServingLayer(world)`` wires everything to the world's clock and object store;
 ``start()`` runs the single tick loop (engines advance on the sim clock, probes,
@@ -13,29 +17,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from fleet.protocol import FaultRequest, NotifyMessage
 from fleet.vocabulary import FaultKind, Tier
+from sim.control import FaultRequest, NotifyMessage
 from sim.k8s.podips import DEFAULT_ENGINE_PORT
 from sim.serving.diagnostics import diagnostic_program
+from sim.serving.effects import EffectProposer, EffectsConfig
 from sim.serving.faults import FaultError, FaultInjector
-from sim.serving.journal import Journal
-from sim.serving.kubeview import KubeView
-from sim.serving.loadgen import GatewayTarget, LoadSpec, start_load
+from sim.serving.kubeview import KubeView, served_models
+from sim.serving.loadgen import GatewayTarget, LoadRun, LoadSpec
 from sim.serving.pods import EngineServers
 from sim.serving.probes import ProbeSettings, ReadinessProber
-from sim.serving.router import Router, RouterConfig
 from sim.serving.supervisor import EngineSupervisor
 from sim.serving.telemetry import NodeTelemetry, gpu_assignment, node_gpu_count, node_gpu_product
 
 log = logging.getLogger(__name__)
 
 
+class NoGateway(LookupError):
+    """Load was asked for while no gateway is set (the simulator routes nothing itself)."""
+
+
 class TrafficSpec(BaseModel):
-    """Background load the simulator runs by itself (for the demo)."""
+    """Background load the simulator sends through its gateway by itself, from the moment one is set."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -54,7 +62,10 @@ class ServingSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     engine: dict[str, Any] = Field(default_factory=dict, description="EngineSpec overrides for every model")
-    router: RouterConfig = Field(default_factory=lambda: RouterConfig())
+    effects: EffectsConfig = Field(
+        default_factory=lambda: EffectsConfig(),
+        description="effects the model proposes (sim.serving.effects)",
+    )
     probe_period_s: float = Field(default=10.0, gt=0)
     probe_failure_threshold: int = Field(default=3, ge=1)
     qualification_s: float = Field(
@@ -98,8 +109,7 @@ class ServingLayer:
         self.default_namespace: str = getattr(scenario, "namespace", "default")
         self.kube = KubeView(world.store)
         self.supervisor = EngineSupervisor(world, self.kube, self.settings.engine)
-        self.journal = Journal()
-        self.router = Router(self.clock, self.kube, self.supervisor.get, self.journal, self.settings.router)
+        self.effects = EffectProposer(self.settings.effects.model_copy())
         self.faults = FaultInjector(self)
         self.prober = ReadinessProber(
             world,
@@ -121,6 +131,7 @@ class ServingLayer:
         self._stopping = False
         self.background_load: Any = None
         self.gateway: GatewayTarget | None = None
+        self._served_cache: tuple[tuple[int, int], dict[str, str]] | None = None
         self.supervisor.start_blocker = self._start_blocker
         self.supervisor.node_factor = lambda node: self.thermal_nodes.get(node or "", 1.0)
         control = getattr(world, "control", None)
@@ -138,8 +149,8 @@ class ServingLayer:
 
     # ---- the gateway users' requests go through --------------------------------------------
     def use_gateway(self, url: str | None, upstream_header: str | None = None) -> None:
-        """Send load (``/sim/v1/load``) through the gateway at ``url`` (e.g. Envoy) instead of the
-        simulator's own router; None goes back to the router."""
+        """Send load (``/sim/v1/load``, the scenario's ``traffic``) through the gateway at ``url``
+        (e.g. Envoy); None: no gateway, and load is refused until one is set."""
         self.gateway = (
             None
             if url is None
@@ -147,22 +158,47 @@ class ServingLayer:
                 url.rstrip("/"),
                 upstream_header=upstream_header,
                 host_for=self._pool_host,
-                replica_of=self._pod_at,
+                replica_of=self.pod_at,
             )
         )
+        if self.gateway is not None and self._loop is not None:
+            self._start_traffic()
 
-    def load_target(self) -> Any:
-        return self.gateway if self.gateway is not None else self
+    def load_target(self) -> GatewayTarget:
+        if self.gateway is None:
+            raise NoGateway(
+                "the simulator has no gateway of its own: PUT /sim/v1/gateway with the URL of the gateway "
+                "in front of the engines (e.g. the Envoy fleetmend configures) before sending load"
+            )
+        return self.gateway
+
+    def served_models(self) -> dict[str, str]:
+        """Model names -> pool ``namespace/service`` (``kubeview.served_models``)."""
+
+        # Asked per request sent (its Host): engines start without a cluster change, so the scan is
+        # kept at most a wall second.
+        generation = (self.kube.generation, int(time.monotonic()))
+        if self._served_cache is not None and self._served_cache[0] == generation:
+            return self._served_cache[1]
+
+        def names(key: str) -> list[str]:
+            engine = self.supervisor.get(key)
+            return [engine.metrics_model_name] if engine is not None else []
+
+        out = served_models(self.kube, names)
+        if out:
+            self._served_cache = (generation, out)
+        return out
 
     def _pool_host(self, model: str) -> str | None:
         """The Host a user sends for ``model``: its pool Service's name, as cluster DNS spells it."""
-        pool = self.router.served_models().get(model)
+        pool = self.served_models().get(model)
         if pool is None:
             return None
         namespace, _, service = pool.partition("/")
         return f"{service}.{namespace}"
 
-    def _pod_at(self, upstream: str) -> str | None:
+    def pod_at(self, upstream: str) -> str | None:
         """The pod whose IP a gateway named as a request's upstream ("ip:port")."""
         ip = upstream.rsplit(":", 1)[0]
         for pod in self.kube.pods():
@@ -176,13 +212,19 @@ class ServingLayer:
             self._stopping = False
             self._loop = asyncio.get_running_loop()
             self._task = self._loop.create_task(self._run(), name="sim-serving")
-            if self.settings.traffic is not None and self.background_load is None:
-                t = self.settings.traffic
-                self.background_load = start_load(
-                    self,
-                    LoadSpec(rate=t.rate, duration_s=t.duration_s, seed=t.seed, tiers=t.tiers, model=t.model),
-                )
+            self._start_traffic()
         return self._task
+
+    def _start_traffic(self) -> None:
+        """The scenario's background traffic, once there is a gateway to send it through."""
+        t = self.settings.traffic
+        if t is None or self.background_load is not None or self.gateway is None:
+            return
+        self.background_load = LoadRun(
+            self.gateway,
+            LoadSpec(rate=t.rate, duration_s=t.duration_s, seed=t.seed, tiers=t.tiers, model=t.model),
+            world=self,
+        ).start()
 
     async def stop(self) -> None:
         self._stopping = True
@@ -195,7 +237,7 @@ class ServingLayer:
                 await self._task
             self._task = None
         await self.engine_servers.aclose()
-        await self.router.aclose()
+        await self.effects.aclose()
 
     def tick_real_seconds(self) -> float:
         return min(0.05, max(0.005, self.clock.real_seconds(self.settings.tick_s)))

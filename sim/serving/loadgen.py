@@ -2,19 +2,16 @@
 
 Arrivals are a pure function of the seed (same seed, same arrivals: inter-arrival
 times, tiers, prompt and output lengths, request ids), independent of how the
-fleet responds — open loop, as real users behave. Targets:
-
-* a ``ServingLayer`` (or a ``SimWorld`` with one): the router's own code path,
-  in-process (cheap enough for a loaded demo fleet on two cores);
-* ``GatewayTarget(url)``: any OpenAI-compatible HTTP endpoint — a gateway such as
-  Envoy, or one engine at its pod IP — over real HTTP/SSE (httpx, streaming). Each
-  request names its tier in the ``x-fleetmend-tier`` header (``TIER_HEADER``), its id in
-  ``x-request-id`` and the model in the body; per request it records the status, time to
-  first token, tokens streamed, whether the stream ended without ``[DONE]``, a refusal's
-  ``retry-after``, and the upstream that served it when the gateway names it in a
-  response header (``upstream_header``, e.g. one Envoy adds with ``%UPSTREAM_HOST%``);
-* a base URL string: the simulator's own gateway (its sim clock speed is read from
-  ``/sim/v1/clock``; it names the replica in ``x-fleetmend-replica``).
+fleet responds — open loop, as real users behave. The target is any OpenAI-compatible
+HTTP endpoint (``GatewayTarget``): a gateway such as Envoy, or one engine at its pod IP,
+over real HTTP/SSE (httpx, streaming). Each request names its tier in the
+``x-fleetmend-tier`` header (``TIER_HEADER``), its id in ``x-request-id`` and the model in
+the body; per request it records the status, time to first token, tokens streamed, whether
+the stream ended without ``[DONE]``, a refusal's ``retry-after``, and the upstream that
+served it when the gateway names it in a response header (``upstream_header``, e.g. one
+Envoy adds with ``%UPSTREAM_HOST%``). ``start_load`` also takes a ``ServingLayer`` or a
+``SimWorld`` whose gateway is set (``PUT /sim/v1/gateway``): the load then goes through that
+gateway, timed by the world's clock in-process.
 
 The report counts goodput (completed within deadline), late, shed, rejected,
 terminal errors, truncated streams and retries, and per-replica TTFT
@@ -39,7 +36,6 @@ from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fleet.vocabulary import TIER_HEADER, Tier
-from sim.serving.router import CompletionRequest, GatewayError
 from sim.serving.streams import TOKEN_TEXT
 
 DEFAULT_DEADLINES: dict[Tier, float] = {Tier.CRITICAL: 5.0, Tier.STANDARD: 10.0, Tier.SHEDDABLE: 20.0}
@@ -137,16 +133,6 @@ class GatewayTarget:
     @property
     def authority(self) -> str:
         return httpx.URL(self.url).netloc.decode()
-
-
-# The simulator's own gateway as an HTTP target: its speed from /sim/v1/clock, its replica header.
-def sim_gateway(url: str) -> GatewayTarget:
-    return GatewayTarget(
-        url.rstrip("/"),
-        speed=None,
-        upstream_header="x-fleetmend-replica",
-        attempt_header="x-fleetmend-attempt",
-    )
 
 
 @dataclass
@@ -250,18 +236,15 @@ def summarize(results: list[RequestResult], sent: int, window: tuple[float, floa
 class LoadRun:
     """A running (or finished) load; ``await run.wait()`` for the final report."""
 
-    def __init__(self, target: Any, spec: LoadSpec, *, world: Any = None) -> None:
+    def __init__(self, target: GatewayTarget, spec: LoadSpec, *, world: Any = None) -> None:
         """``world``: the serving layer behind a ``GatewayTarget``, when the load runs inside the
         simulator (its clock and the models it serves are then read in-process)."""
         self.id = uuid.uuid4().hex[:12]
         self.spec = spec
         self.results: list[RequestResult] = []
         self.sent = 0
-        if isinstance(target, str):
-            target = sim_gateway(target)
-        self._target = target
-        self._gateway: GatewayTarget | None = target if isinstance(target, GatewayTarget) else None
-        self._layer: Any = target if self._gateway is None else world
+        self._gateway: GatewayTarget = target
+        self._layer: Any = world
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner: asyncio.Task[None] | None = None
         self._http: httpx.AsyncClient | None = None
@@ -287,27 +270,23 @@ class LoadRun:
         return self
 
     async def _run(self) -> None:
-        if self._gateway is not None:
-            # Open loop: never let the client's connection pool queue requests (that would be closed-loop).
-            self._http = httpx.AsyncClient(
-                base_url=self._gateway.url,
-                timeout=httpx.Timeout(300.0, connect=10.0),
-                limits=httpx.Limits(max_connections=2000, max_keepalive_connections=200),
-            )
-            if self._layer is not None:
-                self._speed = float(self._layer.clock.speed)
-            elif self._gateway.speed is not None:
-                self._speed = self._gateway.speed
-            else:
-                reply = await self._http.get("/sim/v1/clock")
-                if reply.status_code != 200:
-                    raise RuntimeError(
-                        f"{self._gateway.url} is not a fleetmend simulator (GET /sim/v1/clock -> {reply.status_code})"
-                    )
-                self._speed = float(reply.json()["speed"])
-        else:
+        # Open loop: never let the client's connection pool queue requests (that would be closed-loop).
+        self._http = httpx.AsyncClient(
+            base_url=self._gateway.url,
+            timeout=httpx.Timeout(300.0, connect=10.0),
+            limits=httpx.Limits(max_connections=2000, max_keepalive_connections=200),
+        )
+        if self._layer is not None:
             self._speed = float(self._layer.clock.speed)
-            self._start_sim = float(self._layer.clock.now())
+        elif self._gateway.speed is not None:
+            self._speed = self._gateway.speed
+        else:
+            reply = await self._http.get("/sim/v1/clock")
+            if reply.status_code != 200:
+                raise RuntimeError(
+                    f"{self._gateway.url} is not a fleetmend simulator (GET /sim/v1/clock -> {reply.status_code})"
+                )
+            self._speed = float(reply.json()["speed"])
         model = self.spec.model or await self._default_model()
         self._start_mono = time.monotonic()
         if self._layer is not None:
@@ -326,7 +305,7 @@ class LoadRun:
         waited = 0.0
         while True:
             if self._layer is not None:
-                served = self._layer.router.served_models()
+                served = self._layer.served_models()
             else:
                 assert self._http is not None
                 served = {m["id"]: m["owned_by"] for m in (await self._http.get("/v1/models")).json()["data"]}
@@ -336,22 +315,6 @@ class LoadRun:
                 raise RuntimeError("the gateway serves no model; wait until a pool has pods, or pass model=")
             await asyncio.sleep(1.0 / self._speed)
             waited += 1.0
-
-    def _body(self, arrival: Arrival, model: str) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": model,
-            "prompt": "",
-            "max_tokens": self.spec.output_tokens[1],
-            "stream": self.spec.stream,
-            "tier": arrival.tier.value,
-            "deadline_s": self.spec.deadlines_s.get(arrival.tier, DEFAULT_DEADLINES[arrival.tier]),
-            "request_id": arrival.request_id,
-            "prompt_tokens": arrival.prompt_tokens,
-            "output_tokens": arrival.output_tokens,
-        }
-        if self.spec.pool:
-            body["pool"] = self.spec.pool
-        return body
 
     async def _one(self, arrival: Arrival, model: str) -> None:
         result = RequestResult(
@@ -363,10 +326,7 @@ class LoadRun:
         )
         deadline = self.spec.deadlines_s.get(arrival.tier, DEFAULT_DEADLINES[arrival.tier])
         try:
-            if self._gateway is None:
-                await self._in_process(arrival, model, result)
-            else:
-                await self._over_http(arrival, model, result)
+            await self._over_http(arrival, model, result)
         except Exception as exc:  # a client-side failure is a failed request, not a crashed run
             result.outcome = "terminal_error"
             result.status = result.status or 0
@@ -375,36 +335,14 @@ class LoadRun:
             result.outcome = "late"
         self.results.append(result)
 
-    async def _in_process(self, arrival: Arrival, model: str, result: RequestResult) -> None:
-        router = self._layer.router
-        sent_at = self.sim_now()
-        try:
-            completion = await router.complete(CompletionRequest.model_validate(self._body(arrival, model)))
-        except GatewayError as exc:
-            result.status = exc.status
-            result.outcome = _refusal_outcome(exc.status)
-            return
-        result.replica, result.attempts = completion.replica, completion.attempt
-        result.ttft_s = completion.ttft_s
-        result.tokens = completion.first_tokens
-        async for event in completion.events():
-            if event.kind == "tokens":
-                result.tokens += event.count
-            elif event.kind == "done":
-                result.outcome = "goodput"
-            else:
-                result.outcome = "terminal_error"
-                result.truncated = True  # the gateway cut a started stream
-        result.e2e_s = self.sim_now() - sent_at
-
     def _http_request(self, arrival: Arrival, model: str) -> tuple[dict[str, str], dict[str, Any]]:
         """Headers and body of one request over HTTP: tier and id in headers, the model in the body.
 
         ``prompt_tokens`` / ``output_tokens`` / ``deadline_s`` are the simulator's body extensions
-        (simulated lengths, the sim gateway's first-token deadline); a real vLLM ignores them, and
+        (simulated lengths, the first-token deadline); a real vLLM ignores them, and
         ``max_tokens`` + ``ignore_eos`` ask it for the same output length."""
         headers = {TIER_HEADER: arrival.tier.value, "x-request-id": arrival.request_id}
-        host = self._gateway.host_for(model) if self._gateway and self._gateway.host_for else None
+        host = self._gateway.host_for(model) if self._gateway.host_for else None
         if host:
             headers["host"] = host
         body: dict[str, Any] = {
@@ -422,21 +360,22 @@ class LoadRun:
         return headers, body
 
     async def _over_http(self, arrival: Arrival, model: str, result: RequestResult) -> None:
-        assert self._http is not None and self._gateway is not None
+        assert self._http is not None
         gateway = self._gateway
         sent_at = self.sim_now()
         headers, body = self._http_request(arrival, model)
         async with self._http.stream("POST", "/v1/completions", json=body, headers=headers) as response:
             result.status = response.status_code
+            # The replica that answered, refusals too (a gateway's own answer names none).
+            upstream = response.headers.get(gateway.upstream_header) if gateway.upstream_header else None
+            if upstream and gateway.replica_of is not None:
+                upstream = gateway.replica_of(upstream) or upstream
+            result.replica = upstream or (None if gateway.upstream_header else gateway.authority)
             if response.status_code != 200:
                 await response.aread()
                 result.outcome = _refusal_outcome(response.status_code)
                 result.retry_after_s = _retry_after(response.headers.get("retry-after"))
                 return
-            upstream = response.headers.get(gateway.upstream_header) if gateway.upstream_header else None
-            if upstream and gateway.replica_of is not None:
-                upstream = gateway.replica_of(upstream) or upstream
-            result.replica = upstream or (None if gateway.upstream_header else gateway.authority)
             if gateway.attempt_header and response.headers.get(gateway.attempt_header, "").isdigit():
                 result.attempts = int(response.headers[gateway.attempt_header])
             if not self.spec.stream:
@@ -515,45 +454,35 @@ def _refusal_outcome(status: int) -> str:
     return {429: "shed", 503: "rejected", 504: "late", 404: "not_found"}.get(status, "terminal_error")
 
 
-def _resolve_target(target: Any) -> Any:
-    if isinstance(target, str):
-        return sim_gateway(target)
-    if isinstance(target, GatewayTarget):
-        return target
-    layer = getattr(target, "serving", None)  # a SimWorld the serving layer is attached to
-    if layer is not None and hasattr(layer, "router"):
-        return layer
-    if hasattr(target, "router") and hasattr(target, "clock"):
-        return target
-    raise TypeError(
-        "start_load needs a GatewayTarget, the simulator's base URL, a ServingLayer, "
-        "or a SimWorld with the serving layer attached"
-    )
-
-
 def start_load(
     target: Any, rate: float | LoadSpec, duration_s: float = 60.0, seed: int = 0, **options: Any
 ) -> LoadRun:
     """Start open-loop load on the running event loop; ``await run.wait()`` for the report.
 
-    ``target``: a ``GatewayTarget`` (any OpenAI-compatible URL: a gateway, one engine's
-    pod IP), the simulator's base URL (its own gateway), both over HTTP/SSE; or a
-    ``ServingLayer`` / ``SimWorld`` with the serving layer attached (requests go through
-    the router in-process, the same code path as its HTTP handler).
+    ``target``: a ``GatewayTarget`` (any OpenAI-compatible URL: a gateway, one engine's pod IP),
+    or a ``ServingLayer`` / ``SimWorld`` with the serving layer attached whose gateway is set
+    (``use_gateway``): the load goes through that gateway, on the world's clock.
     """
     spec = (
         rate
         if isinstance(rate, LoadSpec)
         else LoadSpec(rate=rate, duration_s=duration_s, seed=seed, **options)
     )
-    return LoadRun(_resolve_target(target), spec).start()
+    if isinstance(target, GatewayTarget):
+        return LoadRun(target, spec).start()
+    layer = getattr(target, "serving", target)  # a SimWorld the serving layer is attached to
+    if not hasattr(layer, "load_target"):
+        raise TypeError(
+            "start_load needs a GatewayTarget, a ServingLayer or a SimWorld with the serving layer attached"
+        )
+    return LoadRun(layer.load_target(), spec, world=layer).start()
 
 
 class GatewaySetting(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     url: str | None = Field(
-        description="the gateway users send to (http://host:port), or null for the sim's router"
+        description="the gateway users send to (http://host:port), or null for none (load is refused)"
     )
     upstream_header: str | None = Field(
         default=None, description="response header naming the engine that served a request (ip:port)"
@@ -565,13 +494,17 @@ def install_load_routes(api: APIRouter, layer: Any) -> None:
 
     @api.post("/sim/v1/load", status_code=202, tags=["sim"])
     async def post_load(spec: LoadSpec) -> dict[str, Any]:
-        run = LoadRun(layer.load_target(), spec, world=layer).start()
+        try:
+            target = layer.load_target()
+        except LookupError as err:
+            raise HTTPException(409, str(err)) from None
+        run = LoadRun(target, spec, world=layer).start()
         runs[run.id] = run
         return {"id": run.id, "arrivals": len(arrivals(spec))}
 
     @api.put("/sim/v1/gateway", tags=["sim"])
     async def put_gateway(body: GatewaySetting) -> GatewaySetting:
-        """Where users' requests go: a gateway URL (e.g. Envoy), or null for the simulator's router."""
+        """Where users' requests go: a gateway URL (e.g. Envoy), or null for none."""
         try:
             layer.use_gateway(body.url, body.upstream_header)
         except ValueError as err:

@@ -48,11 +48,10 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from uvicorn.server import ServerState
 
 from sim.serving.engine import Engine, EngineRefused, EngineRequest, EngineState
-from sim.serving.router import CompletionRequest
 from sim.serving.streams import (
     StreamEvent,
     TokenStream,
@@ -75,6 +74,23 @@ Send = Callable[[Message], Awaitable[None]]
 
 PROMETHEUS_TEXT = b"text/plain; version=0.0.4; charset=utf-8"
 BACKLOG = 128
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI ``/v1/completions`` body as the engine reads it, plus the simulator's extensions
+    ``prompt_tokens`` / ``output_tokens`` (simulated lengths; a real vLLM ignores unknown fields)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    prompt: str | list[str] = ""
+    max_tokens: int = Field(default=16, ge=1, le=4096)
+    stream: bool = False
+    request_id: str | None = Field(default=None, min_length=1, max_length=200)
+    prompt_tokens: int | None = Field(default=None, ge=1, le=1_000_000, description="simulated prompt length")
+    output_tokens: int | None = Field(
+        default=None, ge=1, le=4096, description="tokens the model will produce"
+    )
 
 
 @dataclass(eq=False)
@@ -309,6 +325,9 @@ class EngineServers:
             else:
                 await reply.json(503, error_body(503, "ServiceUnavailableError", refused.message))
             return
+        # The model proposes its effect (if any) as it starts the request: a request the gateway
+        # retries here from a failed replica proposes the same operation again (sim.serving.effects).
+        await self.layer.effects.propose(request_id)
         events = stream.events(clock, engine, ereq, interval_s=self.layer.settings.stream_interval_s)
 
         def on_error(event: StreamEvent) -> bytes | None:

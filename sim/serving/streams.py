@@ -1,14 +1,10 @@
-"""One request's tokens, from the engine to an OpenAI-style response: shared by the gateway and the engines.
+"""One request's tokens, from the engine to an OpenAI-style response.
 
 ``TokenStream`` is the sink an engine writes one request's progress into
-(``sim.serving.engine.TokenSink``); ``first_token`` waits for the first token (or
-a failure, or a deadline) and ``events`` yields what follows as ``StreamEvent``s.
+(``sim.serving.engine.TokenSink``); ``events`` yields its progress as ``StreamEvent``s.
 ``sse_chunks`` renders events as vLLM's ``/v1/completions`` SSE stream (``data: {...}``
 chunks ending ``data: [DONE]``), ``completion_body`` as its non-streamed answer.
-
-The gateway (``sim.serving.router``, for its own ``/v1/completions`` and the in-process
-load generator) and every engine's own HTTP server (``sim.serving.pods``) use these,
-so a token reaches a client the same way on either path.
+Every engine's own HTTP server (``sim.serving.pods``) answers with these.
 """
 
 from __future__ import annotations
@@ -68,32 +64,6 @@ class TokenStream:
     def take_pending(self) -> int:
         count, self.pending_tokens = self.pending_tokens, 0
         return count
-
-    async def first_token(
-        self, clock: SimClock, deadline: float | None, engine: Engine, ereq: EngineRequest
-    ) -> str | None:
-        """None once a token exists; the abort reason if the engine failed first; "deadline" on timeout
-        (the engine request is then cancelled). ``deadline`` is sim time, None for none."""
-        while True:
-            if self.first_token_at is not None:
-                return None
-            if self.aborted is not None:
-                return self.aborted
-            if self.finished is not None:  # zero-token completion: treat as served
-                self.first_token_at = clock.now()
-                return None
-            timeout: float | None = None
-            if deadline is not None:
-                remaining = deadline - clock.now()
-                if remaining <= 0:
-                    engine.cancel(ereq, clock.now())
-                    return "deadline"
-                timeout = clock.real_seconds(remaining) + 0.001
-            self.wakeup.clear()
-            try:
-                await asyncio.wait_for(self.wakeup.wait(), timeout=timeout)
-            except TimeoutError:
-                pass
 
     async def events(
         self,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.protocol import JournalEntry, Outcome
+from fleet.gateway import JournalEntry, Outcome
 from fleet.vocabulary import FaultKind, Tier
 from worker.devstack.demo import count_cuts
 from worker.devstack.scenarios import SCENARIOS, Fault, PodPlace, lost_group_pods

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from fleet.engine_metrics import GpuTelemetry, NodeGpuTelemetry
 from fleet.placement import GroupShape, Toleration, place_group
 from fleet.pool import NodeInfo, Taint
-from fleet.protocol import QualificationState
+from fleet.qualification import QualificationState
 from fleet.triage import Action, FaultClass, PodFault, is_repeat_fault, return_decision, triage_node
 from fleet.vocabulary import NVLINK_DOMAIN_LABEL
 

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fleet.gateway import Admission
 from fleet.leadtime import LeadTimeConfig, PastRecovery, estimate_lead_time
 from fleet.pool import GroupRole
-from fleet.protocol import Admission
 from fleet.retry_budget import decide_retry_policy
 from fleet.shedding import (
     PressureThresholds,

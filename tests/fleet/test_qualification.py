@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from fleet.protocol import QualificationState
 from fleet.qualification import (
     GpuHolder,
     Identity,
     JobView,
     QualificationSpec,
+    QualificationState,
     RemediationRecord,
     clear_for_qualification,
     identity,

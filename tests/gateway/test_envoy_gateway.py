@@ -24,8 +24,8 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
 from activities.envoy_gateway import EnvoyGateway
+from fleet.gateway import Admission, GatewayPolicy, Outcome, RetryPolicy
 from fleet.incident import PoolRef
-from fleet.protocol import Admission, GatewayPolicy, Outcome, RetryPolicy
 from fleet.vocabulary import TIER_HEADER, Tier
 from gateway.bootstrap import BootstrapSettings
 from gateway.resources import DataPlaneSettings, RoutedHost

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import create_engine, text
 from typer.testing import CliRunner
 
-from fleet.protocol import ActionLogEntry
+from fleet.actionlog import ActionLogEntry
 from ledger import (
     ActionSignature,
     Attempt,

@@ -434,25 +434,25 @@ def test_every_route_of_the_worker_api_but_health_metrics_and_docs_needs_a_token
     ]
 
 
-async def test_the_simulated_gateway_proposes_effects_with_the_effects_token(ledger: EffectLedger) -> None:
-    """sim/serving's gateway posts its requests' proposed effects to the real effect API: with the
+async def test_the_simulated_model_proposes_effects_with_the_effects_token(ledger: EffectLedger) -> None:
+    """sim/serving's engines post their requests' proposed effects to the real effect API: with the
     token they are performed once; without it (misconfigured) they are refused and nothing is recorded."""
     async with running_serving(scenario(), speed=10) as sim:
         served, http = served_effects_api(sim.base_url, ledger)
         try:
-            await sim.wait_serving(1)
+            (pod, *_) = await sim.wait_serving(1)
             for token, request_id in ((EFFECTS_TOKEN, "gw-1"), (None, "gw-2"), ("wrong", "gw-3")):
                 config = {"url": f"{served.base_url}/v1/effects", "share": 1.0, "kind": "ticket.create"}
                 if token:
                     config["token"] = token
                 assert (await sim.http.put("/sim/v1/serving/effects", json=config)).status_code == 200
-                body = {"model": MODEL, "max_tokens": 2, "request_id": request_id, "deadline_s": 120}
-                completed = await sim.http.post("/v1/completions", json=body)
+                body = {"model": MODEL, "max_tokens": 2, "request_id": request_id}
+                completed = await sim.http.post(sim.pod_url(pod) + "/v1/completions", json=body)
                 assert completed.status_code == 200, completed.text
         finally:
             served.stop()
             http.close()
-        answers = sim.layer.router.effect_answers
+        answers = sim.layer.effects.answers
     assert answers["gw-1/0"]["status"] == 200 and answers["gw-1/0"]["body"]["state"] == "applied"
     assert answers["gw-2/0"]["status"] == 401 and answers["gw-3/0"]["status"] == 401
     recorded = ledger.get("gw-1/0")

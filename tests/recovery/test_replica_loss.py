@@ -12,7 +12,7 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
-from fleet.protocol import Admission
+from fleet.gateway import Admission
 from fleet.recovery import OperatorAction, Phase, ProcedureStatus
 from fleet.vocabulary import FaultKind, Tier
 from tests.support import (

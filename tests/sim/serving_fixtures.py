@@ -1,7 +1,10 @@
 """Helpers for the serving-layer tests: a small scenario and a simulator served on a free port.
 
-The simulator runs in the test session's event loop (uvicorn on 127.0.0.1:0), so a
-test can drive the router in-process and over real HTTP at the same time.
+The simulator runs in the test session's event loop (uvicorn on 127.0.0.1:0), so a test can
+reach into the world in-process and over real HTTP at the same time. A test whose requests need
+routing gets a real Envoy in front of the engines (``gateway_db``: a migrated ledger database),
+configured by fleetmend's control plane from the simulator's Kubernetes API, as the dev stack
+runs it; the simulator has no gateway of its own.
 """
 
 from __future__ import annotations
@@ -20,15 +23,26 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from activities.envoy_gateway import EnvoyGateway
+from fleet.gateway import GatewayPolicy
+from fleet.incident import PoolRef
+from gateway.resources import UPSTREAM_HEADER
+from gateway.store import GatewayStore
+from ledger.store import make_engine
 from sim.app import BoundPorts, serve
 from sim.k8s.tls import generate_serving_certs
+from sim.runner import write_kubeconfig
 from sim.scenario import Scenario, parse_scenario
+from sim.serving.kubeview import routed_pods
 from sim.serving.layer import ServingLayer
 from sim.serving.telemetry import gpu_assignment
 from sim.world import SimWorld
+from worker.devstack.gateway import LocalGateway, gateway_in_front
 
 NAMESPACE = "inference"
 POOL = f"{NAMESPACE}/llama"
+POOL_REF = PoolRef(namespace=NAMESPACE, service="llama")
+POOL_HOST = "llama.inference"  # the Host users send: Envoy's virtual host for the pool
 
 BASE_SCENARIO: dict[str, Any] = {
     "name": "serving-test",
@@ -81,6 +95,8 @@ class RunningServing:
     base_url: str
     http: httpx.AsyncClient
     kube: httpx.AsyncClient  # the Kubernetes API (HTTPS, the sim's CA, the kubeconfig's token)
+    gateway: LocalGateway | None = None  # Envoy in front of the engines, when the test asked for one
+    adapter: EnvoyGateway | None = None  # fleetmend's gateway adapter on that Envoy
 
     async def sim_sleep(self, sim_seconds: float) -> None:
         await self.world.clock.sleep(sim_seconds)
@@ -103,13 +119,35 @@ class RunningServing:
     def serving_pods(self) -> list[str]:
         return sorted(k.split("/", 1)[1] for k, e in self.layer.supervisor.engines().items() if e.alive)
 
+    def routed(self) -> list[str]:
+        """The pool's ready, router-labelled endpoints (what a gateway routes to), from the cluster."""
+        return [pod for pod, _ in routed_pods(self.layer.kube, POOL)]
+
     async def wait_serving(self, count: int, timeout_sim_s: float = 120.0) -> list[str]:
-        async def routed() -> bool:
-            r = await self.http.get(f"/router/v1/pools/{POOL}/routing-set")
-            return r.status_code == 200 and len(r.json()["endpoints"]) >= count
+        """Wait until ``count`` replicas are routed (and, with a gateway, in Envoy's routing set)."""
+
+        def routed() -> bool:
+            if len(self.routed()) < count:
+                return False
+            return self.adapter is None or len(self.adapter.routing_set(POOL_REF).endpoints) >= count
 
         await self.wait_for(routed, timeout_sim_s, f"{count} routed replicas")
         return self.serving_pods()
+
+    async def set_policy(self, policy: GatewayPolicy) -> None:
+        """Apply ``policy`` to the pool in Envoy (returns once Envoy took it)."""
+        assert self.adapter is not None, "this test runs without a gateway: pass gateway_db"
+        await asyncio.to_thread(self.adapter.apply, POOL_REF, policy)
+
+    def gateway_client(self) -> httpx.AsyncClient:
+        """A user's client of the pool, through Envoy."""
+        assert self.gateway is not None, "this test runs without a gateway: pass gateway_db"
+        return httpx.AsyncClient(base_url=self.gateway.url, headers={"host": POOL_HOST}, timeout=60.0)
+
+    def replica_of(self, response: httpx.Response) -> str | None:
+        """The pod that served a response through Envoy (its upstream header names ip:port)."""
+        upstream = response.headers.get(UPSTREAM_HEADER)
+        return self.layer.pod_at(upstream) if upstream else None
 
     def pod_url(self, pod: str, namespace: str = NAMESPACE) -> str:
         """``http://{podIP}:{engine_port}``: where the pod's engine listens (as in a cluster)."""
@@ -128,14 +166,6 @@ class RunningServing:
         r.raise_for_status()
         return {f.name: f for f in text_string_to_metric_families(r.text)}
 
-    async def set_state(self, what: str, payload_key: str, value: Any, pool: str = POOL) -> dict[str, Any]:
-        state = (await self.http.get(f"/router/v1/pools/{pool}/state")).json()
-        r = await self.http.put(
-            f"/router/v1/pools/{pool}/{what}", json={"replaces_version": state["version"], payload_key: value}
-        )
-        r.raise_for_status()
-        return dict(r.json())
-
     async def fault(self, kind: str, target: str, **params: Any) -> httpx.Response:
         return await self.http.post("/sim/v1/faults", json={"kind": kind, "target": target, "params": params})
 
@@ -150,8 +180,11 @@ def pod_node_and_gpu(sim: RunningServing, pod: str) -> tuple[str, int]:
 
 
 @contextlib.asynccontextmanager
-async def running_serving(scn: Scenario, speed: float = 20.0) -> AsyncIterator[RunningServing]:
-    """Serve ``scn`` at ``speed`` on a free loopback port, in this event loop."""
+async def running_serving(
+    scn: Scenario, speed: float = 20.0, gateway_db: str | None = None
+) -> AsyncIterator[RunningServing]:
+    """Serve ``scn`` at ``speed`` on a free loopback port, in this event loop; with ``gateway_db``
+    (a migrated ledger database) a real Envoy and fleetmend's control plane in front of it."""
     world = SimWorld(scn, speed=speed)
     stop = asyncio.Event()
     bound: asyncio.Future[BoundPorts] = asyncio.get_running_loop().create_future()
@@ -160,20 +193,34 @@ async def running_serving(scn: Scenario, speed: float = 20.0) -> AsyncIterator[R
     task = asyncio.create_task(serve(world, "127.0.0.1", 0, certs=certs, ready=bound.set_result, stop=stop))
     ports = await asyncio.wait_for(bound, timeout=30)
     base_url = f"http://127.0.0.1:{ports.port}"
+    kube_url = f"https://127.0.0.1:{ports.kube_port}"
     trust = ssl.create_default_context(cafile=str(certs.ca_cert))
-    async with (
-        httpx.AsyncClient(base_url=base_url, timeout=30.0) as http,
-        httpx.AsyncClient(
-            base_url=f"https://127.0.0.1:{ports.kube_port}",
-            verify=trust,
-            headers={"Authorization": f"Bearer {world.token}"},
-            timeout=30.0,
-        ) as kube,
-    ):
-        try:
-            yield RunningServing(world, world.serving, base_url, http, kube)  # type: ignore[attr-defined]
-        finally:
-            stop.set()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(task, timeout=15)
-            pki.cleanup()
+    stack = contextlib.AsyncExitStack()
+    try:
+        http = await stack.enter_async_context(httpx.AsyncClient(base_url=base_url, timeout=30.0))
+        kube = await stack.enter_async_context(
+            httpx.AsyncClient(
+                base_url=kube_url,
+                verify=trust,
+                headers={"Authorization": f"Bearer {world.token}"},
+                timeout=30.0,
+            )
+        )
+        running = RunningServing(world, world.serving, base_url, http, kube)  # type: ignore[attr-defined]
+        if gateway_db is not None:
+            kubeconfig = write_kubeconfig(
+                Path(pki.name) / "kubeconfig", kube_url, world.token, scn.namespace, certs.ca_pem()
+            )
+            running.gateway = await stack.enter_async_context(
+                gateway_in_front(base_url, kubeconfig, gateway_db, Path(pki.name) / "gateway")
+            )
+            engine = make_engine(gateway_db, pool_size=2)
+            stack.callback(engine.dispose)
+            running.adapter = EnvoyGateway(GatewayStore(engine))
+        yield running
+    finally:
+        await stack.aclose()
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, timeout=15)
+        pki.cleanup()

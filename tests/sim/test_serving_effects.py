@@ -1,4 +1,5 @@
-"""Inference-proposed effects carry the request's operation id (also on retry); notify sink and the simulated Jira."""
+"""Effects the simulated model proposes carry the request's operation id (also when the request is
+sent again to another replica, as a gateway's retry does); notify sink and the simulated Jira."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 
-from tests.sim.serving_fixtures import NAMESPACE, POOL, running_serving, scenario
-from tests.sim.test_serving_streaming import MODEL, SLOW, journal, read_sse
+from tests.sim.serving_fixtures import NAMESPACE, running_serving, scenario
+from tests.sim.test_serving_streaming import MODEL, SLOW, read_sse
 
 
 @contextlib.asynccontextmanager
@@ -39,7 +41,9 @@ async def effect_recorder() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
         await task
 
 
-async def test_a_retried_request_proposes_its_effect_again_under_the_same_operation_id() -> None:
+async def test_a_request_sent_again_to_another_replica_proposes_its_effect_under_the_same_operation_id() -> (
+    None
+):
     async with effect_recorder() as (url, calls), running_serving(scenario(load=SLOW), speed=10) as sim:
         first, second = await sim.wait_serving(2)
         bad = await sim.http.put("/sim/v1/serving/effects", json={"url": "ftp://x", "share": 1.0})
@@ -50,25 +54,30 @@ async def test_a_retried_request_proposes_its_effect_again_under_the_same_operat
         assert ok.status_code == 200 and ok.json()["token"] is None and ok.json()["token_set"] is True
         shown = (await sim.http.get("/sim/v1/serving/effects")).json()
         assert shown["token"] is None and shown["token_set"] is True  # the token is write-only
-        await sim.set_state("weights", "weights", {first: 1.0, second: 1e-9})
         assert (await sim.fault("wedged-engine", f"{NAMESPACE}/{first}")).status_code == 202
-        body = {"model": MODEL, "max_tokens": 4, "stream": True, "request_id": "fx-1", "deadline_s": 120}
+        body = {"model": MODEL, "max_tokens": 4, "stream": True}
+        headers = {"x-request-id": "fx-1"}
 
-        async def call() -> tuple[int, list[dict[str, Any]], bool]:
-            async with sim.http.stream("POST", "/v1/completions", json=body) as response:
-                return await read_sse(response)
+        async def call(pod: str) -> tuple[int, list[dict[str, Any]], bool]:
+            url = sim.pod_url(pod) + "/v1/completions"
+            async with sim.http.stream("POST", url, json=body, headers=headers) as response:
+                return await read_sse(response.aiter_lines())
 
-        task = asyncio.create_task(call())
+        # The wedged replica takes the request and proposes its effect; its process then dies before a
+        # token, and the request goes to the other replica, as a gateway retries it, under the same id.
+        task = asyncio.create_task(call(first))
         await sim.wait_for(lambda: len(calls) == 1, 30, "the first proposal")
         assert (await sim.fault("pod-oomkilled", f"{NAMESPACE}/{first}")).status_code == 202
-        tokens, errors, done = await asyncio.wait_for(task, 30)
+        try:
+            await asyncio.wait_for(task, 30)
+        except httpx.HTTPError:
+            pass  # the dead process cut the connection
+        tokens, errors, done = await call(second)
         assert done and not errors and tokens == 4
         assert [c["operation_id"] for c in calls] == ["fx-1/0", "fx-1/0"]
         assert calls[0] == calls[1]  # same parameters: the ledger sees a repeat, not a divergence
         assert calls[0]["authorization"] == "Bearer effects-secret"  # fleetmend's effect API token
-        entries = await journal(sim, pool=POOL, request_id="fx-1")
-        assert [e["effect_operation_ids"] for e in entries] == [["fx-1/0"], ["fx-1/0"]]
-        assert sim.layer.router.effect_answers["fx-1/0"]["body"]["state"] == "applied"
+        assert sim.layer.effects.answers["fx-1/0"]["body"]["state"] == "applied"
 
 
 async def test_notify_sink_and_the_jira_issue_api() -> None:

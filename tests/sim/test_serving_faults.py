@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -11,7 +12,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleet.qualification import parse_dcgm_diag
 from tests.sim.serving_fixtures import (
     NAMESPACE,
-    POOL,
     RunningServing,
     pod_node_and_gpu,
     running_serving,
@@ -92,10 +92,11 @@ async def test_gpu_xid_79_kills_the_replica_on_that_gpu_shows_in_dcgm_and_fails_
 
 async def test_oom_killed_pod_shows_the_reason_restarts_and_its_engine_counters_reset() -> None:
     async with running_serving(scenario(), speed=20) as sim:
-        pod, other = await sim.wait_serving(2)
-        await sim.set_state("weights", "weights", {pod: 1.0, other: 0.0})
-        for _ in range(3):
-            r = await sim.http.post("/v1/completions", json={"model": MODEL, "max_tokens": 8})
+        pod, _ = await sim.wait_serving(2)
+        for _ in range(3):  # to the engine at its pod IP
+            r = await sim.http.post(
+                sim.pod_url(pod) + "/v1/completions", json={"model": MODEL, "max_tokens": 8}
+            )
             assert r.status_code == 200
         before = await sim.metrics(pod)
         assert sum(s.value for s in before["vllm:request_success"].samples if s.name.endswith("_total")) == 3
@@ -132,11 +133,7 @@ async def test_node_lost_silences_its_exporters_then_kubernetes_marks_it_unknown
         taint = {"node": node, "key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}
         await sim.wait_for(lambda: ksm_value(sim, "kube_node_spec_taint", **taint), 60, "unreachable taint")
 
-        async def derouted() -> bool:
-            ep = (await sim.http.get(f"/router/v1/pools/{POOL}/routing-set")).json()["endpoints"]
-            return pod not in {e["pod"] for e in ep}
-
-        await sim.wait_for(derouted, 60, "the lost pod to leave the routing set")
+        await sim.wait_for(lambda: pod not in sim.routed(), 60, "the lost pod to leave the routing set")
         assert await ksm_value(sim, "kube_pod_status_ready", pod=pod, condition="false") == 1
 
 
@@ -151,15 +148,9 @@ async def test_slow_wedged_thermal_and_nvlink_faults_show_their_signals() -> Non
         assert (await sim.fault("wedged-engine", f"{NAMESPACE}/{wedged}")).status_code == 202
         assert slow_engine.rate(sim.world.clock.now()) < 0.3 * healthy_rate
         # The wedged engine takes requests and never answers; /health stays 200 (a progress check must catch it).
-        sim.layer.router.config.default_deadline_s = dict.fromkeys(
-            sim.layer.router.config.default_deadline_s, 60.0
-        )
-        await sim.set_state("weights", "weights", {wedged: 1.0, slow: 0.0})
-        import asyncio
-
+        url = sim.pod_url(wedged) + "/v1/completions"
         pending = [
-            asyncio.create_task(sim.http.post("/v1/completions", json={"model": MODEL, "max_tokens": 4}))
-            for _ in range(3)
+            asyncio.create_task(sim.http.post(url, json={"model": MODEL, "max_tokens": 4})) for _ in range(3)
         ]
         await sim.wait_for(
             lambda: wedged_engine.num_waiting + wedged_engine.num_running == 3, 200, "queued"
@@ -290,11 +281,11 @@ async def test_fleetmends_own_parsers_read_the_simulators_pages() -> None:
 
     async with running_serving(scenario(), speed=20) as sim:
         pod, _ = await sim.wait_serving(2)
-        await sim.set_state("weights", "weights", {pod: 1.0, _: 0.0})
-        for _i in range(2):
-            assert (
-                await sim.http.post("/v1/completions", json={"model": MODEL, "max_tokens": 8})
-            ).status_code == 200
+        for _i in range(2):  # to the engine at its pod IP
+            answer = await sim.http.post(
+                sim.pod_url(pod) + "/v1/completions", json={"model": MODEL, "max_tokens": 8}
+            )
+            assert answer.status_code == 200
         snap = parse_engine_metrics((await sim.engine_get(pod, "/metrics")).text)
         assert snap.engines == 1 and snap.model_names == (MODEL,)
         assert snap.request_success_total == 2 and snap.generation_tokens_total == 16

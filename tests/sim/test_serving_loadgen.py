@@ -1,13 +1,18 @@
-"""The load generator over real HTTP, queue-bound admission, scheduled faults and the baseline deroute."""
+"""The load generator through a real Envoy, scheduled faults and the baseline deroute."""
 
 from __future__ import annotations
 
-from fleet.protocol import FaultRequest
+import pytest
+
+from fleet.gateway import Admission, GatewayPolicy
 from fleet.vocabulary import FaultKind, Tier
-from sim.serving.baselines import apply_kubernetes_default_routing, measure_deroute
+from sim.control import FaultRequest
+from sim.serving.baselines import measure_deroute
 from sim.serving.loadgen import LoadSpec, arrivals, start_load
 from sim.serving.telemetry import gpu_assignment
-from tests.sim.serving_fixtures import NAMESPACE, POOL, running_serving, scenario
+from tests.sim.serving_fixtures import NAMESPACE, POOL, POOL_REF, running_serving, scenario
+
+pytestmark = pytest.mark.timeout(180)
 
 
 def test_arrivals_are_a_pure_function_of_the_seed() -> None:
@@ -19,43 +24,24 @@ def test_arrivals_are_a_pure_function_of_the_seed() -> None:
     assert 100 < len(arrivals(spec)) < 200  # ~150 at 5/s over 30 s
 
 
-async def test_load_over_http_reports_goodput_shed_and_per_replica_ttft() -> None:
-    # Over HTTP, latency is measured in wall time x speed: a low speed keeps client-side jitter small.
-    async with running_serving(scenario(), speed=5) as sim:
+async def test_load_through_envoy_reports_goodput_shed_and_per_replica_ttft(ledger_url: str) -> None:
+    # Latency is measured on the world's clock around real HTTP: a low speed keeps client-side jitter small.
+    async with running_serving(scenario(), speed=5, gateway_db=ledger_url) as sim:
         pods = await sim.wait_serving(2)
-        await sim.set_state("admission", "admission", {"shed_tiers": ["sheddable"]})
+        await sim.set_policy(GatewayPolicy(admission=Admission(shed_tiers=[Tier.SHEDDABLE])))
         spec = LoadSpec(rate=4.0, duration_s=10.0, seed=9)
-        run = start_load(sim.base_url, spec)
+        run = start_load(sim.world, spec)  # through the gateway the simulator was given
         report = await run.wait()
         expected = arrivals(spec)
         assert report.sent == report.finished == len(expected)
-        # The tier travels in the x-fleetmend-tier header; the shed answers carry Retry-After.
+        # The tier travels in the x-fleetmend-tier header; Envoy's shed answers carry Retry-After.
         assert report.shed == sum(1 for a in expected if a.tier == Tier.SHEDDABLE)
-        assert {r.retry_after_s for r in run.results if r.outcome == "shed"} == {1.0}
+        assert {r.retry_after_s for r in run.results if r.outcome == "shed"} == {2.0}
         assert report.goodput == report.sent - report.shed
         assert report.late == report.terminal_errors == report.truncated_streams == 0
+        # Envoy names the upstream; the load generator names its pod.
         assert set(report.per_replica) == set(pods)
         assert all(r.ttft_p50_s is not None and r.ttft_p50_s < 2.0 for r in report.per_replica.values())
-        # The in-process path (same router code) gives the same accounting for the same arrivals.
-        again = await start_load(sim.world, spec).wait()
-        assert (again.sent, again.shed, again.goodput) == (report.sent, report.shed, report.goodput)
-
-
-async def test_queue_bound_rejects_when_every_replica_is_full() -> None:
-    async with running_serving(scenario(), speed=20) as sim:
-        pods = await sim.wait_serving(2)
-        for pod in pods:
-            assert (await sim.fault("wedged-engine", f"{NAMESPACE}/{pod}")).status_code == 202
-            engine = sim.layer.supervisor.get(f"{NAMESPACE}/{pod}")
-            assert engine is not None
-        await sim.set_state("admission", "admission", {"shed_tiers": [], "queue_bound": 0})
-        r = await sim.http.post(
-            "/v1/completions", json={"model": "llama", "max_tokens": 4, "tier": "critical"}
-        )
-        assert r.status_code == 503 and r.json()["error"]["type"] == "rejected"
-        assert "queue bound 0" in r.json()["error"]["message"]
-        entries = (await sim.http.get("/router/v1/journal", params={"outcome": "rejected"})).json()["entries"]
-        assert len(entries) == 1 and entries[0]["pool"] == POOL
 
 
 async def test_a_fault_scheduled_for_later_applies_at_its_sim_time() -> None:
@@ -77,7 +63,6 @@ async def test_kubernetes_default_path_needs_failure_threshold_probes_to_deroute
     ``failureThreshold``-th failed probe: in ((threshold - 1) x period, threshold x period]."""
     async with running_serving(scenario(), speed=40) as sim:
         pod, _ = await sim.wait_serving(2)
-        apply_kubernetes_default_routing(sim.layer, POOL)
         obj = sim.layer.kube.pod(NAMESPACE, pod)
         assert obj is not None
         probe = sim.layer.prober.settings_for(obj)
@@ -111,20 +96,33 @@ async def test_prometheus_http_service_discovery_lists_every_engine_at_its_pod_i
             assert (await sim.http.get(path)).status_code == 200
 
 
-async def test_scenario_traffic_starts_with_the_simulator_and_waits_for_the_pool() -> None:
-    async with running_serving(scenario(load={"traffic": {"rate": 5.0, "seed": 2}}), speed=20) as sim:
+async def test_scenario_traffic_starts_once_a_gateway_is_set_and_waits_for_the_pool(ledger_url: str) -> None:
+    scn = scenario(load={"traffic": {"rate": 5.0, "seed": 2}})
+    async with running_serving(scn, speed=20, gateway_db=ledger_url) as sim:
         run = sim.layer.background_load
         assert run is not None
         await sim.wait_serving(2)
         await sim.wait_for(lambda: len(run.results) >= 10, 60, "background requests")
         report = run.report()
         assert report.goodput + report.shed >= 10 and report.terminal_errors == 0
-        assert len(sim.layer.journal) >= 10
+        assert sim.adapter is not None
+        await sim.wait_for(
+            lambda: len(sim.adapter.request_outcomes(POOL_REF)) >= 10,  # type: ignore[union-attr]
+            30,
+            "Envoy's record of the requests",
+        )
 
 
-async def test_load_control_api_starts_reports_and_stops_a_run() -> None:
-    async with running_serving(scenario(), speed=20) as sim:
+async def test_load_control_api_starts_reports_and_stops_a_run(ledger_url: str) -> None:
+    async with running_serving(scenario(), speed=20, gateway_db=ledger_url) as sim:
         await sim.wait_serving(2)
+        # With no gateway set the simulator refuses load: it routes nothing itself.
+        assert sim.gateway is not None
+        assert (await sim.http.put("/sim/v1/gateway", json={"url": None})).status_code == 200
+        refused = await sim.http.post("/sim/v1/load", json={"rate": 5.0})
+        assert refused.status_code == 409 and "PUT /sim/v1/gateway" in refused.text
+        gateway = {"url": sim.gateway.url, "upstream_header": "x-fleetmend-upstream"}
+        assert (await sim.http.put("/sim/v1/gateway", json=gateway)).status_code == 200
         bad = await sim.http.post("/sim/v1/load", json={"rate": 5, "tiers": {"critical": -1}})
         assert bad.status_code == 422
         started = await sim.http.post("/sim/v1/load", json={"rate": 5.0, "duration_s": 600.0, "seed": 4})

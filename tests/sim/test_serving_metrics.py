@@ -42,11 +42,10 @@ def three_era_scenario():  # one pool per vLLM release era
 async def test_each_engine_era_exposes_exactly_its_names_and_every_page_parses() -> None:
     async with running_serving(three_era_scenario(), speed=20) as sim:
         await sim.wait_for(lambda: len(sim.serving_pods()) == 3, 60, "three engines")
-        # Traffic so histograms and counters have samples.
-        for era in ERA_VERSIONS:
-            r = await sim.http.post(
-                "/v1/completions", json={"model": f"org/model-{era.value}", "max_tokens": 8, "stream": False}
-            )
+        # Traffic so histograms and counters have samples (to each engine at its pod IP).
+        for key, engine in sim.layer.supervisor.engines().items():
+            body = {"model": engine.metrics_model_name, "max_tokens": 8, "stream": False}
+            r = await sim.http.post(sim.pod_url(key.split("/", 1)[1]) + "/v1/completions", json=body)
             assert r.status_code == 200, r.text
         for key, engine in sim.layer.supervisor.engines().items():
             era = engine.spec.era()

@@ -36,13 +36,14 @@ from temporalio.service import RPCError
 
 from activities.envoy_gateway import EnvoyGateway
 from activities.gateway import Gateway
+from fleet.gateway import JournalEntry, Outcome
 from fleet.incident import PoolRef, incident_workflow_id, scale_down_workflow_id
-from fleet.protocol import FaultRequest, JournalEntry, Outcome
 from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, RecoveryTimings, ServingObjectives
 from fleet.shedding import ShedLevel, account_shedding
 from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL, LWS_WORKER_INDEX_LABEL, REVISION_LABEL
 from gateway.store import GatewayStore
 from ledger.store import make_engine
+from sim.control import FaultRequest
 from worker.config import KEPT_STACK_FILE, Settings, kept_stack_env
 from worker.devstack.rig import compressed_scenario
 from worker.devstack.scenarios import GROUP_CAPACITY_RPS, DemoScenario, PodPlace, Verdict, lost_group_pods

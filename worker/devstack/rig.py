@@ -28,6 +28,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
 from activities.envoy_gateway import EnvoyGateway
+from fleet.gateway import JournalEntry, Outcome
 from fleet.incident import (
     FLEET_INCIDENT_WORKFLOW,
     REPORT_LOSS_SIGNAL,
@@ -35,12 +36,12 @@ from fleet.incident import (
     PoolRef,
     incident_workflow_id,
 )
-from fleet.protocol import FaultRequest, JournalEntry, Outcome
 from fleet.recovery import IncidentInput
 from fleet.vocabulary import FaultKind
 from gateway.resources import UPSTREAM_HEADER
 from gateway.store import GatewayStore
 from ledger.store import make_engine
+from sim.control import FaultRequest
 from worker.config import Settings, load_settings
 from worker.devstack.gateway import LocalGateway
 from worker.devstack.sim_wiring import settings_for_running_sim

@@ -1,49 +1,18 @@
-"""Wire models of the simulated world's HTTP APIs and the request records fleetmend reads.
+"""What fleetmend sets in the gateway and reads back from it: policy, routing set, request outcomes.
 
-fleetmend's adapters (``activities/``) speak real interfaces: Kubernetes, Envoy (xDS and its
-admin API), Prometheus text, Slack-compatible webhooks. The models here are the shapes those
-adapters hand the procedures (``RoutingSet``, ``JournalEntry`` - one request as Envoy's access
-log records it - ``RouterState``, the policy as applied) and the simulator's own control API.
-
-The simulator's router (``sim/serving``) serves the ``/router/v1`` paths below for the
-simulator's own tests and cost benches only: no fleetmend adapter calls them, and on every
-path fleetmend runs (dev, demo, tests, benches) user traffic goes through Envoy.
-
-Paths (all JSON; the sim serves them on its one port):
-
-Simulator router, per pool (``{namespace}/{service}``; sim tests only):
-  GET  /router/v1/pools/{ns}/{svc}/state           -> RouterState
-  PUT  /router/v1/pools/{ns}/{svc}/weights         <- WeightsChange      (409 if stale)
-  PUT  /router/v1/pools/{ns}/{svc}/admission       <- AdmissionChange    (409 if stale)
-  PUT  /router/v1/pools/{ns}/{svc}/retry-policy    <- RetryPolicyChange  (409 if stale)
-  GET  /router/v1/pools/{ns}/{svc}/routing-set     -> RoutingSet
-  GET  /router/v1/journal?pool=&replica=&since=&until=&outcome=  -> JournalPage
-  POST /v1/completions                             OpenAI-compatible, SSE when stream=true;
-                                                   the tier in the x-fleetmend-tier header
-
-Engines, each at its own pod IP as in a cluster (``http://{podIP}:8000``, the port configurable):
-  POST /v1/completions  GET /v1/models  GET /metrics (vLLM Prometheus text)  GET /health
-
-Nodes (in production: the node exporter's own port):
-  GET  /nodes/{node}/metrics      DCGM-exporter text
-
-Simulator control (test and demo only):
-  GET  /sim/v1/clock -> SimClock      POST /sim/v1/faults <- FaultRequest
-  GET  /sim/v1/actions?since_seq=     -> list[ActionLogEntry]
-  POST /sim/v1/notify <- NotifyMessage (Slack-compatible: {"text": ...})
-  GET  /sim/v1/notify -> list[NotifyMessage]
-  POST /sim/v1/tickets  (header Idempotency-Key) <- {"title","body"} -> {"id","idempotency_key",...}
-  GET  /sim/v1/tickets?idempotency_key=K -> list of tickets (the probe for unknown outcomes)
+fleetmend's gateway is Envoy, driven over xDS by its control plane (``gateway/``); the adapters in
+``activities/`` hand the procedures these shapes: the policy as applied (``GatewayPolicy``, and
+``RouterState`` for an observation), the engines a new request can reach (``RoutingSet``), and
+one request's outcome as Envoy's access log records it (``JournalEntry``).
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from fleet.vocabulary import FaultKind, Tier
+from fleet.vocabulary import Tier
 
 
 class _Wire(BaseModel):
@@ -98,7 +67,7 @@ class RetryPolicy(_Wire):
 
 
 class RouterState(_Wire):
-    """The router's versioned configuration for one pool. Absolute values only."""
+    """The gateway's policy for one pool as an observation sees it. Absolute values only."""
 
     pool: str
     version: int
@@ -120,21 +89,6 @@ class GatewayPolicy(_Wire):
     weights: dict[str, float] = Field(default_factory=dict)
     admission: Admission = Field(default_factory=Admission)
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
-
-
-class WeightsChange(_Wire):
-    replaces_version: int
-    weights: dict[str, float]
-
-
-class AdmissionChange(_Wire):
-    replaces_version: int
-    admission: Admission
-
-
-class RetryPolicyChange(_Wire):
-    replaces_version: int
-    retry: RetryPolicy
 
 
 class RoutedEndpoint(_Wire):
@@ -162,7 +116,7 @@ class Outcome(StrEnum):
 
 
 class JournalEntry(_Wire):
-    """One attempt's outcome as the gateway journaled it."""
+    """One attempt's outcome as the gateway recorded it (Envoy: one access-log line)."""
 
     request_id: str
     pool: str
@@ -176,45 +130,7 @@ class JournalEntry(_Wire):
     tokens_streamed: int = 0
     bytes_sent: int = Field(default=0, ge=0, description="response body bytes the caller got")
     truncated: bool = False
+    # Operation ids of the effects the request's model proposed (``fleet.recovery_observations`` counts them
+    # among the requests in flight at a loss). Nothing fills it from Envoy's access log yet.
     effect_operation_ids: list[str] = Field(default_factory=list)
     detail: str = ""
-
-
-class JournalPage(_Wire):
-    entries: list[JournalEntry]
-    next_since: float | None = None
-
-
-class SimClock(_Wire):
-    now: float
-    speed: float
-
-
-class FaultRequest(_Wire):
-    kind: FaultKind
-    target: str
-    params: dict[str, Any] = Field(default_factory=dict)
-    at: float | None = None  # sim time; None = now
-
-
-class ActionLogEntry(_Wire):
-    """A mutating request the simulated API received: the world's own record."""
-
-    seq: int
-    time: float
-    verb: str
-    path: str
-    body_digest: str
-    client: str
-    status: int
-
-
-class NotifyMessage(_Wire):
-    model_config = ConfigDict(extra="allow")
-    text: str
-
-
-class QualificationState(StrEnum):
-    RUNNING = "running"
-    PASSED = "passed"
-    FAILED = "failed"
