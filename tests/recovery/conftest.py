@@ -3,10 +3,15 @@ ends with no workflow running, so a signal-with-start always reaches a run this 
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
 
+import pytest
 import pytest_asyncio
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 
@@ -26,3 +31,30 @@ async def no_workflow_left_running(temporal_client: Client) -> AsyncIterator[Non
     await _terminate_running(temporal_client)
     yield
     await _terminate_running(temporal_client)
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def record_histories(temporal_client: Client, request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    """With ``FLEETMEND_RECORD_HISTORIES=<dir>``, each finished ReplicaLossRecovery of the test is written to
+    ``<dir>/<test name>[-n].json``: the histories ``tests/recovery/test_replay.py`` replays against today's
+    workflow code (a worker upgrade replays open recoveries on new code). Re-record with e.g.
+    ``FLEETMEND_RECORD_HISTORIES=tests/histories pytest tests/recovery/test_hardware_path.py``."""
+    out = os.environ.get("FLEETMEND_RECORD_HISTORIES")
+    started = datetime.now(UTC)
+    yield
+    if not out:
+        return
+    query = f'WorkflowType="ReplicaLossRecovery" AND StartTime>="{started.isoformat()}"'
+    ids: list[str] = []
+    for _ in range(50):  # visibility lags the run by a moment
+        ids = [wf.id async for wf in temporal_client.list_workflows(query) if wf.status is not None]
+        if ids:
+            break
+        await asyncio.sleep(0.2)
+    for n, workflow_id in enumerate(sorted(ids)):
+        handle = temporal_client.get_workflow_handle(workflow_id)
+        if (await handle.describe()).status != WorkflowExecutionStatus.COMPLETED:
+            continue
+        history = await handle.fetch_history()
+        name = request.node.name.removeprefix("test_") + (f"-{n}" if n else "")
+        Path(out, f"{name}.json").write_text(history.to_json())

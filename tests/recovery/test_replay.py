@@ -1,0 +1,37 @@
+"""Recorded recoveries replay on today's workflow code without nondeterminism.
+
+A worker upgrade replays every open recovery on the new code: a change to the runbook that
+reorders or drops a command must be guarded by ``workflow.patched`` so that a recovery started
+on the old code replays as it ran. ``tests/histories/*.json`` are histories recorded from earlier
+code (re-record with ``FLEETMEND_RECORD_HISTORIES=tests/histories``, see
+``tests/recovery/conftest.py``); each is replayed with every workflow the worker serves and
+the data converter the worker uses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from temporalio.client import WorkflowHistory
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer
+
+from worker.registry import WORKFLOWS
+
+HISTORIES = sorted((Path(__file__).parent.parent / "histories").glob("*.json"))
+
+
+def test_there_are_histories_to_replay() -> None:
+    names = {p.stem for p in HISTORIES}
+    # A plain GPU-node loss (shedding, ramp), the hardware path (quarantine, qualification Jobs,
+    # repair watch) and an operator's skip of a refused effect.
+    assert {"gpu_node_lost_under_load_alert_storm_one_recovery"} <= names, names
+    assert any("xid_79" in n for n in names) and any("refused" in n for n in names), names
+
+
+@pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
+async def test_a_recorded_recovery_replays_without_nondeterminism(path: Path) -> None:
+    history = WorkflowHistory.from_json(path.stem, path.read_text())
+    replayer = Replayer(workflows=WORKFLOWS, data_converter=pydantic_data_converter)
+    result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
+    assert result.replay_failure is None, f"{path.name}: {result.replay_failure!r}"
