@@ -10,10 +10,13 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleet.incident import LossReport
+from fleet.leadtime import LeadTimeEstimate
 from fleet.loss import GroupVerdict
 from fleet.observation import PoolObservation
 from fleet.placement import GroupShape, PlacementResult, place_group
-from fleet.pool import PoolSnapshot, ReplicaGroup
+from fleet.pool import NodeInfo, PoolSnapshot, ReplicaGroup
+from fleet.recovery import VerificationReport
 from fleet.triage import PodFault
 
 # A Pending replacement is judged unplaceable only after this many looks (the scheduler needs a moment).
@@ -127,4 +130,51 @@ def with_lost(obs: PoolObservation, lost: Sequence[ReplicaGroup]) -> PoolObserva
         return obs
     return obs.model_copy(
         update={"snapshot": obs.snapshot.model_copy(update={"groups": obs.snapshot.groups + missing})}
+    )
+
+
+def room_for(group: ReplicaGroup, nodes: Iterable[NodeInfo], lost: Iterable[ReplicaGroup]) -> bool:
+    """Step 6: could the group's whole shape land on a node the lost groups did not run on (no new node)?"""
+    shape = GroupShape(pods=len(group.pods), gpus_per_pod=max(1, group.gpus_per_pod))
+    return place_group(shape, nodes, exclude={n for g in lost for n in g.nodes}).admissible
+
+
+def fast_path_evidence(report: LossReport) -> str:
+    """Step 1's record of the evidence the fast path opened the incident on."""
+    entity = report.replica_group or report.pod or report.node
+    evidence = report.labels.get("fleetmend_evidence", "no evidence given")
+    return f"reported by the fast path ({report.alert_name}, {entity}): {evidence}"
+
+
+def reports_text(reports: Iterable[LossReport]) -> str:
+    return "; ".join(f"{r.alert_name} node={r.node} pod={r.pod} group={r.replica_group}" for r in reports)
+
+
+def lead_time_notice(pool_key: str, unmatched: Iterable[ReplicaGroup], estimate: LeadTimeEstimate) -> str:
+    """Step 6's post to the incident channel when no warm spare replaced a lost group."""
+    return (
+        f"[fleetmend] {pool_key}: no warm spare for {', '.join(g.id for g in unmatched)}. "
+        f"{estimate.text}. Shedding stays on until capacity returns."
+    )
+
+
+def failing_checks(
+    report: VerificationReport,
+    each: str = "{name} (observed {observed}, expected {expected})",
+    sep: str = "; ",
+) -> str:
+    """Step 10: the failing checks of a verification, each formatted with ``each``."""
+    return sep.join(
+        each.format(name=c.name, observed=c.observed, expected=c.expected)
+        for c in report.checks
+        if not c.passed
+    )
+
+
+def bad_rollout_notice(pool_key: str, groups: int, revision: str | None) -> str:
+    """Losses during a new revision's rollout: the revert path, never a replacement of that revision."""
+    return (
+        f"[fleetmend] {pool_key}: {groups} replica group(s) of revision {revision} failed during "
+        "its rollout. The failing groups are derouted; no replacement of that revision will be created. "
+        "Revert the rollout (e.g. `kubectl rollout undo`) — fleetmend does not roll back on its own."
     )

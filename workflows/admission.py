@@ -56,8 +56,8 @@ class AdmissionKeeper:
 
     def __init__(self, proc: Procedure, inp: RecoveryInput, look: Look) -> None:
         self._proc = proc
-        self._inp = inp
-        self._look = look
+        self._inp = self.inp = inp
+        self._look = self.look = look
         self.shed: ShedDecision | None = None
         self.admission = Admission()
         self.arrival_rps = 0.0

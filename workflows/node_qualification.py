@@ -567,7 +567,7 @@ class NodeWorkflows:
             )
             proc.decide(f"cordoned {node} ({why}): replacements must not land on the failed node")
 
-    async def triage(self, obs: PoolObservation, lost: list[ReplicaGroup], pool: PoolRef) -> None:
+    async def triage(self, obs: PoolObservation, lost: list[ReplicaGroup]) -> None:
         """Step 8: each failed node's hardware path runs as its own ``NodeQualification`` workflow; the
         recovery waits for each one's triage report (the quarantine in place), not for its qualification."""
         st, proc = self._state, self._proc
@@ -582,7 +582,9 @@ class NodeWorkflows:
         if not workflow.patched("node-qualification-child"):
             # A recovery started before the child workflow existed replays its hardware path inline.
             for node in scope.triage:
-                await NodeLifecycle(proc, pool, self._template.timings, st.quarantined).run(node, hint)
+                await NodeLifecycle(proc, self._template.pool, self._template.timings, st.quarantined).run(
+                    node, hint
+                )
             return
         await self.start(scope.triage, hint)
         await self.await_triage()

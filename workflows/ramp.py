@@ -11,8 +11,6 @@ admission keeper). Ramping is not a substitute for admission: shedding stays wit
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
@@ -20,11 +18,10 @@ with workflow.unsafe.imports_passed_through():
     from activities.observe import ObserveActivities, ScrapeRequest
     from fleet import measurements
     from fleet.engine_metrics import EngineSnapshot
-    from fleet.incident import PoolRef
     from fleet.loss import failed_nodes
     from fleet.observation import PoolObservation
     from fleet.pool import GroupRole, ReplicaGroup
-    from fleet.recovery import Phase, RecoveryInput
+    from fleet.recovery import Phase
     from fleet.recovery_state import RecoveryState
     from fleet.runbook import with_lost
     from fleet.spares import pick_spares
@@ -35,7 +32,6 @@ with workflow.unsafe.imports_passed_through():
 async def promote_warm_capacity(
     proc: Procedure,
     keeper: AdmissionKeeper,
-    pool: PoolRef,
     obs: PoolObservation,
     lost: list[ReplicaGroup],
     state: RecoveryState,
@@ -57,7 +53,7 @@ async def promote_warm_capacity(
         spare = obs.snapshot.group(spare_id)
         why = f"promote spare {spare_id} in place of {lost_id}"
         await proc.route(
-            pool, spare.pods, obs.router_label, initial.router_label_value, step="promote", why=why
+            keeper.inp.pool, spare.pods, obs.router_label, initial.router_label_value, step="promote", why=why
         )
         promoted.append(spare)
     proc.figure("promoted", [g.id for g in promoted])
@@ -69,16 +65,16 @@ async def promote_warm_capacity(
 
 async def ramp_back(
     proc: Procedure,
-    inp: RecoveryInput,
     keeper: AdmissionKeeper,
-    look: Callable[[str], Awaitable[PoolObservation]],
-    *,
     initial: PoolObservation,
     promoted: list[ReplicaGroup],
+    *,
     expected_new: int,
 ) -> None:
-    """Weight the routed replicas by measured rate every ``ramp_interval_s`` until the new ones are warm
-    (as many as the rebuild expects, ``expected_new``) or ``ramp_max_s`` is over."""
+    """Step 9: weight the routed replicas by measured rate every ``ramp_interval_s`` until the new ones are
+    warm (as many as the rebuild expects, ``expected_new``) or ``ramp_max_s`` is over. The keeper holds
+    the recovery's input and its look at the pool; it re-admits after every step."""
+    inp, look = keeper.inp, keeper.look
     await proc.enter(Phase.RAMPING, "Ramping traffic back by measured service rate")
     if inp.dry_run:
         proc.decide("dry-run: ramp not performed")

@@ -28,7 +28,7 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from activities.act import ActActivities, PodDeletion, ScaleChange
     from activities.audit import AuditActivities, ReconcileRequest
-    from fleet import measurements
+    from fleet import measurements, rebuild
     from fleet import search_attributes as sa
     from fleet.capacity import recovery_guard
     from fleet.incident import LossReport
@@ -42,26 +42,20 @@ with workflow.unsafe.imports_passed_through():
         size_loss,
     )
     from fleet.observation import PoolObservation
-    from fleet.placement import GroupShape, place_group
     from fleet.pool import ReplicaGroup
-    from fleet.rebuild import (
-        awaiting_recreation,
-        plan_rebuild,
-        pods_held_by_lost_nodes,
-        still_counted,
-        uids_at_loss,
-    )
-    from fleet.recovery import (
-        CheckResult,
-        IncidentCause,
-        Phase,
-        ProcedureStatus,
-        RecoveryInput,
-        Refusal,
-        VerificationReport,
-    )
+    from fleet.recovery import Phase, ProcedureStatus, RecoveryInput, Refusal, VerificationReport
     from fleet.recovery_state import RecoveryState
-    from fleet.runbook import judge_pending, pods_to_deroute, with_lost
+    from fleet.runbook import (
+        bad_rollout_notice,
+        failing_checks,
+        fast_path_evidence,
+        judge_pending,
+        lead_time_notice,
+        pods_to_deroute,
+        reports_text,
+        room_for,
+        with_lost,
+    )
     from fleet.verification import verify_recovery
     from workflows.admission import AdmissionKeeper
     from workflows.node_qualification import NodeTriaged, NodeWorkflows
@@ -112,24 +106,15 @@ class ReplicaLossRecovery(Procedure):
                 obs, lost, since=(inp.first_signal_at or self.state.started_at) - 60.0
             )
             # 5. Promote warm capacity of the same model and revision. Do not scale first.
-            promoted = await promote_warm_capacity(
-                self, self.keeper, inp.pool, with_lost(obs, lost), lost, self.state, self._initial()
-            )
+            promoted = await promote_warm_capacity(self, self.keeper, obs, lost, self.state, self._initial())
             # 6. Rebuild the warm floor (or post the lead time when there was no spare).
             await self.rebuild_warm_floor(obs, lost, promoted)
             # 7. Place it where it fits: whole shape, or report fragmentation.
             await self.place_replacements(lost)
-            # 8. Triage the hardware (each failed node's own workflow), off the critical path, while
-            # 9. ramping back by measured rate.
-            triage = asyncio.ensure_future(self.nodes.triage(obs, lost, self._inp.pool))
+            # 8. Triage the hardware (a workflow per failed node) off the critical path, while 9. ramping back.
+            triage = asyncio.ensure_future(self.nodes.triage(obs, lost))
             await ramp_back(
-                self,
-                inp,
-                self.keeper,
-                self._look,
-                initial=self._initial(),
-                promoted=promoted,
-                expected_new=self.state.expected_new,
+                self, self.keeper, self._initial(), promoted, expected_new=self.state.expected_new
             )
             await triage
             # 10. Verify, then roll back the emergency measures.
@@ -145,13 +130,8 @@ class ReplicaLossRecovery(Procedure):
     async def confirm_and_size(self) -> tuple[PoolObservation, list[ReplicaGroup]]:
         await self.enter(Phase.CONFIRMING, "Confirming the loss: is the endpoint gone, or merely slow?")
         st, timings = self.state, self._inp.timings
-        for r in st.reports:
-            if r.source == "fastpath":  # the evidence the fast path opened the incident on
-                self.decide(
-                    f"reported by the fast path ({r.alert_name}, {r.replica_group or r.pod or r.node}): "
-                    + r.labels.get("fleetmend_evidence", "no evidence given"),
-                    {"report": r.model_dump(mode="json")},
-                )
+        for r in [r for r in st.reports if r.source == "fastpath"]:  # the evidence it opened the incident on
+            self.decide(fast_path_evidence(r), {"report": r.model_dump(mode="json")})
         first_looks: list[PoolObservation] = []
         # patched: a recovery that was confirming when the worker was upgraded replays as it ran.
         by_pod_name = st.by_pod_name = workflow.patched("lws-group-by-pod-name")
@@ -197,7 +177,7 @@ class ReplicaLossRecovery(Procedure):
             return obs, []
         if by_pod_name:
             # A group re-created while confirmation looked is new, not "the same pods as at the loss".
-            uids = uids_at_loss(lost, first_looks[0].pod_uids, obs.pod_uids)
+            uids = rebuild.uids_at_loss(lost, first_looks[0].pod_uids, obs.pod_uids)
             obs = st.initial_obs = obs.model_copy(update={"pod_uids": uids})
         st.lost_ids.update(g.id for g in lost)
         st.lost_groups = lost  # the runbook's own list: groups confirmed later join it
@@ -227,12 +207,7 @@ class ReplicaLossRecovery(Procedure):
             if verdict.lost:
                 lost.append(g)
         if not candidates:
-            self.decide(
-                "no replica group of the pool matches the reports: "
-                + "; ".join(
-                    f"{r.alert_name} node={r.node} pod={r.pod} group={r.replica_group}" for r in reports
-                )
-            )
+            self.decide("no replica group of the pool matches the reports: " + reports_text(reports))
         return lost
 
     # ---------------------------------------------------------------- step 2
@@ -243,7 +218,7 @@ class ReplicaLossRecovery(Procedure):
         label = obs.router_label
         selecting = obs.controllers_selecting(label)
         to_deroute = pods_to_deroute(lost, self.state.verdicts, obs.routed_pods)
-        first_signal = inp.first_signal_at or self.state.started_at
+        first_signal, wait_s = inp.first_signal_at or self.state.started_at, inp.timings.deroute_timeout_s
         if not to_deroute:
             seconds = max(0.0, self.now() - first_signal)
             self.figure("deroute_seconds", seconds)
@@ -263,17 +238,10 @@ class ReplicaLossRecovery(Procedure):
             await self._force_delete(
                 to_deroute, f"(label {label} is a controller selector)", lost, step="deroute-force-delete"
             )
-            seen = await self.await_out_of_routing(
-                inp.pool, to_deroute, timeout_s=inp.timings.deroute_timeout_s
-            )
+            seen = await self.await_out_of_routing(inp.pool, to_deroute, timeout_s=wait_s)
         else:
             seen = await self.deroute(
-                inp.pool,
-                to_deroute,
-                label,
-                step="deroute",
-                why="deroute",
-                timeout_s=inp.timings.deroute_timeout_s,
+                inp.pool, to_deroute, label, step="deroute", why="deroute", timeout_s=wait_s
             )
         if seen is None:
             self.decide(f"dry-run: would deroute {', '.join(to_deroute)}")
@@ -287,11 +255,7 @@ class ReplicaLossRecovery(Procedure):
     async def bad_rollout(self, lost: list[ReplicaGroup]) -> None:
         await self.enter(Phase.BAD_ROLLOUT, "Bad rollout: revert, do not replace with the failing revision")
         revision = self.state.correlation.revision if self.state.correlation else None
-        text = (
-            f"[fleetmend] {self._inp.pool.key}: {len(lost)} replica group(s) of revision {revision} failed during "
-            "its rollout. The failing groups are derouted; no replacement of that revision will be created. "
-            "Revert the rollout (e.g. `kubectl rollout undo`) — fleetmend does not roll back on its own."
-        )
+        text = bad_rollout_notice(self._inp.pool.key, len(lost), revision)
         await self.notify("bad-rollout", text)
         self.decide(text, {"revision": revision, "groups": [g.id for g in lost]})
 
@@ -319,7 +283,7 @@ class ReplicaLossRecovery(Procedure):
         await self.enter(Phase.REBUILDING, "Rebuilding the warm floor")
         obs = with_lost(obs, lost)
         await self.nodes.fence(obs, lost, self._look_light)
-        plan = plan_rebuild(
+        plan = rebuild.plan_rebuild(
             lost,
             promoted,
             st.unmatched,
@@ -335,13 +299,8 @@ class ReplicaLossRecovery(Procedure):
                 inp.pool, workload.retire_pods, step="retire-mark", why="lost pod leaves"
             )
             for n, scale in enumerate(workload.scales):
-                change = ScaleChange(
-                    step=scale.step,
-                    namespace=inp.pool.namespace,
-                    kind=scale.kind,
-                    name=scale.name,
-                    replicas=scale.replicas,
-                )
+                fields = scale.model_dump(include={"step", "kind", "name", "replicas"})
+                change = ScaleChange(namespace=inp.pool.namespace, **fields)
                 report = await self.act(ActActivities.scale_workload, change, scale.summary)
                 self.decide(scale.summary, {"ledger": report.state})
                 if retire_first and n == 0 and workload.retire_pods and len(workload.scales) > 1:
@@ -351,14 +310,10 @@ class ReplicaLossRecovery(Procedure):
             self.figure("lead_time_announced_seconds", None)
             return
         g0 = unmatched[0]
-        estimate = estimate_lead_time(
-            g0.model, needs_new_node=not self._room_for(obs, g0, lost), multi_node=g0.multi_node
-        )
+        needs_new_node = not room_for(g0, obs.snapshot.nodes, lost)
+        estimate = estimate_lead_time(g0.model, needs_new_node=needs_new_node, multi_node=g0.multi_node)
         self.figure("lead_time_announced_seconds", round(estimate.total_s, 1))
-        text = (
-            f"[fleetmend] {inp.pool.key}: no warm spare for {', '.join(g.id for g in unmatched)}. "
-            f"{estimate.text}. Shedding stays on until capacity returns."
-        )
+        text = lead_time_notice(inp.pool.key, unmatched, estimate)
         await self.notify("lead-time", text)
         self.decide(text, {"lead_time": estimate.model_dump(mode="json")})
 
@@ -370,7 +325,7 @@ class ReplicaLossRecovery(Procedure):
 
         async def counted() -> list[str]:
             obs = await self._observe(light=True, summary=f"rebuild: has {workload} let the lost pods go?")
-            return still_counted(pods, obs.pods)
+            return rebuild.still_counted(pods, obs.pods)
 
         left, gone = await self.poll(
             counted,
@@ -400,10 +355,6 @@ class ReplicaLossRecovery(Procedure):
                 f"force-delete {pod} (operator-approved)",
             )
 
-    def _room_for(self, obs: PoolObservation, g: ReplicaGroup, lost: list[ReplicaGroup]) -> bool:
-        shape = GroupShape(pods=len(g.pods), gpus_per_pod=max(1, g.gpus_per_pod))
-        return place_group(shape, obs.snapshot.nodes, exclude={n for x in lost for n in x.nodes}).admissible
-
     # ---------------------------------------------------------------- step 7
 
     async def place_replacements(self, lost: list[ReplicaGroup]) -> None:
@@ -431,8 +382,8 @@ class ReplicaLossRecovery(Procedure):
             nonlocal looks, held
             obs = await self._observe(summary="placement: pending pods and free GPUs")
             pending = {p: m for p, m in obs.pending_pods.items() if p not in lost_pods}
-            waiting = awaiting_recreation(lost, initial.pod_uids, obs.pod_uids)
-            held = pods_held_by_lost_nodes(
+            waiting = rebuild.awaiting_recreation(lost, initial.pod_uids, obs.pod_uids)
+            held = rebuild.pods_held_by_lost_nodes(
                 [g for g in lost if g.id in waiting], obs.pod_nodes, obs.snapshot.nodes
             )
             if held and not released:
@@ -494,15 +445,11 @@ class ReplicaLossRecovery(Procedure):
 
     # ---------------------------------------------------------------- step 8 (workflows/node_qualification.py)
 
-    @workflow.signal(
-        name="node_triaged", description="A node's workflow: its triage (and quarantine) is done"
-    )
+    @workflow.signal(name="node_triaged", description="A node's workflow: triage (and quarantine) done")
     def node_triaged(self, report: NodeTriaged) -> None:
         self.nodes.triaged(report)
 
-    @workflow.signal(
-        name="node_released", description="A node's workflow returned it (or it holds another machine)"
-    )
+    @workflow.signal(name="node_released", description="A node's workflow: the node left quarantine")
     def node_released(self, node: str) -> None:
         self.nodes.released(node)
 
@@ -519,10 +466,8 @@ class ReplicaLossRecovery(Procedure):
             report, before, obs = await self._verify(lost_ids)
             if report.passed:
                 break
-            failing = "; ".join(
-                f"{c.name} observed {c.observed} expected {c.expected}" for c in report.checks if not c.passed
-            )
             # A failed verification keeps the incident open: retry verifies again, skip accepts it as is.
+            failing = failing_checks(report, "{name} observed {observed} expected {expected}")
             refusal = Refusal(step="verify", what="verification of the recovered pool", error=failing)
             if await self.escalate(refusal) == "skip":
                 break
@@ -556,14 +501,10 @@ class ReplicaLossRecovery(Procedure):
             return verify_recovery(observations, inp.objectives, warm_floor=self._warm_target()), before, obs
 
         def still_failing(seen: tuple[VerificationReport, PoolObservation, PoolObservation]) -> None:
-            failing = [c for c in seen[0].checks if not c.passed]
-            names = ", ".join(c.name for c in failing)
+            names = failing_checks(seen[0], "{name}", ", ")
             if names != waiting_on[0]:
                 waiting_on[0] = names
-                self.decide(
-                    "verification waiting on: "
-                    + "; ".join(f"{c.name} (observed {c.observed}, expected {c.expected})" for c in failing)
-                )
+                self.decide("verification waiting on: " + failing_checks(seen[0]))
             self.set_details(f"**Verifying** — waiting on: {names}")
 
         (report, before, obs), _ = await self.poll(
@@ -575,12 +516,8 @@ class ReplicaLossRecovery(Procedure):
             on_miss=still_failing,
         )
         self._status.verification = report
-        self.decide(
-            "verification "
-            + ("passed" if report.passed else "FAILED: ")
-            + ", ".join(c.name for c in report.checks if not c.passed),
-            {"checks": [c.model_dump(mode="json") for c in report.checks]},
-        )
+        verdict = "passed" if report.passed else "FAILED: " + failing_checks(report, "{name}", ", ")
+        self.decide(f"verification {verdict}", {"checks": [c.model_dump(mode="json") for c in report.checks]})
         return report, before, obs
 
     def _warm_target(self) -> int:
@@ -639,12 +576,11 @@ class ReplicaLossRecovery(Procedure):
     ) -> PoolObservation:
         """A look at the pool, focused on what the reports name."""
         reports = self.state.reports
+        progress = {r.replica_group or r.pod or "" for r in reports} - {""} if check_progress else set()
         return await self.observe_pool(
             self._inp.pool,
             summary,
-            check_progress_of={r.replica_group or r.pod or "" for r in reports} - {""}
-            if check_progress
-            else (),
+            check_progress_of=progress,
             focus_nodes={r.node for r in reports if r.node},
             focus_pods={r.pod for r in reports if r.pod},
             light=light,
@@ -661,4 +597,4 @@ class ReplicaLossRecovery(Procedure):
         return self.state.initial_obs
 
 
-__all__ = ["CheckResult", "IncidentCause", "ReplicaLossRecovery"]
+__all__ = ["ReplicaLossRecovery"]
