@@ -27,7 +27,6 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 from temporalio import workflow
-from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import ChildWorkflowError, FailureError
 from temporalio.workflow import ChildWorkflowHandle, ParentClosePolicy
 
@@ -42,7 +41,6 @@ with workflow.unsafe.imports_passed_through():
         QualificationJobRequest,
         QualificationRead,
     )
-    from fleet import search_attributes as sa
     from fleet.incident import PoolRef
     from fleet.loss import failed_nodes, silent_nodes
     from fleet.observation import PoolObservation
@@ -121,11 +119,8 @@ class NodeLifecycle:
         quarantined: list[str],
         hooks: NodeHooks | None = None,
     ) -> None:
-        self._proc = proc
-        self._pool = pool
-        self._timings = timings
-        self._quarantined = quarantined
-        self._hooks = hooks
+        self._proc, self._pool, self._timings = proc, pool, timings
+        self._quarantined, self._hooks = quarantined, hooks
 
     async def run(self, node: str, hint: str | None) -> None:
         proc = self._proc
@@ -454,15 +449,13 @@ class NodeQualification(Procedure):
 
     @workflow.init
     def __init__(self, inp: NodeQualificationInput) -> None:
+        timings, figures = inp.timings, {"node": inp.node, "recovery": inp.recovery_id}
         status = ProcedureStatus(
-            workflow=workflow.info().workflow_id, pool=inp.pool, phase=Phase.TRIAGING, dry_run=inp.dry_run
+            workflow=workflow.info().workflow_id, pool=inp.pool, phase=Phase.TRIAGING, figures=figures
         )
-        status.figures.update({"node": inp.node, "recovery": inp.recovery_id})
+        status.dry_run = inp.dry_run
         super().__init__(
-            status,
-            budget=inp.timings.retry,
-            dry_run=inp.dry_run,
-            operator_wait_s=inp.timings.approval_timeout_s,
+            status, budget=timings.retry, dry_run=inp.dry_run, operator_wait_s=timings.approval_timeout_s
         )
         self._inp = inp
         self._quarantined: list[str] = []
@@ -590,7 +583,7 @@ class NodeWorkflows:
         await self.await_triage()
 
     async def start(self, nodes: Iterable[str], hint: str | None) -> None:
-        pool, recovery = self._template.pool, self._template.recovery_id
+        recovery = self._template.recovery_id
         for node in nodes:
             handle = await workflow.start_child_workflow(
                 NodeQualification.run,
@@ -599,15 +592,8 @@ class NodeWorkflows:
                 task_queue=workflow.info().task_queue,
                 # Qualification and the repair watch may outlast the recovery by hours.
                 parent_close_policy=ParentClosePolicy.ABANDON,
+                # Its search attributes (kind, pool, phase) are set by its first task (``begin``).
                 static_summary=f"Hardware path of {node}: triage, quarantine, qualification ({recovery})",
-                search_attributes=TypedSearchAttributes(
-                    [
-                        SearchAttributePair(sa.FLEETMEND_KIND, "node-qualification"),
-                        SearchAttributePair(sa.FLEETMEND_NAMESPACE, pool.namespace),
-                        SearchAttributePair(sa.FLEETMEND_POOL, pool.key),
-                        SearchAttributePair(sa.FLEETMEND_DRY_RUN, self._template.dry_run),
-                    ]
-                ),
             )
             self._handles[node] = handle
             self._state.node_workflows[node] = handle.id

@@ -112,7 +112,7 @@ async def test_gpu_node_lost_under_load_alert_storm_one_recovery(
         # Every applied row is one of the incident's effects: the recovery's, or its failed node's own
         # workflow's (triage and quarantine; qualification is left to it, and an unreachable node ends there).
         nodes = [temporal_client.get_workflow_handle(w) for w in status.figures["node_workflows"].values()]
-        node_effects = sum((await finish(h)).figures.get("effects_applied", 0) for h in nodes)
+        node_effects = sum([(await finish(h)).figures.get("effects_applied", 0) for h in nodes])
         assert node_effects == 2, node_effects  # cordon + label, taint
         applied = _ledger_states(ledger_url).get("applied", 0)
         assert applied == status.figures["effects_applied"] + node_effects
