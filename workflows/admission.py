@@ -306,22 +306,52 @@ class AdmissionKeeper:
         *,
         warm_floor: int,
     ) -> None:
-        """Step 10: lift shedding by the one lift rule (``fleet.shedding.lift_after_verification``)."""
+        """Step 10: lift shedding by the one lift rule (``fleet.shedding.lift_after_verification``).
+
+        Verification passed but a survivor still saturated (or the warm floor short): shedding stays
+        on while the recovery looks again every ``poll_interval_s``, up to ``verify_timeout_s``; still
+        not calm then, the recovery ends with shedding in place and says so (record, figure
+        ``shedding_left_in_place``, incident channel). A failed or skipped verification never lifts it.
+        """
+        proc, timings = self._proc, self._inp.timings
         if self.admission == Admission():
             return
-        decision = lift_after_verification(
-            verification_passed,
-            warm_groups=sum(1 for g in obs.snapshot.groups if g.ready),
-            warm_floor=warm_floor,
-            survivors=measurements.survivor_loads(before, obs, lost_ids),
-        )
-        self._proc.decide(f"lift shedding? {decision.reason}")
+
+        def rule(before: PoolObservation, obs: PoolObservation) -> LiftDecision:
+            return lift_after_verification(
+                verification_passed,
+                warm_groups=sum(1 for g in obs.snapshot.groups if g.ready),
+                warm_floor=warm_floor,
+                survivors=measurements.survivor_loads(before, obs, lost_ids),
+            )
+
+        decision = rule(before, obs)
+        proc.decide(f"lift shedding? {decision.reason}")
         # patched: recoveries verified before the one lift rule replay as they ran (a pass lifted shedding
         # even with a survivor still saturated).
         if not workflow.patched("lift-by-one-rule"):
             if decision.lift or verification_passed:
                 await self.lift(decision.model_copy(update={"lift": True}))
             return
+        if not decision.lift and verification_passed:
+            proc.decide(
+                f"verification passed but shedding stays on ({decision.reason}): looking again for up to "
+                f"{timings.verify_timeout_s:.0f} s before lifting it"
+            )
+
+            async def look_again() -> LiftDecision:
+                return rule(
+                    *await proc.window(self._look, timings.poll_interval_s, summary="lift: survivors calm?")
+                )
+
+            decision, _ = await proc.poll(
+                look_again,
+                lambda d: d.lift,
+                interval_s=timings.poll_interval_s,
+                deadline=proc.now() + timings.verify_timeout_s,
+                summary="lift: wait for calm survivors",
+            )
+            proc.decide(f"lift shedding? {decision.reason}")
         await self.lift(decision)
 
     async def lift(self, decision: LiftDecision) -> None:
@@ -341,9 +371,9 @@ class AdmissionKeeper:
             return
         refused = self._refusing()
         text = (
-            f"[fleetmend] {self._inp.pool.key}: shedding stays on after the recovery ({decision.reason}): the "
-            f"gateway keeps refusing {refused} (queue bound {self.admission.queue_bound}); lift it when the "
-            "survivors are calm (a later look of this pool's next recovery, or an operator)"
+            f"[fleetmend] {self._inp.pool.key}: the recovery ends with shedding on ({decision.reason}): the "
+            f"gateway keeps refusing {refused} (queue bound {self.admission.queue_bound}); an operator lifts "
+            "it at the gateway once the survivors are calm"
         )
         proc.figure("shedding_lifted", False)
         proc.figure("shedding_left_in_place", self.admission.model_dump(mode="json"))
