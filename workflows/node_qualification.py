@@ -17,7 +17,9 @@ as the inline path wrote them), so they stay unique per incident and an auditor 
 quarantine under the incident that made it; its own incident-channel topics carry the node name.
 
 Recoveries started before the child existed replay the same code inline in the recovery
-(``workflow.patched("node-qualification-child")`` in ``workflows/replica_loss.py``).
+(``workflow.patched("node-qualification-child")`` in ``NodeWorkflows.triage``). ``NodeWorkflows``
+is the recovery's side: the fence of failed nodes (step 6), starting the node workflows and taking
+their reports (signals ``node_triaged`` and ``node_released``).
 """
 
 from __future__ import annotations
