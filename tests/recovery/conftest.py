@@ -4,6 +4,7 @@ ends with no workflow running, so a signal-with-start always reaches a run this 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -31,6 +32,9 @@ async def no_workflow_left_running(temporal_client: Client) -> AsyncIterator[Non
     await _terminate_running(temporal_client)
     yield
     await _terminate_running(temporal_client)
+
+
+IDS = "workflow-ids.json"  # beside the recorded histories: file name -> the workflow's id
 
 
 @pytest_asyncio.fixture(autouse=True)
@@ -62,3 +66,7 @@ async def record_histories(temporal_client: Client, request: pytest.FixtureReque
             history = await handle.fetch_history()
             name = request.node.name.removeprefix("test_") + suffix + (f"-{n}" if n else "")
             Path(out, f"{name}.json").write_text(history.to_json())
+            # A history holds no workflow id, and the node workflows' ids derive from the recovery's.
+            ids = Path(out, IDS)
+            known = json.loads(ids.read_text()) if ids.exists() else {}
+            ids.write_text(json.dumps({**known, f"{name}.json": workflow_id}, indent=1, sort_keys=True))

@@ -9,6 +9,7 @@ the data converter the worker uses."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,12 +17,13 @@ from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
+from tests.recovery.conftest import IDS
 from worker.registry import WORKFLOWS
 
 ROOT = Path(__file__).parent.parent / "histories"
 # tests/histories/*.json: recorded before the node workflow existed (its hardware path replays inline);
 # tests/histories/<folder>/*.json: later recordings.
-HISTORIES = sorted(ROOT.rglob("*.json"))
+HISTORIES = sorted(p for p in ROOT.rglob("*.json") if p.name != IDS)
 
 
 def test_there_are_histories_to_replay() -> None:
@@ -30,11 +32,15 @@ def test_there_are_histories_to_replay() -> None:
     # repair watch) and an operator's skip of a refused effect.
     assert {"gpu_node_lost_under_load_alert_storm_one_recovery"} <= names, names
     assert any("xid_79" in n for n in names) and any("refused" in n for n in names), names
+    # ... and, recorded since, a recovery with its node's own workflow (the hardware path as a child).
+    assert any(p.parent != ROOT and p.stem.endswith("-node") for p in HISTORIES), HISTORIES
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[str(p.relative_to(ROOT)) for p in HISTORIES])
 async def test_a_recorded_recovery_replays_without_nondeterminism(path: Path) -> None:
-    history = WorkflowHistory.from_json(path.stem, path.read_text())
+    # The recorded workflow id: the node workflows' ids (and their start commands) derive from the recovery's.
+    workflow_id = json.loads((path.parent / IDS).read_text())[path.name]
+    history = WorkflowHistory.from_json(workflow_id, path.read_text())
     replayer = Replayer(workflows=WORKFLOWS, data_converter=pydantic_data_converter)
     result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
     assert result.replay_failure is None, f"{path.name}: {result.replay_failure!r}"
