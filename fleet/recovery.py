@@ -28,6 +28,9 @@ class Phase(StrEnum):
     REBUILDING = "rebuilding-warm-floor"
     PLACING = "placing"
     TRIAGING = "triaging"
+    # a failed node's own workflow (NodeQualification), after triage and quarantine
+    QUALIFYING = "qualifying"
+    AWAITING_REPAIR = "awaiting-repair"
     RAMPING = "ramping"
     VERIFYING = "verifying"
     ROLLING_BACK = "rolling-back"

@@ -412,6 +412,22 @@ def can_lift_shedding(
     )
 
 
+def lift_after_verification(
+    verification_passed: bool,
+    warm_groups: int,
+    warm_floor: int,
+    survivors: Sequence[SurvivorLoad],
+    thresholds: PressureThresholds | None = None,
+) -> LiftDecision:
+    """Step 10's one lift rule: shedding is lifted only when verification passed (the replacement is
+    warm), the warm floor is restored and no survivor is saturated or thrashing.
+
+    A passed verification alone does not lift it: survivors still saturated keep shedding on, and
+    the recovery says what it leaves in place.
+    """
+    return can_lift_shedding(warm_groups, warm_floor, verification_passed, survivors, thresholds)
+
+
 def estimate_arrivals(
     admitted_rps: float,
     admission: Admission,

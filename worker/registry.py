@@ -23,6 +23,7 @@ from activities.smoke import smoke_probe
 from ledger.store import EffectLedger
 from worker.config import Settings
 from workflows.incident import FleetIncident
+from workflows.node_qualification import NodeQualification
 from workflows.readiness_keeper import ReadinessKeeper
 from workflows.replica_loss import ReplicaLossRecovery
 from workflows.scale_down import PlannedScaleDown
@@ -32,6 +33,7 @@ WORKFLOWS: list[type] = [
     FleetmendSmoke,
     FleetIncident,
     ReplicaLossRecovery,
+    NodeQualification,
     PlannedScaleDown,
     ReadinessKeeper,
 ]

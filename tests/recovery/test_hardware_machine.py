@@ -14,7 +14,7 @@ from temporalio.client import Client, WorkflowHandle
 from fleet.incident import LossReport
 from fleet.recovery import Phase
 from fleet.vocabulary import QUARANTINE_LABEL, QUARANTINE_TAINT_KEY, FaultKind
-from tests.recovery.test_hardware_path import TIMINGS, _core, _rows, _scenario, _serving
+from tests.recovery.test_hardware_path import TIMINGS, _core, _rows, _scenario, _serving, node_workflow
 from tests.support import POOL, decisions, finish, incident_config, wait_for_child
 from worker.devstack.rig import FleetRig, fleet_rig
 
@@ -67,16 +67,18 @@ async def test_a_node_recreated_for_the_same_machine_stays_quarantined_until_it_
         child = await wait_for_child(
             temporal_client, await rig.report_loss(report, incident_config(timings=TIMINGS))
         )
-        await _said(child, "failed qualification")
+        qualification = await node_workflow(temporal_client, child, node)
+        await _said(qualification, "failed qualification")
         # The machine reboots and its kubelet registers a new Node object: same name, same providerID.
         uid = await _recreate(rig, node, machine)
-        await _said(child, "still quarantined, cordoned and tainted again")
+        await _said(qualification, "still quarantined, cordoned and tainted again")
         obj = await asyncio.to_thread(core.read_node, node)
         assert obj.metadata.uid == uid and obj.spec.unschedulable
         assert QUARANTINE_TAINT_KEY in {t.key for t in obj.spec.taints or []}
         assert obj.metadata.labels.get(QUARANTINE_LABEL) == "xid-ecc"
         await rig.inject(FaultKind.GPU_XID, node, clear=True)  # the repair
-        status = await finish(child, timeout_s=180)
+        assert (await finish(child, timeout_s=180)).phase == Phase.DONE
+        status = await finish(qualification, timeout_s=180)
         text_ = decisions(status)
         assert status.phase == Phase.DONE and "passed qualification" in text_, text_
         obj = await asyncio.to_thread(core.read_node, node)
@@ -107,10 +109,12 @@ async def test_another_machine_under_the_same_name_is_a_new_machine(
         child = await wait_for_child(
             temporal_client, await rig.report_loss(report, incident_config(timings=TIMINGS))
         )
-        await _said(child, "failed qualification")
+        qualification = await node_workflow(temporal_client, child, node)
+        await _said(qualification, "failed qualification")
         # The broken machine is replaced: a new instance registers under the same node name.
         await _recreate(rig, node, "aws:///zone-a/i-replacement0000001")
-        status = await finish(child, timeout_s=180)
+        assert (await finish(child, timeout_s=180)).phase == Phase.DONE
+        status = await finish(qualification, timeout_s=180)
         text_ = decisions(status)
         assert "a new machine, neither quarantined nor qualified" in text_, text_
         assert "passed qualification" not in text_, text_

@@ -11,7 +11,8 @@ import pytest
 from kubernetes import client as kc
 from kubernetes import config as kconfig
 from sqlalchemy import create_engine, text
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowHandle
+from temporalio.service import RPCError
 
 from fleet.incident import LossReport
 from fleet.recovery import Phase
@@ -25,6 +26,7 @@ from fleet.vocabulary import (
 )
 from tests.support import FAST, POOL, decisions, finish, incident_config, wait_for_child
 from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
+from workflows.node_qualification import child_id
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -79,6 +81,20 @@ async def _serving(rig: FleetRig, n: int) -> list[str]:
     raise AssertionError(f"the pool never served {n} replicas")
 
 
+async def node_workflow(
+    client: Client, recovery: WorkflowHandle[Any, Any], node: str, timeout_s: float = 90
+) -> WorkflowHandle[Any, Any]:
+    """The node's own hardware-path workflow (``NodeQualification``) the recovery started, once it exists."""
+    handle = client.get_workflow_handle(child_id(recovery.id, node))
+    for _ in range(int(timeout_s / 0.3)):
+        try:
+            await handle.describe()
+            return handle
+        except RPCError:
+            await asyncio.sleep(0.3)
+    raise AssertionError(f"{recovery.id} started no workflow for {node} within {timeout_s} s")
+
+
 async def _follow_up_repairs(rig: FleetRig, node: str, seen_failure: asyncio.Event) -> None:
     """The GPU-fault follow-up, after fleetmend said the node failed: move the serving pods off the
     node, replace the GPU. The warm spare on it is left where it is: clearing that is fleetmend's job."""
@@ -115,10 +131,11 @@ async def test_an_xid_79_under_load_is_quarantined_fails_qualification_then_retu
         child = await wait_for_child(temporal_client, incident)
 
         failed = asyncio.Event()
+        qualification = await node_workflow(temporal_client, child, node)
 
         async def watch() -> None:
             while True:
-                status = await child.query("status")
+                status = await qualification.query("status")
                 if any("failed qualification" in d["summary"] for d in status["decisions"]):
                     failed.set()
                     return
@@ -127,6 +144,7 @@ async def test_an_xid_79_under_load_is_quarantined_fails_qualification_then_retu
         watcher = asyncio.create_task(watch())
         repair = asyncio.create_task(_follow_up_repairs(rig, node, failed))
         status = await finish(child, timeout_s=240)
+        node_status = await finish(qualification, timeout_s=240)
         watcher.cancel()
         await repair
         text_ = decisions(status)
@@ -140,6 +158,9 @@ async def test_an_xid_79_under_load_is_quarantined_fails_qualification_then_retu
         assert triage.figures["machine"] == machine
         # First qualification failed (the node could not give the diagnostic its GPUs), the node stayed out;
         # after the repair the next one passed and the node returned: uncordoned, untainted, unlabelled.
+        # That is the node's own workflow: the recovery verified with the quarantine in place.
+        assert node_status.phase == Phase.DONE, decisions(node_status)
+        text_ = decisions(node_status)
         assert (
             "failed qualification" in text_ and "looks repaired" in text_ and "passed qualification" in text_
         )

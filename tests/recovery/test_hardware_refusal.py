@@ -12,7 +12,7 @@ from temporalio.client import Client
 from fleet.incident import LossReport
 from fleet.recovery import OperatorAction, Phase
 from fleet.vocabulary import QUARANTINE_TAINT_KEY, FaultKind
-from tests.recovery.test_hardware_path import TIMINGS, _core, _rows, _scenario, _serving
+from tests.recovery.test_hardware_path import TIMINGS, _core, _rows, _scenario, _serving, node_workflow
 from tests.support import POOL, decisions, finish, incident_config, wait_for_child, wait_for_phase
 from worker.devstack.rig import fleet_rig
 
@@ -35,14 +35,19 @@ async def test_a_refused_qualification_job_stops_and_asks_and_the_node_stays_out
         child = await wait_for_child(
             temporal_client, await rig.report_loss(report, incident_config(timings=TIMINGS))
         )
-        waiting = await wait_for_phase(child, Phase.AWAITING_OPERATOR, timeout_s=120)
+        # The node's own workflow stopped and asks; the recovery verified with the quarantine in place.
+        qualification = await node_workflow(temporal_client, child, node)
+        waiting = await wait_for_phase(qualification, Phase.AWAITING_OPERATOR, timeout_s=120)
         assert waiting.refusal is not None and "qualification Job" in waiting.refusal.what, decisions(waiting)
         assert "403" in waiting.refusal.error, waiting.refusal
-        await child.execute_update(
+        recovery = await finish(child, timeout_s=180)
+        assert recovery.phase == Phase.DONE, decisions(recovery)
+        assert recovery.verification is not None and recovery.verification.passed, decisions(recovery)
+        await qualification.execute_update(
             "skip",
             OperatorAction(operator="on-call", reason="no jobs/create in this cluster yet; qualify by hand"),
         )
-        status = await finish(child, timeout_s=180)
+        status = await finish(qualification, timeout_s=180)
         text_ = decisions(status)
         assert status.phase == Phase.DONE, text_
         assert "skipped by on-call" in text_ and "it stays quarantined" in text_, text_

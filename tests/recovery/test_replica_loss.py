@@ -32,6 +32,7 @@ from tests.support import (
 )
 from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
 from workflows.incident import FleetIncident
+from workflows.node_qualification import NodeQualification
 from workflows.replica_loss import ReplicaLossRecovery
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -108,12 +109,19 @@ async def test_gpu_node_lost_under_load_alert_storm_one_recovery(
         # The world saw every action once: no duplicate, no orphan.
         report = await reconcile_with_world(rig, ledger_url)
         assert report.duplicates == [] and report.orphans == [], report
-        assert _ledger_states(ledger_url).get("applied", 0) == status.figures["effects_applied"]
+        # Every applied row is one of the incident's effects: the recovery's, or its failed node's own
+        # workflow's (triage and quarantine; qualification is left to it, and an unreachable node ends there).
+        nodes = [temporal_client.get_workflow_handle(w) for w in status.figures["node_workflows"].values()]
+        node_effects = sum([(await finish(h)).figures.get("effects_applied", 0) for h in nodes])
+        assert node_effects == 2, node_effects  # cordon + label, taint
+        applied = _ledger_states(ledger_url).get("applied", 0)
+        assert applied == status.figures["effects_applied"] + node_effects
         # The recorded history replays deterministically (what a worker restart or upgrade relies on).
         replayer = Replayer(
-            workflows=[FleetIncident, ReplicaLossRecovery], data_converter=pydantic_data_converter
+            workflows=[FleetIncident, ReplicaLossRecovery, NodeQualification],
+            data_converter=pydantic_data_converter,
         )
-        for handle in (child, incident):
+        for handle in (child, incident, *nodes):
             await replayer.replay_workflow(await handle.fetch_history())
         # Users: streams that had started on the lost replicas ended with a terminal error, never replayed.
         users = await rig.load_report(load)
