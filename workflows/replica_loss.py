@@ -103,9 +103,7 @@ class ReplicaLossRecovery(Procedure):
             # 3. Protect the survivors: refuse exactly the capacity gap (re-computed at every capacity change).
             obs = await self.protect_survivors(lost)
             # 4. In-flight requests: retry budget before first byte; collect the record.
-            await self.keeper.in_flight(
-                obs, lost, since=(inp.first_signal_at or self.state.started_at) - 60.0
-            )
+            await self.keeper.in_flight(obs, lost, since=(inp.first_signal_at or self.state.started_at) - 60)
             # 5. Promote warm capacity of the same model and revision. Do not scale first.
             promoted = await promote_warm_capacity(self, self.keeper, obs, lost, self.state, self._initial())
             # 6. Rebuild the warm floor (or post the lead time when there was no spare).
