@@ -33,8 +33,6 @@ from temporalio.exceptions import ChildWorkflowError, FailureError
 from temporalio.workflow import ChildWorkflowHandle, ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
-    from fleet.protocol import QualificationState
-
     from activities.act import ActActivities, NodeCordon, NodeTaint, PodDeletion
     from activities.observe import ObserveActivities
     from activities.qualification import (
@@ -53,6 +51,7 @@ with workflow.unsafe.imports_passed_through():
         MACHINE_ANNOTATION,
         GpuHolder,
         Identity,
+        QualificationState,
         Verdict,
         clear_for_qualification,
         identity,

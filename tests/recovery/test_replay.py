@@ -22,7 +22,9 @@ from worker.registry import WORKFLOWS
 
 ROOT = Path(__file__).parent.parent / "histories"
 # tests/histories/*.json: recorded before the node workflow existed (its hardware path replays inline);
-# tests/histories/<folder>/*.json: later recordings.
+# tests/histories/node-workflow/*.json: recorded since (a recovery and its node's workflow);
+# tests/histories/procedures-before-split/*.json: scale-downs, readiness keepers and an incident recorded
+# before their waits became the toolkit's poll/window.
 HISTORIES = sorted(p for p in ROOT.rglob("*.json") if p.name != IDS)
 
 
@@ -34,6 +36,15 @@ def test_there_are_histories_to_replay() -> None:
     assert any("xid_79" in n for n in names) and any("refused" in n for n in names), names
     # ... and, recorded since, a recovery with its node's own workflow (the hardware path as a child).
     assert any(p.parent != ROOT and p.stem.endswith("-node") for p in HISTORIES), HISTORIES
+    # ... and the other procedures as they ran before the toolkit's poll/window (PlannedScaleDown with its
+    # drain answers, the ReadinessKeeper, FleetIncident), recorded from that commit's own tests.
+    kinds = {
+        json.loads(p.read_text())["events"][0]["workflowExecutionStartedEventAttributes"]["workflowType"][
+            "name"
+        ]
+        for p in HISTORIES
+    }
+    assert {"PlannedScaleDown", "ReadinessKeeper", "FleetIncident", "ReplicaLossRecovery"} <= kinds, kinds
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[str(p.relative_to(ROOT)) for p in HISTORIES])
