@@ -83,7 +83,10 @@ class KubeApiServer:
 
     def state(self) -> ApiServerState:
         return ApiServerState(
-            serving=self.serving, restarts=self.restarts, watch_cache_starts_at=self._watches.cache_start
+            serving=self.serving,
+            restarts=self.restarts,
+            open_watches=self._watches.open_streams,
+            watch_cache_starts_at=self._watches.cache_start,
         )
 
     @property

@@ -120,6 +120,7 @@ class ApiServerState(BaseModel):
 
     serving: bool = Field(description="the API server accepts connections")
     restarts: int = Field(description="restarts so far")
+    open_watches: int = Field(description="watch streams open now")
     watch_cache_starts_at: int = Field(
         description="the oldest resourceVersion a watch may resume from (0: before any restart)"
     )
