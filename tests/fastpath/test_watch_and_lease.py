@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -285,3 +290,120 @@ async def test_a_rank_that_restarts_is_evidence_about_its_groups_routed_leader()
     failed = [e for e in evidence if e.kind is EvidenceKind.RANK_FAILED]
     assert failed and {e.entity for e in failed} == {f"pod:{NS}/{leader}"}, evidence
     assert rank in failed[0].detail and "NCCL" in failed[0].detail, failed[0]
+
+
+LEADER_PROCESS = """
+import asyncio, sys, time
+from kubernetes import client, config
+from kube.lease import LeaderElector
+
+api = client.CoordinationV1Api(config.new_client_from_config(config_file=sys.argv[1], context="sim"))
+
+
+class Holder(LeaderElector):
+    def try_acquire_or_renew(self) -> bool:
+        started = time.monotonic()
+        held = super().try_acquire_or_renew()
+        if held:
+            print(f"renewed {started!r}", flush=True)  # the system-wide monotonic clock
+        return held
+
+
+elector = Holder(
+    lambda: api, namespace=sys.argv[2], name="fleetmend-fastpath", identity="worker-killed",
+    lease_duration_s=float(sys.argv[3]), renew_deadline_s=float(sys.argv[4]), retry_period_s=float(sys.argv[5]),
+)
+
+
+async def lead(lost: asyncio.Event) -> None:
+    await lost.wait()
+
+
+asyncio.run(elector.run(asyncio.Event(), lead))
+"""
+
+
+async def test_a_standby_holds_the_lease_within_lease_duration_plus_one_retry_period_of_the_leaders_kill_9(
+    short_history: RunningSim, tmp_path: Path
+) -> None:
+    """The holder is a process killed with SIGKILL right after a renewal (it stops renewing and
+    releases nothing). The standby's tries fall late in the holder's renewal period, so it sees that
+    last renewal most of a retry period after it. It must still hold the Lease within lease duration
+    + one retry period of the kill (kube/lease.py: it tries again the moment its observation is a
+    lease duration old, not at its next retry tick), and never before the Lease expired."""
+    lease_s, renew_s, retry_s = 3.0, 2.0, 1.2
+    phase = 0.7  # the standby tries this far (in retry periods) after each of the holder's renewals
+    api = client.CoordinationV1Api(
+        config.new_client_from_config(config_file=str(short_history.kubeconfig), context="sim")
+    )
+    script = tmp_path / "leader.py"
+    script.write_text(LEADER_PROCESS)
+    leader = subprocess.Popen(
+        [
+            sys.executable,
+            str(script),
+            str(short_history.kubeconfig),
+            NS,
+            str(lease_s),
+            str(renew_s),
+            str(retry_s),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert leader.stdout is not None
+    out = leader.stdout
+
+    async def next_renewal() -> float:
+        """The start (monotonic) of the holder's next renewal, read as it is reported."""
+        while True:
+            line = await asyncio.wait_for(asyncio.to_thread(out.readline), 30)
+            assert line.startswith("renewed "), line
+            started = float(line.split()[1])
+            if time.monotonic() - started < retry_s / 2:  # fresh, not one queued in the pipe
+                return started
+
+    standby = LeaderElector(
+        lambda: api,
+        namespace=NS,
+        name="fleetmend-fastpath",
+        identity="worker-standby",
+        lease_duration_s=lease_s,
+        renew_deadline_s=renew_s,
+        retry_period_s=retry_s,
+    )
+    holding: list[float] = []
+
+    async def lead(lost: asyncio.Event) -> None:
+        holding.append(time.monotonic())
+        await lost.wait()
+
+    stop = asyncio.Event()
+    campaign: asyncio.Task[None] | None = None
+    try:
+        renewed = await next_renewal()
+        await asyncio.sleep(max(0.0, renewed + phase * retry_s - time.monotonic()))
+        campaign = asyncio.create_task(standby.run(stop, lead))
+        await next_renewal()
+        assert standby.expires_at is not None and not holding  # it has seen the holder's valid Lease
+        last_renewal = await next_renewal()
+        leader.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        deadline = killed + 2 * (lease_s + retry_s)
+        while not holding:
+            assert time.monotonic() < deadline, "the standby never took the Lease over"
+            await asyncio.sleep(0.02)
+        took = holding[0] - killed
+        print(f"holder killed -> standby holds the Lease: {took:.3f} s (bound {lease_s + retry_s:g} s)")
+        assert took <= lease_s + retry_s, took
+        assert holding[0] >= last_renewal + lease_s, (holding[0], last_renewal)  # never before expiry
+        lease = await asyncio.to_thread(api.read_namespaced_lease, "fleetmend-fastpath", NS)
+        assert lease.spec.holder_identity == "worker-standby" and lease.spec.lease_transitions == 1
+    finally:
+        stop.set()
+        if campaign is not None:
+            await asyncio.wait_for(campaign, 15)
+        if leader.poll() is None:
+            leader.kill()
+        leader.wait(10)
