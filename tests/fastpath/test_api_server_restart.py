@@ -23,6 +23,8 @@ import pytest
 from kubernetes import client, config, watch
 
 from fleet.vocabulary import MODEL_LABEL, ROUTER_LABEL
+from gateway.world import RoutingWatch
+from kube.client import kube_apis
 from kube.informer import BACKOFF_MAX_S, Informer
 from sim.runner import RunningSim, start_sim
 from sim.scenario import shipped_scenarios
@@ -222,3 +224,36 @@ async def test_a_node_lost_while_the_api_server_is_down_is_reported_by_the_fast_
         (i.name, i.lists, i.relists_after_error) for i in fast.informers
     ]
     assert fast.elector.transitions_won == 1  # it kept the Lease through the outage
+
+
+async def test_the_gateways_routing_set_drops_a_pod_derouted_while_the_api_server_was_down() -> None:
+    """The gateway control plane's routing set comes from the same informers: a pod whose router
+    label went while the API server was down leaves Envoy's hosts once the server is back."""
+    sim = start_sim(shipped_scenarios()["gpu-node-loss"], speed=100.0, serving=False)
+    try:
+        settings = load_settings(**settings_for_running_sim(sim))
+        routing = RoutingWatch(kube_apis(settings)).start()
+        try:
+
+            def hosts() -> set[str]:
+                return {h.pod for pool in routing().values() for h in pool}
+
+            await _until(lambda: hosts(), "the routing set has hosts", 20)
+            pod = sorted(hosts())[0]
+            await _until(lambda: _opened(sim, 3), "its three watches are open", 20)
+            await _restart(sim)
+
+            def deroute(obj: dict[str, Any]) -> None:
+                obj["metadata"]["labels"].pop(ROUTER_LABEL)
+
+            assert sim.world.store.mutate("pods", NS, pod, deroute) is not None
+            assert pod in hosts()  # nothing can be seen while the server is down
+            await _until(lambda: _serving(sim), "the API server is back", DOWN_S + 10)
+            await _until(lambda: pod not in hosts(), f"{pod} leaves the routing set", BACK_WITHIN_S)
+            assert all(i.relists_after_error >= 1 for i in routing.informers), [
+                (i.name, i.relists_after_error) for i in routing.informers
+            ]
+        finally:
+            routing.stop()
+    finally:
+        sim.stop()
