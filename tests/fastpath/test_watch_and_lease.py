@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,29 @@ def _evidence(fast: FastPath) -> list[Any]:
     return [fast._queue.get_nowait() for _ in range(fast._queue.qsize())]
 
 
+async def _evidence_until(
+    fast: FastPath, arrived: Callable[[list[Any]], bool], what: str, timeout_s: float = 20
+) -> list[Any]:
+    """The evidence queued so far, once ``arrived(evidence)`` holds."""
+    collected: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        collected.extend(_evidence(fast))
+        if arrived(collected):
+            return collected
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}: {collected}"
+        await asyncio.sleep(0.05)
+
+
+async def _watches_open(sim: RunningSim, count: int, timeout_s: float = 20) -> None:
+    """Until the API server serves ``count`` watch streams (the informers have listed and watch)."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=sim.base_url, timeout=10.0) as http:
+        while (await http.get("/sim/v1/api-server")).json()["open_watches"] < count:
+            assert time.monotonic() < deadline, f"fewer than {count} watches open after {timeout_s:g} s"
+            await asyncio.sleep(0.05)
+
+
 async def _routed(core: client.CoreV1Api, timeout_s: float = 30) -> list[Any]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -112,7 +135,7 @@ async def test_a_watch_that_falls_behind_relists_and_still_reports_the_routed_po
     for step in range(30):
         core.patch_namespaced_pod(spare, NS, {"metadata": {"labels": {"step": str(step)}}})
     core.delete_namespaced_pod(routed[0], NS, grace_period_seconds=0)
-    await asyncio.sleep(0.5)
+    assert routed[0] not in {p.metadata.name for p in core.list_namespaced_pod(NS).items}
 
     await asyncio.to_thread(pods.watch_once, threading.Event())  # from the stale resourceVersion
 
@@ -203,7 +226,7 @@ async def test_a_graceful_deletion_of_a_routed_pod_sends_no_evidence_a_forced_on
             p.metadata.name for p in core.list_namespaced_pod(NS, label_selector=ROUTER_LABEL).items
         )
         graceful, forced = routed[0], routed[1]
-        await asyncio.sleep(0.5)
+        await _watches_open(sim, 2)
         core.delete_namespaced_pod(graceful, NS)  # its terminationGracePeriodSeconds
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and any(
@@ -214,8 +237,9 @@ async def test_a_graceful_deletion_of_a_routed_pod_sends_no_evidence_a_forced_on
             "still terminating"
         )
         core.delete_namespaced_pod(forced, NS, grace_period_seconds=0)
-        await asyncio.sleep(1.0)
-    evidence = _evidence(fast)
+        evidence = await _evidence_until(
+            fast, lambda ev: any(e.entity == f"pod:{NS}/{forced}" for e in ev), "the forced deletion"
+        )
     terminated = [e for e in evidence if e.entity == f"pod:{NS}/{graceful}"]
     assert terminated and {e.kind for e in terminated} == {EvidenceKind.POD_TERMINATED}, evidence
     state = None
@@ -245,14 +269,15 @@ async def test_an_xid_on_a_serving_node_is_gpu_fault_evidence_from_the_node_watc
             Informer("pods", core.list_pod_for_all_namespaces, fast._on_pod, label_selector=MODEL_LABEL),
             Informer("nodes", core.list_node, fast._on_node),
         ):
-            await asyncio.sleep(1.0)
+            await _watches_open(sim, 2)
             await _fault(
                 sim, {"kind": "gpu-xid", "target": node, "params": {"code": 79, "gpu": 0, "keep_alive": True}}
             )
-            await asyncio.sleep(1.5)
+            evidence = await _evidence_until(
+                fast, lambda ev: any(e.kind is EvidenceKind.NODE_GPU_FAULT for e in ev), "the Xid evidence"
+            )
     finally:
         sim.stop()
-    evidence = _evidence(fast)
     faults = [e for e in evidence if e.kind is EvidenceKind.NODE_GPU_FAULT]
     assert faults and {e.entity for e in faults} == {f"node:{node}"}, evidence
     assert "GpuXid=True" in faults[0].detail and "Xid 79" in faults[0].detail, faults[0]
@@ -280,13 +305,14 @@ async def test_a_rank_that_restarts_is_evidence_about_its_groups_routed_leader()
         with _watching(
             fast, Informer("pods", core.list_pod_for_all_namespaces, fast._on_pod, label_selector=MODEL_LABEL)
         ):
-            await asyncio.sleep(1.0)
+            await _watches_open(sim, 1)
             assert fast._queue is not None and fast._queue.qsize() == 0  # earlier restarts are history
             await _fault(sim, {"kind": "rank-lost", "target": f"{NS}/{rank}"})
-            await asyncio.sleep(1.5)
+            evidence = await _evidence_until(
+                fast, lambda ev: any(e.kind is EvidenceKind.RANK_FAILED for e in ev), "the rank's failure"
+            )
     finally:
         sim.stop()
-    evidence = _evidence(fast)
     failed = [e for e in evidence if e.kind is EvidenceKind.RANK_FAILED]
     assert failed and {e.entity for e in failed} == {f"pod:{NS}/{leader}"}, evidence
     assert rank in failed[0].detail and "NCCL" in failed[0].detail, failed[0]
