@@ -4,8 +4,18 @@ Runs in a thread with the official (synchronous) ``kubernetes`` client. It keeps
 a cache of the objects it has seen (keyed namespace/name) and hands every change
 to ``on_event(type, object)`` as plain dicts. A re-list after a broken watch
 (410 Gone: the API server no longer has the history; a dropped connection; an
-API server restart) is diffed against the cache, so an object deleted while the
-watch was down still arrives as ``DELETED`` — a broken watch misses no loss.
+API server restart) is diffed against the cache, as client-go's DeltaFIFO
+``Replace`` does: an object deleted while the watch was down still arrives as
+``DELETED`` (with its last known state), one that changed as ``MODIFIED``, one
+created as ``ADDED`` — a broken watch misses no loss.
+
+An API server that restarts resets the open watch and then refuses connections
+for a while: the informer keeps its cache and retries the list with capped
+exponential back-off and jitter (client-go's reflector backs off from 800 ms to
+30 s; here from ``BACKOFF_INITIAL_S`` to ``BACKOFF_MAX_S``, because the fast path
+exists to notice a loss within seconds), so it is back at most ``BACKOFF_MAX_S``
+after the server is. A 410 re-lists at once: the server is up, only its history
+is gone.
 
 One informer per resource type: the API server serves one watch per type, not a
 poll per pool.
@@ -15,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -28,8 +39,10 @@ EventHandler = Callable[[str, dict[str, Any]], None]
 
 # Server-side watch timeout: the watch is re-opened from the last resourceVersion after it.
 WATCH_TIMEOUT_S = 60
-# Back-off after an error that is not 410 (API server unreachable, 5xx).
-ERROR_BACKOFF_S = 0.5
+# Back-off after an error that is not 410 (API server unreachable or restarting, 5xx): the n-th
+# consecutive failure waits a random time in [d/2, d], d = min(BACKOFF_MAX_S, BACKOFF_INITIAL_S * 2**n).
+BACKOFF_INITIAL_S = 0.25
+BACKOFF_MAX_S = 4.0
 
 
 def object_key(obj: dict[str, Any]) -> str:
@@ -60,16 +73,25 @@ class Informer:
         self.resource_version: str | None = None
         self.lists = 0
         self.relists_after_gone = 0
+        self.relists_after_error = 0  # re-lists that followed a broken watch or an unreachable server
+        self.failures = 0  # consecutive failed list/watch attempts (back-off grows with it)
         self._watch: watch.Watch | None = None
 
     def _kwargs(self) -> dict[str, Any]:
         return {"label_selector": self._selector} if self._selector else {}
 
     def sync(self) -> None:
-        """List every object; emit the difference from the cache (ADDED / MODIFIED / DELETED)."""
+        """List every object; emit the difference from the cache (ADDED / MODIFIED / DELETED).
+
+        An object whose content differs with the same resourceVersion (a server whose history
+        restarted) counts as MODIFIED too."""
         listed = self._list(_preload_content=False, _request_timeout=self._request_timeout, **self._kwargs())
         body = json.loads(listed.data)
         self.lists += 1
+        if self.failures:
+            self.relists_after_error += 1
+            log.info("re-listed after a broken watch", extra={"resource": self.name})
+        self.failures = 0
         fresh = {object_key(o): o for o in body.get("items") or []}
         old = self.cache
         self.cache = fresh
@@ -81,13 +103,13 @@ class Informer:
             before = old.get(key)
             if before is None:
                 self._emit("ADDED", obj)
-            elif _rv(before) != _rv(obj):
+            elif before != obj:
                 self._emit("MODIFIED", obj)
 
     def watch_once(self, stop: threading.Event) -> None:
         """Watch from ``resource_version`` until the server ends the watch, ``stop``, or an error.
 
-        410 Gone re-lists (and diffs); another error backs off, then re-lists too.
+        410 Gone re-lists (and diffs) at once; another error backs off, then re-lists too.
         """
         if self.resource_version is None:
             self.sync()
@@ -126,24 +148,35 @@ class Informer:
                 "watch failed: re-listing after a pause",
                 extra={"resource": self.name, "status": err.status, "reason": str(err.reason)[:200]},
             )
-            stop.wait(ERROR_BACKOFF_S)
-            self._sync_quietly()
+            self._back_off(stop)
+            self._sync_quietly(stop)
         except Exception as err:  # connection reset, API server restarting
             log.warning(
                 "watch broken: re-listing after a pause",
                 extra={"resource": self.name, "error": str(err)[:200]},
             )
-            stop.wait(ERROR_BACKOFF_S)
-            self._sync_quietly()
+            self._back_off(stop)
+            self._sync_quietly(stop)
         finally:
             self._watch = None
 
-    def _sync_quietly(self) -> None:
+    def backoff_s(self) -> float:
+        """The pause before the next attempt, after ``failures`` consecutive failures (with jitter)."""
+        ceiling = min(BACKOFF_MAX_S, BACKOFF_INITIAL_S * 2 ** max(0, self.failures - 1))
+        return random.uniform(ceiling / 2, ceiling)
+
+    def _back_off(self, stop: threading.Event) -> None:
+        self.failures += 1
+        stop.wait(self.backoff_s())
+
+    def _sync_quietly(self, stop: threading.Event) -> None:
+        if stop.is_set():
+            return
         try:
             self.sync()
         except Exception as err:
             log.warning("re-list failed", extra={"resource": self.name, "error": str(err)[:200]})
-            self.resource_version = None  # list again before the next watch
+            self.resource_version = None  # list again before the next watch (the cache stays)
 
     def run(self, stop: threading.Event) -> None:
         """The informer loop: list, then watch, until ``stop``."""
@@ -154,7 +187,7 @@ class Informer:
                 self.watch_once(stop)
             except Exception as err:
                 log.warning("list failed", extra={"resource": self.name, "error": str(err)[:200]})
-                stop.wait(ERROR_BACKOFF_S)
+                self._back_off(stop)
 
     def stop(self) -> None:
         w = self._watch
@@ -166,7 +199,3 @@ class Informer:
             self._on_event(kind, obj)
         except Exception:  # a handler bug must not kill the watch
             log.exception("informer handler failed", extra={"resource": self.name, "event": kind})
-
-
-def _rv(obj: dict[str, Any]) -> str | None:
-    return (obj.get("metadata") or {}).get("resourceVersion")

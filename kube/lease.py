@@ -1,15 +1,31 @@
 """Leader election on a ``coordination.k8s.io/v1`` Lease, as client-go's ``leaderelection`` does it.
 
 Every worker runs an elector; one holds the Lease and runs the fast path, the
-others stand by. The holder renews ``spec.renewTime`` every ``retry_period_s``;
-each update names the resourceVersion it read, so two candidates racing for an
-expired Lease cannot both win (the loser gets 409 Conflict). A standby judges
-expiry by its *own* clock: the Lease record must stay unchanged for
-``lease_duration_s`` since it last saw it change (client-go's observedTime), so
-clock skew between workers does not matter. A holder that cannot renew within
-``renew_deadline_s`` stops leading before a standby may take over; one killed
-with ``kill -9`` simply stops renewing and a standby takes over within a lease
-period. A graceful stop releases the Lease (holder cleared, duration 1 s).
+others stand by. The three durations mean what client-go's ``LeaderElectionConfig``
+(k8s.io/client-go/tools/leaderelection/leaderelection.go) says they mean:
+
+* ``lease_duration_s`` (LeaseDuration): how long a standby waits, from the moment
+  it last *observed* the Lease record change, before it may force-acquire it. It
+  judges by its own clock (client-go's observedTime), so clock skew between
+  workers does not matter; the timestamps in the record only signal a change.
+* ``renew_deadline_s`` (RenewDeadline): how long the holder keeps retrying a
+  renewal before it gives up and stops leading, which must come before a standby
+  may take over (renew deadline < lease duration).
+* ``retry_period_s`` (RetryPeriod): the interval between tries, for the holder's
+  renewals and a standby's acquisition attempts alike.
+
+Each update names the resourceVersion it read, so two candidates racing for an
+expired Lease cannot both win (the loser gets 409 Conflict). A graceful stop
+releases the Lease (holder cleared, duration 1 s) so a standby takes it at once.
+
+**Takeover bound.** A holder killed with ``kill -9`` simply stops renewing. A
+standby sees its last renewal at its next try, at most one retry period after it
+(tries run at a fixed rate, every retry period from the start of the previous
+one), and then tries again exactly when that observation is a lease duration
+old instead of waiting for its next retry tick (client-go's standby waits for its
+next jittered tick, up to 1.2 retry periods later). So a standby holds the Lease
+within ``lease_duration_s + retry_period_s`` of the holder's death, plus the
+round trips of the read and the update that take it.
 """
 
 from __future__ import annotations
@@ -18,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
@@ -62,6 +79,8 @@ class LeaderElector:
         self._timeout = request_timeout_s
         self._observed: tuple[Any, ...] | None = None
         self._observed_at = 0.0
+        # When the other holder's Lease, as last observed, expires (monotonic); None: no such Lease.
+        self.expires_at: float | None = None
         self.leading = False
         self.transitions_won = 0
 
@@ -71,6 +90,7 @@ class LeaderElector:
         """Take or renew the Lease; False when another holder's Lease is still valid or we lost a race."""
         api = self._api()
         now = time.time()
+        self.expires_at = None
         lease = self._read(api)
         if lease is None:
             return self._create(api, now)
@@ -81,6 +101,7 @@ class LeaderElector:
             self._observed, self._observed_at = record, time.monotonic()
         duration = float(spec.get("leaseDurationSeconds") or self.lease_duration_s)
         if holder and holder != self.identity and time.monotonic() < self._observed_at + duration:
+            self.expires_at = self._observed_at + duration
             return False
         taking_over = holder != self.identity
         body = self._body(
@@ -152,7 +173,9 @@ class LeaderElector:
             "metadata": meta,
             "spec": {
                 "holderIdentity": self.identity,
-                "leaseDurationSeconds": max(1, round(self.lease_duration_s)),
+                "leaseDurationSeconds": max(
+                    1, math.ceil(self.lease_duration_s)
+                ),  # never shorter than configured
                 "acquireTime": micro_time(acquire),
                 "renewTime": micro_time(now),
                 "leaseTransitions": transitions,
@@ -186,20 +209,22 @@ class LeaderElector:
     ) -> None:
         """Campaign until ``stop``; while leading, run ``lead(lost)``, whose event is set when leadership ends."""
         while not stop.is_set():
+            tried = time.monotonic()
             if not await self._attempt():
-                await _sleep_or(stop, self.retry_period_s)
+                await _sleep_or(stop, self._until_next_try(tried))
                 continue
             self.leading = True
             lost = asyncio.Event()
             task: asyncio.Task[None] = asyncio.create_task(lead(lost), name="fastpath-lead")
-            last_renew = time.monotonic()
+            last_renew = tried
             try:
                 while not stop.is_set() and not task.done():
-                    await _sleep_or(stop, self.retry_period_s)
+                    await _sleep_or(stop, max(0.0, tried + self.retry_period_s - time.monotonic()))
                     if stop.is_set():
                         break
+                    tried = time.monotonic()
                     if await self._attempt():
-                        last_renew = time.monotonic()
+                        last_renew = tried
                     elif time.monotonic() - last_renew >= self.renew_deadline_s:
                         log.warning("fast path: lease not renewed within the deadline; stepping down")
                         break
@@ -211,6 +236,14 @@ class LeaderElector:
                 if not task.done():
                     task.cancel()
         await asyncio.to_thread(self.release)
+
+    def _until_next_try(self, tried: float) -> float:
+        """A standby's pause: one retry period from its last try's start, or less when the Lease it
+        watches expires sooner (it tries the moment it may take over, not at the next tick)."""
+        wake = tried + self.retry_period_s
+        if self.expires_at is not None:
+            wake = min(wake, self.expires_at)
+        return max(0.0, wake - time.monotonic())
 
     async def _attempt(self) -> bool:
         try:

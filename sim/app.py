@@ -15,6 +15,9 @@ services: the gateway's admin API, the engines' metrics, the incident channel):
   (the Kubernetes API's own record is its audit log; this one is the simulator's, for tests);
 * ``GET|PUT /sim/v1/api-faults`` ``{"rules": [ApiFaultRule...]}``: error rates on chosen verbs;
 * ``POST /sim/v1/nodes/{node}/lose`` and ``/restore``: node loss on demand;
+* ``POST /sim/v1/api-server/restart`` ``{"down_s": S}``: the API server restarts (open connections
+  reset, refused for S s, then a fresh watch cache: old resourceVersions get 410);
+  ``GET /sim/v1/api-server`` -> ``ApiServerState``;
 * whatever ``sim.serving.attach(world, app)`` adds (engines' metrics, faults, load, notify),
   when the ``sim.serving`` package is installed.
 
@@ -44,8 +47,9 @@ from sim.actionlog import MUTATING_VERBS
 from sim.control import ClockReading
 from sim.k8s.api import KubeApi
 from sim.k8s.api import build_kube_app as build_kube_routes
+from sim.k8s.apiserver import KubeApiServer
 from sim.k8s.audit import AuditLog, AuditMiddleware
-from sim.k8s.faults import ApiFaultRuleSet
+from sim.k8s.faults import ApiFaultRuleSet, ApiServerRestart, ApiServerState
 from sim.k8s.tls import ServingCerts, generate_serving_certs
 from sim.world import SimWorld
 
@@ -130,11 +134,12 @@ class ClockAdvance(BaseModel):
     seconds: float = Field(gt=0, le=7 * 24 * 3600)
 
 
-def build_app(world: SimWorld, *, serving: bool = True) -> FastAPI:
+def build_app(world: SimWorld, *, serving: bool = True, api_server: KubeApiServer | None = None) -> FastAPI:
     """The whole simulator as one ASGI app (see the module docstring for the routes).
 
     ``serving=False`` leaves the serving layer out (the Kubernetes semantics alone: no
     engines drain and exit on SIGTERM, so terminating pods last their full grace period).
+    ``api_server``: the API server the restart fault acts on (none: that route answers 404).
     """
     app = FastAPI(
         title="fleetmend simulator",
@@ -180,10 +185,33 @@ def build_app(world: SimWorld, *, serving: bool = True) -> FastAPI:
         world.restore_node(node)
         return {"node": node, "state": "restored"}
 
+    add_api_server_routes(app, api_server)
     if serving:
         attach_serving_layer(world, app)
     app.add_middleware(ActionLogMiddleware, world=world)
     return app
+
+
+def add_api_server_routes(app: FastAPI, api_server: KubeApiServer | None) -> None:
+    """The API server restart fault (``sim.k8s.apiserver``) and its state."""
+
+    def running() -> KubeApiServer:
+        if api_server is None:
+            raise HTTPException(404, "this simulator app serves no API server to restart (see sim.app.serve)")
+        return api_server
+
+    @app.get("/sim/v1/api-server", response_model=ApiServerState)
+    async def api_server_state() -> ApiServerState:
+        return running().state()
+
+    @app.post("/sim/v1/api-server/restart", status_code=202, response_model=ApiServerState)
+    async def restart_api_server(body: ApiServerRestart) -> ApiServerState:
+        server = running()
+        if not server.restart(body.down_s):
+            raise HTTPException(
+                409, "the API server is already restarting; wait until GET /sim/v1/api-server says serving"
+            )
+        return server.state()
 
 
 def attach_serving_layer(world: SimWorld, app: FastAPI) -> bool:
@@ -234,36 +262,24 @@ async def serve(
     kube.watches.bind(asyncio.get_running_loop())
     audit = AuditLog(audit_log)
     world.audit = audit
-    app = build_app(world, serving=serving)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on")
-    kube_config = uvicorn.Config(
-        build_kube_app(world, kube, audit),
-        host=host,
-        port=kube_port,
-        log_level="warning",
-        access_log=False,
-        lifespan="off",
-        ssl_certfile=str(certs.server_cert),
-        ssl_keyfile=str(certs.server_key),
-        timeout_graceful_shutdown=3,
+    api_server = KubeApiServer(
+        build_kube_app(world, kube, audit), kube.watches, host=host, port=kube_port, certs=certs
     )
+    app = build_app(world, serving=serving, api_server=api_server)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on")
     server = uvicorn.Server(config)
-    kube_server = uvicorn.Server(kube_config)
     world.start()
     serve_task = asyncio.create_task(server.serve())
-    kube_task = asyncio.create_task(kube_server.serve())
-    tasks = {serve_task, kube_task}
+    kube_ended = asyncio.create_task(api_server.wait())
+    tasks = {serve_task, kube_ended}
     try:
-        while not (server.started and kube_server.started):
-            for task, where in ((serve_task, port), (kube_task, kube_port)):
-                if task.done():
-                    await task  # re-raises the bind error
-                    raise RuntimeError(f"the simulator's HTTP server could not listen on {host}:{where}")
+        bound_kube_port = await api_server.start()
+        while not server.started:
+            if serve_task.done():
+                await serve_task  # re-raises the bind error
+                raise RuntimeError(f"the simulator's HTTP server could not listen on {host}:{port}")
             await asyncio.sleep(0.01)
-        bound = BoundPorts(
-            port=server.servers[0].sockets[0].getsockname()[1],
-            kube_port=kube_server.servers[0].sockets[0].getsockname()[1],
-        )
+        bound = BoundPorts(port=server.servers[0].sockets[0].getsockname()[1], kube_port=bound_kube_port)
         if ready is not None:
             ready(bound)
         waiters: set[asyncio.Future[Any]] = set(tasks)
@@ -274,19 +290,12 @@ async def serve(
         if stopper is not None:
             stopper.cancel()
     finally:
-        kube.watches.close()
-        for each in (server, kube_server):
-            each.should_exit = True
-        # An idle TLS keep-alive connection would hold shutdown until its close_notify times out
-        # (clients' pools do not answer it): drop the API server's connections now.
-        for connection in list(kube_server.server_state.connections):
-            transport = getattr(connection, "transport", None)
-            if transport is not None:
-                transport.abort()
-        for task in tasks:
-            if not task.done():
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.shield(task), timeout=5)
+        kube_ended.cancel()
+        server.should_exit = True
+        await api_server.stop()
+        if not serve_task.done():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(serve_task), timeout=5)
         await world.stop()
         audit.close()
         if scratch is not None:

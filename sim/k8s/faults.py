@@ -98,3 +98,29 @@ def error_for(
     if rule.error == "409":
         return conflict(resource, name or "unknown", group)
     return internal_error("injected fault (fleetmend simulator)")
+
+
+class ApiServerRestart(BaseModel):
+    """Restart the simulated API server as a real kube-apiserver restart looks to its clients.
+
+    Every open connection is reset at once (open watches break mid-stream), connections are
+    refused for ``down_s`` wall seconds, then the server serves again from a fresh watch cache:
+    a watch resuming from a resourceVersion older than the restart gets 410 Expired. The world
+    (controllers, kubelets, faults) keeps running meanwhile, as a cluster does behind an
+    API server that one client cannot reach.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    down_s: float = Field(3.0, ge=0.0, le=120.0, description="wall seconds connections are refused")
+
+
+class ApiServerState(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    serving: bool = Field(description="the API server accepts connections")
+    restarts: int = Field(description="restarts so far")
+    open_watches: int = Field(description="watch streams open now")
+    watch_cache_starts_at: int = Field(
+        description="the oldest resourceVersion a watch may resume from (0: before any restart)"
+    )

@@ -13,6 +13,10 @@
 * Label and field selectors filter the stream; an object that stops (starts) matching after a
   change is sent as ``DELETED`` (``ADDED``).
 * ``timeoutSeconds`` ends the stream; the server also ends every stream when it shuts down.
+* After an API server restart (``restart_cache``) the watch cache starts at the revision current
+  then, as a restarted apiserver's cache is initialised by a list at etcd's current revision: a
+  watch resuming from an older resourceVersion gets the ``410 Expired`` ERROR event even when
+  the store still holds those events; clients re-list.
 
 Events come from the store's watchers (called under the store's lock, on any thread) and are
 handed to each stream's queue on the server's event loop.
@@ -60,6 +64,8 @@ class WatchHub:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing: asyncio.Event | None = None
         self._next = 0
+        # The oldest resourceVersion a watch may resume from (0: the store's own history decides).
+        self._cache_start = 0
         store.watch(self._on_event)
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -88,6 +94,22 @@ class WatchHub:
             self._closing.set()
         for _, queue in list(self._queues.values()):
             queue.put_nowait(None)
+
+    def end_streams(self) -> None:
+        """End the open streams without closing the hub (their connections were reset: a restart)."""
+        for _, queue in list(self._queues.values()):
+            queue.put_nowait(None)
+
+    def restart_cache(self) -> int:
+        """Start the watch cache afresh at the store's current revision (a restarted apiserver's
+        cache holds no history from before it listed); returns that revision."""
+        with self.store.lock:
+            self._cache_start = int(self.store.resource_version)
+            return self._cache_start
+
+    @property
+    def cache_start(self) -> int:
+        return self._cache_start
 
     @property
     def open_streams(self) -> int:
@@ -129,7 +151,10 @@ class WatchHub:
                         initial.append(("ADDED", obj))
             else:
                 try:
-                    replay = self.store.events_since(resource.plural, int(req.resource_version))
+                    requested = int(req.resource_version)
+                    if requested < self._cache_start:
+                        raise TooOldResourceVersion(requested, self._cache_start + 1)
+                    replay = self.store.events_since(resource.plural, requested)
                 except TooOldResourceVersion as exc:
                     expired = exc
                     replay = []

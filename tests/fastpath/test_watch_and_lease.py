@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -73,6 +78,29 @@ def _evidence(fast: FastPath) -> list[Any]:
     return [fast._queue.get_nowait() for _ in range(fast._queue.qsize())]
 
 
+async def _evidence_until(
+    fast: FastPath, arrived: Callable[[list[Any]], bool], what: str, timeout_s: float = 20
+) -> list[Any]:
+    """The evidence queued so far, once ``arrived(evidence)`` holds."""
+    collected: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        collected.extend(_evidence(fast))
+        if arrived(collected):
+            return collected
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}: {collected}"
+        await asyncio.sleep(0.05)
+
+
+async def _watches_open(sim: RunningSim, count: int, timeout_s: float = 20) -> None:
+    """Until the API server serves ``count`` watch streams (the informers have listed and watch)."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=sim.base_url, timeout=10.0) as http:
+        while (await http.get("/sim/v1/api-server")).json()["open_watches"] < count:
+            assert time.monotonic() < deadline, f"fewer than {count} watches open after {timeout_s:g} s"
+            await asyncio.sleep(0.05)
+
+
 async def _routed(core: client.CoreV1Api, timeout_s: float = 30) -> list[Any]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -107,7 +135,7 @@ async def test_a_watch_that_falls_behind_relists_and_still_reports_the_routed_po
     for step in range(30):
         core.patch_namespaced_pod(spare, NS, {"metadata": {"labels": {"step": str(step)}}})
     core.delete_namespaced_pod(routed[0], NS, grace_period_seconds=0)
-    await asyncio.sleep(0.5)
+    assert routed[0] not in {p.metadata.name for p in core.list_namespaced_pod(NS).items}
 
     await asyncio.to_thread(pods.watch_once, threading.Event())  # from the stale resourceVersion
 
@@ -198,7 +226,7 @@ async def test_a_graceful_deletion_of_a_routed_pod_sends_no_evidence_a_forced_on
             p.metadata.name for p in core.list_namespaced_pod(NS, label_selector=ROUTER_LABEL).items
         )
         graceful, forced = routed[0], routed[1]
-        await asyncio.sleep(0.5)
+        await _watches_open(sim, 2)
         core.delete_namespaced_pod(graceful, NS)  # its terminationGracePeriodSeconds
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and any(
@@ -209,8 +237,9 @@ async def test_a_graceful_deletion_of_a_routed_pod_sends_no_evidence_a_forced_on
             "still terminating"
         )
         core.delete_namespaced_pod(forced, NS, grace_period_seconds=0)
-        await asyncio.sleep(1.0)
-    evidence = _evidence(fast)
+        evidence = await _evidence_until(
+            fast, lambda ev: any(e.entity == f"pod:{NS}/{forced}" for e in ev), "the forced deletion"
+        )
     terminated = [e for e in evidence if e.entity == f"pod:{NS}/{graceful}"]
     assert terminated and {e.kind for e in terminated} == {EvidenceKind.POD_TERMINATED}, evidence
     state = None
@@ -240,14 +269,15 @@ async def test_an_xid_on_a_serving_node_is_gpu_fault_evidence_from_the_node_watc
             Informer("pods", core.list_pod_for_all_namespaces, fast._on_pod, label_selector=MODEL_LABEL),
             Informer("nodes", core.list_node, fast._on_node),
         ):
-            await asyncio.sleep(1.0)
+            await _watches_open(sim, 2)
             await _fault(
                 sim, {"kind": "gpu-xid", "target": node, "params": {"code": 79, "gpu": 0, "keep_alive": True}}
             )
-            await asyncio.sleep(1.5)
+            evidence = await _evidence_until(
+                fast, lambda ev: any(e.kind is EvidenceKind.NODE_GPU_FAULT for e in ev), "the Xid evidence"
+            )
     finally:
         sim.stop()
-    evidence = _evidence(fast)
     faults = [e for e in evidence if e.kind is EvidenceKind.NODE_GPU_FAULT]
     assert faults and {e.entity for e in faults} == {f"node:{node}"}, evidence
     assert "GpuXid=True" in faults[0].detail and "Xid 79" in faults[0].detail, faults[0]
@@ -275,13 +305,131 @@ async def test_a_rank_that_restarts_is_evidence_about_its_groups_routed_leader()
         with _watching(
             fast, Informer("pods", core.list_pod_for_all_namespaces, fast._on_pod, label_selector=MODEL_LABEL)
         ):
-            await asyncio.sleep(1.0)
+            await _watches_open(sim, 1)
             assert fast._queue is not None and fast._queue.qsize() == 0  # earlier restarts are history
             await _fault(sim, {"kind": "rank-lost", "target": f"{NS}/{rank}"})
-            await asyncio.sleep(1.5)
+            evidence = await _evidence_until(
+                fast, lambda ev: any(e.kind is EvidenceKind.RANK_FAILED for e in ev), "the rank's failure"
+            )
     finally:
         sim.stop()
-    evidence = _evidence(fast)
     failed = [e for e in evidence if e.kind is EvidenceKind.RANK_FAILED]
     assert failed and {e.entity for e in failed} == {f"pod:{NS}/{leader}"}, evidence
     assert rank in failed[0].detail and "NCCL" in failed[0].detail, failed[0]
+
+
+LEADER_PROCESS = """
+import asyncio, sys, time
+from kubernetes import client, config
+from kube.lease import LeaderElector
+
+api = client.CoordinationV1Api(config.new_client_from_config(config_file=sys.argv[1], context="sim"))
+
+
+class Holder(LeaderElector):
+    def try_acquire_or_renew(self) -> bool:
+        started = time.monotonic()
+        held = super().try_acquire_or_renew()
+        if held:
+            print(f"renewed {started!r}", flush=True)  # the system-wide monotonic clock
+        return held
+
+
+elector = Holder(
+    lambda: api, namespace=sys.argv[2], name="fleetmend-fastpath", identity="worker-killed",
+    lease_duration_s=float(sys.argv[3]), renew_deadline_s=float(sys.argv[4]), retry_period_s=float(sys.argv[5]),
+)
+
+
+async def lead(lost: asyncio.Event) -> None:
+    await lost.wait()
+
+
+asyncio.run(elector.run(asyncio.Event(), lead))
+"""
+
+
+async def test_a_standby_holds_the_lease_within_lease_duration_plus_one_retry_period_of_the_leaders_kill_9(
+    short_history: RunningSim, tmp_path: Path
+) -> None:
+    """The holder is a process killed with SIGKILL right after a renewal (it stops renewing and
+    releases nothing). The standby's tries fall late in the holder's renewal period, so it sees that
+    last renewal most of a retry period after it. It must still hold the Lease within lease duration
+    + one retry period of the kill (kube/lease.py: it tries again the moment its observation is a
+    lease duration old, not at its next retry tick), and never before the Lease expired."""
+    lease_s, renew_s, retry_s = 3.0, 2.0, 1.2
+    phase = 0.7  # the standby tries this far (in retry periods) after each of the holder's renewals
+    api = client.CoordinationV1Api(
+        config.new_client_from_config(config_file=str(short_history.kubeconfig), context="sim")
+    )
+    script = tmp_path / "leader.py"
+    script.write_text(LEADER_PROCESS)
+    leader = subprocess.Popen(
+        [
+            sys.executable,
+            str(script),
+            str(short_history.kubeconfig),
+            NS,
+            str(lease_s),
+            str(renew_s),
+            str(retry_s),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert leader.stdout is not None
+    out = leader.stdout
+
+    async def next_renewal() -> float:
+        """The start (monotonic) of the holder's next renewal, read as it is reported."""
+        while True:
+            line = await asyncio.wait_for(asyncio.to_thread(out.readline), 30)
+            assert line.startswith("renewed "), line
+            started = float(line.split()[1])
+            if time.monotonic() - started < retry_s / 2:  # fresh, not one queued in the pipe
+                return started
+
+    standby = LeaderElector(
+        lambda: api,
+        namespace=NS,
+        name="fleetmend-fastpath",
+        identity="worker-standby",
+        lease_duration_s=lease_s,
+        renew_deadline_s=renew_s,
+        retry_period_s=retry_s,
+    )
+    holding: list[float] = []
+
+    async def lead(lost: asyncio.Event) -> None:
+        holding.append(time.monotonic())
+        await lost.wait()
+
+    stop = asyncio.Event()
+    campaign: asyncio.Task[None] | None = None
+    try:
+        renewed = await next_renewal()
+        await asyncio.sleep(max(0.0, renewed + phase * retry_s - time.monotonic()))
+        campaign = asyncio.create_task(standby.run(stop, lead))
+        await next_renewal()
+        assert standby.expires_at is not None and not holding  # it has seen the holder's valid Lease
+        last_renewal = await next_renewal()
+        leader.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        deadline = killed + 2 * (lease_s + retry_s)
+        while not holding:
+            assert time.monotonic() < deadline, "the standby never took the Lease over"
+            await asyncio.sleep(0.02)
+        took = holding[0] - killed
+        print(f"holder killed -> standby holds the Lease: {took:.3f} s (bound {lease_s + retry_s:g} s)")
+        assert took <= lease_s + retry_s, took
+        assert holding[0] >= last_renewal + lease_s, (holding[0], last_renewal)  # never before expiry
+        lease = await asyncio.to_thread(api.read_namespaced_lease, "fleetmend-fastpath", NS)
+        assert lease.spec.holder_identity == "worker-standby" and lease.spec.lease_transitions == 1
+    finally:
+        stop.set()
+        if campaign is not None:
+            await asyncio.wait_for(campaign, 15)
+        if leader.poll() is None:
+            leader.kill()
+        leader.wait(10)
