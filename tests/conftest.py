@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -23,6 +24,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 from xdist.remote import Producer
 from xdist.scheduler import LoadScopeScheduling
+from xdist.workermanage import WorkerController
 
 from fleet.search_attributes import ALL_SEARCH_ATTRIBUTES
 from worker.config import Settings, load_settings
@@ -38,9 +40,51 @@ pytest_plugins = ["tests.pg"]
 # for all its files, with one report path per scenario.
 SHARED_PACKAGES = ("tests/demo/",)
 
+# The longest work units, longest first (``--durations`` of a 2-process run, 2026-12-05, summed per unit). xdist
+# hands out units in queue order; a long unit dealt last leaves the other process idle until it ends, so the
+# long ones go first and the quick ones (QUICK_PATHS) last, where they fill the gaps. Order matters only
+# roughly: a unit missing here is dealt between these and the quick ones.
+LONGEST_FIRST = (
+    "tests/chaos/test_soak.py",  # ~240 s: ten recoveries in a row
+    "tests/demo/",  # ~200 s: one kept demo per scenario, the browser, the operator's CLI
+    "tests/recovery/test_replica_loss.py",  # ~10 recoveries
+    "tests/e2e/test_alert_pipeline.py",  # Prometheus + Alertmanager + a recovery
+    "tests/recovery/test_second_day.py",
+    "tests/scale_down/test_scale_down.py",
+    "tests/recovery/test_fast_path.py",
+    "tests/webhook/test_status_codes.py",
+    "tests/deploy/test_worker_roll.py",
+    "tests/recovery/test_envoy_restart.py",
+    "tests/gateway/test_envoy_gateway.py",
+)
+
+# What needs no Temporal server, no Envoy and no fleetmend worker: the pure domain, the ledger against an
+# embedded Postgres, the simulator in process, configuration and rendering checks. ``make test-fast`` runs
+# these (marked ``quick`` at collection); the full run deals them last.
+QUICK_PATHS = (
+    "tests/fleet/",
+    "tests/ledger/",
+    "tests/sim/",
+    "tests/kubectl/",
+    "tests/gateway/test_store.py",
+    "tests/deploy/test_k8s_manifests.py",
+    "tests/webhook/test_alert_rules.py",
+    "tests/webhook/test_cli.py",
+    "tests/test_cli_model.py",
+    "tests/test_devstack_library.py",
+    "tests/test_readme.py",
+    "tests/test_suite_rules.py",
+)
+
+
+def _is_quick(path: str) -> bool:
+    return path.startswith(QUICK_PATHS)
+
 
 class FileOrSharedPackageScheduling(LoadScopeScheduling):
-    """``--dist loadfile``, except that a package in ``SHARED_PACKAGES`` goes to one process as a whole.
+    """``--dist loadfile``, except that a package in ``SHARED_PACKAGES`` goes to one process as a whole, and
+    units are dealt longest first (``LONGEST_FIRST``, then the rest, then ``QUICK_PATHS``) instead of
+    xdist's most-tests-first, which deals the long single-test files last.
 
     (xdist's ``loadgroup`` marks would say the same, but they work by rewriting node ids, which pytest 9.2
     no longer reads.)
@@ -50,6 +94,18 @@ class FileOrSharedPackageScheduling(LoadScopeScheduling):
         path = nodeid.split("::", 1)[0]
         return next((pkg for pkg in SHARED_PACKAGES if path.startswith(pkg)), path)
 
+    def _assign_work_unit(self, node: WorkerController) -> None:
+        if not self._dealing_ordered:  # the first deal: the queue holds every unit, in xdist's order
+            self._dealing_ordered = True
+            scopes = list(self.workqueue)
+            first = [scope for name in LONGEST_FIRST for scope in scopes if scope == name]
+            last = [scope for scope in scopes if scope not in first and _is_quick(scope)]
+            middle = [scope for scope in scopes if scope not in first and scope not in last]
+            self.workqueue = OrderedDict((scope, self.workqueue[scope]) for scope in first + middle + last)
+        super()._assign_work_unit(node)
+
+    _dealing_ordered = False
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LoadScopeScheduling | None:
@@ -57,6 +113,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LoadSco
     if config.getvalue("dist") != "loadfile":
         return None
     return FileOrSharedPackageScheduling(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test under ``QUICK_PATHS`` ``quick`` (``make test-fast`` selects ``-m quick``)."""
+    for item in items:
+        if _is_quick(item.nodeid):
+            item.add_marker(pytest.mark.quick)
 
 
 def pytest_configure(config: pytest.Config) -> None:
