@@ -34,7 +34,7 @@ from fleet.recovery import (
     ServingObjectives,
 )
 from ledger.reconcile import ReconcileReport, reconcile
-from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
+from worker.devstack.rig import FAST_TIMINGS, FleetRig, compressed_scenario, fleet_rig
 from worker.devstack.sim_wiring import SIM_JIRA_TOKEN
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,21 +43,14 @@ RANK_POOL = PoolRef(namespace="inference", service="llama-405b")  # the rank-los
 # ~400 tokens/s per replica in the compressed scenarios: about 15 requests/s of 8-32 tokens.
 GROUP_CAPACITY_RPS = 15.0
 
-FAST = RecoveryTimings(
-    correlation_window_s=5,
-    poll_interval_s=0.5,
-    deroute_timeout_s=10,
-    replacement_timeout_s=60,
-    ramp_interval_s=2,
-    admission_interval_s=1,
-    ramp_max_s=60,
-    verify_timeout_s=60,
-    approval_timeout_s=120,
-    cooldown_s=1,
-    qualification_timeout_s=20,
-    reappear_timeout_s=30,
-    # A killed worker's activity is retried after its call timeout: the budget leaves room for that.
-    retry=RetryBudget(attempts=8, budget_s=90, call_timeout_s=10, max_interval_s=2),
+# The compressed world's timings (shared with the demo), with what the tests need besides: a reported pod
+# that is in no group is looked for 30 s, not 120; a killed worker's activity is retried after its call
+# timeout, and the budget leaves room for that.
+FAST = FAST_TIMINGS.model_copy(
+    update={
+        "reappear_timeout_s": 30,
+        "retry": RetryBudget(attempts=8, budget_s=90, call_timeout_s=10, max_interval_s=2),
+    }
 )
 
 
@@ -243,16 +236,8 @@ async def rank_pool(
         task_queue=task_queue,
         **overrides,
     ) as rig:
-        await _until_routed(rig, RANK_POOL, 2)
+        await rig.pool_ready(RANK_POOL)
         yield rig
-
-
-async def _until_routed(rig: FleetRig, pool: PoolRef, groups: int, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while groups and len(await rig.routing_set(pool)) < groups:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the pool did not route {groups} groups within {timeout_s:g} s")
-        await asyncio.sleep(0.3)
 
 
 @contextlib.asynccontextmanager
@@ -269,8 +254,51 @@ async def gpu_pool(
         task_queue=task_queue,
         **overrides,
     ) as rig:
-        await _until_routed(rig, POOL, routed)
+        if routed:
+            await rig.pool_ready(POOL, routed)
         yield rig
+
+
+async def load_reaches(
+    rig: FleetRig,
+    pool: PoolRef = POOL,
+    pods: Collection[str] | None = None,
+    *,
+    requests: int = 2,
+    in_flight: bool = False,
+    timeout_s: float = 30,
+) -> list[str]:
+    """Until the users' load reaches each of ``pods`` (default: the pool's routed replicas): ``requests`` of
+    it taken by each engine since the call, running or completed (``in_flight``: on the engine at once,
+    running or queued, as streams a deletion would cut or a wedged engine holds), read from the engines' own
+    ``/metrics``. Returns the pods.
+
+    What a test waits for after starting load and before a fault: the procedure measures arrivals from its
+    own first look on, so the load need only be flowing everywhere a loss can hit it.
+    """
+    from fleet.engine_metrics import parse_engine_metrics
+
+    targets = sorted(pods) if pods is not None else await rig.routing_set(pool)
+
+    async def taken(pod: str) -> tuple[float, float]:
+        snap = parse_engine_metrics((await rig.engine_get(pool.namespace, pod, "/metrics")).text)
+        return snap.running + snap.waiting, snap.request_success_total
+
+    start = {pod: (await taken(pod))[1] for pod in targets}
+    deadline = time.monotonic() + timeout_s
+    short = list(targets)
+    while short:
+        now = {pod: await taken(pod) for pod in short}
+        if in_flight:
+            short = [pod for pod in short if now[pod][0] < requests]
+        else:
+            short = [pod for pod in short if now[pod][0] + now[pod][1] - start[pod] < requests]
+        if not short:
+            return targets
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the load did not reach {short} within {timeout_s:g} s")
+        await asyncio.sleep(0.2)
+    return targets
 
 
 # ---------------------------------------------------------------- the simulated Jira (sim.serving.jira)
