@@ -9,11 +9,8 @@ from __future__ import annotations
 import os
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -21,7 +18,6 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
 from xdist.remote import Producer
 from xdist.scheduler import LoadScopeScheduling
 from xdist.workermanage import WorkerController
@@ -30,7 +26,6 @@ from fleet.search_attributes import ALL_SEARCH_ATTRIBUTES
 from worker.config import Settings, load_settings
 from worker.devstack.temporal_dev import TemporalDevServer, find_temporal_cli
 from worker.processes import free_port
-from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
 
 # Postgres: pg_server (session), pg_url (an empty database per test), ledger_url (migrated).
 pytest_plugins = ["tests.pg"]
@@ -229,25 +224,3 @@ def worker_settings(temporal_env: WorkflowEnvironment, task_queue: str, tmp_path
         worker_metrics_port=0,
         state_dir=tmp_path / "state",
     )
-
-
-@asynccontextmanager
-async def running_worker(
-    client: Client,
-    settings: Settings,
-    *,
-    workflows: Sequence[type] | None = None,
-    activities: Sequence[Callable[..., Any]] | None = None,
-) -> AsyncIterator[Worker]:
-    """Run a real fleetmend worker (thread-pool activities) for the body of the ``async with``.
-
-    Without ``workflows``/``activities`` it serves everything in ``worker.registry``.
-    """
-    with ThreadPoolExecutor(
-        max_workers=MAX_CONCURRENT_ACTIVITIES, thread_name_prefix="fleetmend-activity"
-    ) as pool:
-        worker = build_worker(
-            client, settings, activity_executor=pool, workflows=workflows, activities=activities
-        )
-        async with worker:
-            yield worker

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -71,6 +71,26 @@ def _watching(fast: FastPath, *informers: Informer) -> Iterator[None]:
 def _evidence(fast: FastPath) -> list[Any]:
     assert fast._queue is not None
     return [fast._queue.get_nowait() for _ in range(fast._queue.qsize())]
+
+
+async def _listed(fast: FastPath, timeout_s: float = 10) -> None:
+    """Until every informer has made its first list: what changes after it is news to the fast path."""
+    deadline = time.monotonic() + timeout_s
+    while not all(i.lists for i in fast.informers):
+        assert time.monotonic() < deadline, f"informers not listed within {timeout_s:g} s"
+        await asyncio.sleep(0.05)
+
+
+async def _evidence_until(fast: FastPath, wanted: Callable[[Any], bool], timeout_s: float = 10) -> list[Any]:
+    """The evidence queued so far, taken as it arrives until one piece is ``wanted`` (then what is queued
+    with it): the watch's events reach the queue on the informers' threads."""
+    evidence: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    while not any(wanted(e) for e in evidence):
+        assert time.monotonic() < deadline, f"no such evidence within {timeout_s:g} s: {evidence}"
+        await asyncio.sleep(0.05)
+        evidence += _evidence(fast)
+    return evidence
 
 
 async def _routed(core: client.CoreV1Api, timeout_s: float = 30) -> list[Any]:
@@ -147,6 +167,7 @@ def test_one_lease_holder_a_standby_takes_over_after_the_holder_stops_renewing_a
     assert lease.spec.holder_identity == "worker-a" and lease.spec.lease_duration_seconds == 2
     # a dies (kill -9: it simply stops renewing). b judges expiry by its own clock since the record last changed.
     assert not b.try_acquire_or_renew()
+    # b's own clock must pass the 2 s lease duration: expiry is elapsed time on the standby, not a state to watch.
     time.sleep(2.2)
     assert b.try_acquire_or_renew()
     lease = api.read_namespaced_lease("fleetmend-fastpath", NS)
@@ -198,7 +219,7 @@ async def test_a_graceful_deletion_of_a_routed_pod_sends_no_evidence_a_forced_on
             p.metadata.name for p in core.list_namespaced_pod(NS, label_selector=ROUTER_LABEL).items
         )
         graceful, forced = routed[0], routed[1]
-        await asyncio.sleep(0.5)
+        await _listed(fast)
         core.delete_namespaced_pod(graceful, NS)  # its terminationGracePeriodSeconds
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and any(
@@ -209,8 +230,7 @@ async def test_a_graceful_deletion_of_a_routed_pod_sends_no_evidence_a_forced_on
             "still terminating"
         )
         core.delete_namespaced_pod(forced, NS, grace_period_seconds=0)
-        await asyncio.sleep(1.0)
-    evidence = _evidence(fast)
+        evidence = await _evidence_until(fast, lambda e: e.entity == f"pod:{NS}/{forced}")
     terminated = [e for e in evidence if e.entity == f"pod:{NS}/{graceful}"]
     assert terminated and {e.kind for e in terminated} == {EvidenceKind.POD_TERMINATED}, evidence
     state = None
@@ -240,14 +260,13 @@ async def test_an_xid_on_a_serving_node_is_gpu_fault_evidence_from_the_node_watc
             Informer("pods", core.list_pod_for_all_namespaces, fast._on_pod, label_selector=MODEL_LABEL),
             Informer("nodes", core.list_node, fast._on_node),
         ):
-            await asyncio.sleep(1.0)
+            await _listed(fast)
             await _fault(
                 sim, {"kind": "gpu-xid", "target": node, "params": {"code": 79, "gpu": 0, "keep_alive": True}}
             )
-            await asyncio.sleep(1.5)
+            evidence = await _evidence_until(fast, lambda e: e.kind is EvidenceKind.NODE_GPU_FAULT)
     finally:
         sim.stop()
-    evidence = _evidence(fast)
     faults = [e for e in evidence if e.kind is EvidenceKind.NODE_GPU_FAULT]
     assert faults and {e.entity for e in faults} == {f"node:{node}"}, evidence
     assert "GpuXid=True" in faults[0].detail and "Xid 79" in faults[0].detail, faults[0]
@@ -275,13 +294,12 @@ async def test_a_rank_that_restarts_is_evidence_about_its_groups_routed_leader()
         with _watching(
             fast, Informer("pods", core.list_pod_for_all_namespaces, fast._on_pod, label_selector=MODEL_LABEL)
         ):
-            await asyncio.sleep(1.0)
+            await _listed(fast)
             assert fast._queue is not None and fast._queue.qsize() == 0  # earlier restarts are history
             await _fault(sim, {"kind": "rank-lost", "target": f"{NS}/{rank}"})
-            await asyncio.sleep(1.5)
+            evidence = await _evidence_until(fast, lambda e: e.kind is EvidenceKind.RANK_FAILED)
     finally:
         sim.stop()
-    evidence = _evidence(fast)
     failed = [e for e in evidence if e.kind is EvidenceKind.RANK_FAILED]
     assert failed and {e.entity for e in failed} == {f"pod:{NS}/{leader}"}, evidence
     assert rank in failed[0].detail and "NCCL" in failed[0].detail, failed[0]

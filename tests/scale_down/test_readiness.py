@@ -14,7 +14,7 @@ from temporalio.client import Client
 from typer.testing import CliRunner
 
 from fleet.vocabulary import SERVING_READY_CONDITION, FaultKind
-from tests.scale_down.helpers import vllm_default_scenario
+from tests.scale_down.support import vllm_default_scenario
 from tests.support import POOL, load_reaches
 from worker.cli.app import app
 from worker.devstack.rig import FleetRig, fleet_rig

@@ -19,7 +19,7 @@ from temporalio.worker import Replayer
 from fleet.incident import scale_down_workflow_id
 from fleet.recovery import OperatorAction, Phase
 from fleet.search_attributes import FLEETMEND_KIND, FLEETMEND_PHASE
-from tests.scale_down.helpers import (
+from tests.scale_down.support import (
     STREAMING,
     scale_down_input,
     start_scale_down,

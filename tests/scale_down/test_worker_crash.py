@@ -14,7 +14,7 @@ from pathlib import Path
 from temporalio.client import Client
 
 from fleet.recovery import Phase
-from tests.scale_down.helpers import scale_down_input, start_scale_down, vllm_default_scenario
+from tests.scale_down.support import scale_down_input, start_scale_down, vllm_default_scenario
 from tests.support import (
     POOL,
     decisions,
