@@ -35,18 +35,21 @@ pytest_plugins = ["tests.pg"]
 # for all its files, with one report path per scenario.
 SHARED_PACKAGES = ("tests/demo/",)
 
-# The longest work units, longest first (``--durations`` of a 2-process run, 2026-12-05, summed per unit). xdist
-# hands out units in queue order; a long unit dealt last leaves the other process idle until it ends, so the
-# long ones go first and the quick ones (QUICK_PATHS) last, where they fill the gaps. Order matters only
-# roughly: a unit missing here is dealt between these and the quick ones.
+# The longest work units, longest first (their tests' --durations summed, 2-process runs of 2026-12-05 on a
+# loaded machine). xdist deals units in queue order; a long unit dealt last leaves the other process idle
+# until it ends, so the long ones go first and the quick ones (QUICK_PATHS) last, where they fill the gaps.
+# Order matters only roughly: a unit missing here is dealt between these and the quick ones.
 LONGEST_FIRST = (
-    "tests/chaos/test_soak.py",  # ~240 s: ten recoveries in a row
-    "tests/demo/",  # ~200 s: one kept demo per scenario, the browser, the operator's CLI
-    "tests/recovery/test_replica_loss.py",  # ~10 recoveries
-    "tests/e2e/test_alert_pipeline.py",  # Prometheus + Alertmanager + a recovery
+    "tests/recovery/test_replica_loss.py",  # ~340 s: ten recoveries, each in a world of its own
+    "tests/chaos/test_soak.py",  # ~240 s: ten incidents in a row on one pool
+    "tests/recovery/test_fast_path.py",  # ~210 s
+    "tests/demo/",  # one kept demo per scenario, the browser, the operator's CLI
+    "tests/e2e/test_alert_pipeline.py",  # Prometheus + Alertmanager, and a recovery behind them
+    "tests/scale_down/test_scale_down.py",  # ~110 s
     "tests/recovery/test_second_day.py",
-    "tests/scale_down/test_scale_down.py",
-    "tests/recovery/test_fast_path.py",
+    "tests/scale_down/test_readiness.py",  # ~60 s
+    "tests/scale_down/test_worker_crash.py",
+    "tests/recovery/test_hardware_path.py",
     "tests/webhook/test_status_codes.py",
     "tests/deploy/test_worker_roll.py",
     "tests/recovery/test_envoy_restart.py",
