@@ -46,9 +46,11 @@ LONGEST_FIRST = (
     "tests/demo/",  # one kept demo per scenario, the browser, the operator's CLI
     "tests/e2e/test_alert_pipeline.py",  # Prometheus + Alertmanager, and a recovery behind them
     "tests/scale_down/test_scale_down.py",  # ~110 s
+    "tests/deploy/test_rbac.py",  # ~90 s: a real recovery under recorded RBAC
     "tests/recovery/test_second_day.py",
     "tests/scale_down/test_readiness.py",  # ~60 s
     "tests/scale_down/test_worker_crash.py",
+    "tests/recovery/test_queue_absorption.py",
     "tests/recovery/test_hardware_path.py",
     "tests/webhook/test_status_codes.py",
     "tests/deploy/test_worker_roll.py",
