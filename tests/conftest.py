@@ -41,14 +41,14 @@ SHARED_PACKAGES = ("tests/demo/",)
 # Order matters only roughly: a unit missing here is dealt between these and the quick ones.
 LONGEST_FIRST = (
     "tests/recovery/test_replica_loss.py",  # ~340 s: ten recoveries, each in a world of its own
-    "tests/chaos/test_soak.py",  # ~240 s: ten incidents in a row on one pool
-    "tests/recovery/test_fast_path.py",  # ~210 s
-    "tests/demo/",  # one kept demo per scenario, the browser, the operator's CLI
+    "tests/chaos/test_soak.py",  # ~250 s: ten incidents in a row on one pool
+    "tests/demo/",  # ~250 s: one kept demo per scenario, the browser, the operator's CLI
+    "tests/recovery/test_second_day.py",  # ~220 s: three recoveries of 70-80 s
+    "tests/recovery/test_fast_path.py",  # ~180 s
     "tests/e2e/test_alert_pipeline.py",  # Prometheus + Alertmanager, and a recovery behind them
     "tests/scale_down/test_scale_down.py",  # ~110 s
     "tests/deploy/test_rbac.py",  # ~90 s: a real recovery under recorded RBAC
-    "tests/recovery/test_second_day.py",
-    "tests/scale_down/test_readiness.py",  # ~60 s
+    "tests/scale_down/test_readiness.py",  # ~50 s
     "tests/scale_down/test_worker_crash.py",
     "tests/recovery/test_queue_absorption.py",
     "tests/recovery/test_hardware_path.py",
@@ -56,11 +56,13 @@ LONGEST_FIRST = (
     "tests/deploy/test_worker_roll.py",
     "tests/recovery/test_envoy_restart.py",
     "tests/gateway/test_envoy_gateway.py",
+    "tests/ledger/test_state_machine.py",  # quick, but ~40 s of stateful examples on a loaded machine
 )
 
 # What needs no Temporal server, no Envoy and no fleetmend worker: the pure domain, the ledger against an
 # embedded Postgres, the simulator in process, configuration and rendering checks. ``make test-fast`` runs
-# these (marked ``quick`` at collection); the full run deals them last.
+# these (marked ``quick`` at collection); the full run deals them last. SLOW_BESIDE_QUICK: files under these
+# paths that wait out wall-clock time (the sim's warm-up windows, ~30 s), left to the full run.
 QUICK_PATHS = (
     "tests/fleet/",
     "tests/ledger/",
@@ -71,14 +73,16 @@ QUICK_PATHS = (
     "tests/webhook/test_alert_rules.py",
     "tests/webhook/test_cli.py",
     "tests/test_cli_model.py",
-    "tests/test_devstack_library.py",
     "tests/test_readme.py",
     "tests/test_suite_rules.py",
 )
 
 
+SLOW_BESIDE_QUICK = ("tests/sim/test_serving_warmup.py",)
+
+
 def _is_quick(path: str) -> bool:
-    return path.startswith(QUICK_PATHS)
+    return path.startswith(QUICK_PATHS) and not path.startswith(SLOW_BESIDE_QUICK)
 
 
 class FileOrSharedPackageScheduling(LoadScopeScheduling):
@@ -113,6 +117,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LoadSco
     if config.getvalue("dist") != "loadfile":
         return None
     return FileOrSharedPackageScheduling(config, log)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """With ``-m quick`` (``make test-fast``) a test file outside ``QUICK_PATHS`` is not even imported: importing
+    every module of the suite to deselect most of its tests takes longer than the quick ones run."""
+    if config.getoption("markexpr") != "quick" or not collection_path.name.startswith("test_"):
+        return None
+    relative = collection_path.relative_to(config.rootpath).as_posix()
+    return True if collection_path.suffix == ".py" and not _is_quick(relative) else None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
