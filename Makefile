@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint system-deps clean
+.PHONY: demo test test-fast lint system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ demo: $(STAMP)
 
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q -ra --durations=30 -n 2 --dist loadfile
+
+# The tests that need no Temporal server, Envoy or fleetmend worker (``quick``: QUICK_PATHS in
+# tests/conftest.py): the domain, the ledger, the simulator, configuration. About a minute on 2 cores.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m quick -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

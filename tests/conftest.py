@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from collections import OrderedDict
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -20,15 +18,14 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
 from xdist.remote import Producer
 from xdist.scheduler import LoadScopeScheduling
+from xdist.workermanage import WorkerController
 
 from fleet.search_attributes import ALL_SEARCH_ATTRIBUTES
 from worker.config import Settings, load_settings
 from worker.devstack.temporal_dev import TemporalDevServer, find_temporal_cli
 from worker.processes import free_port
-from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
 
 # Postgres: pg_server (session), pg_url (an empty database per test), ledger_url (migrated).
 pytest_plugins = ["tests.pg"]
@@ -38,9 +35,60 @@ pytest_plugins = ["tests.pg"]
 # for all its files, with one report path per scenario.
 SHARED_PACKAGES = ("tests/demo/",)
 
+# The longest work units, longest first (their tests' --durations summed, 2-process runs of 2026-12-05 on a
+# loaded machine). xdist deals units in queue order; a long unit dealt last leaves the other process idle
+# until it ends, so the long ones go first and the quick ones (QUICK_PATHS) last, where they fill the gaps.
+# Order matters only roughly: a unit missing here is dealt between these and the quick ones.
+LONGEST_FIRST = (
+    "tests/recovery/test_replica_loss.py",  # ~340 s: ten recoveries, each in a world of its own
+    "tests/chaos/test_soak.py",  # ~250 s: ten incidents in a row on one pool
+    "tests/demo/",  # ~250 s: one kept demo per scenario, the browser, the operator's CLI
+    "tests/recovery/test_second_day.py",  # ~220 s: three recoveries of 70-80 s
+    "tests/recovery/test_fast_path.py",  # ~180 s
+    "tests/e2e/test_alert_pipeline.py",  # Prometheus + Alertmanager, and a recovery behind them
+    "tests/scale_down/test_scale_down.py",  # ~110 s
+    "tests/deploy/test_rbac.py",  # ~90 s: a real recovery under recorded RBAC
+    "tests/scale_down/test_readiness.py",  # ~50 s
+    "tests/scale_down/test_worker_crash.py",
+    "tests/recovery/test_queue_absorption.py",
+    "tests/recovery/test_hardware_path.py",
+    "tests/webhook/test_status_codes.py",
+    "tests/deploy/test_worker_roll.py",
+    "tests/recovery/test_envoy_restart.py",
+    "tests/gateway/test_envoy_gateway.py",
+    "tests/ledger/test_state_machine.py",  # quick, but ~40 s of stateful examples on a loaded machine
+)
+
+# What needs no Temporal server, no Envoy and no fleetmend worker: the pure domain, the ledger against an
+# embedded Postgres, the simulator in process, configuration and rendering checks. ``make test-fast`` runs
+# these (marked ``quick`` at collection); the full run deals them last. SLOW_BESIDE_QUICK: files under these
+# paths that wait out wall-clock time (the sim's warm-up windows, ~30 s), left to the full run.
+QUICK_PATHS = (
+    "tests/fleet/",
+    "tests/ledger/",
+    "tests/sim/",
+    "tests/kubectl/",
+    "tests/gateway/test_store.py",
+    "tests/deploy/test_k8s_manifests.py",
+    "tests/webhook/test_alert_rules.py",
+    "tests/webhook/test_cli.py",
+    "tests/test_cli_model.py",
+    "tests/test_readme.py",
+    "tests/test_suite_rules.py",
+)
+
+
+SLOW_BESIDE_QUICK = ("tests/sim/test_serving_warmup.py",)
+
+
+def _is_quick(path: str) -> bool:
+    return path.startswith(QUICK_PATHS) and not path.startswith(SLOW_BESIDE_QUICK)
+
 
 class FileOrSharedPackageScheduling(LoadScopeScheduling):
-    """``--dist loadfile``, except that a package in ``SHARED_PACKAGES`` goes to one process as a whole.
+    """``--dist loadfile``, except that a package in ``SHARED_PACKAGES`` goes to one process as a whole, and
+    units are dealt longest first (``LONGEST_FIRST``, then the rest, then ``QUICK_PATHS``) instead of
+    xdist's most-tests-first, which deals the long single-test files last.
 
     (xdist's ``loadgroup`` marks would say the same, but they work by rewriting node ids, which pytest 9.2
     no longer reads.)
@@ -50,6 +98,18 @@ class FileOrSharedPackageScheduling(LoadScopeScheduling):
         path = nodeid.split("::", 1)[0]
         return next((pkg for pkg in SHARED_PACKAGES if path.startswith(pkg)), path)
 
+    def _assign_work_unit(self, node: WorkerController) -> None:
+        if not self._dealing_ordered:  # the first deal: the queue holds every unit, in xdist's order
+            self._dealing_ordered = True
+            scopes = list(self.workqueue)
+            first = [scope for name in LONGEST_FIRST for scope in scopes if scope == name]
+            last = [scope for scope in scopes if scope not in first and _is_quick(scope)]
+            middle = [scope for scope in scopes if scope not in first and scope not in last]
+            self.workqueue = OrderedDict((scope, self.workqueue[scope]) for scope in first + middle + last)
+        super()._assign_work_unit(node)
+
+    _dealing_ordered = False
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LoadScopeScheduling | None:
@@ -57,6 +117,22 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LoadSco
     if config.getvalue("dist") != "loadfile":
         return None
     return FileOrSharedPackageScheduling(config, log)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """With ``-m quick`` (``make test-fast``) a test file outside ``QUICK_PATHS`` is not even imported: importing
+    every module of the suite to deselect most of its tests takes longer than the quick ones run."""
+    if config.getoption("markexpr") != "quick" or not collection_path.name.startswith("test_"):
+        return None
+    relative = collection_path.relative_to(config.rootpath).as_posix()
+    return True if collection_path.suffix == ".py" and not _is_quick(relative) else None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test under ``QUICK_PATHS`` ``quick`` (``make test-fast`` selects ``-m quick``)."""
+    for item in items:
+        if _is_quick(item.nodeid):
+            item.add_marker(pytest.mark.quick)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -166,25 +242,3 @@ def worker_settings(temporal_env: WorkflowEnvironment, task_queue: str, tmp_path
         worker_metrics_port=0,
         state_dir=tmp_path / "state",
     )
-
-
-@asynccontextmanager
-async def running_worker(
-    client: Client,
-    settings: Settings,
-    *,
-    workflows: Sequence[type] | None = None,
-    activities: Sequence[Callable[..., Any]] | None = None,
-) -> AsyncIterator[Worker]:
-    """Run a real fleetmend worker (thread-pool activities) for the body of the ``async with``.
-
-    Without ``workflows``/``activities`` it serves everything in ``worker.registry``.
-    """
-    with ThreadPoolExecutor(
-        max_workers=MAX_CONCURRENT_ACTIVITIES, thread_name_prefix="fleetmend-activity"
-    ) as pool:
-        worker = build_worker(
-            client, settings, activity_executor=pool, workflows=workflows, activities=activities
-        )
-        async with worker:
-            yield worker

@@ -1,30 +1,52 @@
-"""What the recovery, scale-down, soak, demo and ledger tests share: the pool, fast timings, phase waits,
-the procedure's result, the operator's CLI, the simulated Jira, and the ledger reconciled against the
-world's own log.
+"""The suite's one support surface: what more than one test package uses. The pool, fast timings, phase
+waits, load reaching the replicas, the procedure's result, the operator's CLI, a worker, the webhook served
+on loopback, the simulated Jira, and the ledger reconciled against the world's own log.
 
-Conditions are waited on (a phase, a child, a result), never slept for.
+The rule (checked by ``tests/test_suite_rules.py``):
+
+* A helper used by more than one test package lives here (or, for a pytest plugin or a workflow the
+  suite registers, in a top-level module of ``tests/``: ``pg.py``, ``timer_workflow.py``).
+* A helper only one package uses lives in that package, in a non-test module named for what it holds:
+  ``support.py`` (``tests/demo``, ``tests/kubectl``, ``tests/recovery``, ``tests/scale_down``, ``tests/sim``)
+  or a module named for its one subject (``tests/fleet/fleets.py``, ``tests/ledger/world.py``,
+  ``tests/deploy/manifests.py``, ``tls.py``, ``kube_calls.py``, ``tests/sim/serving_fixtures.py``).
+* Nothing imports from a test module (``test_*.py``) or a ``conftest.py`` (fixtures stay there), and
+  nothing imports a private name.
+
+Conditions are waited on (a phase, a child, a result, a routed pool, load on a replica), never slept for.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import uvicorn
+from fastapi import FastAPI
 from pydantic import SecretStr
 from sqlalchemy import create_engine
+from starlette.types import ASGIApp
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
 
 from activities.effects import JiraProject, operation_label
-from fleet.incident import LossReport, PoolRef
+from fleet.incident import REPORT_LOSS_SIGNAL, LossReport, PoolRef
 from fleet.recovery import (
     IncidentInput,
     Phase,
@@ -34,8 +56,11 @@ from fleet.recovery import (
     ServingObjectives,
 )
 from ledger.reconcile import ReconcileReport, reconcile
-from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
+from worker.config import Settings
+from worker.devstack.rig import FAST_TIMINGS, FleetRig, compressed_scenario, fleet_rig
 from worker.devstack.sim_wiring import SIM_JIRA_TOKEN
+from worker.webhook.app import ALERTMANAGER_PATH
+from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
 
 REPO = Path(__file__).resolve().parents[1]
 POOL = PoolRef(namespace="inference", service="llama")
@@ -43,21 +68,14 @@ RANK_POOL = PoolRef(namespace="inference", service="llama-405b")  # the rank-los
 # ~400 tokens/s per replica in the compressed scenarios: about 15 requests/s of 8-32 tokens.
 GROUP_CAPACITY_RPS = 15.0
 
-FAST = RecoveryTimings(
-    correlation_window_s=5,
-    poll_interval_s=0.5,
-    deroute_timeout_s=10,
-    replacement_timeout_s=60,
-    ramp_interval_s=2,
-    admission_interval_s=1,
-    ramp_max_s=60,
-    verify_timeout_s=60,
-    approval_timeout_s=120,
-    cooldown_s=1,
-    qualification_timeout_s=20,
-    reappear_timeout_s=30,
-    # A killed worker's activity is retried after its call timeout: the budget leaves room for that.
-    retry=RetryBudget(attempts=8, budget_s=90, call_timeout_s=10, max_interval_s=2),
+# The compressed world's timings (shared with the demo), with what the tests need besides: a reported pod
+# that is in no group is looked for 30 s, not 120; a killed worker's activity is retried after its call
+# timeout, and the budget leaves room for that.
+FAST = FAST_TIMINGS.model_copy(
+    update={
+        "reappear_timeout_s": 30,
+        "retry": RetryBudget(attempts=8, budget_s=90, call_timeout_s=10, max_interval_s=2),
+    }
 )
 
 
@@ -243,16 +261,8 @@ async def rank_pool(
         task_queue=task_queue,
         **overrides,
     ) as rig:
-        await _until_routed(rig, RANK_POOL, 2)
+        await rig.pool_ready(RANK_POOL)
         yield rig
-
-
-async def _until_routed(rig: FleetRig, pool: PoolRef, groups: int, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while groups and len(await rig.routing_set(pool)) < groups:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the pool did not route {groups} groups within {timeout_s:g} s")
-        await asyncio.sleep(0.3)
 
 
 @contextlib.asynccontextmanager
@@ -269,8 +279,51 @@ async def gpu_pool(
         task_queue=task_queue,
         **overrides,
     ) as rig:
-        await _until_routed(rig, POOL, routed)
+        if routed:
+            await rig.pool_ready(POOL, routed)
         yield rig
+
+
+async def load_reaches(
+    rig: FleetRig,
+    pool: PoolRef = POOL,
+    pods: Collection[str] | None = None,
+    *,
+    requests: int = 2,
+    in_flight: bool = False,
+    timeout_s: float = 30,
+) -> list[str]:
+    """Until the users' load reaches each of ``pods`` (default: the pool's routed replicas): ``requests`` of
+    it taken by each engine since the call, running or completed (``in_flight``: on the engine at once,
+    running or queued, as streams a deletion would cut or a wedged engine holds), read from the engines' own
+    ``/metrics``. Returns the pods.
+
+    What a test waits for after starting load and before a fault: the procedure measures arrivals from its
+    own first look on, so the load need only be flowing everywhere a loss can hit it.
+    """
+    from fleet.engine_metrics import parse_engine_metrics
+
+    targets = sorted(pods) if pods is not None else await rig.routing_set(pool)
+
+    async def taken(pod: str) -> tuple[float, float]:
+        snap = parse_engine_metrics((await rig.engine_get(pool.namespace, pod, "/metrics")).text)
+        return snap.running + snap.waiting, snap.request_success_total
+
+    start = {pod: (await taken(pod))[1] for pod in targets}
+    deadline = time.monotonic() + timeout_s
+    short = list(targets)
+    while short:
+        now = {pod: await taken(pod) for pod in short}
+        if in_flight:
+            short = [pod for pod in short if now[pod][0] < requests]
+        else:
+            short = [pod for pod in short if now[pod][0] + now[pod][1] - start[pod] < requests]
+        if not short:
+            return targets
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the load did not reach {short} within {timeout_s:g} s")
+        await asyncio.sleep(0.2)
+    return targets
 
 
 # ---------------------------------------------------------------- the simulated Jira (sim.serving.jira)
@@ -303,3 +356,127 @@ def open_issue_by_hand(http: httpx.Client, base_url: str, summary: str) -> httpx
         json={"fields": fields},
         headers={"Authorization": f"Bearer {SIM_JIRA_TOKEN}"},
     )
+
+
+# ---------------------------------------------------------------- the webhook, served on loopback (tests/webhook, tests/e2e)
+
+
+@dataclass
+class ServedWebhook:
+    app: FastAPI
+    base_url: str
+    token: str
+    settings: Settings
+
+    @property
+    def url(self) -> str:
+        return self.base_url + ALERTMANAGER_PATH
+
+    @property
+    def auth(self) -> dict[str, str]:
+        """The headers Alertmanager sends: its bearer token and the JSON content type."""
+        return {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.app.state.metrics.registry.get_sample_value(name, labels or None)
+        return float(value or 0.0)
+
+
+@contextlib.contextmanager
+def serve_webhook(app: ASGIApp, settings: Settings) -> Iterator[str]:
+    """Serve ``app`` (the webhook's FastAPI app, or an ASGI wrapper of it) on a free loopback port
+    in a background thread; yields the base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted sockets inherit this; without it each reply waits out a 40 ms delayed ACK.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", timeout_keep_alive=30)
+    )
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    try:
+        for _ in range(400):
+            if server.started:
+                break
+            if not thread.is_alive():
+                raise RuntimeError("webhook server thread died during start-up")
+            threading.Event().wait(0.025)
+        else:
+            raise RuntimeError("webhook server did not start within 10 s")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+def webhook_settings(env: WorkflowEnvironment, task_queue: str, token: str, **overrides: Any) -> Settings:
+    return Settings(
+        temporal_address=env.client.service_client.config.target_host,
+        temporal_namespace=env.client.namespace,
+        task_queue=task_queue,
+        webhook_token=SecretStr(token),
+        **overrides,
+    )
+
+
+def pool_alert_labels(namespace: str, service: str, **extra: str) -> dict[str, str]:
+    return {
+        "alertname": "PoolReplicaDown",
+        "namespace": namespace,
+        "service": service,
+        "severity": "critical",
+        **extra,
+    }
+
+
+async def report_loss_signals(client: Client, workflow_id: str) -> list[dict[str, Any]]:
+    """The ``report_loss`` payloads in the workflow's history, decoded as JSON."""
+    signals = []
+    async for event in client.get_workflow_handle(workflow_id).fetch_history_events():
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED:
+            attrs = event.workflow_execution_signaled_event_attributes
+            if attrs.signal_name == REPORT_LOSS_SIGNAL:
+                signals.append(json.loads(attrs.input.payloads[0].data))
+    return signals
+
+
+async def workflow_ids(
+    client: Client, query: str, *, at_least: int = 0, timeout_s: float = 10.0
+) -> list[str]:
+    """Workflow ids matching a visibility query, waiting up to ``timeout_s`` for ``at_least`` of them
+    (visibility trails the start by a moment)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        ids = sorted([wf.id async for wf in client.list_workflows(query)])
+        if len(ids) >= at_least or asyncio.get_running_loop().time() > deadline:
+            return ids
+        await asyncio.sleep(0.1)
+
+
+# ---------------------------------------------------------------- a worker in this process
+
+
+@contextlib.asynccontextmanager
+async def running_worker(
+    client: Client,
+    settings: Settings,
+    *,
+    workflows: Sequence[type] | None = None,
+    activities: Sequence[Callable[..., Any]] | None = None,
+) -> AsyncIterator[Worker]:
+    """Run a real fleetmend worker (thread-pool activities) for the body of the ``async with``.
+
+    Without ``workflows``/``activities`` it serves everything in ``worker.registry``.
+    """
+    with ThreadPoolExecutor(
+        max_workers=MAX_CONCURRENT_ACTIVITIES, thread_name_prefix="fleetmend-activity"
+    ) as pool:
+        worker = build_worker(
+            client, settings, activity_executor=pool, workflows=workflows, activities=activities
+        )
+        async with worker:
+            yield worker

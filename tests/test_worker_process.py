@@ -27,7 +27,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from fleet.search_attributes import CLI_TYPE_NAMES, FLEETMEND_KIND, FLEETMEND_PHASE
 from ledger.migrate import upgrade_head
-from tests.conftest import running_worker
+from tests.support import running_worker
 from tests.timer_workflow import SixHourWait
 from worker import jsonlog
 from worker.config import Settings, load_settings

@@ -132,16 +132,6 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
 # ---------------------------------------------------------------- the world, as an operator sees it
 
 
-async def _groups_serving(rig: FleetRig, timeout_s: float = 120) -> list[str]:
-    """Wait until all groups' leaders are routed again; returns them."""
-    for _ in range(int(timeout_s / 0.5)):
-        leaders = await rig.routing_set(POOL)
-        if len(leaders) >= GROUPS:
-            return sorted(leaders)
-        await asyncio.sleep(0.5)
-    raise AssertionError(f"the pool never served {GROUPS} groups again (now {await rig.routing_set(POOL)})")
-
-
 async def _node_of(rig: FleetRig, pod: str) -> str:
     obj = await asyncio.to_thread(rig.core.read_namespaced_pod, pod, POOL.namespace)
     assert obj.spec is not None and obj.spec.node_name
@@ -214,7 +204,7 @@ WEEK = [
 
 async def _inject(rig: FleetRig, day: Day, n: int) -> tuple[LossReport, str | None]:
     """Break one group the way ``day`` says; returns the alert an operator's pipeline would send."""
-    leader = (await _groups_serving(rig))[n % GROUPS]
+    leader = (await rig.pool_ready(POOL, timeout_s=120))[n % GROUPS]
     fp = f"soak-{n}-{day.fault.value}"
     if day.fault in (FaultKind.NODE_LOST, FaultKind.GPU_XID):
         node = await _node_of(rig, leader)
@@ -253,7 +243,7 @@ async def test_ten_incidents_on_one_pool_with_crashes_restarts_and_a_refusal(sta
         run_worker=False,
     ) as rig:
         stack.start_worker(rig)
-        await _groups_serving(rig)
+        await rig.pool_ready(POOL, timeout_s=120)  # every group routed again
         await rig.start_load(rate=8, duration_s=1500, seed=31, model=None, pool=POOL.key)
         ended: list[tuple[str, str]] = []
         for n, day in enumerate(WEEK):
@@ -315,7 +305,7 @@ async def test_ten_incidents_on_one_pool_with_crashes_restarts_and_a_refusal(sta
             await _closed(stack.client, incident.id)
             if node is not None:
                 await _operator_returns(rig, node, day.fault)
-            await _groups_serving(rig)
+            await rig.pool_ready(POOL, timeout_s=120)  # every group routed again
             ended.append((child.id, status.phase.value))
             # Where each day's time went (pytest shows it with -s, and beside any failure).
             spans = ", ".join(f"{p.name.value} {(p.end or p.start) - p.start:.1f}" for p in status.phases)

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.demo.conftest import FLEETMEND, KEPT, DemoProcess, run_demo_cli
+from tests.demo.support import FLEETMEND, KEPT, DemoProcess, run_demo_cli
 from worker.devstack.scenarios import DEFAULT_SCENARIO, SCENARIOS
 
 ISSUE_KEYS = {
@@ -130,11 +130,11 @@ def test_default_demo_saves_the_fleet_and_reports_it(kept_demo: DemoProcess) -> 
 def test_worker_exposes_sdk_and_fleetmend_metrics(kept_demo: DemoProcess) -> None:
     # The recovery's completion is counted when its last workflow task finishes; on a busy
     # machine that can trail the demo's report by a few seconds.
-    for _ in range(30):
+    for _ in range(60):
         text = httpx.get(kept_demo.metrics_url, timeout=10).text
         if 'outcome="done"' in text:
             break
-        time.sleep(1)
+        time.sleep(0.5)
     samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
 
     def value(name: str, **labels: str) -> float | None:

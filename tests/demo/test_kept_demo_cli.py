@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from tests.demo.conftest import FLEETMEND, DemoProcess
+from tests.demo.support import FLEETMEND, DemoProcess
 
 pytestmark = pytest.mark.slow
 

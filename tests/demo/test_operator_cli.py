@@ -22,8 +22,8 @@ from temporalio.client import Client
 from fleet.incident import LossReport, PoolRef
 from fleet.recovery import Phase, ProcedureStatus
 from fleet.vocabulary import FaultKind
-from tests.demo.conftest import FLEETMEND
-from tests.support import finish, incident_config, wait_for_child, wait_for_phase
+from tests.demo.support import FLEETMEND
+from tests.support import finish, incident_config, load_reaches, wait_for_child, wait_for_phase
 from worker.devstack.rig import compressed_scenario, fleet_rig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -57,12 +57,11 @@ async def test_status_pause_resume_approve_and_rejections(
     async with fleet_rig(
         temporal_client, scenario=scenario, database_url=ledger_url, task_queue=task_queue
     ) as rig:
-        await asyncio.sleep(8)
-        pod = sorted(await rig.routing_set(pool))[0]
+        pod = (await rig.pool_ready(pool))[0]
         await rig.start_load(rate=12, duration_s=90, seed=6)  # enough to queue on the wedged engine
-        await asyncio.sleep(2)
+        await load_reaches(rig, pool)
         await rig.inject(FaultKind.WEDGED_ENGINE, f"{namespace}/{pod}")
-        await asyncio.sleep(1)
+        await load_reaches(rig, pool, pods=[pod], in_flight=True)  # requests pile up on it
         report = LossReport(
             pool=pool, fingerprint="fp-ops", alert_name="FleetmendServingEndpointUnroutable", pod=pod
         )

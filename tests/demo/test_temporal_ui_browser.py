@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.demo.cdp import CHROMIUM, browser
-from tests.demo.conftest import REPO, DemoProcess
+from tests.demo.support import REPO, DemoProcess
 
 pytestmark = [
     pytest.mark.slow,

@@ -193,7 +193,10 @@ def test_the_gateway_control_plane_reads_only_what_its_role_grants() -> None:
         with recording() as recorder:
             read = hosts_reader(sim.kubeconfig, None)
             assert "inference/llama" in read()
-            time.sleep(1)  # the watches are open
+            deadline = time.monotonic() + 10
+            while len({c.resource for c in recorder.distinct() if c.verb == "watch"}) < 3:
+                assert time.monotonic() < deadline, recorder.distinct()
+                time.sleep(0.05)  # until all three watches are open
             read.stop()
     finally:
         sim.stop()

@@ -1,9 +1,10 @@
-"""Small builders for pool snapshots used by the policy tests."""
+"""Small builders for pool snapshots used by the policy tests (package-local support: see tests/support.py)."""
 
 from __future__ import annotations
 
 from fleet.incident import PoolRef
 from fleet.pool import GroupRole, NodeInfo, PoolSnapshot, ReplicaGroup, WorkloadKind
+from fleet.shedding import SurvivorLoad
 from fleet.vocabulary import NVLINK_DOMAIN_LABEL, ZONE_LABEL
 
 POOL = PoolRef(namespace="llm", service="llama")
@@ -54,3 +55,7 @@ def snapshot(groups: list[ReplicaGroup], nodes: list[NodeInfo] | None = None, **
         names = sorted({n for g in groups for n in g.nodes})
         nodes = [node(n) for n in names]
     return PoolSnapshot(pool=POOL, observed_at=1000.0, groups=tuple(groups), nodes=tuple(nodes), **kw)  # type: ignore[arg-type]
+
+
+# Three survivors with room to spare: the shedding tests' calm pool.
+CALM = [SurvivorLoad(group_id=f"g{i}", waiting=0, running=4, kv_usage=0.4, capacity_rps=20) for i in range(3)]

@@ -27,9 +27,7 @@ from fleet.shedding import (
 from fleet.spares import pick_spares
 from fleet.vocabulary import SHED_ORDER, Tier
 
-from .fleets import group, node, snapshot
-
-CALM = [SurvivorLoad(group_id=f"g{i}", waiting=0, running=4, kv_usage=0.4, capacity_rps=20) for i in range(3)]
+from .fleets import CALM, group, node, snapshot
 
 
 def test_no_shedding_when_survivors_carry_the_load() -> None:

@@ -10,7 +10,7 @@ from fleet.recovery import ServingObjectives
 from fleet.shedding import QueueRoom, decide_readmission, decide_shedding
 from fleet.vocabulary import Tier
 
-from .test_protect_survivors import CALM
+from .fleets import CALM
 
 
 def _room(backlog: float, budget: float = 2.0, horizon: float = 4.0) -> QueueRoom:

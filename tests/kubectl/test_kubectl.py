@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.kubectl.conftest import NS, Cluster, table
+from tests.kubectl.support import NS, Cluster, table
 
 POD_COLUMNS = ["NAME", "READY", "STATUS", "RESTARTS", "AGE"]
 POD_WIDE = [*POD_COLUMNS, "IP", "NODE", "NOMINATED NODE", "READINESS GATES"]

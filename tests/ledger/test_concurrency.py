@@ -87,7 +87,8 @@ def test_paused_lease_holder_is_fenced_out(make_ledger: Callable[..., EffectLedg
     thread = threading.Thread(target=run_zombie)
     thread.start()
     assert paused.wait(10)
-    time.sleep(1.2)  # the zombie's lease runs out while it is stalled
+    # The zombie's lease runs out while it is stalled: time passing its lease, not a state to watch.
+    time.sleep(1.2)
 
     successor_effect = WorldEffect(world)
     successor = make_ledger(owner="successor").perform(

@@ -26,7 +26,6 @@ from sim.runner import RunningSim, start_sim
 from sim.scenario import shipped_scenarios
 from tests.ledger.world import SimulatedCrash
 from tests.sim.serving_fixtures import running_serving, scenario
-from tests.sim.test_serving_streaming import MODEL
 from tests.support import JIRA_ISSUE_PATH, jira_issues, open_issue_by_hand, sim_jira
 from worker.config import Settings
 from worker.webhook.app import create_app
@@ -34,6 +33,8 @@ from worker.webhook.effects_api import effects_router
 
 EFFECTS_TOKEN = secrets.token_hex(16)
 LEDGER_TOKEN = secrets.token_hex(16)
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # what the serving fixtures' scenario serves
 
 
 class TokenPerRoute(httpx.Auth):

@@ -17,6 +17,7 @@ from tests.support import (
     finish,
     gpu_pool,
     incident_config,
+    load_reaches,
     node_report,
     reconcile_with_world,
     wait_for_child,
@@ -33,7 +34,7 @@ async def test_envoy_killed_mid_recovery_comes_back_with_the_current_state_and_t
         # Light load: what is under test is Envoy's state, not capacity (a loaded fleet whose every
         # request crosses Envoy starves a 2-core machine: README, "The gateway").
         load = await rig.start_load(rate=8, duration_s=120, seed=5)
-        await asyncio.sleep(3)
+        await load_reaches(rig)
         assert (await rig.inject(FaultKind.NODE_LOST, "gpu-node-0"))["accepted"]
         incident = await rig.report_loss(node_report("gpu-node-0"), incident_config())
         child = await wait_for_child(temporal_client, incident)

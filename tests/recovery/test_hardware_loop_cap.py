@@ -16,7 +16,7 @@ from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX, QUARANTINE_TAINT_KEY, F
 from kube.client import kube_apis
 from ledger.effect import EffectContext
 from ledger.store import EffectLedger
-from tests.recovery.test_hardware_path import TIMINGS, _core, _rows, _scenario, _serving
+from tests.recovery.support import HARDWARE_TIMINGS, hardware_scenario, procedure_rows
 from tests.support import POOL, decisions, finish, incident_config, wait_for_child
 from worker.devstack.rig import FleetRig, fleet_rig
 
@@ -28,7 +28,7 @@ def _earlier_quarantines(rig: FleetRig, ledger_url: str, node: str, machine: str
     returned it each time."""
     ledger = EffectLedger(ledger_url)
     kube = kube_apis(rig.settings)
-    operator = _core(rig)  # the operator's own client (not fleetmend's user agent: not fleetmend's action)
+    operator = rig.core  # the operator's own client (not fleetmend's user agent: not fleetmend's action)
     try:
         for n in (1, 2):
             workflow_id = f"incident/earlier-{n}/recovery-1"
@@ -49,10 +49,10 @@ async def test_the_third_remediation_inside_the_window_waits_for_an_operator(
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
     async with fleet_rig(
-        temporal_client, scenario=_scenario(), database_url=ledger_url, task_queue=task_queue
+        temporal_client, scenario=hardware_scenario(), database_url=ledger_url, task_queue=task_queue
     ) as rig:
-        leader = sorted(await _serving(rig, 5))[0]
-        core = _core(rig)
+        leader = sorted(await rig.pool_ready(POOL, 5))[0]
+        core = rig.core
         node = str((await asyncio.to_thread(core.read_namespaced_pod, leader, POOL.namespace)).spec.node_name)
         machine = str((await asyncio.to_thread(core.read_node, node)).spec.provider_id)
         await asyncio.to_thread(_earlier_quarantines, rig, ledger_url, node, machine)
@@ -60,7 +60,7 @@ async def test_the_third_remediation_inside_the_window_waits_for_an_operator(
         await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0)
         report = LossReport(pool=POOL, fingerprint="fp-third", alert_name="FleetmendGpuXid", node=node)
         child = await wait_for_child(
-            temporal_client, await rig.report_loss(report, incident_config(timings=TIMINGS))
+            temporal_client, await rig.report_loss(report, incident_config(timings=HARDWARE_TIMINGS))
         )
         status = await finish(child, timeout_s=180)
         text_ = decisions(status)
@@ -70,7 +70,7 @@ async def test_the_third_remediation_inside_the_window_waits_for_an_operator(
         # The node stays out (cordoned, tainted); no qualification Job was created for it.
         obj = await asyncio.to_thread(core.read_node, node)
         assert obj.spec.unschedulable and QUARANTINE_TAINT_KEY in {t.key for t in obj.spec.taints or []}
-        rows = _rows(ledger_url, child.id)
+        rows = procedure_rows(ledger_url, child.id)
         assert not [r for r in rows if r[1].startswith("k8s.job.")], rows
         assert not [r for r in rows if r[1] == "k8s.node.uncordon"], rows
         # The operator is asked in the incident channel, with the machine named.

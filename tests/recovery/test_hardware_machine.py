@@ -14,7 +14,7 @@ from temporalio.client import Client, WorkflowHandle
 from fleet.incident import LossReport
 from fleet.recovery import Phase
 from fleet.vocabulary import QUARANTINE_LABEL, QUARANTINE_TAINT_KEY, FaultKind
-from tests.recovery.test_hardware_path import TIMINGS, _core, _rows, _scenario, _serving, node_workflow
+from tests.recovery.support import HARDWARE_TIMINGS, hardware_scenario, node_workflow, procedure_rows
 from tests.support import POOL, decisions, finish, incident_config, wait_for_child
 from worker.devstack.rig import FleetRig, fleet_rig
 
@@ -32,7 +32,7 @@ async def _said(child: WorkflowHandle[Any, Any], words: str, timeout_s: float = 
 
 async def _recreate(rig: FleetRig, node: str, provider_id: str) -> str:
     """Delete the Node object and register it again (a kubelet re-registering); returns the new uid."""
-    core = _core(rig)
+    core = rig.core
     raw = await asyncio.to_thread(core.read_node, node, _preload_content=False)
     obj = json.loads(raw.data)
     await asyncio.to_thread(core.delete_node, node)
@@ -55,17 +55,17 @@ async def test_a_node_recreated_for_the_same_machine_stays_quarantined_until_it_
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
     async with fleet_rig(
-        temporal_client, scenario=_scenario(), database_url=ledger_url, task_queue=task_queue
+        temporal_client, scenario=hardware_scenario(), database_url=ledger_url, task_queue=task_queue
     ) as rig:
-        leader = sorted(await _serving(rig, 5))[0]
-        core = _core(rig)
+        leader = sorted(await rig.pool_ready(POOL, 5))[0]
+        core = rig.core
         node = str((await asyncio.to_thread(core.read_namespaced_pod, leader, POOL.namespace)).spec.node_name)
         machine = str((await asyncio.to_thread(core.read_node, node)).spec.provider_id)
         await rig.start_load(rate=20, duration_s=200, seed=9)
         await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0)
         report = LossReport(pool=POOL, fingerprint="fp-same-machine", alert_name="FleetmendGpuXid", node=node)
         child = await wait_for_child(
-            temporal_client, await rig.report_loss(report, incident_config(timings=TIMINGS))
+            temporal_client, await rig.report_loss(report, incident_config(timings=HARDWARE_TIMINGS))
         )
         qualification = await node_workflow(temporal_client, child, node)
         await _said(qualification, "failed qualification")
@@ -87,7 +87,7 @@ async def test_a_node_recreated_for_the_same_machine_stays_quarantined_until_it_
         }
         steps = [
             op.split("@", 1)[1].split("/")[1]
-            for op, _, target, _ in _rows(ledger_url, child.id)
+            for op, _, target, _ in procedure_rows(ledger_url, child.id)
             if target == f"node/{node}"
         ]
         assert f"quarantine-{uid[:8]}" in steps and f"quarantine-{uid[:8]}-taint" in steps, steps
@@ -98,16 +98,16 @@ async def test_another_machine_under_the_same_name_is_a_new_machine(
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
     async with fleet_rig(
-        temporal_client, scenario=_scenario(), database_url=ledger_url, task_queue=task_queue
+        temporal_client, scenario=hardware_scenario(), database_url=ledger_url, task_queue=task_queue
     ) as rig:
-        leader = sorted(await _serving(rig, 5))[0]
-        core = _core(rig)
+        leader = sorted(await rig.pool_ready(POOL, 5))[0]
+        core = rig.core
         node = str((await asyncio.to_thread(core.read_namespaced_pod, leader, POOL.namespace)).spec.node_name)
         await rig.start_load(rate=20, duration_s=200, seed=9)
         await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0)
         report = LossReport(pool=POOL, fingerprint="fp-new-machine", alert_name="FleetmendGpuXid", node=node)
         child = await wait_for_child(
-            temporal_client, await rig.report_loss(report, incident_config(timings=TIMINGS))
+            temporal_client, await rig.report_loss(report, incident_config(timings=HARDWARE_TIMINGS))
         )
         qualification = await node_workflow(temporal_client, child, node)
         await _said(qualification, "failed qualification")
@@ -124,7 +124,7 @@ async def test_another_machine_under_the_same_name_is_a_new_machine(
         assert QUARANTINE_TAINT_KEY not in {t.key for t in obj.spec.taints or []}
         steps = [
             op.split("@", 1)[1].split("/")[1]
-            for op, _, target, _ in _rows(ledger_url, child.id)
+            for op, _, target, _ in procedure_rows(ledger_url, child.id)
             if target == f"node/{node}"
         ]
         assert "return-node" not in steps and sorted(steps) == ["fence", "quarantine", "quarantine-taint"], (

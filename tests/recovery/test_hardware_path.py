@@ -5,58 +5,26 @@ the remediation loop cap. Real Temporal, real Postgres, the simulated fleet and 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
 from kubernetes import client as kc
-from kubernetes import config as kconfig
 from sqlalchemy import create_engine, text
-from temporalio.client import Client, WorkflowHandle
-from temporalio.service import RPCError
+from temporalio.client import Client
 
 from fleet.incident import LossReport
 from fleet.recovery import Phase
 from fleet.vocabulary import (
-    PROCEDURE_OPERATION_PREFIX,
     QUARANTINE_LABEL,
     QUARANTINE_TAINT_KEY,
     ROLE_LABEL,
     ROLE_SPARE,
     FaultKind,
 )
-from tests.support import FAST, POOL, decisions, finish, incident_config, wait_for_child
-from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
-from workflows.node_qualification import child_id
+from tests.recovery.support import HARDWARE_TIMINGS, hardware_scenario, node_workflow, procedure_rows
+from tests.support import POOL, decisions, finish, incident_config, load_reaches, wait_for_child
+from worker.devstack.rig import FleetRig, fleet_rig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-TIMINGS = FAST.model_copy(update={"qualification_timeout_s": 30, "repair_wait_s": 60})
-
-
-def _scenario() -> Any:
-    scenario = compressed_scenario("gpu-node-loss")
-    return scenario.model_copy(update={"load": {**(scenario.load or {}), "qualification_s": 2.0}})
-
-
-def _core(rig: FleetRig) -> kc.CoreV1Api:
-    cfg = kc.Configuration()
-    kconfig.load_kube_config(config_file=str(rig.sim.kubeconfig), client_configuration=cfg)
-    return kc.CoreV1Api(kc.ApiClient(cfg))
-
-
-def _rows(url: str, scope: str) -> list[tuple[str, str, str, str]]:
-    engine = create_engine(url)
-    try:
-        with engine.connect() as conn:
-            rows = conn.execute(
-                text(
-                    "SELECT op_id, kind, target, state FROM ledger_effects WHERE op_id LIKE :p ORDER BY created_at"
-                ),
-                {"p": f"{PROCEDURE_OPERATION_PREFIX}{scope}@%"},
-            ).all()
-        return [(r[0], r[1], r[2], r[3]) for r in rows]
-    finally:
-        engine.dispose()
 
 
 def _job_node(url: str, op_id: str) -> str:
@@ -72,34 +40,11 @@ def _job_node(url: str, op_id: str) -> str:
         engine.dispose()
 
 
-async def _serving(rig: FleetRig, n: int) -> list[str]:
-    for _ in range(120):
-        pods = await rig.routing_set(POOL)
-        if len(pods) >= n:
-            return pods
-        await asyncio.sleep(0.5)
-    raise AssertionError(f"the pool never served {n} replicas")
-
-
-async def node_workflow(
-    client: Client, recovery: WorkflowHandle[Any, Any], node: str, timeout_s: float = 90
-) -> WorkflowHandle[Any, Any]:
-    """The node's own hardware-path workflow (``NodeQualification``) the recovery started, once it exists."""
-    handle = client.get_workflow_handle(child_id(recovery.id, node))
-    for _ in range(int(timeout_s / 0.3)):
-        try:
-            await handle.describe()
-            return handle
-        except RPCError:
-            await asyncio.sleep(0.3)
-    raise AssertionError(f"{recovery.id} started no workflow for {node} within {timeout_s} s")
-
-
 async def _follow_up_repairs(rig: FleetRig, node: str, seen_failure: asyncio.Event) -> None:
     """The GPU-fault follow-up, after fleetmend said the node failed: move the serving pods off the
     node, replace the GPU. The warm spare on it is left where it is: clearing that is fleetmend's job."""
     await seen_failure.wait()
-    core = _core(rig)
+    core = rig.core
     pods = await asyncio.to_thread(
         core.list_namespaced_pod, POOL.namespace, field_selector=f"spec.nodeName={node}"
     )
@@ -116,18 +61,18 @@ async def test_an_xid_79_under_load_is_quarantined_fails_qualification_then_retu
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
     async with fleet_rig(
-        temporal_client, scenario=_scenario(), database_url=ledger_url, task_queue=task_queue
+        temporal_client, scenario=hardware_scenario(), database_url=ledger_url, task_queue=task_queue
     ) as rig:
-        leader = sorted(await _serving(rig, 5))[0]
-        core = _core(rig)
+        leader = sorted(await rig.pool_ready(POOL, 5))[0]
+        core = rig.core
         pod = await asyncio.to_thread(core.read_namespaced_pod, leader, POOL.namespace)
         node = str(pod.spec.node_name)
         machine = (await asyncio.to_thread(core.read_node, node)).spec.provider_id
         await rig.start_load(rate=20, duration_s=200, seed=5)
-        await asyncio.sleep(2)
+        await load_reaches(rig)
         await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0)  # under load: the replica on GPU 0 dies
         report = LossReport(pool=POOL, fingerprint="fp-xid", alert_name="FleetmendGpuXid", node=node)
-        incident = await rig.report_loss(report, incident_config(timings=TIMINGS))
+        incident = await rig.report_loss(report, incident_config(timings=HARDWARE_TIMINGS))
         child = await wait_for_child(temporal_client, incident)
 
         failed = asyncio.Event()
@@ -171,7 +116,7 @@ async def test_an_xid_79_under_load_is_quarantined_fails_qualification_then_retu
         # The Jobs ran on that node only and were deleted afterwards.
         jobs = kc.BatchV1Api(core.api_client)
         assert (await asyncio.to_thread(jobs.list_namespaced_job, "fleetmend")).items == []
-        rows = _rows(ledger_url, child.id)
+        rows = procedure_rows(ledger_url, child.id)
         node_steps = [
             op.split("@", 1)[1].split("/")[1] for op, _, target, _ in rows if target == f"node/{node}"
         ]

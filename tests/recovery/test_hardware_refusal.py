@@ -12,7 +12,7 @@ from temporalio.client import Client
 from fleet.incident import LossReport
 from fleet.recovery import OperatorAction, Phase
 from fleet.vocabulary import QUARANTINE_TAINT_KEY, FaultKind
-from tests.recovery.test_hardware_path import TIMINGS, _core, _rows, _scenario, _serving, node_workflow
+from tests.recovery.support import HARDWARE_TIMINGS, hardware_scenario, node_workflow, procedure_rows
 from tests.support import POOL, decisions, finish, incident_config, wait_for_child, wait_for_phase
 from worker.devstack.rig import fleet_rig
 
@@ -23,17 +23,17 @@ async def test_a_refused_qualification_job_stops_and_asks_and_the_node_stays_out
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
     async with fleet_rig(
-        temporal_client, scenario=_scenario(), database_url=ledger_url, task_queue=task_queue
+        temporal_client, scenario=hardware_scenario(), database_url=ledger_url, task_queue=task_queue
     ) as rig:
-        leader = sorted(await _serving(rig, 5))[0]
-        core = _core(rig)
+        leader = sorted(await rig.pool_ready(POOL, 5))[0]
+        core = rig.core
         node = str((await asyncio.to_thread(core.read_namespaced_pod, leader, POOL.namespace)).spec.node_name)
         await rig.start_load(rate=20, duration_s=200, seed=17)
         await rig.refuse({"verbs": ["POST"], "path_contains": "/jobs", "error": "403"})
         await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0)
         report = LossReport(pool=POOL, fingerprint="fp-refused-job", alert_name="FleetmendGpuXid", node=node)
         child = await wait_for_child(
-            temporal_client, await rig.report_loss(report, incident_config(timings=TIMINGS))
+            temporal_client, await rig.report_loss(report, incident_config(timings=HARDWARE_TIMINGS))
         )
         # The node's own workflow stopped and asks; the recovery verified with the quarantine in place.
         qualification = await node_workflow(temporal_client, child, node)
@@ -53,6 +53,6 @@ async def test_a_refused_qualification_job_stops_and_asks_and_the_node_stays_out
         assert "skipped by on-call" in text_ and "it stays quarantined" in text_, text_
         obj = await asyncio.to_thread(core.read_node, node)
         assert obj.spec.unschedulable and QUARANTINE_TAINT_KEY in {t.key for t in obj.spec.taints or []}
-        rows = _rows(ledger_url, child.id)
+        rows = procedure_rows(ledger_url, child.id)
         assert [r[3] for r in rows if r[1] == "k8s.job.create"] == ["failed"], rows
         assert not [r for r in rows if r[1] in ("k8s.node.uncordon", "k8s.job.delete")], rows

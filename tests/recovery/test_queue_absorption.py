@@ -4,13 +4,20 @@ refusing past the gap)."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from temporalio.client import Client
 
 from fleet.vocabulary import FaultKind
-from tests.support import RANK_POOL, decisions, finish, incident_config, pod_report, rank_pool, wait_for_child
+from tests.support import (
+    RANK_POOL,
+    decisions,
+    finish,
+    incident_config,
+    load_reaches,
+    pod_report,
+    rank_pool,
+    wait_for_child,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -24,7 +31,7 @@ async def test_the_survivors_queue_absorbs_first_and_the_keeper_follows_it(
         assert len(leaders) == 2, leaders
         # ~80 % of the two groups: one survivor cannot carry it while its LeaderWorkerSet re-creates the other.
         load = await rig.start_load(rate=24, duration_s=60, seed=12, model=None, pool=pool.key)
-        await asyncio.sleep(3)
+        await load_reaches(rig, pool)
         worker_pod = f"{leaders[0]}-1"
         await rig.inject(FaultKind.RANK_LOST, f"inference/{worker_pod}")
         report = pod_report(worker_pod, "fp-absorb", alert="FleetmendRankLost", pool=pool)

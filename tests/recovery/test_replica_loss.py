@@ -23,6 +23,7 @@ from tests.support import (
     fleetmend_actions,
     gpu_pool,
     incident_config,
+    load_reaches,
     node_report,
     pod_report,
     rank_pool,
@@ -59,7 +60,7 @@ async def test_gpu_node_lost_under_load_alert_storm_one_recovery(
         before = await _serving_pods(rig)
         assert len(before) == 5
         load = await rig.start_load(rate=52, duration_s=120, seed=3)
-        await asyncio.sleep(4)
+        await load_reaches(rig)
         fault = await rig.inject(FaultKind.NODE_LOST, "gpu-node-0")
         assert fault["accepted"]
         # Alertmanager re-sends, several receivers fire: 200 deliveries of the same loss.
@@ -133,7 +134,7 @@ async def test_dry_run_records_the_plan_and_touches_nothing(
 ) -> None:
     async with gpu_pool(temporal_client, task_queue, ledger_url) as rig:
         await rig.start_load(rate=52, duration_s=60, seed=4)
-        await asyncio.sleep(3)
+        await load_reaches(rig)
         await rig.inject(FaultKind.NODE_LOST, "gpu-node-0")
         incident = await rig.report_loss(node_report("gpu-node-0"), incident_config(dry_run=True))
         status = await finish(await wait_for_child(temporal_client, incident))
@@ -150,7 +151,7 @@ async def test_slow_replica_is_not_a_loss_and_nothing_is_mutated(
         pod = (await _serving_pods(rig))[0]
         await rig.start_load(rate=30, duration_s=60, seed=5)
         await rig.inject(FaultKind.SLOW_REPLICA, f"inference/{pod}", factor=0.3)
-        await asyncio.sleep(2)
+        await load_reaches(rig, pods=[pod])  # slowed, it still takes its share
         incident = await rig.report_loss(
             pod_report(pod, "fp-slow", alert="FleetmendTTFTHigh"), incident_config()
         )
@@ -170,13 +171,12 @@ async def test_router_label_is_a_selector_so_force_delete_needs_approval(
         database_url=ledger_url,
         task_queue=task_queue,
     ) as rig:
-        await asyncio.sleep(8)
-        pod = (await _serving_pods(rig))[0]
+        pod = (await rig.pool_ready(POOL))[0]
         await rig.start_load(rate=30, duration_s=90, seed=6)
-        await asyncio.sleep(2)
+        await load_reaches(rig)
         # A wedged engine: /health still answers 200 and the kubelet keeps it Ready, so it stays routed.
         await rig.inject(FaultKind.WEDGED_ENGINE, f"inference/{pod}")
-        await asyncio.sleep(1)
+        await load_reaches(rig, pods=[pod], in_flight=True)  # requests pile up on it
         incident = await rig.report_loss(pod_report(pod, "fp-wedged"), incident_config())
         child = await wait_for_child(temporal_client, incident)
         waiting = await wait_for_phase(child, Phase.AWAITING_OPERATOR)
@@ -208,11 +208,11 @@ async def test_no_warm_spare_posts_lead_time_and_keeps_shedding_until_capacity_r
         database_url=ledger_url,
         task_queue=task_queue,
     ) as rig:
-        await asyncio.sleep(8)
+        await rig.pool_ready()
         # ~80 % of 6 replicas: with 2 lost, arrivals exceed the 4 survivors' 54 req/s (15 x 4 at 90 %)
         # by more than the survivors' measured arrival rate may fall short on a loaded machine.
         await rig.start_load(rate=72, duration_s=120, seed=7)
-        await asyncio.sleep(3)
+        await load_reaches(rig)
         await rig.inject(FaultKind.NODE_LOST, "gpu-node-0")
         # Queue absorption off (a wait budget of 0): the gap is refused at once, not after the queues fill.
         cfg = incident_config(warm_floor=0, queue_wait_budget_s=0)
@@ -242,7 +242,7 @@ async def test_one_rank_lost_takes_the_whole_multi_node_group(
         leaders = await rig.routing_set(pool)
         worker_pod = f"{leaders[0]}-1"  # rank 1 of group 0's leader
         await rig.start_load(rate=10, duration_s=90, seed=8, model=None, pool=pool.key)
-        await asyncio.sleep(2)
+        await load_reaches(rig, pool)
         await rig.inject(FaultKind.RANK_LOST, f"inference/{worker_pod}")
         report = pod_report(worker_pod, "fp-rank", alert="FleetmendRankLost", pool=pool)
         incident = await rig.report_loss(report, incident_config(pool))
@@ -269,7 +269,7 @@ async def test_fragmented_cluster_is_reported_not_left_pending(
         database_url=ledger_url,
         task_queue=task_queue,
     ) as rig:
-        await asyncio.sleep(8)
+        await rig.pool_ready()
         await rig.inject(FaultKind.NODE_LOST, "gpu-node-0")
         incident = await rig.report_loss(node_report("gpu-node-0"), incident_config(warm_floor=0))
         child = await wait_for_child(temporal_client, incident)
@@ -293,8 +293,8 @@ async def test_losses_during_a_new_revision_take_the_bad_rollout_path(
         task_queue=task_queue,
     ) as rig:
         crashing: list[str] = []
-        for _ in range(60):  # the rollout starts at 6 s; r2 crashes each time it finishes loading
-            await asyncio.sleep(1)
+        for _ in range(120):  # the rollout starts at 6 s; r2 crashes each time it finishes loading
+            await asyncio.sleep(0.5)
             pods = await _pods_in_crash_loop(rig)
             if pods:
                 crashing = pods
@@ -343,7 +343,7 @@ async def test_an_oom_killed_engine_beside_the_spare_promotes_it_and_leaves_the_
         # The serving pod that shares the spare's node: an engine crash there fails the pod, not the node.
         victim = next(p for p in routed if node_of[p] == node_of[spare])
         await rig.start_load(rate=40, duration_s=60, seed=5)
-        await asyncio.sleep(2)
+        await load_reaches(rig)
         await rig.inject(FaultKind.POD_OOMKILLED, f"{POOL.namespace}/{victim}")
         # The alert names the pod and, as kube-state-metrics labels do, its node.
         report = pod_report(victim, "fp-oom", alert="KubePodCrashLooping", node=node_of[victim])
@@ -369,7 +369,7 @@ async def test_an_oom_killed_leader_in_a_leaderworkerset_pool_is_recovered_as_it
         leaders = await rig.routing_set(pool)
         victim = leaders[0]
         await rig.start_load(rate=10, duration_s=90, seed=9, model=None, pool=pool.key)
-        await asyncio.sleep(2)
+        await load_reaches(rig, pool)
         await rig.inject(FaultKind.POD_OOMKILLED, f"inference/{victim}")
         report = pod_report(victim, "fp-oom-lws", alert="KubePodCrashLooping", pool=pool)
         incident = await rig.report_loss(report, incident_config(pool))

@@ -48,15 +48,6 @@ def _ledger_rows(url: str, like: str) -> list[tuple[str, str]]:
         engine.dispose()
 
 
-async def _wait_serving(rig: FleetRig, n: int, timeout_s: float = 60) -> list[str]:
-    for _ in range(int(timeout_s / 0.5)):
-        pods = await rig.routing_set(POOL)
-        if len(pods) >= n:
-            return pods
-        await asyncio.sleep(0.5)
-    raise AssertionError(f"the pool never served {n} replicas (now {await rig.routing_set(POOL)})")
-
-
 async def _incident_closed(client: Client, workflow_id: str, timeout_s: float = 60) -> None:
     for _ in range(int(timeout_s / 0.3)):
         desc = await client.get_workflow_handle(workflow_id).describe()
@@ -90,7 +81,7 @@ async def test_a_second_loss_on_the_same_pool_recovers_with_its_own_operation_id
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
     async with gpu_pool(temporal_client, task_queue, ledger_url, routed=0, in_process_sim=True) as rig:
-        await _wait_serving(rig, 5)
+        await rig.pool_ready(POOL)
         await rig.start_load(rate=40, duration_s=240, seed=21)
         outcomes = []
         for day, node in enumerate(("gpu-node-0", "gpu-node-1")):
@@ -107,7 +98,7 @@ async def test_a_second_loss_on_the_same_pool_recovers_with_its_own_operation_id
             outcomes.append(child.id)
             await _incident_closed(temporal_client, incident.id)
             await _operator_returns_node(rig, node)
-            await _wait_serving(rig, 5)
+            await rig.pool_ready(POOL)
         first_id, second_id = outcomes
         assert first_id != second_id
         # Each incident's actions are under its own scope: none of the second's ids is one of the first's.
@@ -136,7 +127,7 @@ async def test_a_refused_deroute_stops_and_asks_and_retry_after_the_fix_complete
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
     async with gpu_pool(temporal_client, task_queue, ledger_url, routed=0) as rig:
-        await _wait_serving(rig, 5)
+        await rig.pool_ready(POOL)
         # RBAC lost the pods/patch permission: every pod patch is Forbidden.
         await rig.refuse({"verbs": ["PATCH"], "path_contains": "/pods/", "error": "403"})
         await rig.inject(FaultKind.NODE_LOST, "gpu-node-0")
@@ -178,7 +169,7 @@ async def test_a_persistent_429_ends_in_an_operator_escalation_within_the_budget
     budget = RetryBudget(attempts=3, budget_s=10, initial_interval_s=0.2, max_interval_s=1)
     timings = FAST.model_copy(update={"retry": budget})
     async with gpu_pool(temporal_client, task_queue, ledger_url, routed=0) as rig:
-        await _wait_serving(rig, 5)
+        await rig.pool_ready(POOL)
         await rig.refuse({"verbs": ["PATCH"], "path_contains": "/scale", "error": "429"})
         await rig.inject(FaultKind.NODE_LOST, "gpu-node-0")
         incident = await rig.report_loss(node_report("gpu-node-0"), incident_config(timings=timings))

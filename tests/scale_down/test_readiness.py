@@ -14,8 +14,8 @@ from temporalio.client import Client
 from typer.testing import CliRunner
 
 from fleet.vocabulary import SERVING_READY_CONDITION, FaultKind
-from tests.scale_down.helpers import vllm_default_scenario
-from tests.support import POOL
+from tests.scale_down.support import vllm_default_scenario
+from tests.support import POOL, load_reaches
 from worker.cli.app import app
 from worker.devstack.rig import FleetRig, fleet_rig
 from workflows.readiness_keeper import KeeperStatus, readiness_keeper_workflow_id
@@ -44,6 +44,14 @@ async def _wait_gate(rig: FleetRig, pod: str, value: str, timeout_s: float) -> f
     raise AssertionError(f"{SERVING_READY_CONDITION} of {pod} did not become {value} within {timeout_s} s")
 
 
+async def _until_routed(rig: FleetRig, pod: str, routed: bool, timeout_s: float = 10) -> None:
+    """Until Envoy's routing set has ``pod`` (``routed``) or not."""
+    deadline = time.monotonic() + timeout_s
+    while (pod in await rig.routing_set(POOL)) != routed:
+        assert time.monotonic() < deadline, f"{pod} {'not ' if routed else ''}routed after {timeout_s:g} s"
+        await asyncio.sleep(0.1)
+
+
 async def test_kv_over_the_ceiling_loses_readiness_gets_no_new_requests_and_recovers(
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
@@ -66,8 +74,7 @@ async def test_kv_over_the_ceiling_loses_readiness_gets_no_new_requests_and_reco
         await rig.start_load(
             rate=24, duration_s=90, seed=3, tiers={"standard": 1.0}, output_tokens=[100, 300]
         )
-        await asyncio.sleep(2)
-        pods = await rig.routing_set(POOL)
+        pods = await load_reaches(rig)
         assert len(pods) == 8
         hot = pods[0]
         await rig.inject(FaultKind.SLOW_REPLICA, f"{POOL.namespace}/{hot}", factor=0.03)
@@ -85,12 +92,12 @@ async def test_kv_over_the_ceiling_loses_readiness_gets_no_new_requests_and_reco
         assert conditions["Ready"] == "False" and conditions["ContainersReady"] == "True", conditions
         assert conditions["restarts"] == "0"
         assert (await rig.engine_get(POOL.namespace, hot, "/health")).status_code == 200
-        await asyncio.sleep(0.5)
-        assert hot not in await rig.routing_set(POOL)
+        await _until_routed(rig, hot, False)
         out_of_rotation = time.time()  # Envoy's access log stamps requests in wall-clock seconds
 
-        # While the gate is false Envoy sends it nothing new (checked below, once those requests ended).
-        await asyncio.sleep(3)
+        # While the gate is false Envoy sends it nothing new (checked below, once those requests ended): the
+        # others meanwhile take five requests each.
+        await load_reaches(rig, pods=[p for p in pods if p != hot], requests=5)
         metrics = (await rig.engine_get(POOL.namespace, hot, "/metrics")).text
         assert "num_requests_running" in metrics
 
@@ -98,9 +105,9 @@ async def test_kv_over_the_ceiling_loses_readiness_gets_no_new_requests_and_reco
         await rig.inject(FaultKind.SLOW_REPLICA, f"{POOL.namespace}/{hot}", clear=True)
         await _wait_gate(rig, hot, "True", 30)
         back_ready = time.time()
-        await asyncio.sleep(0.5)
-        assert hot in await rig.routing_set(POOL)
-        # Every request sent meanwhile has ended and is in Envoy's access log (streams last 2.5-7.5 s).
+        await _until_routed(rig, hot, True)
+        # Every request sent meanwhile has ended and is in Envoy's access log. Streams last 2.5-7.5 s, and
+        # nothing outside the load generator says when the last one sent before back_ready ended.
         await asyncio.sleep(8)
         served = await rig.request_outcomes(POOL, replica=hot)
         assert served, "Envoy's access log shows no request served by the hot replica at all"

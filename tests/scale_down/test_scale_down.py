@@ -19,7 +19,7 @@ from temporalio.worker import Replayer
 from fleet.incident import scale_down_workflow_id
 from fleet.recovery import OperatorAction, Phase
 from fleet.search_attributes import FLEETMEND_KIND, FLEETMEND_PHASE
-from tests.scale_down.helpers import (
+from tests.scale_down.support import (
     STREAMING,
     scale_down_input,
     start_scale_down,
@@ -30,6 +30,7 @@ from tests.support import (
     cli_env,
     decisions,
     finish,
+    load_reaches,
     reconcile_with_world,
     run_cli,
     status_of,
@@ -52,15 +53,20 @@ async def _naive_baseline(client: Client, task_queue: str, ledger_url: str) -> i
         run_worker=False,
     ) as rig:
         load = await rig.start_load(rate=16, duration_s=60, seed=5, **STREAMING)
-        await asyncio.sleep(4)
         victims = (await rig.routing_set(POOL))[:2]
+        await load_reaches(rig, pods=victims, in_flight=True)  # streams on both when they go
         core = rig.core
         for pod in victims:
             await asyncio.to_thread(core.delete_namespaced_pod, pod, POOL.namespace)
-        await asyncio.sleep(2)
-        cut = await rig.cut_streams(POOL, victims)
-        report = await rig.load_report(load)
-        assert report["truncated_streams"] >= cut
+        # Envoy's access log and the users' own count each learn of the cuts in their own time: both waited for.
+        deadline = time.monotonic() + 10
+        while True:
+            cut = await rig.cut_streams(POOL, victims)
+            report = await rig.load_report(load)
+            if (cut and report["truncated_streams"] >= cut) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        assert report["truncated_streams"] >= cut, (report, cut)
         return cut
 
 
@@ -85,7 +91,7 @@ async def test_8_to_6_under_streaming_load_cuts_nothing_where_the_naive_way_cuts
             task_queue=task_queue,
         )
         load = await rig.start_load(rate=16, duration_s=60, seed=5, **STREAMING)
-        await asyncio.sleep(4)
+        await load_reaches(rig, in_flight=True)  # whichever replicas go, streams are on them
         handle = await start_scale_down(
             temporal_client, rig, scale_down_input(), f"sd-{uuid.uuid4().hex[:8]}"
         )
@@ -151,7 +157,7 @@ async def test_drain_past_deadline_waits_for_the_operator_extend_then_accept_cut
         await rig.start_load(
             rate=6, duration_s=60, seed=7, tiers={"standard": 1.0}, output_tokens=[1600, 2000]
         )
-        await asyncio.sleep(4)
+        await load_reaches(rig, requests=1, in_flight=True)
         inp = scale_down_input(target_groups=7, drain_deadline_s=1.5, operator_timeout_s=2.0)
         handle = await start_scale_down(temporal_client, rig, inp, f"sd-{uuid.uuid4().hex[:8]}")
 
@@ -276,7 +282,7 @@ async def test_dry_run_plans_everything_and_touches_nothing_and_operators_steer_
         # The capacity guard: the remaining groups could not carry today's demand -> stop and ask, with the
         # reason; nobody approves in time -> the scale-down ends having removed nothing.
         await rig.start_load(rate=8, duration_s=30, seed=9, **STREAMING)
-        await asyncio.sleep(2)
+        await load_reaches(rig, requests=1)
         tight = scale_down_input(target_groups=4, group_capacity_tokens_per_s=1.0, operator_timeout_s=2.0)
         handle = await start_scale_down(temporal_client, rig, tight, f"sd-{uuid.uuid4().hex[:8]}")
         asking = await wait_for_phase(handle, Phase.AWAITING_OPERATOR, 30)

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from fleet.incident import LossReport, incident_workflow_id
 from fleet.recovery import IncidentInput, Phase, RecoveryTimings
-from tests.scale_down.helpers import vllm_default_scenario
+from tests.scale_down.support import vllm_default_scenario
 from tests.support import POOL, decisions, finish, status_of, wait_for_phase
 from worker.cli.app import app
 from worker.devstack.rig import FleetRig, fleet_rig

@@ -7,17 +7,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import signal
+import time
 import uuid
 from pathlib import Path
 
 from temporalio.client import Client
 
 from fleet.recovery import Phase
-from tests.scale_down.helpers import scale_down_input, start_scale_down, vllm_default_scenario
+from tests.scale_down.support import scale_down_input, start_scale_down, vllm_default_scenario
 from tests.support import (
     POOL,
     decisions,
     finish,
+    load_reaches,
     reconcile_with_world,
     start_worker_process,
     status_of,
@@ -47,13 +49,15 @@ async def test_worker_killed_mid_drain_resumes_with_no_duplicate_action(
             await rig.start_load(
                 rate=8, duration_s=60, seed=11, tiers={"standard": 1.0}, output_tokens=[300, 500]
             )
-            await asyncio.sleep(4)
+            await load_reaches(rig, in_flight=True)
             handle = await start_scale_down(
                 temporal_client, rig, scale_down_input(poll_interval_s=0.5), f"sd-{uuid.uuid4().hex[:8]}"
             )
-            await wait_for_phase(handle, Phase.DRAINING, 60)
-            await asyncio.sleep(1.0)
-            busy = await status_of(handle)
+            busy = await wait_for_phase(handle, Phase.DRAINING, 60)
+            deadline = time.monotonic() + 10
+            while not busy.figures.get("victims_in_flight") and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)  # until the drain has counted the victims' requests
+                busy = await status_of(handle)
             assert busy.figures["victims_in_flight"] > 0, busy.figures
             first.send_signal(signal.SIGKILL)
             first.wait(10)

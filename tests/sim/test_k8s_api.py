@@ -16,7 +16,7 @@ from kubernetes_validate.utils import schema_contents
 from referencing import Registry, Resource
 
 from fleet.vocabulary import GPU_RESOURCE, ROUTER_LABEL, SERVING_READY_CONDITION
-from tests.sim.conftest import K8S_VERSION, Kube, assert_valid_objects, wait_for
+from tests.sim.support import K8S_VERSION, Kube, assert_valid_objects, wait_for
 
 NS = "inference"
 LWS = ("leaderworkerset.x-k8s.io", "v1", NS, "leaderworkersets")

@@ -11,7 +11,7 @@ from kubernetes import client, config
 from fleet.vocabulary import ROLE_LABEL, ROUTER_LABEL, SERVING_READY_CONDITION
 from sim.runner import start_sim
 from sim.scenario import load_scenario, shipped_scenarios
-from tests.sim.conftest import TEST_SPEED, Kube, assert_valid_objects, wait_for
+from tests.sim.support import TEST_SPEED, Kube, assert_valid_objects, wait_for
 
 NS = "inference"
 MERGE = "application/merge-patch+json"
@@ -131,9 +131,15 @@ def test_endpointslice_conditions_follow_ready_serving_terminating(kube: Kube) -
         gated, NS, {"status": {"conditions": [{"type": SERVING_READY_CONDITION, "status": "False"}]}}
     )
     kube.core.delete_namespaced_pod(terminating, NS, grace_period_seconds=600)
-    wait_for(lambda: endpoint_conditions(kube).get(gated) == (False, False, False), what="not-ready endpoint")
-    # Deleting, still Ready: serving but not ready, and still listed.
-    assert endpoint_conditions(kube)[terminating] == (False, True, True)
+    # The gated pod: neither ready nor serving. The deleting one, still Ready: serving but not ready, and
+    # still listed. Two pods, two updates of the slice: both are waited for.
+    wait_for(
+        lambda: (
+            (c := endpoint_conditions(kube)).get(gated) == (False, False, False)
+            and c.get(terminating) == (False, True, True)
+        ),
+        what="the gated endpoint not ready and the deleting one serving-terminating",
+    )
     # The replacement of the terminating pod is listed as soon as it has an IP, not ready while loading.
     conditions = wait_for(
         lambda: (c := endpoint_conditions(kube)) and len(c) == 7 and c, what="the replacement endpoint"
@@ -142,9 +148,12 @@ def test_endpointslice_conditions_follow_ready_serving_terminating(kube: Kube) -
     assert conditions[new] == (False, False, False)
     kube.core.patch_namespaced_service("llama", NS, {"spec": {"publishNotReadyAddresses": True}})
     wait_for(
-        lambda: endpoint_conditions(kube)[gated] == (True, False, False), what="publishNotReadyAddresses"
+        lambda: (
+            (c := endpoint_conditions(kube))[gated] == (True, False, False)
+            and c[terminating] == (True, True, True)
+        ),
+        what="publishNotReadyAddresses on both endpoints",
     )
-    assert endpoint_conditions(kube)[terminating] == (True, True, True)
     assert_valid_objects(kube)
 
 
@@ -185,8 +194,15 @@ def test_a_rollout_to_a_crashing_revision_stalls_with_crash_looping_pods(kube: K
     )
     status = crashed[0]
     assert status.last_state.terminated.reason == "Error" and status.last_state.terminated.exit_code == 1
-    deployment = kube.apps.read_namespaced_deployment("llama", NS)
-    assert deployment.status.ready_replicas == 5 and deployment.status.unavailable_replicas == 1
+    # The Deployment's status follows the crash in its controller's next sync: waited for, not assumed.
+    deployment = wait_for(
+        lambda: (
+            (d := kube.apps.read_namespaced_deployment("llama", NS)).status.ready_replicas == 5
+            and d.status.unavailable_replicas == 1
+            and d
+        ),
+        what="the Deployment to count 5 ready and 1 unavailable",
+    )
     assert new_pods[0].spec.containers[0].image.endswith("v0.11.0")
     progressing = {c.type: c for c in deployment.status.conditions}["Progressing"]
     assert (progressing.status, progressing.reason) == ("True", "ReplicaSetUpdated")

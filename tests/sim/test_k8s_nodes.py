@@ -18,7 +18,7 @@ from kubernetes.client.exceptions import NotFoundException
 
 from fleet.vocabulary import GPU_RESOURCE, LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL, NVLINK_DOMAIN_LABEL
 from sim.clock import parse_timestamp
-from tests.sim.conftest import Kube, assert_valid_objects, wait_for
+from tests.sim.support import Kube, assert_valid_objects, wait_for
 
 NS = "inference"
 
@@ -109,10 +109,14 @@ def test_a_lost_node_goes_unknown_then_tainted_then_its_pods_are_deleted(kube: K
         kube.core.read_namespaced_pod(stuck, NS)
     # When the kubelet reports again, the node is Ready, untainted, and confirms the pending deletion.
     assert httpx.post(f"{kube.sim.base_url}/sim/v1/nodes/gpu-node-0/restore").status_code == 202
+    # Ready comes from the kubelet's report, the taints go in the node controller's next pass: both waited for.
     wait_for(
-        lambda: conditions(kube.core.read_node("gpu-node-0"))["Ready"].status == "True", what="Ready again"
+        lambda: (
+            conditions(node := kube.core.read_node("gpu-node-0"))["Ready"].status == "True"
+            and not node.spec.taints
+        ),
+        what="Ready again and untainted",
     )
-    assert not kube.core.read_node("gpu-node-0").spec.taints
     wait_for(
         lambda: not kube.core.list_namespaced_pod(NS, field_selector=f"metadata.name={other}").items,
         what="the stuck pod gone",

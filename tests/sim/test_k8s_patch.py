@@ -15,7 +15,7 @@ from sim.k8s.patch import (
     strategic_merge_patch,
 )
 from sim.k8s.selectors import matches_label_selector_object, parse_field_selector, parse_label_selector
-from tests.sim.conftest import Kube, wait_for
+from tests.sim.support import Kube, wait_for
 
 NS = "inference"
 

@@ -13,7 +13,7 @@ from kubernetes.client.exceptions import ApiException
 from sim.k8s.audit import rbac_rules, read_events
 from sim.runner import RunningSim, start_sim
 from sim.scenario import shipped_scenarios
-from tests.sim.conftest import TEST_SPEED, Kube
+from tests.sim.support import TEST_SPEED, Kube
 
 NS = "inference"
 SPARE = "fleetmend.io/role=spare"

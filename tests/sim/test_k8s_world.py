@@ -12,7 +12,7 @@ import urllib3
 from kubernetes.client.exceptions import NotFoundException
 
 from sim.k8s.store import WatchEvent
-from tests.sim.conftest import Kube, assert_valid_objects, wait_for
+from tests.sim.support import Kube, assert_valid_objects, wait_for
 
 NS = "inference"
 

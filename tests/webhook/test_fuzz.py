@@ -21,7 +21,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
-from tests.webhook.conftest import (
+from tests.support import (
     ServedWebhook,
     pool_alert_labels,
     serve_webhook,

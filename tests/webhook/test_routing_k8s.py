@@ -24,7 +24,7 @@ from temporalio.testing import WorkflowEnvironment
 from kube.client import kube_apis
 from sim.runner import RunningSim, start_sim, write_kubeconfig
 from sim.scenario import load_scenario
-from tests.webhook.conftest import ServedWebhook, report_loss_signals, serve_webhook, webhook_settings
+from tests.support import ServedWebhook, report_loss_signals, serve_webhook, webhook_settings
 from worker.intake.topology import PoolTopology
 from worker.processes import free_port
 from worker.webhook.app import create_app

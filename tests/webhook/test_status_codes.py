@@ -21,7 +21,7 @@ from temporalio.testing import WorkflowEnvironment
 from typer.testing import CliRunner
 
 from fleet.incident import PoolRef, incident_workflow_id
-from tests.webhook.conftest import (
+from tests.support import (
     ServedWebhook,
     pool_alert_labels,
     report_loss_signals,

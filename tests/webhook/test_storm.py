@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 from temporalio.client import Client
 
-from tests.webhook.conftest import ServedWebhook, pool_alert_labels, report_loss_signals, workflow_ids
+from tests.support import ServedWebhook, pool_alert_labels, report_loss_signals, workflow_ids
 from worker.webhook.examples import alert, notification
 
 STORM = 1000

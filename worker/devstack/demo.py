@@ -38,14 +38,14 @@ from activities.envoy_gateway import EnvoyGateway
 from activities.gateway import Gateway
 from fleet.gateway import JournalEntry, Outcome
 from fleet.incident import PoolRef, incident_workflow_id, scale_down_workflow_id
-from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, RecoveryTimings, ServingObjectives
+from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, ServingObjectives
 from fleet.shedding import ShedLevel, account_shedding
 from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL, LWS_WORKER_INDEX_LABEL, REVISION_LABEL
 from gateway.store import GatewayStore
 from ledger.store import make_engine
 from sim.control import FaultRequest
 from worker.config import KEPT_STACK_FILE, Settings, kept_stack_env
-from worker.devstack.rig import compressed_scenario
+from worker.devstack.rig import FAST_TIMINGS, compressed_scenario
 from worker.devstack.scenarios import GROUP_CAPACITY_RPS, DemoScenario, PodPlace, Verdict, lost_group_pods
 from worker.devstack.sim_process import scenario_file
 from worker.devstack.stack import ALL_PARTS, DevStack, display_database_url
@@ -54,21 +54,9 @@ from worker.webhook.app import ALERTMANAGER_PATH
 from worker.webhook.examples import example_payload
 from worker.webhook.pipeline import RunningPipeline, alert_pipeline, pipeline_binaries
 
-# The procedure's waits for a demo (close to tests/support.py's FAST): the sim runs at
-# real speed with a compressed start-up, so a whole recovery takes tens of seconds.
-DEMO_TIMINGS = RecoveryTimings(
-    correlation_window_s=5,
-    poll_interval_s=0.5,
-    deroute_timeout_s=10,
-    replacement_timeout_s=60,
-    ramp_interval_s=2,
-    admission_interval_s=1,
-    ramp_max_s=60,
-    verify_timeout_s=60,
-    approval_timeout_s=600,  # --keep-running leaves time to try `fleetmend approve`
-    cooldown_s=1,
-    qualification_timeout_s=20,
-)
+# The procedure's waits for a demo: the compressed world's (shared with the tests), with an approval
+# --keep-running leaves time to give by hand (`fleetmend approve`).
+DEMO_TIMINGS = FAST_TIMINGS.model_copy(update={"approval_timeout_s": 600})
 NODE_GRACE_S = 5.0
 # A replica's start-up (image pull + weight load + distributed init) and its prefix-cache warm-up, compressed:
 # long enough that the ramp-back re-measures a cold replacement several times (every ramp_interval_s).

@@ -36,7 +36,7 @@ from fleet.incident import (
     PoolRef,
     incident_workflow_id,
 )
-from fleet.recovery import IncidentInput
+from fleet.recovery import IncidentInput, RecoveryTimings
 from fleet.vocabulary import FaultKind
 from gateway.resources import UPSTREAM_HEADER
 from gateway.store import GatewayStore
@@ -48,6 +48,25 @@ from worker.devstack.sim_wiring import settings_for_running_sim
 from worker.fastpath.service import FastPath, build_fast_path
 from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
 
+# The procedure's waits in a compressed world (``compressed_scenario``: the sim at real speed, start-up and
+# warm-up in seconds): a whole recovery takes tens of seconds. The demo and the tests both start from these;
+# each names what it changes and why (the demo waits longer for an approval, the tests retry a killed
+# worker's activity on a tighter budget).
+FAST_TIMINGS = RecoveryTimings(
+    correlation_window_s=5,
+    poll_interval_s=0.5,
+    deroute_timeout_s=10,
+    replacement_timeout_s=60,
+    ramp_interval_s=2,
+    admission_interval_s=1,
+    ramp_max_s=60,
+    verify_timeout_s=60,
+    approval_timeout_s=120,
+    cooldown_s=1,
+    qualification_timeout_s=20,
+)
+ROUTED_POLL_S = 0.3  # how often pool_ready re-reads Envoy's routing set
+
 
 @dataclass
 class FleetRig:
@@ -57,6 +76,7 @@ class FleetRig:
     http: httpx.AsyncClient
     gateway: LocalGateway  # the Envoy the users' requests go through, and its control plane
     worker: Worker | None = None
+    scenario: Any = None  # the sim.scenario.Scenario being served
     started_at: float = field(default_factory=time.time)  # unix seconds this rig was made
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     _envoy: EnvoyGateway | None = None
@@ -131,6 +151,46 @@ class FleetRig:
     async def routing_set(self, pool: PoolRef) -> list[str]:
         """The pods Envoy would send a new request of the pool to, now."""
         return [e.pod for e in (await asyncio.to_thread(self.gateway_adapter.routing_set, pool)).endpoints]
+
+    async def pool_ready(
+        self, pool: PoolRef | None = None, replicas: int | None = None, timeout_s: float = 60.0
+    ) -> list[str]:
+        """Wait until Envoy routes ``replicas`` replicas of ``pool`` (default: as many as the scenario
+        declares serving; without ``pool``, every pool of the scenario); returns the routed pods, sorted.
+
+        A world is served before its pods have started: this is the moment its pools can take traffic (and
+        lose a replica) the way a steady production pool does.
+        """
+        declared = self._declared_pools()
+        pools = list(declared) if pool is None else [pool]
+        wanted = {p: replicas if replicas is not None else declared.get(p) for p in pools}
+        unknown = sorted(p.key for p, n in wanted.items() if n is None)
+        if unknown:
+            raise ValueError(
+                f"pool_ready: {unknown} is not in the scenario; say how many replicas to wait for"
+            )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            routed = {p: await self.routing_set(p) for p in wanted}
+            short = {
+                p.key: f"{len(routed[p])} of {n}" for p, n in wanted.items() if len(routed[p]) < (n or 0)
+            }
+            if not short:
+                return sorted(pod for pods in routed.values() for pod in pods)
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"Envoy did not route every replica within {timeout_s:g} s (routed: {short})"
+                )
+            await asyncio.sleep(ROUTED_POLL_S)
+
+    def _declared_pools(self) -> dict[PoolRef, int | None]:
+        """Each pool of the scenario with its serving replicas (warm spares are not routed)."""
+        if self.scenario is None:
+            return {}
+        return {
+            PoolRef(namespace=w.namespace or self.scenario.namespace, service=w.name): w.replicas
+            for w in self.scenario.workloads
+        }
 
     @property
     def core(self) -> Any:
@@ -235,9 +295,11 @@ async def fleet_rig(
     import tempfile
 
     from sim.runner import start_sim
+    from sim.scenario import Scenario, load_scenario
     from worker.devstack.sim_process import scenario_file, start_sim_process
 
     home = Path(tempfile.mkdtemp(prefix="fleetmend-rig-"))
+    served = scenario if isinstance(scenario, Scenario) else load_scenario(scenario_file(scenario, home))
     sim: Any
     if in_process_sim:
         sim = await asyncio.to_thread(start_sim, scenario, speed, kubeconfig=home / "sim" / "kubeconfig")
@@ -269,7 +331,9 @@ async def fleet_rig(
                 "/sim/v1/gateway", json={"url": gateway.url, "upstream_header": UPSTREAM_HEADER}
             )
             reply.raise_for_status()
-            rig = FleetRig(client=client, settings=settings, sim=sim, http=http, gateway=gateway)
+            rig = FleetRig(
+                client=client, settings=settings, sim=sim, http=http, gateway=gateway, scenario=served
+            )
             if not run_worker:
                 yield rig
                 return

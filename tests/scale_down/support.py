@@ -1,4 +1,4 @@
-"""The scale-down pool and its load; shared waits and checks are in ``tests/support.py``."""
+"""The scale-down pool and its load, for this package's tests (package-local support: see tests/support.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,55 @@
+"""What the hardware-path recoveries (``test_hardware_*.py``) share: their world and timings, and the
+ledger rows of one procedure. Package-local support (see ``tests/support.py`` for the rule)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from sqlalchemy import create_engine, text
+from temporalio.client import Client, WorkflowHandle
+from temporalio.service import RPCError
+
+from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX
+from tests.support import FAST
+from worker.devstack.rig import compressed_scenario
+from workflows.node_qualification import child_id
+
+# Qualification Jobs take 2 s in this world; a failed one is followed by a repair watched for up to 60 s.
+HARDWARE_TIMINGS = FAST.model_copy(update={"qualification_timeout_s": 30, "repair_wait_s": 60})
+
+
+def hardware_scenario() -> Any:
+    """The compressed gpu-node-loss world with 2-second qualification Jobs."""
+    scenario = compressed_scenario("gpu-node-loss")
+    return scenario.model_copy(update={"load": {**(scenario.load or {}), "qualification_s": 2.0}})
+
+
+def procedure_rows(url: str, scope: str) -> list[tuple[str, str, str, str]]:
+    """``(op_id, kind, target, state)`` of every ledger effect of the procedure ``scope``, oldest first."""
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT op_id, kind, target, state FROM ledger_effects WHERE op_id LIKE :p ORDER BY created_at"
+                ),
+                {"p": f"{PROCEDURE_OPERATION_PREFIX}{scope}@%"},
+            ).all()
+        return [(r[0], r[1], r[2], r[3]) for r in rows]
+    finally:
+        engine.dispose()
+
+
+async def node_workflow(
+    client: Client, recovery: WorkflowHandle[Any, Any], node: str, timeout_s: float = 90
+) -> WorkflowHandle[Any, Any]:
+    """The node's own hardware-path workflow (``NodeQualification``) the recovery started, once it exists."""
+    handle = client.get_workflow_handle(child_id(recovery.id, node))
+    for _ in range(int(timeout_s / 0.3)):
+        try:
+            await handle.describe()
+            return handle
+        except RPCError:
+            await asyncio.sleep(0.3)
+    raise AssertionError(f"{recovery.id} started no workflow for {node} within {timeout_s} s")
