@@ -21,7 +21,6 @@ LONGEST_UNCOMMENTED_SLEEP_S = 1.0  # a shorter sleep is a poll interval, not a w
 
 # Modules another change owns and is rewriting (issue #29: the serving tests move onto their own fixtures);
 # they import helpers from test modules until then. Nothing new joins this list.
-BEING_REWRITTEN = frozenset({"sim/test_serving_effects.py", "sim/test_serving_faults.py"})
 
 
 def _in_line_order(tree: ast.AST) -> list[ast.AST]:
@@ -172,10 +171,5 @@ def test_every_sleep_of_a_second_or_more_in_the_suite_says_why() -> None:
 
 
 def test_the_suite_imports_helpers_only_from_the_support_surface() -> None:
-    found = []
-    for path, source in _suite():
-        lines = forbidden_imports(path, source)
-        if str(path.relative_to(TESTS)) in BEING_REWRITTEN:
-            lines = [line for line in lines if "from the test module" not in line]  # only this kind, for now
-        found += lines
+    found = [line for path, source in _suite() for line in forbidden_imports(path, source)]
     assert found == [], "\n".join(found)

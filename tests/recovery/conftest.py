@@ -15,6 +15,8 @@ import pytest_asyncio
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
+from tests.recovery.support import IDS
+
 
 async def _terminate_running(client: Client) -> None:
     async for wf in client.list_workflows('ExecutionStatus="Running"'):
@@ -32,9 +34,6 @@ async def no_workflow_left_running(temporal_client: Client) -> AsyncIterator[Non
     await _terminate_running(temporal_client)
     yield
     await _terminate_running(temporal_client)
-
-
-IDS = "workflow-ids.json"  # beside the recorded histories: file name -> the workflow's id
 
 
 @pytest_asyncio.fixture(autouse=True)

@@ -15,6 +15,7 @@ from tests.support import FAST
 from worker.devstack.rig import compressed_scenario
 from workflows.node_qualification import child_id
 
+IDS = "workflow-ids.json"  # beside the recorded histories: file name -> the workflow's id
 # Qualification Jobs take 2 s in this world; a failed one is followed by a repair watched for up to 60 s.
 HARDWARE_TIMINGS = FAST.model_copy(update={"qualification_timeout_s": 30, "repair_wait_s": 60})
 

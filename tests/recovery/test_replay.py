@@ -17,7 +17,7 @@ from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
-from tests.recovery.conftest import IDS
+from tests.recovery.support import IDS
 from worker.registry import WORKFLOWS
 
 ROOT = Path(__file__).parent.parent / "histories"

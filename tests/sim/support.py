@@ -1,4 +1,6 @@
-"""What the simulated Kubernetes tests share: the API clients, object validation, a wall-clock condition wait (package-local support: see tests/support.py)."""
+"""What the simulator's tests share (package-local support: see tests/support.py): the API clients, object
+validation, a wall-clock condition wait; the streaming tests' model, slow-engine settings and SSE reader;
+the qualification Job helpers (a Job through the sim's Kubernetes API, its pod, its verdict, its report)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import httpx
 import kubernetes_validate
 from kubernetes import client
 
+from fleet.qualification import QualificationSpec, job_manifest
 from sim.runner import RunningSim
+from tests.sim.serving_fixtures import RunningServing
 
 TEST_SPEED = 100.0  # a 300 s toleration passes in 3 s
 
@@ -80,3 +85,76 @@ def wait_for(check: Callable[[], T | None], timeout: float = 10.0, what: str = "
             return last
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+# Slow sequences (2 tokens/s) so a test can act while a stream is open.
+SLOW = {"engine": {"max_tokens_per_seq_s": 2.0}}
+
+
+async def read_sse(lines: Any) -> tuple[int, list[dict[str, Any]], bool]:
+    """(tokens, error events, saw [DONE]) of the rest of a streamed completion; a stream whose
+    connection was cut ends there, without [DONE]."""
+    tokens, errors, done = 0, [], False
+    try:
+        async for line in lines:
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            event = json.loads(line[6:])
+            if "error" in event:
+                errors.append(event["error"])
+            else:
+                tokens += event["choices"][0]["text"].count(" tok")
+    except httpx.HTTPError:
+        done = False  # cut mid-body: the engine's process died and Envoy reset the stream
+    return tokens, errors, done
+
+
+NS = "fleetmend"
+JOBS = f"/apis/batch/v1/namespaces/{NS}/jobs"
+
+
+async def start_job(
+    sim: RunningServing, name: str, node: str, gpus: int, level: int = 2, deadline_s: int = 600
+) -> None:
+    spec = QualificationSpec(level=level, deadline_s=deadline_s)
+    body = job_manifest(spec, node=node, machine="m", gpus=gpus, name=name, op_id=f"op-{name}")
+    r = await sim.kube.post(JOBS, json=body)
+    assert r.status_code == 201, r.text
+
+
+async def job_pod(sim: RunningServing, name: str) -> dict[str, Any] | None:
+    r = await sim.kube.get(
+        f"/api/v1/namespaces/{NS}/pods", params={"labelSelector": f"batch.kubernetes.io/job-name={name}"}
+    )
+    r.raise_for_status()
+    items = r.json()["items"]
+    return items[0] if items else None
+
+
+async def finished_job(sim: RunningServing, name: str, timeout_sim_s: float = 300) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+
+    async def done() -> bool:
+        job = (await sim.kube.get(f"{JOBS}/{name}")).json()
+        conds = {c["type"]: c for c in job.get("status", {}).get("conditions") or []}
+        if "Complete" in conds or "Failed" in conds:
+            out.update(job)
+            return True
+        return False
+
+    await sim.wait_for(done, timeout_sim_s, f"Job {name} to finish")
+    return out
+
+
+def condition(job: dict[str, Any], ctype: str) -> dict[str, Any] | None:
+    return next((c for c in job["status"].get("conditions") or [] if c["type"] == ctype), None)
+
+
+async def pod_log(sim: RunningServing, pod: str) -> str:
+    r = await sim.kube.get(f"/api/v1/namespaces/{NS}/pods/{pod}/log", params={"container": "dcgm-diag"})
+    assert r.status_code == 200, r.text
+    return r.text

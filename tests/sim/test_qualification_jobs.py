@@ -6,56 +6,10 @@ Through the sim's Kubernetes API over HTTPS (the kubeconfig's token), as any cli
 from __future__ import annotations
 
 import json
-from typing import Any
 
-from fleet.qualification import QualificationSpec, job_manifest, parse_dcgm_diag
-from tests.sim.serving_fixtures import RunningServing, running_serving, scenario
-
-NS = "fleetmend"
-JOBS = f"/apis/batch/v1/namespaces/{NS}/jobs"
-
-
-async def start_job(
-    sim: RunningServing, name: str, node: str, gpus: int, level: int = 2, deadline_s: int = 600
-) -> None:
-    spec = QualificationSpec(level=level, deadline_s=deadline_s)
-    body = job_manifest(spec, node=node, machine="m", gpus=gpus, name=name, op_id=f"op-{name}")
-    r = await sim.kube.post(JOBS, json=body)
-    assert r.status_code == 201, r.text
-
-
-async def job_pod(sim: RunningServing, name: str) -> dict[str, Any] | None:
-    r = await sim.kube.get(
-        f"/api/v1/namespaces/{NS}/pods", params={"labelSelector": f"batch.kubernetes.io/job-name={name}"}
-    )
-    r.raise_for_status()
-    items = r.json()["items"]
-    return items[0] if items else None
-
-
-async def finished_job(sim: RunningServing, name: str, timeout_sim_s: float = 300) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-
-    async def done() -> bool:
-        job = (await sim.kube.get(f"{JOBS}/{name}")).json()
-        conds = {c["type"]: c for c in job.get("status", {}).get("conditions") or []}
-        if "Complete" in conds or "Failed" in conds:
-            out.update(job)
-            return True
-        return False
-
-    await sim.wait_for(done, timeout_sim_s, f"Job {name} to finish")
-    return out
-
-
-def condition(job: dict[str, Any], ctype: str) -> dict[str, Any] | None:
-    return next((c for c in job["status"].get("conditions") or [] if c["type"] == ctype), None)
-
-
-async def pod_log(sim: RunningServing, pod: str) -> str:
-    r = await sim.kube.get(f"/api/v1/namespaces/{NS}/pods/{pod}/log", params={"container": "dcgm-diag"})
-    assert r.status_code == 200, r.text
-    return r.text
+from fleet.qualification import parse_dcgm_diag
+from tests.sim.serving_fixtures import running_serving, scenario
+from tests.sim.support import JOBS, NS, condition, finished_job, job_pod, pod_log, start_job
 
 
 async def test_a_job_runs_dcgm_on_its_pinned_node_and_its_report_is_the_pod_log() -> None:

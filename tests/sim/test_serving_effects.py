@@ -13,7 +13,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from tests.sim.serving_fixtures import NAMESPACE, running_serving, scenario
-from tests.sim.test_serving_streaming import MODEL, SLOW, read_sse
+from tests.sim.support import MODEL, SLOW, read_sse
 
 
 @contextlib.asynccontextmanager

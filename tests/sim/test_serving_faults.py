@@ -17,7 +17,7 @@ from tests.sim.serving_fixtures import (
     running_serving,
     scenario,
 )
-from tests.sim.test_qualification_jobs import condition, finished_job, job_pod, pod_log, start_job
+from tests.sim.support import condition, finished_job, job_pod, pod_log, start_job
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 

@@ -6,19 +6,15 @@ Routing, weights, shedding and retries are Envoy's, tested in ``tests/gateway/te
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-import httpx
 import pytest
 
 from fleet.gateway import Outcome
 from sim.serving.engine import EngineRefused, EngineRequest
 from tests.sim.serving_fixtures import NAMESPACE, POOL_REF, running_serving, scenario
+from tests.sim.support import MODEL, SLOW, read_sse
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-# Slow sequences (2 tokens/s) so a test can act while a stream is open.
-SLOW = {"engine": {"max_tokens_per_seq_s": 2.0}}
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -26,27 +22,6 @@ class _NullSink:
     def on_tokens(self, count: int, now: float) -> None: ...
     def on_finished(self, reason: str, now: float) -> None: ...
     def on_aborted(self, reason: str, now: float) -> None: ...
-
-
-async def read_sse(lines: Any) -> tuple[int, list[dict[str, Any]], bool]:
-    """(tokens, error events, saw [DONE]) of the rest of a streamed completion; a stream whose
-    connection was cut ends there, without [DONE]."""
-    tokens, errors, done = 0, [], False
-    try:
-        async for line in lines:
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                break
-            event = json.loads(line[6:])
-            if "error" in event:
-                errors.append(event["error"])
-            else:
-                tokens += event["choices"][0]["text"].count(" tok")
-    except httpx.HTTPError:
-        done = False  # cut mid-body: the engine's process died and Envoy reset the stream
-    return tokens, errors, done
 
 
 async def test_a_stream_cut_after_its_first_token_is_cut_for_the_user_and_never_retried(
@@ -96,10 +71,11 @@ async def test_deleting_a_pod_drains_with_a_shutdown_timeout_and_cuts_streams_wi
                 assert replica is not None
                 lines = response.aiter_lines()
                 assert " tok" in await anext(lines)
-                deleted = await sim.kube.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{replica}")
-                assert deleted.status_code == 200, deleted.text
+                # The engine before the deletion: without a shutdown timeout it may be gone at once.
                 engine = sim.layer.supervisor.get(f"{NAMESPACE}/{replica}")
                 assert engine is not None
+                deleted = await sim.kube.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{replica}")
+                assert deleted.status_code == 200, deleted.text
                 if expect_done:
                     # Draining: the terminating pod leaves the routing set, new requests are refused,
                     # the running stream goes on.
