@@ -424,6 +424,7 @@ class KubeApi:
         self._validate(resource, body, None)
         if resource.plural not in ("nodes", "events"):
             body.pop("status", None)  # status is written by controllers, not on create
+            _initial_status(resource, body)
         with self.store.lock:
             if resource.plural == "pods":
                 created = self.control.create_pod(body, dry_run=dry_run)
@@ -736,6 +737,13 @@ class KubeApi:
 
 
 # ---------------------------------------------------------------------------- helpers
+def _initial_status(resource: Resource, body: Obj) -> None:
+    """The status a kind's create strategy starts from: a Service's is ``{"loadBalancer": {}}``
+    (PrepareForCreate resets it to an empty ServiceStatus, which serializes so)."""
+    if resource.plural == "services":
+        body["status"] = {"loadBalancer": {}}
+
+
 def _dry_run(values: list[str] | Any) -> bool:
     values = [values] if isinstance(values, str) else list(values or [])
     for value in values:
