@@ -1025,9 +1025,17 @@ def build_router(api: KubeApi) -> APIRouter:
     return router
 
 
+def exec_routes(api: KubeApi) -> APIRouter:
+    """``pods/{name}/exec`` (``sim.k8s.execstream``): matched before the generic resource routes."""
+    from sim.k8s.execstream import exec_router
+
+    return exec_router(api.authenticate, lambda namespace, name: api.store.find("pods", namespace, name))
+
+
 def build_kube_app(api: KubeApi) -> FastAPI:
     """The API server as one ASGI app: Kubernetes routes, and a ``Status`` 404 for every other path."""
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    app.include_router(exec_routes(api))
     app.include_router(build_router(api))
 
     @app.api_route(
