@@ -95,7 +95,9 @@ def test_exec_answers_curl_and_cat_and_refuses_other_commands_as_a_cluster_does(
     missing = cluster.kubectl("-n", NS, "exec", "no-such-pod", "--", "cat", "/etc/hostname", check=False)
     assert missing.returncode == 1
     assert 'Error from server (NotFound): pods "no-such-pod" not found' in missing.stderr
-    wrong = cluster.kubectl("-n", NS, "exec", name, "-c", "sidecar", "--", "cat", "/etc/hostname", check=False)
+    wrong = cluster.kubectl(
+        "-n", NS, "exec", name, "-c", "sidecar", "--", "cat", "/etc/hostname", check=False
+    )
     assert wrong.returncode == 1 and f"container sidecar is not valid for pod {name}" in wrong.stderr
 
 
@@ -142,7 +144,9 @@ def test_drain_ignoring_daemonsets_evicts_the_engines_and_leaves_the_node_agents
     assert len(replaced) == 1 and victim not in replaced
     per_node = [
         p.spec.node_name
-        for p in cluster.core.list_namespaced_pod("kube-system", label_selector="app=node-problem-detector").items
+        for p in cluster.core.list_namespaced_pod(
+            "kube-system", label_selector="app=node-problem-detector"
+        ).items
     ]
     assert sorted(per_node) == [f"gpu-node-{i}" for i in range(4)]
 
