@@ -109,13 +109,16 @@ class DaemonSetController:
         by_node: dict[str, list[Obj]] = {}
         for pod in owned:
             by_node.setdefault(pod.get("spec", {}).get("nodeName") or "", []).append(pod)
-        wanted = {o.name_of(n) for n in nodes if _fits(template, n)}
+        # NodeShouldRunDaemonPod: a new pod needs every NoSchedule/NoExecute taint tolerated; a running
+        # one stays unless a NoExecute taint is not (a lost node's unreachable:NoSchedule keeps it).
+        wanted = {o.name_of(n) for n in nodes if _fits(template, n, ("NoSchedule", "NoExecute"))}
+        keep = {o.name_of(n) for n in nodes if _fits(template, n, ("NoExecute",))}
         for node in sorted(wanted):
             if not [p for p in by_node.get(node, []) if not o.is_terminating(p)]:
                 cp.create_pod(self._daemon_pod(ds, template, node, generation))
         # Pods on nodes that no longer fit (or vanished: pod GC has those) go.
         for node, pods in by_node.items():
-            if node not in wanted:
+            if node not in keep:
                 for pod in pods:
                     if not o.is_terminating(pod):
                         cp.delete("pods", namespace, o.name_of(pod))
@@ -209,7 +212,7 @@ def _pod_generation(pod: Obj) -> int:
         return 0
 
 
-def _fits(template: Obj, node: Obj) -> bool:
+def _fits(template: Obj, node: Obj, effects: tuple[str, ...]) -> bool:
     pod_spec = template.get("spec") or {}
     labels = o.labels(node)
     for key, value in (pod_spec.get("nodeSelector") or {}).items():
@@ -222,7 +225,7 @@ def _fits(template: Obj, node: Obj) -> bool:
         return False
     tolerations = [*(pod_spec.get("tolerations") or []), *DEFAULT_TOLERATIONS]
     for taint in (node.get("spec") or {}).get("taints") or []:
-        if taint.get("effect") in ("NoSchedule", "NoExecute") and o.tolerates(tolerations, taint) is None:
+        if taint.get("effect") in effects and o.tolerates(tolerations, taint) is None:
             return False
     return True
 
