@@ -1029,7 +1029,11 @@ def exec_routes(api: KubeApi) -> APIRouter:
     """``pods/{name}/exec`` (``sim.k8s.execstream``): matched before the generic resource routes."""
     from sim.k8s.execstream import exec_router
 
-    return exec_router(api.authenticate, lambda namespace, name: api.store.find("pods", namespace, name))
+    return exec_router(
+        api.authenticate,
+        lambda namespace, name: api.store.find("pods", namespace, name),
+        api.control.is_node_lost,
+    )
 
 
 def build_kube_app(api: KubeApi) -> FastAPI:

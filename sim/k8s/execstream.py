@@ -25,7 +25,8 @@ engines listen on ``{podIP}:{port}``, ``sim.serving.pods``), the way curl would:
 
 Any other command is refused on the error stream with a Status naming what is answered (exit 1).
 Before the upgrade, the checks the apiserver makes: pod and container exist (404 / 400), the pod is
-running (400), the bearer token (401); a plain request (SPDY, or none) gets a 400 saying so.
+running (400), its node's kubelet answers (500 "error dialing backend" on a lost node), the bearer
+token (401); a plain request (SPDY, or none) gets a 400 saying so.
 """
 
 from __future__ import annotations
@@ -214,12 +215,23 @@ def _meter(size: int) -> bytes:
 
 # ------------------------------------------------------------------- the API side
 def _target(
-    find_pod: Callable[[str, str], Obj | None], namespace: str, name: str, container: str | None
+    find_pod: Callable[[str, str], Obj | None],
+    node_lost: Callable[[str], bool],
+    namespace: str,
+    name: str,
+    container: str | None,
 ) -> Obj:
     """The checks the apiserver (and the kubelet) make before a stream opens."""
     pod = find_pod(namespace, name)
     if pod is None:
         raise not_found("pods", name)
+    node = (pod.get("spec") or {}).get("nodeName") or ""
+    if node and node_lost(node):
+        # The apiserver cannot reach that node's kubelet: its dial fails, whatever the pod's stale status.
+        host = (pod.get("status") or {}).get("hostIP", node)
+        raise ApiError(
+            500, "InternalError", f"error dialing backend: dial tcp {host}:10250: connect: no route to host"
+        )
     names = [c.get("name") for c in (pod.get("spec") or {}).get("containers") or []]
     if container and container not in names:
         raise bad_request(f"container {container} is not valid for pod {name}")
@@ -241,10 +253,12 @@ def _frame(stream: int, data: bytes) -> bytes:
 def exec_router(
     authenticate: Callable[[dict[str, str]], object | None],
     find_pod: Callable[[str, str], Obj | None],
+    node_lost: Callable[[str], bool],
 ) -> APIRouter:
     """Routes for ``pods/{name}/exec``: the WebSocket stream, and the plain request's refusal.
 
-    ``authenticate(headers)``: the API server's bearer-token check (None: 401). ``find_pod(ns, name)``.
+    ``authenticate(headers)``: the API server's bearer-token check (None: 401). ``find_pod(ns, name)``;
+    ``node_lost(node)``: its kubelet does not answer (the stream cannot open).
     """
     router = APIRouter()
     path = "/api/v1/namespaces/{namespace}/pods/{name}/exec"
@@ -258,7 +272,7 @@ def exec_router(
         try:
             if authenticate(headers) is None:
                 raise unauthorized()
-            pod = _target(find_pod, namespace, name, query.get("container"))
+            pod = _target(find_pod, node_lost, namespace, name, query.get("container"))
             if protocol is None:
                 raise bad_request(
                     f"the simulated API server speaks the RemoteCommand subprotocols {', '.join(PROTOCOLS)}; "
@@ -287,7 +301,7 @@ def exec_router(
         try:
             if authenticate(headers) is None:
                 raise unauthorized()
-            _target(find_pod, namespace, name, request.query_params.get("container"))
+            _target(find_pod, node_lost, namespace, name, request.query_params.get("container"))
             upgrade = headers.get("upgrade", "")
             raise bad_request(
                 "Upgrade request required"

@@ -99,6 +99,11 @@ def test_exec_answers_curl_and_cat_and_refuses_other_commands_as_a_cluster_does(
         "-n", NS, "exec", name, "-c", "sidecar", "--", "cat", "/etc/hostname", check=False
     )
     assert wrong.returncode == 1 and f"container sidecar is not valid for pod {name}" in wrong.stderr
+    # A lost node's kubelet does not answer: the stream cannot open, whatever the pod's stale status says.
+    cluster.sim.world.lose_node(pod.spec.node_name)
+    unreachable = cluster.kubectl("-n", NS, "exec", name, "--", "cat", "/etc/hostname", check=False)
+    assert unreachable.returncode == 1
+    assert f"error dialing backend: dial tcp {pod.status.host_ip}:10250" in unreachable.stderr
 
 
 def _kubectl_dir() -> str:
