@@ -424,6 +424,7 @@ class KubeApi:
         self._validate(resource, body, None)
         if resource.plural not in ("nodes", "events"):
             body.pop("status", None)  # status is written by controllers, not on create
+            _initial_status(resource, body)
         with self.store.lock:
             if resource.plural == "pods":
                 created = self.control.create_pod(body, dry_run=dry_run)
@@ -736,6 +737,13 @@ class KubeApi:
 
 
 # ---------------------------------------------------------------------------- helpers
+def _initial_status(resource: Resource, body: Obj) -> None:
+    """The status a kind's create strategy starts from: a Service's is ``{"loadBalancer": {}}``
+    (PrepareForCreate resets it to an empty ServiceStatus, which serializes so)."""
+    if resource.plural == "services":
+        body["status"] = {"loadBalancer": {}}
+
+
 def _dry_run(values: list[str] | Any) -> bool:
     values = [values] if isinstance(values, str) else list(values or [])
     for value in values:
@@ -1017,9 +1025,21 @@ def build_router(api: KubeApi) -> APIRouter:
     return router
 
 
+def exec_routes(api: KubeApi) -> APIRouter:
+    """``pods/{name}/exec`` (``sim.k8s.execstream``): matched before the generic resource routes."""
+    from sim.k8s.execstream import exec_router
+
+    return exec_router(
+        api.authenticate,
+        lambda namespace, name: api.store.find("pods", namespace, name),
+        api.control.is_node_lost,
+    )
+
+
 def build_kube_app(api: KubeApi) -> FastAPI:
     """The API server as one ASGI app: Kubernetes routes, and a ``Status`` 404 for every other path."""
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    app.include_router(exec_routes(api))
     app.include_router(build_router(api))
 
     @app.api_route(

@@ -5,7 +5,7 @@ stored objects and writes only differences (no-op writes are dropped by the
 store), so running them every tick is cheap and converges.
 
 Pass order (one reconcile): node lifecycle → node lease heartbeats → taint eviction → garbage collection
-→ Deployments → ReplicaSets → LeaderWorkerSets → Jobs → scheduler → kubelets →
+→ Deployments → ReplicaSets → LeaderWorkerSets → Jobs → DaemonSets → scheduler → kubelets →
 EndpointSlices → PodDisruptionBudgets.
 
 Containers are long-running servers (engines) unless a *program* claims the pod
@@ -118,7 +118,9 @@ class ControlPlane:
         self.logs: dict[str, str] = {}  # pod uid -> its container's output (pods/log)
         # imported here to keep each controller in its own module without import cycles
         from sim.k8s.controllers import disruption, endpoints, jobs, kubelet, lws, nodes, scheduler, workloads
+        from sim.k8s.controllers.daemonsets import DaemonSetController
 
+        self.daemonsets = DaemonSetController(self)  # event-driven: idle while nothing it reads changes
         self._passes: list[Callable[[ControlPlane], None]] = [
             nodes.reconcile_nodes,
             nodes.renew_node_leases,
@@ -128,6 +130,7 @@ class ControlPlane:
             workloads.reconcile_replicasets,
             lws.reconcile_leaderworkersets,
             jobs.reconcile_jobs,
+            self.daemonsets.reconcile,
             scheduler.schedule_pending_pods,
             kubelet.run_kubelets,
             endpoints.reconcile_endpointslices,

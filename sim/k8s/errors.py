@@ -29,6 +29,9 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     def status(self) -> dict[str, Any]:
+        """The ``Status`` body, its keys in the order the apiserver writes them (metav1.Status's fields:
+        kind, apiVersion, metadata, status, message, reason, details, code): clients that compare an
+        error's text, or print the raw body, see what a real server sends."""
         body: dict[str, Any] = {
             "kind": "Status",
             "apiVersion": "v1",
@@ -36,10 +39,10 @@ class ApiError(Exception):
             "status": "Failure",
             "message": self.message,
             "reason": self.reason,
-            "code": self.code,
         }
         if self.details is not None:
             body["details"] = self.details
+        body["code"] = self.code
         return body
 
 

@@ -11,7 +11,9 @@ A pool (one ``WorkloadSpec``) becomes:
 * a warm-spare Deployment/LWS ``<pool>-spare`` of the same model and revision
   with role ``spare`` and no router label: Ready, in the Service's endpoints,
   but not routed until someone adds the router label;
-* a PodDisruptionBudget ``<pool>`` over the serving pods, when declared.
+* a PodDisruptionBudget ``<pool>`` over the serving pods, when declared;
+
+and, for every cluster with GPU nodes, the node agents' DaemonSets (``build_node_daemonsets``).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def build_nodes(scenario: Scenario) -> list[Obj]:
                 "kubernetes.io/arch": "amd64",
                 "nvidia.com/gpu.product": group.gpu_product,
                 "nvidia.com/gpu.count": str(group.gpus),
+                # What GPU feature discovery labels a GPU node with: the GPU DaemonSets' nodeSelector.
+                **({GPU_PRESENT_LABEL: "true"} if group.gpus else {}),
                 **group.labels,
                 **group.node_labels.get(i, {}),
             }
@@ -309,6 +313,76 @@ def build_pool(scenario: Scenario, workload: WorkloadSpec) -> list[tuple[str, Ob
 
 
 NODE_LEASE_NAMESPACE = "kube-node-lease"
+GPU_OPERATOR_NAMESPACE = "gpu-operator"
+GPU_PRESENT_LABEL = "nvidia.com/gpu.present"
+
+
+def _daemonset(name: str, namespace: str, image: str, node_selector: Obj, tolerations: list[Obj]) -> Obj:
+    labels = {"app": name}
+    return {
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels)},
+        "spec": {
+            "selector": {"matchLabels": dict(labels)},
+            "updateStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0},
+            },
+            "revisionHistoryLimit": 10,
+            "template": {
+                "metadata": {"labels": dict(labels)},
+                "spec": {
+                    "nodeSelector": dict(node_selector),
+                    "tolerations": tolerations,
+                    "priorityClassName": "system-node-critical",
+                    "containers": [{"name": name, "image": image, "resources": {}}],
+                    # Scratch space, as the real ones mount: why drain needs --delete-emptydir-data.
+                    "volumes": [{"name": "scratch", "emptyDir": {}}],
+                },
+            },
+        },
+    }
+
+
+def build_node_daemonsets(scenario: Scenario) -> list[tuple[str, Obj]]:
+    """The node agents every GPU cluster runs as DaemonSets, one pod per GPU node: the DCGM exporter
+    and the device plugin (GPU operator), and node-problem-detector. Plain containers (no model
+    label): no engine, no GPU request; they are what ``kubectl drain --ignore-daemonsets`` leaves."""
+    if not any(group.gpus for group in scenario.nodes):
+        return []
+    gpu_nodes = {GPU_PRESENT_LABEL: "true"}
+    gpu_taint = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    return [
+        (
+            "daemonsets",
+            _daemonset(
+                "nvidia-dcgm-exporter",
+                GPU_OPERATOR_NAMESPACE,
+                "nvcr.io/nvidia/k8s/dcgm-exporter:4.2.3-4.1.3-ubuntu22.04",
+                gpu_nodes,
+                gpu_taint,
+            ),
+        ),
+        (
+            "daemonsets",
+            _daemonset(
+                "nvidia-device-plugin-daemonset",
+                GPU_OPERATOR_NAMESPACE,
+                "nvcr.io/nvidia/k8s-device-plugin:v0.17.2",
+                gpu_nodes,
+                gpu_taint,
+            ),
+        ),
+        (
+            "daemonsets",
+            _daemonset(
+                "node-problem-detector",
+                "kube-system",
+                "registry.k8s.io/node-problem-detector/node-problem-detector:v0.8.21",
+                gpu_nodes,
+                [{"operator": "Exists", "effect": "NoSchedule"}],
+            ),
+        ),
+    ]
 
 
 def build_objects(scenario: Scenario) -> list[tuple[str, Obj]]:
@@ -320,6 +394,7 @@ def build_objects(scenario: Scenario) -> list[tuple[str, Obj]]:
         "kube-public",
         NODE_LEASE_NAMESPACE,
         "fleetmend",
+        GPU_OPERATOR_NAMESPACE,
         scenario.namespace,
     } | {scenario.workload_namespace(w) for w in scenario.workloads}
     objs: list[tuple[str, Obj]] = [
@@ -336,6 +411,7 @@ def build_objects(scenario: Scenario) -> list[tuple[str, Obj]]:
     objs += [("nodes", node) for node in build_nodes(scenario)]
     for workload in scenario.workloads:
         objs += build_pool(scenario, workload)
+    objs += build_node_daemonsets(scenario)
     return objs
 
 

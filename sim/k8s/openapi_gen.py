@@ -42,6 +42,8 @@ ROOTS = [
     "io.k8s.api.apps.v1.ReplicaSetList",
     "io.k8s.api.apps.v1.StatefulSet",
     "io.k8s.api.apps.v1.StatefulSetList",
+    "io.k8s.api.apps.v1.DaemonSet",
+    "io.k8s.api.apps.v1.DaemonSetList",
     "io.k8s.api.batch.v1.Job",
     "io.k8s.api.batch.v1.JobList",
     "io.k8s.api.policy.v1.PodDisruptionBudget",

@@ -166,6 +166,15 @@ RESOURCES: dict[str, Resource] = {
             categories=("all",),
         ),
         Resource(
+            "daemonsets",
+            "DaemonSet",
+            "apps",
+            "v1",
+            subresources=("status",),
+            short_names=("ds",),
+            categories=("all",),
+        ),
+        Resource(
             "jobs",
             "Job",
             "batch",

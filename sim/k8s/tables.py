@@ -3,7 +3,8 @@
 kubectl asks every server for tables (``kubectl get``) and prints the cells it is given, so the
 columns, their priorities (priority 1 = only with ``-o wide``) and the cell text follow the
 apiserver's printers (``pkg/printers/internalversion/printers.go``): READY/STATUS/RESTARTS/AGE/
-IP/NODE for pods, STATUS/ROLES/AGE/VERSION/INTERNAL-IP for nodes, and so on. Resources without a
+IP/NODE for pods, STATUS/ROLES/AGE/VERSION/INTERNAL-IP for nodes, DESIRED/CURRENT/READY/UP-TO-DATE/
+AVAILABLE/NODE SELECTOR for DaemonSets, and so on. Resources without a
 printer (the LeaderWorkerSet custom resource) get a custom resource's default table: Name and Age.
 """
 
@@ -543,6 +544,80 @@ _STATEFULSET_COLUMNS: list[Column] = [
 ]
 
 
+def _daemonset_row(ds: Obj, now: float) -> list[Any]:
+    spec, status = ds.get("spec") or {}, ds.get("status") or {}
+    template = spec.get("template") or {}
+    names, images = _containers(template)
+    node_selector = (template.get("spec") or {}).get("nodeSelector") or {}
+    return [
+        _meta(ds).get("name", ""),
+        int(status.get("desiredNumberScheduled") or 0),
+        int(status.get("currentNumberScheduled") or 0),
+        int(status.get("numberReady") or 0),
+        int(status.get("updatedNumberScheduled") or 0),
+        int(status.get("numberAvailable") or 0),
+        # labels.FormatLabels: sorted key=value pairs, "<none>" when empty.
+        ",".join(f"{k}={v}" for k, v in sorted(node_selector.items())) or "<none>",
+        _age(_meta(ds).get("creationTimestamp"), now),
+        names,
+        images,
+        _selector_text(spec.get("selector")),
+    ]
+
+
+_DAEMONSET_COLUMNS: list[Column] = [
+    _NAME,
+    (
+        "Desired",
+        "integer",
+        "The total number of nodes that should be running the daemon pod (including nodes correctly "
+        "running the daemon pod). More info: https://kubernetes.io/docs/concepts/workloads/controllers/daemonset/",
+        0,
+    ),
+    (
+        "Current",
+        "integer",
+        "The number of nodes that are running at least 1 daemon pod and are supposed to run the daemon pod. "
+        "More info: https://kubernetes.io/docs/concepts/workloads/controllers/daemonset/",
+        0,
+    ),
+    (
+        "Ready",
+        "integer",
+        "numberReady is the number of nodes that should be running the daemon pod and have one or more of "
+        "the daemon pod running with a Ready Condition.",
+        0,
+    ),
+    ("Up-to-date", "integer", "The total number of nodes that are running updated daemon pod", 0),
+    (
+        "Available",
+        "integer",
+        "The number of nodes that should be running the daemon pod and have one or more of the daemon pod "
+        "running and available (ready for at least spec.minReadySeconds)",
+        0,
+    ),
+    (
+        "Node Selector",
+        "string",
+        "NodeSelector is a selector which must be true for the pod to fit on a node. Selector which must "
+        "match a node's labels for the pod to be scheduled on that node. More info: "
+        "https://kubernetes.io/docs/concepts/configuration/assign-pod-node/",
+        0,
+    ),
+    _AGE,
+    ("Containers", "string", "Names of each container in the template.", 1),
+    ("Images", "string", "Images referenced by each container in the template.", 1),
+    (
+        "Selector",
+        "string",
+        "A label query over pods that are managed by the daemon set. Must match in order to be controlled. "
+        "It must match the pod template's labels. More info: "
+        "https://kubernetes.io/docs/concepts/overview/working-with-objects/labels/#label-selectors",
+        1,
+    ),
+]
+
+
 def _pdb_row(pdb: Obj, now: float) -> list[Any]:
     spec, status = pdb.get("spec") or {}, pdb.get("status") or {}
     return [
@@ -584,6 +659,7 @@ PRINTERS: dict[str, tuple[list[Column], Printer]] = {
     "deployments": (_DEPLOYMENT_COLUMNS, _deployment_row),
     "replicasets": (_REPLICASET_COLUMNS, _replicaset_row),
     "statefulsets": (_STATEFULSET_COLUMNS, _statefulset_row),
+    "daemonsets": (_DAEMONSET_COLUMNS, _daemonset_row),
     "poddisruptionbudgets": (_PDB_COLUMNS, _pdb_row),
 }
 

@@ -150,7 +150,7 @@ def test_cordon_and_uncordon(cluster: Cluster) -> None:
 def test_drain_evicts_through_the_eviction_api_and_a_pdb_blocks_it(cluster: Cluster) -> None:
     on_two = [p.metadata.name for p in _pods(cluster) if p.spec.node_name == "gpu-node-2"]
     assert len(on_two) == 1
-    drained = cluster.kubectl("drain", "gpu-node-2", "--timeout=60s")
+    drained = cluster.kubectl("drain", "gpu-node-2", "--ignore-daemonsets", "--timeout=60s")
     assert f"evicting pod {NS}/{on_two[0]}" in drained.stdout + drained.stderr
     assert "node/gpu-node-2 drained" in drained.stdout
     pod = cluster.core.list_namespaced_pod(NS, field_selector=f"metadata.name={on_two[0]}").items
@@ -162,7 +162,7 @@ def test_drain_evicts_through_the_eviction_api_and_a_pdb_blocks_it(cluster: Clus
         for p in _pods(cluster, "fleetmend.io/role=serving")
         if p.spec.node_name == "gpu-node-0"
     )
-    blocked = cluster.kubectl("drain", "gpu-node-0", "--timeout=2s", check=False)
+    blocked = cluster.kubectl("drain", "gpu-node-0", "--ignore-daemonsets", "--timeout=2s", check=False)
     assert blocked.returncode == 1
     assert "Cannot evict pod as it would violate the pod's disruption budget." in blocked.stderr
     still = sorted(
@@ -212,7 +212,7 @@ def test_dry_run_server_answers_like_a_write_and_changes_nothing(cluster: Cluste
         cluster.kubectl("scale", "deploy", "llama", "-n", NS, "--replicas=2", "--dry-run=server").stdout,
         cluster.kubectl("apply", "-f", str(manifest), "--dry-run=server").stdout,
         cluster.kubectl("delete", "pod", spare, "-n", NS, "--dry-run=server").stdout,
-        cluster.kubectl("drain", "gpu-node-3", "--dry-run=server").stdout,
+        cluster.kubectl("drain", "gpu-node-3", "--ignore-daemonsets", "--dry-run=server").stdout,
     ]
     assert [out for out in outputs if "(server dry run)" not in out] == []
     # kubectl patch prints no suffix, but sends dryRun=All all the same (the replicas stay 5 below).
@@ -303,7 +303,10 @@ def test_describe_node_shows_its_lease_pods_and_conditions(cluster: Cluster) -> 
     text = cluster.kubectl("describe", "node", "gpu-node-0").stdout
     assert "Lease:\n  HolderIdentity:  gpu-node-0" in text
     assert "RenewTime:" in text and "RenewTime:       <unset>" not in text
-    on_node = [p.metadata.name for p in _pods(cluster) if p.spec.node_name == "gpu-node-0"]
+    on_node = [  # every namespace's: the node's DaemonSet pods count too
+        p.metadata.name
+        for p in cluster.core.list_pod_for_all_namespaces(field_selector="spec.nodeName=gpu-node-0").items
+    ]
     assert f"Non-terminated Pods:          ({len(on_node)} in total)" in text
     assert all(name in text for name in on_node)
     assert "Ready            True" in text and "nvidia.com/gpu" in text
@@ -337,6 +340,7 @@ def test_api_resources_lists_names_short_names_groups_and_kinds(cluster: Cluster
         "deployments": ["deployments", "deploy", "apps/v1", "true", "Deployment"],
         "replicasets": ["replicasets", "rs", "apps/v1", "true", "ReplicaSet"],
         "statefulsets": ["statefulsets", "sts", "apps/v1", "true", "StatefulSet"],
+        "daemonsets": ["daemonsets", "ds", "apps/v1", "true", "DaemonSet"],
         "poddisruptionbudgets": ["poddisruptionbudgets", "pdb", "policy/v1", "true", "PodDisruptionBudget"],
         "jobs": ["jobs", "batch/v1", "true", "Job"],
         "leases": ["leases", "coordination.k8s.io/v1", "true", "Lease"],

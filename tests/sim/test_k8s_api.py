@@ -62,7 +62,12 @@ def test_label_and_field_selectors(kube: Kube) -> None:
     on_node0 = kube.core.list_namespaced_pod(NS, field_selector="spec.nodeName=gpu-node-0").items
     assert on_node0 and all(p.spec.node_name == "gpu-node-0" for p in on_node0)
     everywhere = kube.core.list_pod_for_all_namespaces(field_selector="spec.nodeName=gpu-node-0").items
-    assert {p.metadata.name for p in everywhere} == {p.metadata.name for p in on_node0}
+    # Every namespace's: the pool's pods, and one pod of each node-agent DaemonSet.
+    assert {p.metadata.name for p in everywhere if p.metadata.namespace == NS} == {
+        p.metadata.name for p in on_node0
+    }
+    agents = [p for p in everywhere if p.metadata.namespace != NS]
+    assert len(agents) == 3 and all(p.metadata.owner_references[0].kind == "DaemonSet" for p in agents)
     with pytest.raises(ApiException) as bad:
         kube.core.list_namespaced_pod(NS, field_selector="spec.hostname=x")
     assert bad.value.status == 400 and "field label not supported" in json.loads(bad.value.body)["message"]

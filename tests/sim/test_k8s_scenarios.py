@@ -54,7 +54,7 @@ def test_every_shipped_scenario_starts_in_steady_state(name: str) -> None:
 def test_gpu_node_loss_layout_puts_two_serving_replicas_on_the_first_node() -> None:
     world = SimWorld(load_scenario(shipped_scenarios()["gpu-node-loss"]))
     by_node: dict[str, list[str]] = {}
-    for pod in world.pods():
+    for pod in world.pods("inference"):  # (every GPU node also runs its DaemonSets' node agents)
         by_node.setdefault(pod["spec"]["nodeName"], []).append(pod["metadata"]["labels"]["fleetmend.io/role"])
     assert sorted(by_node["gpu-node-0"]) == ["serving", "serving"]
     assert sum(len(roles) for roles in by_node.values()) == 6 and len(by_node.get("gpu-node-3", [])) == 1

@@ -58,6 +58,8 @@ def run_kubelets(cp: ControlPlane) -> None:
                 cp.store.remove("pods", o.namespace_of(pod), o.name_of(pod))
                 cp.runtimes.pop(uid, None)
                 continue
+        elif runtime.extra.get("settled") == _settled_key(runtime):
+            continue  # a plain container, up and ready: nothing to sync until something acts on it
         profile = cp.profile_for(pod) or DEFAULT_PROFILE
         node = nodes[node_name]
         if "program" not in runtime.extra:
@@ -72,9 +74,30 @@ def run_kubelets(cp: ControlPlane) -> None:
             _write_status(cp, obj, runtime, node, now)
 
         cp.store.mutate("pods", o.namespace_of(pod), o.name_of(pod), write)
+        if program is None and _container_ready(runtime, now) and _plain(cp, pod):
+            runtime.extra["settled"] = _settled_key(runtime)
     for uid in list(cp.runtimes):
         if uid not in live_uids:
             del cp.runtimes[uid]
+
+
+def _plain(cp: ControlPlane, pod: Obj) -> bool:
+    """A container with no engine (no model profile) and no readiness gates: a node agent's (the
+    DaemonSets' pods). Once it is up and ready nothing time-driven changes its status, so the
+    kubelet stops re-syncing it each tick (at fleet size there are several per node)."""
+    return cp.profile_for(pod) is None and not (pod.get("spec") or {}).get("readinessGates")
+
+
+def _settled_key(runtime: PodRuntime) -> tuple[Any, ...]:
+    """What a settled pod's status was written from: any change (a crash, a readiness override, an
+    exit) differs from the key recorded and brings the pod back into the sync."""
+    return (
+        runtime.started_at,
+        runtime.crashed_at,
+        runtime.ready_override,
+        runtime.restart_count,
+        runtime.exited,
+    )
 
 
 def _run_program(

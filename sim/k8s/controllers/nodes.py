@@ -185,6 +185,7 @@ def collect_garbage(cp: ControlPlane) -> None:
         "Service": "services",
         "Pod": "pods",
         "Job": "jobs",
+        "DaemonSet": "daemonsets",
     }
     live_uids = {o.uid_of(obj) for plural in owner_plurals.values() for obj in cp.store.list_view(plural)}
     for plural in ("replicasets", "statefulsets", "pods", "endpointslices", "services"):
