@@ -57,7 +57,12 @@ async def test_a_refused_promotion_stops_and_asks_and_retry_after_the_fix_comple
     async with gpu_pool(temporal_client, task_queue, ledger_url) as rig:
         # An admission policy refuses adding the router label to the spare: the promotion, nothing else.
         await rig.refuse(
-            {"verbs": ["PATCH"], "path_contains": SPARE_PODS, "body_contains": ROUTER_LABEL, "error": "422"}
+            {
+                "verbs": ["PATCH"],
+                "path_contains": SPARE_PODS,
+                "body_contains": f'"{ROUTER_LABEL}"',
+                "error": "422",
+            }
         )
         await rig.inject(FaultKind.NODE_LOST, "gpu-node-0")
         incident = await rig.report_loss(
