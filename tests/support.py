@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 from pydantic import SecretStr
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, text
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
@@ -191,6 +191,21 @@ async def reconcile_with_world(
     engine = create_engine(database_url)
     try:
         return reconcile(engine, world=worlds, actions=actions, check_missing=check_missing)
+    finally:
+        engine.dispose()
+
+
+def effect_states(database_url: str, op_id_like: str) -> list[str]:
+    """The ledger states of the effects whose operation id is LIKE ``op_id_like``, in op-id order
+    (a refused effect and its retry under a new operation id: ``["failed", "applied"]``)."""
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                text("SELECT state FROM ledger_effects WHERE op_id LIKE :like ORDER BY op_id"),
+                {"like": op_id_like},
+            ).all()
+        return [r[0] for r in rows]
     finally:
         engine.dispose()
 

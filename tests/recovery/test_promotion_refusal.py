@@ -14,7 +14,6 @@ import asyncio
 import json
 
 import pytest
-from sqlalchemy import create_engine, text
 from temporalio.client import Client
 
 from fleet.recovery import Phase
@@ -23,6 +22,7 @@ from tests.support import (
     POOL,
     cli_env,
     decisions,
+    effect_states,
     finish,
     fleetmend_actions,
     gpu_pool,
@@ -37,18 +37,6 @@ from tests.support import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 SPARE_PODS = "/pods/llama-spare-"  # the gpu-node-loss world's warm spare Deployment is llama-spare
-
-
-def _states(url: str, like: str) -> list[str]:
-    engine = create_engine(url)
-    try:
-        with engine.connect() as conn:
-            rows = conn.execute(
-                text("SELECT state FROM ledger_effects WHERE op_id LIKE :like ORDER BY op_id"), {"like": like}
-            ).all()
-        return [r[0] for r in rows]
-    finally:
-        engine.dispose()
 
 
 async def test_a_refused_promotion_stops_and_asks_and_retry_after_the_fix_completes(
@@ -103,7 +91,7 @@ async def test_a_refused_promotion_stops_and_asks_and_retry_after_the_fix_comple
         assert status.verification is not None and status.verification.passed, decisions(status)
         assert status.figures.get("promoted"), status.figures
         # The refused promotion stays recorded; the retry was a new operation that applied.
-        states = _states(ledger_url, f"{PROCEDURE_OPERATION_PREFIX}{child.id}@%/promote%")
+        states = effect_states(ledger_url, f"{PROCEDURE_OPERATION_PREFIX}{child.id}@%/promote%")
         assert sorted(set(states)) == ["applied", "failed"], states
         for _ in range(50):  # Envoy routes to the promoted spare (the EndpointSlice follows the label)
             if any(pod.startswith("llama-spare-") for pod in await rig.routing_set(POOL)):

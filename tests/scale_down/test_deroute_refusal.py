@@ -15,7 +15,6 @@ import json
 import uuid
 
 import pytest
-from sqlalchemy import create_engine, text
 from temporalio.client import Client
 
 from fleet.recovery import Phase
@@ -25,6 +24,7 @@ from tests.support import (
     POOL,
     cli_env,
     decisions,
+    effect_states,
     finish,
     reconcile_with_world,
     run_cli,
@@ -33,18 +33,6 @@ from tests.support import (
 from worker.devstack.rig import fleet_rig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
-
-
-def _states(url: str, like: str) -> list[str]:
-    engine = create_engine(url)
-    try:
-        with engine.connect() as conn:
-            rows = conn.execute(
-                text("SELECT state FROM ledger_effects WHERE op_id LIKE :like ORDER BY op_id"), {"like": like}
-            ).all()
-        return [r[0] for r in rows]
-    finally:
-        engine.dispose()
 
 
 async def test_a_refused_deroute_stops_the_scale_down_and_retry_after_the_fix_completes(
@@ -102,7 +90,7 @@ async def test_a_refused_deroute_stops_the_scale_down_and_retry_after_the_fix_co
         assert status.phase == Phase.DONE, decisions(status)
         assert status.verification is not None and status.verification.passed, decisions(status)
         assert len(await rig.routing_set(POOL)) == 7 and victim not in await rig.routing_set(POOL)
-        states = _states(ledger_url, f"{PROCEDURE_OPERATION_PREFIX}{handle.id}@%/stop-routing%")
+        states = effect_states(ledger_url, f"{PROCEDURE_OPERATION_PREFIX}{handle.id}@%/stop-routing%")
         assert sorted(set(states)) == ["applied", "failed"], states  # the refusal, then the retry
         report = await reconcile_with_world(rig, ledger_url)
         assert report.duplicates == [] and report.orphans == [], report
