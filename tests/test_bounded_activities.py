@@ -18,16 +18,27 @@ import asyncio
 import math
 import re
 import textwrap
+import time
+import uuid
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from temporalio import workflow
+from temporalio import activity, workflow
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
 
-from fleet.recovery import RetryBudget
+from activities.act import EffectReport, NotifyRequest
+from activities.readiness import GateSyncRequest, GateSyncResult
+from fleet.incident import PoolRef
+from fleet.recovery import IncidentInput, Phase, RecoveryTimings, RetryBudget
+from workflows.incident import FleetIncident
 from workflows.procedure import bounded_call, run_bounded
+from workflows.readiness_keeper import KeeperInput, ReadinessKeeper, sample_budget
 
 REPO = Path(__file__).resolve().parent.parent
 WORKFLOWS = REPO / "workflows"
@@ -196,3 +207,110 @@ def test_run_bounded_hands_temporal_both_bounds(monkeypatch: pytest.MonkeyPatch)
             )
         )
     assert seen == {}
+
+
+# ---------------------------------------------------------------- the two calls that used to spin silently
+
+
+class _Flaky:
+    """Fake activities under the real names: fail while ``broken``, counting every attempt."""
+
+    def __init__(self) -> None:
+        self.broken = True
+        self.attempts: list[int] = []
+        self.attempts_when_told: list[int] = []
+        self.notes: list[str] = []
+
+    def _fail_or_pass(self) -> None:
+        self.attempts.append(activity.info().attempt)
+        if self.broken:
+            raise ApplicationError("settings file unreadable: /etc/fleetmend/policy.yaml (permission denied)")
+
+    @activity.defn(name="load_incident_config")
+    async def load_incident_config(self, pool: PoolRef) -> IncidentInput:
+        self._fail_or_pass()
+        return IncidentInput(pool=pool, timings=RecoveryTimings(cooldown_s=1))
+
+    @activity.defn(name="notify")
+    async def notify(self, req: NotifyRequest) -> EffectReport:
+        self.notes.append(req.text)
+        self.attempts_when_told.append(len(self.attempts))
+        self.broken = False  # the operator heard of it and fixed the worker's configuration
+        return EffectReport(op_id=req.step, kind="notify", target=req.topic, state="applied")
+
+    @activity.defn(name="sync_readiness_gates")
+    async def sync_readiness_gates(self, req: GateSyncRequest) -> GateSyncResult:
+        self._fail_or_pass()
+        return GateSyncResult(gates=req.gates, verdicts={"llama-0": "ready"})
+
+
+async def _eventually(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:g} s: {what}")
+        await asyncio.sleep(0.1)
+
+
+async def test_a_persistent_policy_load_failure_is_said_not_retried_forever(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    """FleetIncident's policy load: the budget's attempts, then awaiting-operator and the channel;
+    read again after the fix, and the incident goes on (it closes after its cool-down)."""
+    client, queue, fake = time_skipping_env.client, f"bounded-{uuid.uuid4().hex[:8]}", _Flaky()
+    pool = PoolRef(namespace="inference", service=f"llama-{uuid.uuid4().hex[:6]}")
+    async with Worker(
+        client,
+        task_queue=queue,
+        workflows=[FleetIncident],
+        activities=[fake.load_incident_config, fake.notify],
+    ):
+        handle = await client.start_workflow(
+            FleetIncident.run, pool, id=f"incident-{pool.service}", task_queue=queue
+        )
+        result = await handle.result()
+    text_ = "\n".join(d.summary for d in result.decisions)
+    assert result.phase == Phase.DONE, text_
+    # Exactly the budget's attempts before anyone was told (Temporal's default would never stop).
+    assert fake.attempts_when_told == [RetryBudget().attempts], fake.attempts
+    assert max(fake.attempts) == RetryBudget().attempts
+    [note] = fake.notes
+    assert "cannot read its incident policy" in note and "permission denied" in note, note
+    assert "stopped: the worker cannot read its incident policy" in text_ and "policy for" in text_, text_
+    assert result.awaiting is None
+
+
+async def test_a_persistently_failing_readiness_sample_is_recorded_and_the_keeper_samples_on(
+    time_skipping_env: WorkflowEnvironment,
+) -> None:
+    """The ReadinessKeeper's sample: bounded attempts, the error in its status, the gates left as they
+    were; the next sample after the fix clears it."""
+    client, queue, fake = time_skipping_env.client, f"bounded-{uuid.uuid4().hex[:8]}", _Flaky()
+    pool = PoolRef(namespace="inference", service=f"llama-{uuid.uuid4().hex[:6]}")
+    async with Worker(
+        client, task_queue=queue, workflows=[ReadinessKeeper], activities=[fake.sync_readiness_gates]
+    ):
+        handle = await client.start_workflow(
+            ReadinessKeeper.run,
+            KeeperInput(pool=pool, interval_s=1.0),
+            id=f"keeper-{pool.service}",
+            task_queue=queue,
+        )
+
+        async def failed() -> bool:
+            return (await handle.query(ReadinessKeeper.status)).last_error is not None
+
+        await _eventually(failed, "the keeper records the failed sample")
+        status = await handle.query(ReadinessKeeper.status)
+        assert status.last_error is not None and "permission denied" in status.last_error, status
+        assert "retry budget spent (attempts)" in status.last_error, status.last_error
+        assert max(fake.attempts) == sample_budget(1.0).attempts and status.samples == 0, fake.attempts
+        fake.broken = False
+
+        async def recovered() -> bool:
+            s = await handle.query(ReadinessKeeper.status)
+            return s.last_error is None and s.samples > 0
+
+        await _eventually(recovered, "the next sample after the fix clears the error")
+        assert max(fake.attempts) == sample_budget(1.0).attempts  # never more than the budget
+        await handle.terminate("test over")
