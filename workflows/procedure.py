@@ -25,6 +25,11 @@ through this toolkit:
 * ``poll(look, until, interval_s, deadline, summary)`` - look until a condition holds or a
   deadline passes; says which it was. Every "wait until" of every procedure is this loop.
   ``window``, ``poll`` and ``now`` are ``Watch``: the readiness keeper samples with them too.
+* ``run_bounded(activity, arg, budget=..., summary=...)`` - the one place any fleetmend workflow runs
+  an activity: ``bounded_call(budget)`` gives it a maximum attempt count *and* a schedule-to-close
+  (and refuses a budget without either). ``act``, ``observe``, ``call`` and ``notify`` use it, and so
+  do FleetIncident's policy load and the ReadinessKeeper's sample; tests/test_bounded_activities.py
+  fails on an activity call anywhere else in ``workflows/``.
 * ``Record`` (the base of ``Procedure`` and of ``FleetIncident``): the status record
   (``decide``, ``figure``, ``set_phase``, ``begin``), the incident channel (``notify``) and the
   operation-id ``scope`` - one copy for every workflow that keeps a record.
