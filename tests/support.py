@@ -37,7 +37,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 from pydantic import SecretStr
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, text
 from starlette.types import ASGIApp
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHandle
@@ -209,6 +209,21 @@ async def reconcile_with_world(
     engine = create_engine(database_url)
     try:
         return reconcile(engine, world=worlds, actions=actions, check_missing=check_missing)
+    finally:
+        engine.dispose()
+
+
+def effect_states(database_url: str, op_id_like: str) -> list[str]:
+    """The ledger states of the effects whose operation id is LIKE ``op_id_like``, in op-id order
+    (a refused effect and its retry under a new operation id: ``["failed", "applied"]``)."""
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                text("SELECT state FROM ledger_effects WHERE op_id LIKE :like ORDER BY op_id"),
+                {"like": op_id_like},
+            ).all()
+        return [r[0] for r in rows]
     finally:
         engine.dispose()
 

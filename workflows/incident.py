@@ -34,7 +34,7 @@ from datetime import timedelta
 from pydantic import BaseModel, ConfigDict, Field
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
-from temporalio.exceptions import ChildWorkflowError
+from temporalio.exceptions import ActivityError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
     from activities.observe import ObserveActivities
@@ -49,7 +49,13 @@ with workflow.unsafe.imports_passed_through():
         RecoveryInput,
         RetryBudget,
     )
-    from workflows.procedure import Record, should_continue_as_new
+    from workflows.procedure import (
+        Record,
+        describe_failure,
+        is_cancellation,
+        run_bounded,
+        should_continue_as_new,
+    )
     from workflows.replica_loss import ReplicaLossRecovery
 
 
@@ -168,12 +174,7 @@ class FleetIncident(Record):
         if isinstance(pool, IncidentInput):
             config, pool = pool, pool.pool
         if config is None:
-            config = await workflow.execute_activity_method(
-                ObserveActivities.load_incident_config,
-                pool,
-                start_to_close_timeout=timedelta(seconds=30),
-                summary=f"load incident policy for {pool.key}",
-            )
+            config = await self._load_config(pool)
         self._status.dry_run = config.dry_run
         self.begin("incident", pool)
         timings = config.timings
@@ -199,6 +200,45 @@ class FleetIncident(Record):
         self.set_details(f"Incident on **{pool.key}** closed after {len(self._children)} recoveries")
         await workflow.wait_condition(workflow.all_handlers_finished)
         return self._status
+
+    async def _load_config(self, pool: PoolRef) -> IncidentInput:
+        """The worker's incident policy, within the toolkit's bounded budget.
+
+        A spent budget (the worker cannot read its own configuration) is not retried silently
+        forever: the incident says so - phase, ``awaiting``, the incident channel - and reads
+        again after another budget's time, until the worker is fixed.
+        """
+        told = False
+        while True:
+            try:
+                config: IncidentInput = await run_bounded(
+                    ObserveActivities.load_incident_config,
+                    pool,
+                    budget=self._budget,
+                    summary=f"load incident policy for {pool.key}",
+                )
+            except ActivityError as err:
+                if is_cancellation(err):
+                    raise
+                what = f"the worker cannot read its incident policy for {pool.key}: {describe_failure(err)}"
+                if not told:
+                    told = True
+                    self.set_phase(Phase.AWAITING_OPERATOR)
+                    self._status.awaiting = f"{what}; fix the worker's configuration (read again every "
+                    self._status.awaiting += f"{self._budget.budget_s:.0f} s)"
+                    self.set_details(f"**Awaiting operator**: {self._status.awaiting}")
+                    self.decide(f"stopped: {what}")
+                    await self.notify(
+                        "incident-policy",
+                        f"[fleetmend] {pool.key}: {what}. No recovery can start until the worker reads it.",
+                    )
+                await workflow.sleep(self._budget.budget_s, summary="read the incident policy again")
+                continue
+            if told:
+                self._status.awaiting = None
+                self.set_phase(Phase.CORRELATING)
+                self.decide(f"incident policy for {pool.key} read")
+            return config
 
     async def _continue_as_new(self, config: IncidentInput) -> None:
         """Hand everything to a fresh run on the current worker version (no recovery is running here)."""

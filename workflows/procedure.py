@@ -25,6 +25,11 @@ through this toolkit:
 * ``poll(look, until, interval_s, deadline, summary)`` - look until a condition holds or a
   deadline passes; says which it was. Every "wait until" of every procedure is this loop.
   ``window``, ``poll`` and ``now`` are ``Watch``: the readiness keeper samples with them too.
+* ``run_bounded(activity, arg, budget=..., summary=...)`` - the one place any fleetmend workflow runs
+  an activity: ``bounded_call(budget)`` gives it a maximum attempt count *and* a schedule-to-close
+  (and refuses a budget without either). ``act``, ``observe``, ``call`` and ``notify`` use it, and so
+  do FleetIncident's policy load and the ReadinessKeeper's sample; tests/test_bounded_activities.py
+  fails on an activity call anywhere else in ``workflows/``.
 * ``Record`` (the base of ``Procedure`` and of ``FleetIncident``): the status record
   (``decide``, ``figure``, ``set_phase``, ``begin``), the incident channel (``notify``) and the
   operation-id ``scope`` - one copy for every workflow that keeps a record.
@@ -40,13 +45,14 @@ Rejections live in the Update validators only: an exception other than
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeUpdate
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 from temporalio.exceptions import TimeoutError as TemporalTimeoutError
 
 with workflow.unsafe.imports_passed_through():
@@ -76,12 +82,72 @@ _DONE_STATES = frozenset({"applied", "planned", "skipped"})
 
 
 def activity_retry(budget: RetryBudget) -> RetryPolicy:
-    """The activities' retry policy: exponential backoff, bounded in attempts (time is bounded per call)."""
+    """The activities' retry policy: exponential backoff, bounded in attempts (time: ``bounded_timeouts``)."""
+    if budget.attempts < 1:
+        raise ValueError(f"an activity needs a maximum attempt count >= 1 (got {budget.attempts})")
     return RetryPolicy(
         initial_interval=timedelta(seconds=budget.initial_interval_s),
         backoff_coefficient=2.0,
         maximum_interval=timedelta(seconds=budget.max_interval_s),
         maximum_attempts=budget.attempts,
+    )
+
+
+class BoundedCall(NamedTuple):
+    """The options of one bounded activity call: attempts *and* time, never Temporal's unlimited default."""
+
+    retry_policy: RetryPolicy
+    start_to_close: timedelta
+    schedule_to_close: timedelta
+    heartbeat: timedelta | None
+
+
+def bounded_call(
+    budget: RetryBudget, *, timeout_s: float | None = None, heartbeat_s: float | None = None
+) -> BoundedCall:
+    """The bounded policy of one activity call from a ``RetryBudget``.
+
+    ``timeout_s`` overrides one attempt's start-to-close (a long wait such as ``await_derouted``);
+    the schedule-to-close then allows two such attempts. A budget that would leave the call
+    unbounded (no attempts, no or infinite time) is a bug, refused here rather than at 3 a.m.
+    """
+    call_s = timeout_s or budget.call_timeout_s
+    total_s = max(budget.budget_s, 2 * (timeout_s or 0.0))
+    for name, value in (("schedule-to-close", total_s), ("start-to-close", call_s)):
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"an activity needs a finite, positive {name} (got {value})")
+    return BoundedCall(
+        retry_policy=activity_retry(budget),
+        start_to_close=timedelta(seconds=call_s),
+        schedule_to_close=timedelta(seconds=total_s),
+        heartbeat=timedelta(seconds=heartbeat_s) if heartbeat_s else None,
+    )
+
+
+async def run_bounded(
+    activity: Callable[..., Any],
+    arg: Any,
+    *,
+    budget: RetryBudget,
+    summary: str,
+    timeout_s: float | None = None,
+    heartbeat_s: float | None = None,
+) -> Any:
+    """Run one activity under ``bounded_call(budget)``: the only place a fleetmend workflow runs one.
+
+    A spent budget raises ``ActivityError``; the caller says what that means (a procedure asks an
+    operator, the readiness keeper records it and samples again). tests/test_bounded_activities.py
+    fails on any ``workflow.execute_activity*`` / ``start_activity*`` outside this module.
+    """
+    bounded = bounded_call(budget, timeout_s=timeout_s, heartbeat_s=heartbeat_s)
+    return await workflow.execute_activity(
+        activity,
+        arg,
+        start_to_close_timeout=bounded.start_to_close,
+        schedule_to_close_timeout=bounded.schedule_to_close,
+        heartbeat_timeout=bounded.heartbeat,
+        retry_policy=bounded.retry_policy,
+        summary=summary[:190],
     )
 
 
@@ -103,6 +169,11 @@ def describe_failure(err: BaseException) -> str:
     head = spent.get(retry_state.name, "") if retry_state is not None else ""
     text = "; ".join(p for p in parts if p) or str(err)
     return f"{head}: {text}" if head else text
+
+
+def is_cancellation(err: ActivityError) -> bool:
+    """The activity ended because the workflow itself is being cancelled: re-raise, never handle it."""
+    return isinstance(err.cause, CancelledError)
 
 
 def _resolved_by_ledger(err: ActivityError) -> bool:
@@ -216,13 +287,8 @@ class Record(Watch):
             fingerprints=self._fingerprints,
         )
         try:
-            report = await workflow.execute_activity_method(
-                ActActivities.notify,
-                request,
-                start_to_close_timeout=timedelta(seconds=self._budget.call_timeout_s),
-                schedule_to_close_timeout=timedelta(seconds=self._budget.budget_s),
-                retry_policy=activity_retry(self._budget),
-                summary=f"incident channel: {topic}"[:190],
+            report: EffectReport = await run_bounded(
+                ActActivities.notify, request, budget=self._budget, summary=f"incident channel: {topic}"
             )
         except ActivityError as err:
             self.decide(f"incident channel unreachable ({describe_failure(err)}); message was: {text}")
@@ -413,13 +479,8 @@ class Procedure(Record):
                 }
             )
             try:
-                report = await workflow.execute_activity_method(
-                    activity,
-                    stamped,
-                    start_to_close_timeout=timedelta(seconds=self._budget.call_timeout_s),
-                    schedule_to_close_timeout=timedelta(seconds=self._budget.budget_s),
-                    retry_policy=activity_retry(self._budget),
-                    summary=summary[:190],
+                report: EffectReport = await run_bounded(
+                    activity, stamped, budget=self._budget, summary=summary
                 )
             except ActivityError as err:
                 # Budget spent, divergent, or needs an operator: the ledger row (if any) is unresolved
@@ -450,17 +511,15 @@ class Procedure(Record):
         """A read of the world, with the bounded retry budget; spent, it asks an operator (retry / abort)."""
         while True:
             try:
-                return await workflow.execute_activity_method(
+                result: ResultT = await run_bounded(
                     activity,
                     arg,
-                    start_to_close_timeout=timedelta(seconds=timeout_s or self._budget.call_timeout_s),
-                    schedule_to_close_timeout=timedelta(
-                        seconds=max(self._budget.budget_s, 2 * (timeout_s or 0.0))
-                    ),
-                    heartbeat_timeout=timedelta(seconds=heartbeat_s) if heartbeat_s else None,
-                    retry_policy=activity_retry(self._budget),
-                    summary=summary[:190],
+                    budget=self._budget,
+                    summary=summary,
+                    timeout_s=timeout_s,
+                    heartbeat_s=heartbeat_s,
                 )
+                return result
             except ActivityError as err:
                 await self.escalate(
                     Refusal(step="observe", what=summary, error=describe_failure(err), can_skip=False)
@@ -470,14 +529,7 @@ class Procedure(Record):
         """A read implemented as a plain function activity (e.g. ``incident_on_pool``), same budget."""
         while True:
             try:
-                return await workflow.execute_activity(
-                    activity,
-                    arg,
-                    start_to_close_timeout=timedelta(seconds=self._budget.call_timeout_s),
-                    schedule_to_close_timeout=timedelta(seconds=self._budget.budget_s),
-                    retry_policy=activity_retry(self._budget),
-                    summary=summary[:190],
-                )
+                return await run_bounded(activity, arg, budget=self._budget, summary=summary)
             except ActivityError as err:
                 await self.escalate(
                     Refusal(step="observe", what=summary, error=describe_failure(err), can_skip=False)

@@ -22,20 +22,35 @@ the keeper onto the new code within one sample, with its gates carried.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 from pydantic import BaseModel, ConfigDict, Field
 from temporalio import workflow
-from temporalio.common import RetryPolicy as TemporalRetryPolicy
+from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from activities.readiness import GateSyncRequest, GateSyncResult, GateWrite, PodGate, ReadinessActivities
     from fleet import search_attributes as sa
     from fleet.incident import PoolRef
     from fleet.readiness import ReadinessThresholds
-    from workflows.procedure import Watch, should_continue_as_new
+    from fleet.recovery import RetryBudget
+    from workflows.procedure import (
+        Watch,
+        describe_failure,
+        is_cancellation,
+        run_bounded,
+        should_continue_as_new,
+    )
 
 READINESS_KEEPER_WORKFLOW = "ReadinessKeeper"
+
+
+def sample_budget(interval_s: float) -> RetryBudget:
+    """One sample's bounded budget: a few attempts within a handful of intervals (a minute at least)."""
+    return RetryBudget(
+        attempts=5,
+        budget_s=max(60.0, interval_s * 25),
+        call_timeout_s=max(10.0, interval_s * 5),
+        max_interval_s=10.0,
+    )
 
 
 def readiness_keeper_workflow_id(pool: PoolRef) -> str:
@@ -106,17 +121,29 @@ class ReadinessKeeper(Watch):
             initial_versioning_behavior=workflow.ContinueAsNewVersioningBehavior.AUTO_UPGRADE,
         )
 
-    async def _sample(self, inp: KeeperInput) -> GateSyncResult:
-        """One sample: KV, queue and health of every replica, and the gate writes they call for."""
+    async def _sample(self, inp: KeeperInput) -> GateSyncResult | None:
+        """One sample: KV, queue and health of every replica, and the gate writes they call for (None: failed)."""
         status = self._status
         assert status is not None
-        result: GateSyncResult = await workflow.execute_activity_method(
-            ReadinessActivities.sync_readiness_gates,
-            GateSyncRequest(pool=inp.pool, thresholds=inp.thresholds, gates=self._gates, dry_run=inp.dry_run),
-            start_to_close_timeout=timedelta(seconds=max(10.0, inp.interval_s * 5)),
-            retry_policy=TemporalRetryPolicy(maximum_interval=timedelta(seconds=10)),
-            summary=f"sample {inp.pool.key}: KV, queue, health -> readiness gates",
-        )
+        try:
+            result: GateSyncResult = await run_bounded(
+                ReadinessActivities.sync_readiness_gates,
+                GateSyncRequest(
+                    pool=inp.pool, thresholds=inp.thresholds, gates=self._gates, dry_run=inp.dry_run
+                ),
+                budget=sample_budget(inp.interval_s),
+                summary=f"sample {inp.pool.key}: KV, queue, health -> readiness gates",
+            )
+        except ActivityError as err:
+            if is_cancellation(err):
+                raise  # the keeper is being stopped
+            # The gates stay as they are (the keeper never guesses); the failure is in the status
+            # and the details, and the next sample is another bounded call.
+            self._samples_this_run += 1
+            status.last_error = describe_failure(err)
+            workflow.set_current_details(f"**Sample failed** (gates unchanged): {status.last_error}")
+            return None
+        status.last_error = None
         self._gates = result.gates
         self._samples_this_run += 1
         status.samples += 1

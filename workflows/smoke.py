@@ -7,8 +7,6 @@ activity through the worker's thread pool.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 from pydantic import BaseModel
 from temporalio import workflow
 
@@ -16,6 +14,8 @@ from fleet.search_attributes import FLEETMEND_KIND, FLEETMEND_PHASE
 
 with workflow.unsafe.imports_passed_through():
     from activities.smoke import SmokeReply, SmokeRequest, smoke_probe
+    from fleet.recovery import RetryBudget
+    from workflows.procedure import run_bounded
 
 
 class SmokeResult(BaseModel):
@@ -30,11 +30,12 @@ class FleetmendSmoke:
         workflow.upsert_search_attributes(
             [FLEETMEND_KIND.value_set("smoke"), FLEETMEND_PHASE.value_set("probing")]
         )
-        reply = await workflow.execute_activity(
+        # Bounded like every activity: a worker that cannot answer fails the smoke run, visibly.
+        reply: SmokeReply = await run_bounded(
             smoke_probe,
             SmokeRequest(message=message),
-            start_to_close_timeout=timedelta(seconds=30),
-            summary=f"probe the worker with {message!r}"[:200],
+            budget=RetryBudget(attempts=3, budget_s=60.0, call_timeout_s=30.0),
+            summary=f"probe the worker with {message!r}",
         )
         workflow.upsert_search_attributes([FLEETMEND_PHASE.value_set("done")])
         return SmokeResult(workflow_id=workflow.info().workflow_id, reply=reply)

@@ -121,7 +121,9 @@ class KubeApi:
             segments = [s for s in rest.split("/") if s]
             target = self._parse(group, version, segments)
             info = request_info(request.method, request.url.path, request.url.query)
-            rule = self.faults.pick(request.method, request.url.path)
+            # The body is read only for a write (Starlette keeps it for the handler).
+            body = await request.body() if request.method in ("POST", "PUT", "PATCH") else b""
+            rule = self.faults.pick(request.method, request.url.path, body)
             if rule is not None and rule.error == "timeout":
                 if rule.apply_before_timeout:
                     await self._handle(request, info, *target)

@@ -27,6 +27,11 @@ class ApiFaultRule(BaseModel):
 
     verbs: list[Verb] = Field(default_factory=lambda: list[Verb](["PATCH"]))
     path_contains: str = Field("", description="only requests whose path contains this text")
+    body_contains: str = Field(
+        "",
+        description="only requests whose body contains this text (one change among several to the same "
+        "object, e.g. a label removal but not an annotation patch of the same pod)",
+    )
     error: Literal["500", "429", "409", "403", "422", "timeout"]
     rate: float = Field(1.0, ge=0.0, le=1.0, description="share of matching requests that fail")
     count: int | None = Field(None, ge=1, description="stop after this many injected failures")
@@ -59,10 +64,12 @@ class ApiFaults:
         with self._lock:
             return list(self._rules)
 
-    def pick(self, verb: str, path: str) -> ApiFaultRule | None:
+    def pick(self, verb: str, path: str, body: bytes = b"") -> ApiFaultRule | None:
         with self._lock:
             for index, rule in enumerate(self._rules):
                 if verb not in rule.verbs or rule.path_contains not in path:
+                    continue
+                if rule.body_contains and rule.body_contains.encode() not in body:
                     continue
                 if rule.count is not None and self._used[index] >= rule.count:
                     continue
