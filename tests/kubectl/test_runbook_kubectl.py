@@ -13,7 +13,7 @@ import subprocess
 import httpx
 import yaml
 
-from tests.kubectl.conftest import NS, Cluster, table
+from tests.kubectl.support import NS, Cluster, table
 
 STEP_3 = (
     "for p in $(kubectl -n $NS get pods -l app.kubernetes.io/name=$EP -o name); do kubectl -n $NS exec $p "
