@@ -28,7 +28,10 @@ through this toolkit:
 * ``Record`` (the base of ``Procedure`` and of ``FleetIncident``): the status record
   (``decide``, ``figure``, ``set_phase``, ``begin``), the incident channel (``notify``) and the
   operation-id ``scope`` - one copy for every workflow that keeps a record.
-* ``await_operator(what)`` - an approval gate (the ``approve`` Update).
+* ``await_operator(what)`` - an approval gate (the ``approve`` Update). A wait on an operator,
+  whatever its length (a day, a weekend), adds at most ``OPERATOR_WAIT_EVENTS_MAX`` history
+  events: its reminders back off (x2 up to ``REMINDER_INTERVAL_CAP_S``) and stop after
+  ``REMINDERS_MAX``; the wait itself is one timer, never a poll.
 * ``notify(topic, text)`` - the incident channel, through the ledger.
 * ``enter(phase)`` / ``decide`` / ``figure`` - step boundaries and the record an SRE
   reads afterwards; ``status`` query; ``pause`` / ``resume`` / ``abort`` Updates.
@@ -73,6 +76,17 @@ ResultT = TypeVar("ResultT")
 
 # States of an effect the procedure may build on.
 _DONE_STATES = frozenset({"applied", "planned", "skipped"})
+
+# An operator wait's reminders (``Procedure._wait_for_operator``): the interval doubles from the
+# procedure's operator wait up to this cap, and after REMINDERS_MAX reminders the wait is silent.
+REMINDER_INTERVAL_CAP_S = 8 * 3600.0
+REMINDERS_MAX = 8
+# What one reminder adds to the history: timer started + fired, a workflow task (3 events), the notify
+# activity (scheduled, started, completed) and the workflow task after it (3).
+EVENTS_PER_REMINDER = 11
+# The history one wait on an operator adds however long it lasts: its reminders, the final silent wait
+# or timeout, and the workflow task of the answer (an Update: accepted + completed, 3 task events).
+OPERATOR_WAIT_EVENTS_MAX = REMINDERS_MAX * EVENTS_PER_REMINDER + 8
 
 
 def activity_retry(budget: RetryBudget) -> RetryPolicy:
@@ -623,7 +637,8 @@ class Procedure(Record):
         """An approval gate: ``awaiting-operator`` until ``approve``; back to the previous phase.
 
         With ``timeout_s``, returns None when nobody answered in time (the procedure says what
-        silence means); without, it waits as long as it takes, reminding the channel. Raises
+        silence means); without, it waits as long as it takes, reminding the channel on a backed-off,
+        bounded schedule (``_wait_for_operator``: at most ``OPERATOR_WAIT_EVENTS_MAX`` events). Raises
         ``Aborted`` when an operator aborted instead.
         """
         self._awaiting = what
@@ -650,26 +665,47 @@ class Procedure(Record):
     async def _wait_for_operator(
         self, answered: Callable[[], bool], what: str, timeout_s: float | None = None
     ) -> bool:
+        """Wait for ``answered()`` (or an abort), reminding the incident channel on a backed-off schedule.
+
+        The first reminder comes after ``operator_wait_s``; each next one twice as long after the last,
+        up to ``REMINDER_INTERVAL_CAP_S`` apart, and after ``REMINDERS_MAX`` reminders the wait goes on
+        silent (the phase, ``fleetmend status`` and the UI still say who is awaited). A reminder is one
+        timer and one notify activity, so a wait of any length adds at most ``OPERATOR_WAIT_EVENTS_MAX``
+        history events: a day's wait no longer grows the recovery's history with every chunk.
+        Workflows that started before the back-off replay the fixed chunk they ran with (patch).
+        """
         waited = 0.0
+        interval = self._operator_wait_s
+        reminders = 0
+        backs_off: bool | None = None  # asked at the first reminder, where the two schedules part
         while True:
-            chunk = (
-                self._operator_wait_s if timeout_s is None else min(self._operator_wait_s, timeout_s - waited)
-            )
+            if backs_off and reminders >= REMINDERS_MAX:
+                chunk: float | None = None if timeout_s is None else timeout_s - waited
+            else:
+                chunk = interval if timeout_s is None else min(interval, timeout_s - waited)
             try:
                 await workflow.wait_condition(
                     lambda: answered() or self._abort is not None,
-                    timeout=timedelta(seconds=max(chunk, 0.001)),
+                    timeout=None if chunk is None else timedelta(seconds=max(chunk, 0.001)),
                     timeout_summary=f"operator: {what}"[:190],
                 )
             except TimeoutError:
+                assert chunk is not None
                 waited += chunk
                 if timeout_s is not None and waited >= timeout_s:
                     return False
+                if backs_off is None:
+                    backs_off = workflow.patched("operator-reminders-back-off")
+                reminders += 1
+                last = backs_off and reminders >= REMINDERS_MAX
                 await self.notify(
                     f"reminder-{len(self._status.decisions)}",
-                    f"[fleetmend] {self._status.pool.key}: still waiting for an operator ({waited:.0f} s): {what}",
+                    f"[fleetmend] {self._status.pool.key}: still waiting for an operator ({waited:.0f} s): {what}"
+                    + (" (last reminder: the procedure keeps waiting)" if last else ""),
                 )
                 self.decide(f"still waiting for an operator after {waited:.0f} s: {what}")
+                if backs_off:
+                    interval = min(2 * interval, max(self._operator_wait_s, REMINDER_INTERVAL_CAP_S))
                 continue
             if self._abort is not None:
                 raise Aborted()
