@@ -170,6 +170,7 @@ class Watch:
         on_miss: Callable[[ResultT], None] | None = None,
         first: ResultT | None = None,
         look_at_deadline: bool = False,
+        backoff_to_s: float | None = None,
     ) -> tuple[ResultT, bool]:
         """Look until ``until(look())`` holds or ``deadline`` (workflow time) has passed.
 
@@ -180,6 +181,8 @@ class Watch:
         already took, judged before any new one (a wait resumed after an operator answered
         starts with an interval, not a look). ``look_at_deadline``: the interval before the
         deadline is cut short so that one look falls on it (a deadline promised to an operator).
+        ``backoff_to_s``: the interval doubles after every miss up to this (a long watch whose
+        history must stay bounded: the looks of a wait of length W are about log2(cap / interval) + W / cap).
         """
         value = first
         while True:
@@ -196,6 +199,8 @@ class Watch:
             if look_at_deadline and deadline is not None:
                 interval = min(interval_s, max(0.05, deadline - now))
             await workflow.sleep(interval, summary=summary[:190])
+            if backoff_to_s is not None:
+                interval_s = min(backoff_to_s, 2 * interval_s)
             value = None
 
 
