@@ -84,8 +84,9 @@ REMINDERS_MAX = 8
 # What one reminder adds to the history: timer started + fired, a workflow task (3 events), the notify
 # activity (scheduled, started, completed) and the workflow task after it (3).
 EVENTS_PER_REMINDER = 11
-# The history one wait on an operator adds however long it lasts: its reminders, the final silent wait
-# or timeout, and the workflow task of the answer (an Update: accepted + completed, 3 task events).
+# The history one wait on an operator adds however long it lasts: its reminders, the back-off's patch
+# marker and the search-attribute upsert that records it (2), a timeout's timer (2) and the answer's
+# workflow task (3), with one to spare. A day's wait measured +89 (tests/recovery/test_long_wait.py).
 OPERATOR_WAIT_EVENTS_MAX = REMINDERS_MAX * EVENTS_PER_REMINDER + 8
 
 
