@@ -24,6 +24,7 @@ their reports (signals ``node_triaged`` and ``node_released``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
@@ -326,6 +327,8 @@ class NodeLifecycle:
 
         Returns the node object's uid to qualify (a re-created object of the same machine is
         quarantined again first), or None: no repair in time, or the name now holds another machine.
+        The looks back off (``repair_look_cap``): a watch of any length takes at most
+        ``repair_looks_max(repair_wait_s, interval)`` looks, about 46 (500 history events) for a day.
         """
         proc = self._proc
         wait_s = self._timings.repair_wait_s
@@ -386,12 +389,15 @@ class NodeLifecycle:
 
         # The watch starts with an interval: the follow-up needs a moment after the failed qualification.
         await workflow.sleep(interval_s, summary=f"wait for the repair of {node}")
+        # patched: a watch that started polling at a fixed interval replays as it ran.
+        bounded = workflow.patched("repair-watch-backs-off")
         _, over = await proc.poll(
             look,
             lambda ended: ended,
             interval_s=interval_s,
             deadline=deadline,
             summary=f"wait for the repair of {node}",
+            backoff_to_s=repair_look_cap(wait_s, interval_s) if bounded else None,
         )
         if over:
             return watch.outcome
@@ -432,6 +438,22 @@ class NodeLifecycle:
             proc.decide(text)
             await proc.notify(f"occupied-{node}-{len(told)}", f"[fleetmend] {self._pool.key}: {text}")
         return "pods hold its GPUs: " + ", ".join(f"{h.pod} ({h.gpus})" for h in holders)
+
+
+# The repair watch's looks at their cap: a repair is seen within 1/REPAIR_LOOKS_AT_CAP of the wait
+# (45 min of a day's wait, 4 min of two hours).
+REPAIR_LOOKS_AT_CAP = 32
+
+
+def repair_look_cap(wait_s: float, interval_s: float) -> float:
+    """The repair watch's longest interval: its looks double from ``interval_s`` up to this."""
+    return max(interval_s, wait_s / REPAIR_LOOKS_AT_CAP)
+
+
+def repair_looks_max(wait_s: float, interval_s: float) -> int:
+    """The most looks a repair watch of ``wait_s`` takes (the bound the history keeps under)."""
+    cap = repair_look_cap(wait_s, interval_s)
+    return math.ceil(math.log2(cap / interval_s)) + REPAIR_LOOKS_AT_CAP + 2
 
 
 class _RepairWatch:

@@ -33,7 +33,10 @@ through this toolkit:
 * ``Record`` (the base of ``Procedure`` and of ``FleetIncident``): the status record
   (``decide``, ``figure``, ``set_phase``, ``begin``), the incident channel (``notify``) and the
   operation-id ``scope`` - one copy for every workflow that keeps a record.
-* ``await_operator(what)`` - an approval gate (the ``approve`` Update).
+* ``await_operator(what)`` - an approval gate (the ``approve`` Update). A wait on an operator,
+  whatever its length (a day, a weekend), adds at most ``OPERATOR_WAIT_EVENTS_MAX`` history
+  events: its reminders back off (x2 up to ``REMINDER_INTERVAL_CAP_S``) and stop after
+  ``REMINDERS_MAX``; the wait itself is one timer, never a poll.
 * ``notify(topic, text)`` - the incident channel, through the ledger.
 * ``enter(phase)`` / ``decide`` / ``figure`` - step boundaries and the record an SRE
   reads afterwards; ``status`` query; ``pause`` / ``resume`` / ``abort`` Updates.
@@ -79,6 +82,18 @@ ResultT = TypeVar("ResultT")
 
 # States of an effect the procedure may build on.
 _DONE_STATES = frozenset({"applied", "planned", "skipped"})
+
+# An operator wait's reminders (``Procedure._wait_for_operator``): the interval doubles from the
+# procedure's operator wait up to this cap, and after REMINDERS_MAX reminders the wait is silent.
+REMINDER_INTERVAL_CAP_S = 8 * 3600.0
+REMINDERS_MAX = 8
+# What one reminder adds to the history: timer started + fired, a workflow task (3 events), the notify
+# activity (scheduled, started, completed) and the workflow task after it (3).
+EVENTS_PER_REMINDER = 11
+# The history one wait on an operator adds however long it lasts: its reminders, the back-off's patch
+# marker and the search-attribute upsert that records it (2), a timeout's timer (2) and the answer's
+# workflow task (3), with one to spare. A day's wait measured +89 (tests/recovery/test_long_wait.py).
+OPERATOR_WAIT_EVENTS_MAX = REMINDERS_MAX * EVENTS_PER_REMINDER + 8
 
 
 def activity_retry(budget: RetryBudget) -> RetryPolicy:
@@ -227,6 +242,7 @@ class Watch:
         on_miss: Callable[[ResultT], None] | None = None,
         first: ResultT | None = None,
         look_at_deadline: bool = False,
+        backoff_to_s: float | None = None,
     ) -> tuple[ResultT, bool]:
         """Look until ``until(look())`` holds or ``deadline`` (workflow time) has passed.
 
@@ -237,6 +253,8 @@ class Watch:
         already took, judged before any new one (a wait resumed after an operator answered
         starts with an interval, not a look). ``look_at_deadline``: the interval before the
         deadline is cut short so that one look falls on it (a deadline promised to an operator).
+        ``backoff_to_s``: the interval doubles after every miss up to this (a long watch whose
+        history must stay bounded: the looks of a wait of length W are about log2(cap / interval) + W / cap).
         """
         value = first
         while True:
@@ -253,6 +271,8 @@ class Watch:
             if look_at_deadline and deadline is not None:
                 interval = min(interval_s, max(0.05, deadline - now))
             await workflow.sleep(interval, summary=summary[:190])
+            if backoff_to_s is not None:
+                interval_s = min(backoff_to_s, 2 * interval_s)
             value = None
 
 
@@ -675,7 +695,8 @@ class Procedure(Record):
         """An approval gate: ``awaiting-operator`` until ``approve``; back to the previous phase.
 
         With ``timeout_s``, returns None when nobody answered in time (the procedure says what
-        silence means); without, it waits as long as it takes, reminding the channel. Raises
+        silence means); without, it waits as long as it takes, reminding the channel on a backed-off,
+        bounded schedule (``_wait_for_operator``: at most ``OPERATOR_WAIT_EVENTS_MAX`` events). Raises
         ``Aborted`` when an operator aborted instead.
         """
         self._awaiting = what
@@ -702,26 +723,47 @@ class Procedure(Record):
     async def _wait_for_operator(
         self, answered: Callable[[], bool], what: str, timeout_s: float | None = None
     ) -> bool:
+        """Wait for ``answered()`` (or an abort), reminding the incident channel on a backed-off schedule.
+
+        The first reminder comes after ``operator_wait_s``; each next one twice as long after the last,
+        up to ``REMINDER_INTERVAL_CAP_S`` apart, and after ``REMINDERS_MAX`` reminders the wait goes on
+        silent (the phase, ``fleetmend status`` and the UI still say who is awaited). A reminder is one
+        timer and one notify activity, so a wait of any length adds at most ``OPERATOR_WAIT_EVENTS_MAX``
+        history events: a day's wait no longer grows the recovery's history with every chunk.
+        Workflows that started before the back-off replay the fixed chunk they ran with (patch).
+        """
         waited = 0.0
+        interval = self._operator_wait_s
+        reminders = 0
+        backs_off: bool | None = None  # asked at the first reminder, where the two schedules part
         while True:
-            chunk = (
-                self._operator_wait_s if timeout_s is None else min(self._operator_wait_s, timeout_s - waited)
-            )
+            if backs_off and reminders >= REMINDERS_MAX:
+                chunk: float | None = None if timeout_s is None else timeout_s - waited
+            else:
+                chunk = interval if timeout_s is None else min(interval, timeout_s - waited)
             try:
                 await workflow.wait_condition(
                     lambda: answered() or self._abort is not None,
-                    timeout=timedelta(seconds=max(chunk, 0.001)),
+                    timeout=None if chunk is None else timedelta(seconds=max(chunk, 0.001)),
                     timeout_summary=f"operator: {what}"[:190],
                 )
             except TimeoutError:
+                assert chunk is not None
                 waited += chunk
                 if timeout_s is not None and waited >= timeout_s:
                     return False
+                if backs_off is None:
+                    backs_off = workflow.patched("operator-reminders-back-off")
+                reminders += 1
+                last = backs_off and reminders >= REMINDERS_MAX
                 await self.notify(
                     f"reminder-{len(self._status.decisions)}",
-                    f"[fleetmend] {self._status.pool.key}: still waiting for an operator ({waited:.0f} s): {what}",
+                    f"[fleetmend] {self._status.pool.key}: still waiting for an operator ({waited:.0f} s): {what}"
+                    + (" (last reminder: the procedure keeps waiting)" if last else ""),
                 )
                 self.decide(f"still waiting for an operator after {waited:.0f} s: {what}")
+                if backs_off:
+                    interval = min(2 * interval, max(self._operator_wait_s, REMINDER_INTERVAL_CAP_S))
                 continue
             if self._abort is not None:
                 raise Aborted()

@@ -1,9 +1,7 @@
-"""Stand-ins for ``ReplicaLossRecovery`` (same workflow name) and the incident channel, for the tests
-of FleetIncident's own behaviour: continue-as-new and worker rolls.
-
-The real recovery needs the simulated fleet and minutes; these hold still until told to finish, so
-a test can roll workers or grow history while a recovery is in flight. ``CODE`` marks which
-worker build ran a run. Module without side effects: the workflow sandbox re-imports it.
+"""A stand-in for ``ReplicaLossRecovery`` (same workflow name) and the incident channel, for the test
+of FleetIncident's own continue-as-new: a recovery that ends *failed* when told, so the incident
+carries a failed recovery awaiting ``resolve`` across the hand-over (the worker-roll test runs the
+real recovery). Module without side effects: the workflow sandbox re-imports it.
 """
 
 from __future__ import annotations
@@ -21,9 +19,8 @@ class Finish(BaseModel):
     phase: Phase = Phase.DONE
 
 
-class _StubRecovery:
-    CODE = "?"
-
+@workflow.defn(name="ReplicaLossRecovery")
+class StubRecovery:
     def __init__(self) -> None:
         self._finish: Finish | None = None
         self._reports: list[LossReport] = []
@@ -36,33 +33,16 @@ class _StubRecovery:
     def add_losses(self, reports: list[LossReport]) -> None:
         self._reports.extend(reports)
 
-    async def _run(self, inp: RecoveryInput) -> ProcedureStatus:
+    @workflow.run
+    async def run(self, inp: RecoveryInput) -> ProcedureStatus:
         await workflow.wait_condition(lambda: self._finish is not None)
         assert self._finish is not None
         return ProcedureStatus(
             workflow=workflow.info().workflow_id,
             pool=inp.pool,
             phase=self._finish.phase,
-            figures={"code": self.CODE, "reports": len(inp.reports) + len(self._reports)},
+            figures={"reports": len(inp.reports) + len(self._reports)},
         )
-
-
-@workflow.defn(name="ReplicaLossRecovery")
-class StubRecoveryV1(_StubRecovery):
-    CODE = "v1"
-
-    @workflow.run
-    async def run(self, inp: RecoveryInput) -> ProcedureStatus:
-        return await self._run(inp)
-
-
-@workflow.defn(name="ReplicaLossRecovery")
-class StubRecoveryV2(_StubRecovery):
-    CODE = "v2"
-
-    @workflow.run
-    async def run(self, inp: RecoveryInput) -> ProcedureStatus:
-        return await self._run(inp)
 
 
 NOTIFIED: list[str] = []

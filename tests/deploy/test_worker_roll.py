@@ -1,13 +1,13 @@
 """Worker Versioning and continue-as-new of the long-lived incident, against a real dev server.
 
-* a recovery in flight survives a worker roll: it finishes on the version it started on (v1's
-  code), while its incident continues-as-new onto the new current version (v2) with its state;
+* a real recovery in flight (simulated fleet, real Envoy, the ledger) survives a worker roll: its
+  worker is replaced mid-recovery, it finishes on the version it started on with every effect
+  once, while its incident continues-as-new onto the new current version (v2) with its state;
 * an incident driven past the server's continue-as-new suggestion hands over its whole state —
   fingerprints, entities, children, a failed recovery still awaiting ``resolve`` — and stays one
-  incident (one workflow id) to the webhook and the operator.
-
-``ReplicaLossRecovery`` is a stand-in (``tests.deploy.stub_recovery``) that holds still until told
-to finish: what is under test is FleetIncident and the worker's versioning, not the procedure.
+  incident (one workflow id) to the webhook and the operator. There ``ReplicaLossRecovery`` is a
+  stand-in (``tests.deploy.stub_recovery``) that ends *failed* when told: what is under test is
+  how FleetIncident carries a failed recovery across continue-as-new, not the procedure.
 """
 
 from __future__ import annotations
@@ -30,8 +30,22 @@ from temporalio.worker import Worker
 
 from fleet.incident import REPORT_LOSS_SIGNAL, LossReport, PoolRef, incident_workflow_id
 from fleet.recovery import IncidentInput, OperatorAction, Phase, ProcedureStatus, RecoveryTimings
-from tests.deploy.stub_recovery import Finish, StubRecoveryV1, StubRecoveryV2, stub_notify
+from fleet.vocabulary import FaultKind
+from tests.deploy.stub_recovery import Finish, StubRecovery, stub_notify
+from tests.support import (
+    FAST,
+    POOL,
+    decisions,
+    finish,
+    fleetmend_actions,
+    incident_config,
+    pod_report,
+    reconcile_with_world,
+    wait_for_child,
+    wait_for_phase,
+)
 from worker.config import Settings, load_settings
+from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
 from worker.devstack.temporal_dev import TemporalDevServer
 from worker.priorities import RECOVERY
 from worker.processes import free_port
@@ -45,6 +59,9 @@ from worker.worker import (
 from workflows.incident import FleetIncident
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+# The incident stays open after its recovery (the test ends it): what it carries is checked meanwhile.
+HELD_OPEN = incident_config(timings=FAST.model_copy(update={"cooldown_s": 3600.0}))
 
 # Small enough that a few dozen alerts push the incident past it; large enough for one recovery.
 SUGGEST_CONTINUE_AS_NEW_AT = 60
@@ -101,6 +118,14 @@ async def worker_of(
             versioned=versioned,
         )
         async with worker:
+            yield worker
+
+
+@asynccontextmanager
+async def real_worker(client: Client, settings: Settings) -> AsyncIterator[Worker]:
+    """A worker of this version with every workflow and activity (a ``fleetmend worker`` process's)."""
+    with ThreadPoolExecutor(MAX_CONCURRENT_ACTIVITIES) as pool:
+        async with build_worker(client, settings, activity_executor=pool, versioned=True) as worker:
             yield worker
 
 
@@ -161,66 +186,89 @@ async def pinned_version(handle: WorkflowHandle[Any, Any]) -> str:
     return f"{info.deployment_version.deployment_name}.{info.deployment_version.build_id}"
 
 
-async def test_a_recovery_in_flight_finishes_on_its_version_and_the_incident_moves_to_the_new_one(
-    temporal_client: Client,
+async def test_a_real_recovery_survives_a_worker_roll_on_its_version_and_the_incident_moves_to_the_new_one(
+    temporal_client: Client, ledger_url: str
 ) -> None:
+    """A real recovery (the router-label-selected world: it stops at step 2 for an operator's approval of a
+    force-delete) is in flight when v2 is rolled out and v1's worker is replaced; it finishes on v1 with
+    every effect once, and its incident moves to v2."""
     client = temporal_client
     task_queue = f"roll-{uuid.uuid4().hex[:8]}"
     deployment = f"fleetmend-roll-{uuid.uuid4().hex[:6]}"
-    v1 = settings_for(client, task_queue, deployment, "v1")
-    v2 = settings_for(client, task_queue, deployment, "v2")
-    pool = PoolRef(namespace="inference", service=f"roll-{uuid.uuid4().hex[:6]}")
-    cfg = incident_input(pool, cooldown_s=3600)
+    async with fleet_rig(
+        client,
+        scenario=compressed_scenario("router-label-selected"),
+        database_url=ledger_url,
+        task_queue=task_queue,
+        run_worker=False,
+        worker_deployment_name=deployment,
+        worker_build_id="v1",
+    ) as rig:
+        v1 = rig.settings
+        v2 = v1.model_copy(update={"worker_build_id": "v2"})
+        async with real_worker(client, v1):
+            assert await promote_first_version(client, v1)  # a fresh install: the first version is current
+            assert await current_version(client, v1) == f"{deployment}.v1"
+            await until(lambda: _routed(rig, 2), "the pool serves before the loss", tries=600)
+            pod = (await rig.routing_set(POOL))[0]
+            await rig.start_load(rate=30, duration_s=90, seed=6)
+            await rig.inject(FaultKind.WEDGED_ENGINE, f"inference/{pod}")
+            incident = await rig.report_loss(pod_report(pod, "fp-wedged"), HELD_OPEN)
+            first_run = (await incident.describe()).run_id
+            recovery = await wait_for_child(client, incident)
+            waiting = await wait_for_phase(recovery, Phase.AWAITING_OPERATOR)
+            assert waiting.awaiting and "force-delete" in waiting.awaiting
+            assert await pinned_version(recovery) == f"{deployment}.v1"
+            # Started by the incident, the recovery gets recovery priority from the worker's interceptor.
+            described = await recovery.describe()
+            assert described.raw_description.workflow_execution_info.priority.priority_key == RECOVERY
 
-    async with worker_of(client, v1, [FleetIncident, StubRecoveryV1]):
-        assert await promote_first_version(
-            client, v1
-        )  # a fresh install: the first version makes itself current
-        assert await current_version(client, v1) == f"{deployment}.v1"
-        incident = await report(client, task_queue, pool, cfg, "llama-0", "fp-a")
-        first_run = (await incident.describe()).run_id
-        recovery_1 = await child_handle(client, incident, 1)
-        assert await pinned_version(recovery_1) == f"{deployment}.v1"
-        # Started by the incident, the recovery gets recovery priority from the worker's interceptor.
-        described = await recovery_1.describe()
-        assert described.raw_description.workflow_execution_info.priority.priority_key == RECOVERY
-
-        # The roll: v2 comes up beside v1, the operator makes it current.
-        async with worker_of(client, v2, [FleetIncident, StubRecoveryV2]):
+        # The roll: v2 comes up and the operator makes it current; v1's old worker is gone (above) and a
+        # replacement of v1 (its version still has a pinned recovery to drain) comes up beside v2. The
+        # incident moves to v2 only once its recovery is over (it continues-as-new between recoveries).
+        async with real_worker(client, v2), real_worker(client, v1):
             assert not await promote_first_version(client, v2)  # a later version never promotes itself
             await until(lambda: _set_current(client, v2), "v2 accepted as current version")
             assert await current_version(client, v2) == f"{deployment}.v2"
 
-            await recovery_1.signal("finish", Finish())
-            done: ProcedureStatus = await recovery_1.result()
-            assert done.figures["code"] == "v1"  # the pinned recovery finished on v1's code
-            assert await pinned_version(recovery_1) == f"{deployment}.v1"
-
+            # The operator answers the recovery that started before the roll: it finishes on v1.
+            await recovery.execute_update(
+                "approve", OperatorAction(operator="alice", reason="pod wedged, delete it")
+            )
+            status = await finish(recovery)
+            assert status.phase == Phase.DONE, decisions(status)
+            assert await pinned_version(recovery) == f"{deployment}.v1"
+            deletes = [
+                a
+                for a in await fleetmend_actions(rig)
+                if a["verb"] == "DELETE" and a["path"].endswith(f"/pods/{pod}")
+            ]
+            assert len(deletes) == 1, decisions(status)
+            # Every effect of the recovery is in the ledger once and in the world's log once.
+            report = await reconcile_with_world(rig, ledger_url)
+            assert report.duplicates == [] and report.orphans == [], report
+            assert status.figures.get("effects_applied", 0) >= 2, status.figures  # the delete and the shed
             latest = client.get_workflow_handle(incident.id)
 
             async def on_v2() -> bool:
                 described = await latest.describe()
                 return described.run_id != first_run and await pinned_version(latest) == f"{deployment}.v2"
 
-            # A repeat alert (absorbed) gives the incident a workflow task in which it sees the new target.
+            # The recovery over, a repeat alert (absorbed) gives the incident a workflow task in which it sees the new target.
             await until(
                 on_v2,
                 "incident continued on v2",
-                nudge=lambda: report(client, task_queue, pool, cfg, "llama-0", "fp-a"),
+                nudge=lambda: rig.report_loss(pod_report(pod, "fp-wedged"), HELD_OPEN),
             )
-            status = await latest.query(FleetIncident.status)
-            assert status.figures["runs"] == 2
-            assert status.children == [recovery_1.id]  # carried: the next recovery is number 2
-            assert status.figures["entities"] == ["pod:llama-0"]
+            incident_status = await latest.query(FleetIncident.status)
+            assert incident_status.children == [recovery.id]  # carried across the hand-over
+            assert incident_status.figures["runs"] == 2
 
-            # A new loss after the roll: its recovery runs v2's code.
-            await report(client, task_queue, pool, cfg, "llama-1", "fp-b")
-            recovery_2 = await child_handle(client, incident, 2)
-            assert recovery_2.id.endswith("/recovery-2")
-            assert await pinned_version(recovery_2) == f"{deployment}.v2"
-            await recovery_2.signal("finish", Finish())
-            assert (await recovery_2.result()).figures["code"] == "v2"
             await latest.terminate("test done")
+
+
+async def _routed(rig: FleetRig, groups: int) -> bool:
+    return len(await rig.routing_set(POOL)) >= groups
 
 
 async def _set_current(client: Client, settings: Settings) -> bool:
@@ -246,7 +294,7 @@ async def test_a_long_incident_continues_as_new_and_carries_its_state(short_hist
     pool = PoolRef(namespace="inference", service="llama")
     cfg = incident_input(pool, cooldown_s=0.2)
 
-    async with worker_of(client, settings, [FleetIncident, StubRecoveryV1], versioned=False):
+    async with worker_of(client, settings, [FleetIncident, StubRecovery], versioned=False):
         incident = await report(client, task_queue, pool, cfg, "llama-0", "fp-0")
         first_run = (await incident.describe()).run_id
         recovery_1 = await child_handle(client, incident, 1)
