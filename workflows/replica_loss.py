@@ -16,13 +16,8 @@ UI, and steer with the ``pause``, ``resume``, ``abort``, ``approve``, ``retry`` 
 Beside this file: the admission keeper (``workflows/admission.py``, steps 3 to 10), the ramp
 (``workflows/ramp.py``, step 9) and each failed node's hardware path, a ``NodeQualification``
 child workflow per node (``workflows/node_qualification.py``, step 8). The recovery's state
-is one model, ``fleet.recovery_state.RecoveryState``.
-
-Long waits do not grow the history per poll: a wait on an operator adds at most
-``procedure.OPERATOR_WAIT_EVENTS_MAX`` events however long it lasts (a day at an approval: +89,
-``tests/recovery/test_long_wait.py``), so the recovery does not continue-as-new (its state is its
-position in the runbook); the admission keeper's looks while it waits are bounded by their own
-back-off (``fleet.survivor_load.next_admission_look``).
+is one model, ``fleet.recovery_state.RecoveryState``. An operator wait adds at most
+``procedure.OPERATOR_WAIT_EVENTS_MAX`` history events however long it lasts (README, "Long waits").
 """
 
 from __future__ import annotations
