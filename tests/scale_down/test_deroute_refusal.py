@@ -19,7 +19,7 @@ from temporalio.client import Client
 
 from fleet.recovery import Phase
 from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX, ROUTER_LABEL
-from tests.scale_down.helpers import scale_down_input, start_scale_down, vllm_default_scenario
+from tests.scale_down.support import scale_down_input, start_scale_down, vllm_default_scenario
 from tests.support import (
     POOL,
     cli_env,
