@@ -105,3 +105,9 @@ def grant_components(admin_kubeconfig: Path, objects: Iterable[Obj] | None = Non
             written[component] = path
     return written
 
+
+
+def component_settings(kubeconfigs: dict[str, Path]) -> dict[str, Any]:
+    """The worker's settings that follow from running as its ServiceAccount: its kubeconfig, and its
+    fast path's Lease in fleetmend's namespace (deploy/k8s/base/config.yaml; the Role grants it there)."""
+    return {"kubeconfig": kubeconfigs["worker"], "kube_context": None, "fastpath_lease_namespace": "fleetmend"}

@@ -43,6 +43,7 @@ from gateway.store import GatewayStore
 from ledger.store import make_engine
 from worker.config import Settings, load_settings
 from worker.devstack.gateway import LocalGateway
+from worker.devstack.rbac_wiring import component_settings, grant_components
 from worker.devstack.sim_wiring import settings_for_running_sim
 from worker.fastpath.service import FastPath, build_fast_path
 from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
@@ -56,6 +57,8 @@ class FleetRig:
     http: httpx.AsyncClient
     gateway: LocalGateway  # the Envoy the users' requests go through, and its control plane
     worker: Worker | None = None
+    # component -> its ServiceAccount's kubeconfig (worker, webhook, gateway; rbac_wiring.COMPONENTS)
+    kubeconfigs: dict[str, Path] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)  # unix seconds this rig was made
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     _envoy: EnvoyGateway | None = None
@@ -220,6 +223,7 @@ async def fleet_rig(
     speed: float = 1.0,
     run_worker: bool = True,
     in_process_sim: bool = False,
+    rbac_objects: list[dict[str, Any]] | None = None,
     **overrides: Any,
 ) -> AsyncIterator[FleetRig]:
     """Serve ``scenario`` (a path, a shipped scenario's name or a ``sim.scenario.Scenario``) and run
@@ -230,6 +234,10 @@ async def fleet_rig(
     that reaches into the simulated world's objects (``rig.sim.world``).
     Users' requests go through a real Envoy that fleetmend configures (the control plane on a
     thread, Envoy a child process), and the worker acts on it.
+    The worker (with its fast path) and the gateway control plane talk to the simulated API server
+    as their ServiceAccounts under deploy/k8s's RBAC (``worker.devstack.rbac_wiring``;
+    ``rbac_objects``: other RBAC objects instead, e.g. a Role with a rule removed); ``rig.kubeconfigs``
+    has each component's kubeconfig, ``rig.sim.kubeconfig`` stays the unrestricted admin's.
     """
     import tempfile
 
@@ -245,8 +253,10 @@ async def fleet_rig(
     gateway: LocalGateway | None = None
     rig: FleetRig | None = None
     try:
+        # Each process acts as its own ServiceAccount under deploy/k8s's RBAC (the sim enforces it).
+        kubeconfigs = await asyncio.to_thread(grant_components, Path(sim.kubeconfig), rbac_objects)
         gateway = LocalGateway(
-            kubeconfig=Path(sim.kubeconfig),
+            kubeconfig=kubeconfigs["gateway"],
             database_url=database_url,
             workdir=Path(sim.kubeconfig).parent / "gateway",
         )
@@ -260,6 +270,7 @@ async def fleet_rig(
             **{
                 **settings_for_running_sim(sim),
                 **gateway.settings_for_clients(),
+                **component_settings(kubeconfigs),
                 **overrides,
             },
         )
@@ -268,7 +279,9 @@ async def fleet_rig(
                 "/sim/v1/gateway", json={"url": gateway.url, "upstream_header": UPSTREAM_HEADER}
             )
             reply.raise_for_status()
-            rig = FleetRig(client=client, settings=settings, sim=sim, http=http, gateway=gateway)
+            rig = FleetRig(
+                client=client, settings=settings, sim=sim, http=http, gateway=gateway, kubeconfigs=kubeconfigs
+            )
             if not run_worker:
                 yield rig
                 return
