@@ -31,7 +31,7 @@ from worker.processes import free_port
 from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
 
 # Postgres: pg_server (session), pg_url (an empty database per test), ledger_url (migrated).
-pytest_plugins = ["tests.pg"]
+pytest_plugins = ["tests.pg", "tests.deploy.rbac_audit"]
 
 
 # Packages whose files share a package-scoped fixture: the demo package keeps one running demo per scenario

@@ -330,7 +330,9 @@ class Rbac:
         non_resource_rules: list[Obj] = []
         for rule in collected:
             if rule.get("nonResourceURLs"):
-                non_resource_rules.append({"verbs": rule["verbs"], "nonResourceURLs": rule["nonResourceURLs"]})
+                non_resource_rules.append(
+                    {"verbs": rule["verbs"], "nonResourceURLs": rule["nonResourceURLs"]}
+                )
             else:
                 entry: Obj = {
                     "verbs": list(rule.get("verbs") or []),
@@ -431,7 +433,9 @@ def _review_body(body: Any, kind: str) -> Obj:
     if not isinstance(body, dict):
         raise bad_request(f"the body of the request must be an authorization.k8s.io/v1 {kind}")
     if body.get("kind") not in (None, kind):
-        raise bad_request(f"the object provided is unrecognized (must be of type {kind}): kind {body.get('kind')!r}")
+        raise bad_request(
+            f"the object provided is unrecognized (must be of type {kind}): kind {body.get('kind')!r}"
+        )
     return body
 
 
@@ -443,7 +447,13 @@ def _invalid_review(kind: str, field: str, message: str) -> ApiError:
         {
             "group": "authorization.k8s.io",
             "kind": kind,
-            "causes": [{"reason": "FieldValueInvalid", "message": f'Invalid value: "null": {message}', "field": field}],
+            "causes": [
+                {
+                    "reason": "FieldValueInvalid",
+                    "message": f'Invalid value: "null": {message}',
+                    "field": field,
+                }
+            ],
         },
     )
 

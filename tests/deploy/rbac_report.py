@@ -59,7 +59,9 @@ class RbacReport:
         out = []
         for grant in self.grants:
             calls = sorted(self.used.get(grant, set()))
-            out.append(f"{grant.describe()}: {len(calls)} distinct call(s)" + (" UNUSED" if not calls else ""))
+            out.append(
+                f"{grant.describe()}: {len(calls)} distinct call(s)" + (" UNUSED" if not calls else "")
+            )
             out.extend(f"    {c}" for c in calls[:5])
         out.extend(f"DENIED: {line}" for line in self.denied)
         return out
@@ -142,3 +144,16 @@ def build_report(
             if grant.component == component and grant.allows(attrs):
                 report.used.setdefault(grant, set()).add(call)
     return report
+
+
+def wildcard_rules(objects: Iterable[Obj]) -> list[str]:
+    """Rules with a ``*`` anywhere (never acceptable in fleetmend's RBAC)."""
+    out = []
+    for o in objects:
+        if o["kind"] not in ("ClusterRole", "Role"):
+            continue
+        for rule in o.get("rules") or []:
+            for key in ("apiGroups", "resources", "verbs", "resourceNames", "nonResourceURLs"):
+                if any("*" in str(v) for v in rule.get(key) or []):
+                    out.append(f"{o['kind']}/{o['metadata']['name']}: {key} {rule[key]}")
+    return out

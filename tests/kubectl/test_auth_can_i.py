@@ -32,7 +32,13 @@ def test_can_i_list_as_the_worker_shows_its_roles_in_the_pool_namespace(
     cluster: Cluster, kubeconfigs: dict[str, Path]
 ) -> None:
     listed = _rules(cluster.kubectl("auth", "can-i", "--list", WORKER, "-n", NS).stdout)
-    assert listed["pods"] == ["list", "watch", "get", "patch", "delete"]  # cluster Role first, then the pool's
+    assert listed["pods"] == [
+        "list",
+        "watch",
+        "get",
+        "patch",
+        "delete",
+    ]  # cluster Role first, then the pool's
     assert listed["nodes"] == ["get", "list", "watch", "patch"]
     assert listed["pods/status"] == ["patch"]
     assert listed["deployments.apps/scale"] == ["patch"]
@@ -80,7 +86,9 @@ def test_each_components_own_kubeconfig_asks_for_itself_and_is_refused_outside_i
         'cannot list resource "nodes" in API group "" at the cluster scope'
     )
     # Only the admin may impersonate.
-    impersonating = cluster.kubectl("--kubeconfig", webhook, "auth", "can-i", "get", "pods", WORKER, check=False)
+    impersonating = cluster.kubectl(
+        "--kubeconfig", webhook, "auth", "can-i", "get", "pods", WORKER, check=False
+    )
     assert "cannot impersonate resource" in impersonating.stderr
     worker = str(kubeconfigs["worker"])
     pods = cluster.kubectl("--kubeconfig", worker, "get", "pods", "-n", NS, "-o", "name").stdout.split()

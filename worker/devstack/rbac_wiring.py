@@ -30,14 +30,24 @@ Obj = dict[str, Any]
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "deploy" / "k8s" / "base"
 # The files of the base that make fleetmend's identities and their permissions.
-RBAC_FILES = ("namespace.yaml", "serviceaccounts.yaml", "rbac-worker.yaml", "rbac-webhook.yaml", "rbac-gateway.yaml")
+RBAC_FILES = (
+    "namespace.yaml",
+    "serviceaccounts.yaml",
+    "rbac-worker.yaml",
+    "rbac-webhook.yaml",
+    "rbac-gateway.yaml",
+)
 RBAC_KINDS = ("Namespace", "ServiceAccount", "ClusterRole", "Role", "ClusterRoleBinding", "RoleBinding")
+# Where the test rig copies fleetmend's audit events of each run (tests/deploy/rbac_audit.py sets it).
+AUDIT_DIR_ENV = "FLEETMEND_RBAC_AUDIT_DIR"
 # Which ServiceAccount each process runs as (deploy/k8s/base: worker.yaml, webhook.yaml, gateway.yaml).
 COMPONENTS = {
     "worker": ("fleetmend", "fleetmend-worker"),
     "webhook": ("fleetmend", "fleetmend-webhook"),
     "gateway": ("fleetmend", "fleetmend-gateway"),
 }
+
+
 def shipped_rbac_objects() -> list[Obj]:
     """The base's identities and RBAC as written in deploy/k8s/base (what every overlay renders for
     them, less kustomize's common labels). Tests that render an overlay pass its objects instead."""
@@ -73,6 +83,7 @@ def _apply(api: kclient.ApiClient, obj: Obj) -> None:
             raise
         replace(name, *where, obj)
 
+
 def _token(api: kclient.ApiClient, namespace: str, name: str) -> str:
     request = kclient.AuthenticationV1TokenRequest(spec=kclient.V1TokenRequestSpec(audiences=[]))
     answer = kclient.CoreV1Api(api).create_namespaced_service_account_token(name, namespace, request)
@@ -106,8 +117,11 @@ def grant_components(admin_kubeconfig: Path, objects: Iterable[Obj] | None = Non
     return written
 
 
-
 def component_settings(kubeconfigs: dict[str, Path]) -> dict[str, Any]:
     """The worker's settings that follow from running as its ServiceAccount: its kubeconfig, and its
     fast path's Lease in fleetmend's namespace (deploy/k8s/base/config.yaml; the Role grants it there)."""
-    return {"kubeconfig": kubeconfigs["worker"], "kube_context": None, "fastpath_lease_namespace": "fleetmend"}
+    return {
+        "kubeconfig": kubeconfigs["worker"],
+        "kube_context": None,
+        "fastpath_lease_namespace": "fleetmend",
+    }

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import time
+import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,9 +43,10 @@ from fleet.vocabulary import FaultKind
 from gateway.resources import UPSTREAM_HEADER
 from gateway.store import GatewayStore
 from ledger.store import make_engine
+from sim.k8s.rbac import SA_PREFIX
 from worker.config import Settings, load_settings
 from worker.devstack.gateway import LocalGateway
-from worker.devstack.rbac_wiring import component_settings, grant_components
+from worker.devstack.rbac_wiring import AUDIT_DIR_ENV, component_settings, grant_components
 from worker.devstack.sim_wiring import settings_for_running_sim
 from worker.fastpath.service import FastPath, build_fast_path
 from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
@@ -298,7 +301,21 @@ async def fleet_rig(
         if gateway is not None:
             await asyncio.to_thread(gateway.stop)
         await asyncio.to_thread(sim.stop)
+        keep_audit_events(getattr(sim, "audit_log", None))
         shutil.rmtree(home, ignore_errors=True)
+
+
+def keep_audit_events(audit_log: Path | None) -> None:
+    """Copy fleetmend's ServiceAccounts' audit events of this run to ``$FLEETMEND_RBAC_AUDIT_DIR``
+    (when set: the test suite's RBAC report, tests/deploy/rbac_audit.py, derives the grants used)."""
+    target = os.environ.get(AUDIT_DIR_ENV)
+    if not target or audit_log is None or not Path(audit_log).is_file():
+        return
+    Path(target).mkdir(parents=True, exist_ok=True)
+    mine = f'"username":"{SA_PREFIX}fleetmend:'
+    with Path(audit_log).open(encoding="utf-8") as source:
+        lines = [line for line in source if mine in line]
+    (Path(target) / f"{uuid.uuid4().hex}.jsonl").write_text("".join(lines), encoding="utf-8")
 
 
 def compressed_scenario(

@@ -210,9 +210,8 @@ class _SimPart:
         return Path(sim.__file__).parent / "scenarios" / DEFAULT_SIM_SCENARIO
 
     async def start(self) -> None:
-        from worker.devstack.sim_process import start_sim_process
-
         from worker.devstack.rbac_wiring import grant_components
+        from worker.devstack.sim_process import start_sim_process
 
         self.handle = await start_sim_process(
             self.scenario(),
@@ -367,7 +366,9 @@ class _WebhookPart:
 
         try:
             kubeconfig = self.stack.component_kubeconfigs.get("webhook")
-            settings = self.settings.model_copy(update={"kubeconfig": kubeconfig}) if kubeconfig else self.settings
+            settings = (
+                self.settings.model_copy(update={"kubeconfig": kubeconfig}) if kubeconfig else self.settings
+            )
             app = create_app(settings)
         except ValueError as err:  # bad token / routing rules: the webhook's message names the fix
             raise StackError(f"the webhook API cannot start: {err}") from err
@@ -536,7 +537,9 @@ class DevStack:
         # component -> the kubeconfig of its ServiceAccount on the sim (worker.devstack.rbac_wiring);
         # empty when the cluster is not the sim's (FLEETMEND_KUBECONFIG: its own identities).
         self.component_kubeconfigs: dict[str, Path] = {}
-        self.admin_kubeconfig: Path | None = None  # the sim's cluster-admin kubeconfig (the operator's kubectl)
+        self.admin_kubeconfig: Path | None = (
+            None  # the sim's cluster-admin kubeconfig (the operator's kubectl)
+        )
 
     @property
     def state_dir(self) -> Path:
