@@ -35,7 +35,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _events(directory: Path) -> list[dict[str, Any]]:
-    events = []
+    events: list[dict[str, Any]] = []
     for path in sorted(directory.glob("*.jsonl")):
         events.extend(
             json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()

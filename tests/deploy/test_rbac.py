@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +36,7 @@ from tests.deploy.manifests import OVERLAYS, render
 from tests.deploy.rbac_report import RbacReport, build_report
 from tests.support import FAST, finish, gpu_pool, incident_config, node_report, wait_for_child
 from worker.devstack.rbac_wiring import COMPONENTS, grant_components
+from worker.devstack.rig import keep_audit_events
 from worker.intake.topology import PoolTopology
 
 Obj = dict[str, Any]
@@ -59,6 +61,7 @@ def sim(tmp_path: Path) -> Iterator[RunningSim]:
         yield running
     finally:
         running.stop()
+        keep_audit_events(running.audit_log)  # for the suite's report (tests.deploy.rbac_audit)
 
 
 def _report(sim: Any, objects: list[Obj]) -> RbacReport:
@@ -99,7 +102,7 @@ def test_a_removed_grant_is_a_403_naming_the_missing_rule(sim: RunningSim) -> No
         'User "system:serviceaccount:fleetmend:fleetmend-worker" cannot get resource "services" '
         'in API group "" in the namespace "inference"'
     )
-    assert json.loads(refused.value.body)["message"] == f'services "llama" is forbidden: {missing}'
+    assert json.loads(str(refused.value.body))["message"] == f'services "llama" is forbidden: {missing}'
     assert _report(sim, objects).denied == [f'worker: services "llama" is forbidden: {missing}']
     # The Role as shipped allows it.
     grant_components(Path(sim.kubeconfig), objects)
@@ -128,9 +131,10 @@ def test_the_gateway_control_plane_uses_every_grant_of_its_role_and_nothing_else
     kubeconfigs = grant_components(Path(sim.kubeconfig), objects)
     admin = config.new_client_from_config(config_file=str(sim.kubeconfig))
     core, discovery = client.CoreV1Api(admin), client.DiscoveryV1Api(admin)
-    pod = core.list_namespaced_pod("inference", label_selector=f"{ROUTER_LABEL}={ROUTER_LABEL_VALUE}").items[
-        0
-    ]
+    routed = core.list_namespaced_pod("inference", label_selector=f"{ROUTER_LABEL}={ROUTER_LABEL_VALUE}")
+    pod = str(routed.items[0].metadata.name)  # type: ignore[union-attr]
+    slices = discovery.list_namespaced_endpoint_slice("inference")
+    slice_ = str(slices.items[0].metadata.name)  # type: ignore[union-attr]
     touch = {"metadata": {"annotations": {"fleetmend.test/touched": "yes"}}}
     read = hosts_reader(kubeconfigs["gateway"], None)
     try:
@@ -138,22 +142,22 @@ def test_the_gateway_control_plane_uses_every_grant_of_its_role_and_nothing_else
         # Each of its three watches is open: a change to each kind reaches the routing set.
         for change in (
             lambda: core.patch_namespaced_service("llama", "inference", touch),
-            lambda: core.patch_namespaced_pod(pod.metadata.name, "inference", touch),
-            lambda: discovery.patch_namespaced_endpoint_slice(
-                discovery.list_namespaced_endpoint_slice("inference").items[0].metadata.name,
-                "inference",
-                touch,
-            ),
+            lambda: core.patch_namespaced_pod(pod, "inference", touch),
+            lambda: discovery.patch_namespaced_endpoint_slice(slice_, "inference", touch),
         ):
             seen = read.generation
             change()
-            _until(lambda seen=seen: read.generation > seen, "the gateway's watch saw the change")
+            _until(functools.partial(_moved_on, read, seen), "the gateway's watch saw the change")
     finally:
         read.stop()
     sim.stop()  # the open watches end, and are audited
     report = _report(sim, objects)
     assert report.denied == []
     assert _unused(report, "gateway") == []
+
+
+def _moved_on(read: Any, seen: int) -> bool:
+    return bool(read.generation > seen)
 
 
 def _until(condition: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
@@ -163,7 +167,7 @@ def _until(condition: Callable[[], bool], what: str, timeout_s: float = 15.0) ->
         time.sleep(0.05)
 
 
-FAST_PATH = {
+FAST_PATH: dict[str, Any] = {
     "fastpath_enabled": True,
     "recovery_timings": FAST,
     "fastpath_health_timeout_s": 3.0,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import base64
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -67,14 +67,15 @@ def _apply(api: kclient.ApiClient, obj: Obj) -> None:
     """Create ``obj``, or replace it when it exists (a dev stack restarted on the same cluster)."""
     core, rbac = kclient.CoreV1Api(api), kclient.RbacAuthorizationV1Api(api)
     kind, name, namespace = obj["kind"], obj["metadata"]["name"], obj["metadata"].get("namespace")
-    create, replace = {
+    calls: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
         "Namespace": (core.create_namespace, core.replace_namespace),
         "ServiceAccount": (core.create_namespaced_service_account, core.replace_namespaced_service_account),
         "ClusterRole": (rbac.create_cluster_role, rbac.replace_cluster_role),
         "Role": (rbac.create_namespaced_role, rbac.replace_namespaced_role),
         "ClusterRoleBinding": (rbac.create_cluster_role_binding, rbac.replace_cluster_role_binding),
         "RoleBinding": (rbac.create_namespaced_role_binding, rbac.replace_namespaced_role_binding),
-    }[kind]
+    }
+    create, replace = calls[kind]
     where = (namespace,) if namespace else ()
     try:
         create(*where, obj)
@@ -87,6 +88,7 @@ def _apply(api: kclient.ApiClient, obj: Obj) -> None:
 def _token(api: kclient.ApiClient, namespace: str, name: str) -> str:
     request = kclient.AuthenticationV1TokenRequest(spec=kclient.V1TokenRequestSpec(audiences=[]))
     answer = kclient.CoreV1Api(api).create_namespaced_service_account_token(name, namespace, request)
+    assert answer.status is not None, "the TokenRequest was answered without a token"
     return str(answer.status.token)
 
 
