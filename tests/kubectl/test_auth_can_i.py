@@ -49,6 +49,24 @@ def test_can_i_list_as_the_worker_shows_its_roles_in_the_pool_namespace(
     assert in_fleetmend["leases.coordination.k8s.io"] == ["get", "create", "update"]
 
 
+def test_the_runbooks_can_i_list_for_the_worker_verbatim(
+    cluster: Cluster, kubeconfigs: dict[str, Path]
+) -> None:
+    """``kubectl auth can-i --list --as=system:serviceaccount:fleetmend:fleetmend-worker``: the
+    kubeconfig's namespace (the pool's) with the worker's cluster-wide and per-pool rules."""
+    done = cluster.kubectl("auth", "can-i", "--list", "--as=system:serviceaccount:fleetmend:fleetmend-worker")
+    rows = {row[0]: row for row in table(done.stdout)[1:]}
+    assert rows["pods"] == ["pods", "[]", "[]", "[list watch get patch delete]"]
+    assert rows["leaderworkersets.leaderworkerset.x-k8s.io/scale"] == [
+        "leaderworkersets.leaderworkerset.x-k8s.io/scale",
+        "[]",
+        "[]",
+        "[patch]",
+    ]
+    assert ["[/api/*]", "[]", "[get]"] in table(done.stdout)  # discovery, as every account has
+    assert "leases.coordination.k8s.io" not in rows  # the Lease is in fleetmend's namespace only
+
+
 @pytest.mark.parametrize(
     ("who", "question", "answer"),
     [
