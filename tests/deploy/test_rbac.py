@@ -167,6 +167,48 @@ def _until(condition: Callable[[], bool], what: str, timeout_s: float = 15.0) ->
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize(
+    ("scenario", "kind"), [("gpu-node-loss", "Deployment"), ("rank-lost", "LeaderWorkerSet")]
+)
+def test_the_scale_effect_and_its_probe_use_the_workers_scale_and_read_grants(
+    tmp_path: Path, scenario: str, kind: str
+) -> None:
+    """The worker's ``ScaleWorkload`` effect as the worker's ServiceAccount: the absolute scale through
+    the ``scale`` subresource, and the probe that reads the workload back after an ambiguous answer
+    (a timeout), for both workload kinds fleetmend scales."""
+    from kubernetes import client, config
+
+    from activities.world_effects import ScaleWorkload
+    from kube.client import LWS_GROUP, LWS_PLURAL, LWS_VERSION
+    from ledger.effect import Attempt
+
+    running = start_sim(shipped_scenarios()[scenario], 1.0, serving=False, kubeconfig=tmp_path / "kubeconfig")
+    try:
+        objects = render(OVERLAY)
+        kubeconfigs = grant_components(Path(running.kubeconfig), objects)
+        admin = config.new_client_from_config(config_file=str(running.kubeconfig))
+        if kind == "Deployment":
+            name = str(client.AppsV1Api(admin).list_namespaced_deployment("inference").items[0].metadata.name)  # type: ignore[union-attr]
+        else:
+            listed = client.CustomObjectsApi(admin).list_namespaced_custom_object(
+                LWS_GROUP, LWS_VERSION, "inference", LWS_PLURAL
+            )
+            name = str(listed["items"][0]["metadata"]["name"])
+        worker = kube_apis(Address(kubeconfigs["worker"]))
+        effect = ScaleWorkload(worker, kind, "inference", name, 4)
+        attempt = Attempt(op_id="op-rbac", kind="scale", target=name, params={}, fence=1, attempt=1)
+        assert effect.apply(attempt)["replicas"] == 4
+        assert (effect.probe(attempt) or {}).get("found_by_probe") is True
+    finally:
+        running.stop()
+        keep_audit_events(running.audit_log)
+    report = _report(running, objects)
+    assert report.denied == []
+    group, plural = ("apps", "deployments") if kind == "Deployment" else (LWS_GROUP, LWS_PLURAL)
+    used = {(g.verb, g.group, g.resource) for g in report.grants if report.used.get(g)}
+    assert {("patch", group, f"{plural}/scale"), ("get", group, plural)} <= used
+
+
 FAST_PATH: dict[str, Any] = {
     "fastpath_enabled": True,
     "recovery_timings": FAST,
