@@ -190,7 +190,7 @@ def test_the_scale_effect_and_its_probe_use_the_workers_scale_and_read_grants(
         if kind == "Deployment":
             name = str(client.AppsV1Api(admin).list_namespaced_deployment("inference").items[0].metadata.name)  # type: ignore[union-attr]
         else:
-            listed = client.CustomObjectsApi(admin).list_namespaced_custom_object(
+            listed: Any = client.CustomObjectsApi(admin).list_namespaced_custom_object(
                 LWS_GROUP, LWS_VERSION, "inference", LWS_PLURAL
             )
             name = str(listed["items"][0]["metadata"]["name"])
