@@ -53,15 +53,28 @@ class Address:
 
 @pytest.fixture
 def sim(tmp_path: Path) -> Iterator[RunningSim]:
-    """The Kubernetes side of gpu-node-loss; its audit log (``tmp_path/audit.log``) outlives it."""
-    running = start_sim(
-        shipped_scenarios()["gpu-node-loss"], 1.0, serving=False, kubeconfig=tmp_path / "kubeconfig"
-    )
+    """The Kubernetes side of gpu-node-loss; its audit log (``tmp_path/audit.log``) outlives it and
+    joins the suite's RBAC report."""
+    running = _start(tmp_path)
     try:
         yield running
     finally:
         running.stop()
         keep_audit_events(running.audit_log)  # for the suite's report (tests.deploy.rbac_audit)
+
+
+@pytest.fixture
+def private_sim(tmp_path: Path) -> Iterator[RunningSim]:
+    """Like ``sim``, kept out of the suite's report (its 403s are deliberate)."""
+    running = _start(tmp_path)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def _start(tmp_path: Path, scenario: str = "gpu-node-loss") -> RunningSim:
+    return start_sim(shipped_scenarios()[scenario], 1.0, serving=False, kubeconfig=tmp_path / "kubeconfig")
 
 
 def _report(sim: Any, objects: list[Obj]) -> RbacReport:
@@ -87,12 +100,13 @@ def _without(objects: list[Obj], kind: str, name: str, resource: str, verb: str)
     raise AssertionError(f"{kind}/{name} grants no {verb} {resource}")
 
 
-def test_a_removed_grant_is_a_403_naming_the_missing_rule(sim: RunningSim) -> None:
+def test_a_removed_grant_is_a_403_naming_the_missing_rule(private_sim: RunningSim) -> None:
     """deploy/k8s rendered with ``get services`` taken out of the worker's pool Role: the worker's
     read of its pool's Service (every recovery's first step) is refused with the rule it lacks."""
     objects = render(OVERLAY)
     kubeconfigs = grant_components(
-        Path(sim.kubeconfig), _without(objects, "ClusterRole", "fleetmend-worker-pool", "services", "get")
+        Path(private_sim.kubeconfig),
+        _without(objects, "ClusterRole", "fleetmend-worker-pool", "services", "get"),
     )
     worker = kube_apis(Address(kubeconfigs["worker"]))
     with pytest.raises(ApiException) as refused:
@@ -103,9 +117,9 @@ def test_a_removed_grant_is_a_403_naming_the_missing_rule(sim: RunningSim) -> No
         'in API group "" in the namespace "inference"'
     )
     assert json.loads(str(refused.value.body))["message"] == f'services "llama" is forbidden: {missing}'
-    assert _report(sim, objects).denied == [f'worker: services "llama" is forbidden: {missing}']
+    assert _report(private_sim, objects).denied == [f'worker: services "llama" is forbidden: {missing}']
     # The Role as shipped allows it.
-    grant_components(Path(sim.kubeconfig), objects)
+    grant_components(Path(private_sim.kubeconfig), objects)
     assert get_service(worker, "inference", "llama")["metadata"]["name"] == "llama"
 
 
@@ -182,7 +196,7 @@ def test_the_scale_effect_and_its_probe_use_the_workers_scale_and_read_grants(
     from kube.client import LWS_GROUP, LWS_PLURAL, LWS_VERSION
     from ledger.effect import Attempt
 
-    running = start_sim(shipped_scenarios()[scenario], 1.0, serving=False, kubeconfig=tmp_path / "kubeconfig")
+    running = _start(tmp_path, scenario)
     try:
         objects = render(OVERLAY)
         kubeconfigs = grant_components(Path(running.kubeconfig), objects)
