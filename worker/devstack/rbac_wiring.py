@@ -40,6 +40,7 @@ RBAC_FILES = (
 RBAC_KINDS = ("Namespace", "ServiceAccount", "ClusterRole", "Role", "ClusterRoleBinding", "RoleBinding")
 # Where the test rig copies fleetmend's audit events of each run (tests/deploy/rbac_audit.py sets it).
 AUDIT_DIR_ENV = "FLEETMEND_RBAC_AUDIT_DIR"
+FLEETMEND_NAMESPACE = "fleetmend"
 # Which ServiceAccount each process runs as (deploy/k8s/base: worker.yaml, webhook.yaml, gateway.yaml).
 COMPONENTS = {
     "worker": ("fleetmend", "fleetmend-worker"),
@@ -92,18 +93,48 @@ def _token(api: kclient.ApiClient, namespace: str, name: str) -> str:
     return str(answer.status.token)
 
 
-def grant_components(admin_kubeconfig: Path, objects: Iterable[Obj] | None = None) -> dict[str, Path]:
+def for_pool_namespaces(objects: Iterable[Obj], pool_namespaces: Iterable[str]) -> list[Obj]:
+    """``objects`` with the per-pool RoleBindings (those outside fleetmend's own namespace: the base
+    binds ``inference``) made once in each of ``pool_namespaces``, as an overlay adds its own."""
+    pools = sorted(set(pool_namespaces))
+    out: list[Obj] = []
+    seen: set[tuple[str, str]] = set()
+    for obj in objects:
+        namespace = obj.get("metadata", {}).get("namespace")
+        if obj.get("kind") != "RoleBinding" or namespace == FLEETMEND_NAMESPACE:
+            out.append(obj)
+            continue
+        for pool in pools:
+            key = (pool, obj["metadata"]["name"])
+            if key not in seen:
+                seen.add(key)
+                bound = copy.deepcopy(obj)
+                bound["metadata"]["namespace"] = pool
+                out.append(bound)
+    return out
+
+
+def grant_components(
+    admin_kubeconfig: Path, objects: Iterable[Obj] | None = None, pool_namespaces: Iterable[str] | None = None
+) -> dict[str, Path]:
     """Load ``objects`` (default: the shipped RBAC) into the cluster and write a kubeconfig per
-    component (``kubeconfig-<component>`` beside ``admin_kubeconfig``); returns them by component."""
+    component (``kubeconfig-<component>`` beside ``admin_kubeconfig``); returns them by component.
+
+    ``pool_namespaces``: where the worker's per-pool RoleBindings go (default: the namespace of the
+    admin kubeconfig's context, the scenario's); ``objects`` are loaded as given when it is empty."""
     loaded = kconfig.kube_config.KubeConfigLoader(yaml.safe_load(admin_kubeconfig.read_text()))
     cfg = kclient.Configuration()
     loaded.load_and_set(cfg)
     document = yaml.safe_load(admin_kubeconfig.read_text())
     cluster = document["clusters"][0]["cluster"]
     context = document["contexts"][0]["context"]
+    pools = list(pool_namespaces) if pool_namespaces is not None else [context.get("namespace", "default")]
+    chosen = rbac_only(copy.deepcopy(list(objects)) if objects is not None else shipped_rbac_objects())
+    if pools:
+        chosen = for_pool_namespaces(chosen, pools)
     written: dict[str, Path] = {}
     with kclient.ApiClient(cfg) as api:
-        for obj in rbac_only(copy.deepcopy(list(objects)) if objects is not None else shipped_rbac_objects()):
+        for obj in chosen:
             _apply(api, obj)
         for component, (namespace, account) in COMPONENTS.items():
             path = admin_kubeconfig.parent / f"kubeconfig-{component}"
@@ -125,5 +156,5 @@ def component_settings(kubeconfigs: dict[str, Path]) -> dict[str, Any]:
     return {
         "kubeconfig": kubeconfigs["worker"],
         "kube_context": None,
-        "fastpath_lease_namespace": "fleetmend",
+        "fastpath_lease_namespace": FLEETMEND_NAMESPACE,
     }
