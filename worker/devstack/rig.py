@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import time
@@ -313,9 +314,23 @@ def keep_audit_events(audit_log: Path | None) -> None:
         return
     Path(target).mkdir(parents=True, exist_ok=True)
     mine = f'"username":"{SA_PREFIX}fleetmend:'
+    kept = []
     with Path(audit_log).open(encoding="utf-8") as source:
-        lines = [line for line in source if mine in line]
-    (Path(target) / f"{uuid.uuid4().hex}.jsonl").write_text("".join(lines), encoding="utf-8")
+        for line in source:
+            if mine not in line:
+                continue
+            event = json.loads(line)
+            status = event.get("responseStatus") or {}
+            kept.append(  # only what the report reads: who, what, the answer
+                {
+                    "user": {"username": event["user"]["username"]},
+                    "verb": event.get("verb"),
+                    "objectRef": event.get("objectRef"),
+                    "responseStatus": {k: status[k] for k in ("code", "message") if k in status},
+                }
+            )
+    text = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in kept)
+    (Path(target) / f"{uuid.uuid4().hex}.jsonl").write_text(text, encoding="utf-8")
 
 
 def compressed_scenario(
