@@ -73,7 +73,7 @@ async def one_round(temporal: Client, grace_s: float, index: int) -> tuple[float
         settings = load_settings(
             temporal_address=temporal.service_client.config.target_host,
             task_queue=f"bench-sla-{index}",
-            fastpath_lease_namespace="inference",
+            fastpath_lease_namespace="fleetmend",
             fastpath_lease_duration_s=3.0,
             fastpath_renew_deadline_s=2.0,
             fastpath_retry_period_s=0.5,

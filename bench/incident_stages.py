@@ -74,7 +74,7 @@ FLEETMEND_STAGES = (
     "verified",
 )
 FAST_PATH = {
-    "fastpath_lease_namespace": "inference",
+    "fastpath_lease_namespace": "fleetmend",
     "fastpath_health_timeout_s": 3.0,  # the 2-core machine's /health can be slow under load
     "fastpath_lease_duration_s": 3.0,
     "fastpath_renew_deadline_s": 2.0,

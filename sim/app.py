@@ -48,7 +48,7 @@ from sim.control import ClockReading
 from sim.k8s.api import KubeApi
 from sim.k8s.api import build_kube_app as build_kube_routes
 from sim.k8s.apiserver import KubeApiServer
-from sim.k8s.audit import AuditLog, AuditMiddleware
+from sim.k8s.audit import AuditLog, AuditMiddleware, User
 from sim.k8s.faults import ApiFaultRuleSet, ApiServerRestart, ApiServerState
 from sim.k8s.tls import ServingCerts, generate_serving_certs
 from sim.world import SimWorld
@@ -74,9 +74,15 @@ class ActionLogMiddleware:
     ``X-Fleetmend-Client`` header (e.g. the workflow and step); otherwise the User-Agent is used.
     """
 
-    def __init__(self, app: ASGIApp, world: SimWorld) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        world: SimWorld,
+        authenticate: Callable[[dict[str, str]], User | None] | None = None,
+    ) -> None:
         self.app = app
         self.world = world
+        self.authenticate = authenticate  # the API server's (ServiceAccounts too); else the admin token only
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -110,14 +116,20 @@ class ActionLogMiddleware:
                 path=scope["path"]
                 + (f"?{scope['query_string'].decode()}" if scope.get("query_string") else ""),
                 body=b"".join(chunks),
-                client=client_identity(headers, self.world.token),
+                client=client_identity(headers, self.world.token, self.authenticate),
                 status=status["code"],
             )
 
 
-def client_identity(headers: dict[str, str], token: str) -> str:
-    """Who sent a request: the kubeconfig user when its token was presented, plus the user agent."""
+def client_identity(
+    headers: dict[str, str], token: str, authenticate: Callable[[dict[str, str]], User | None] | None = None
+) -> str:
+    """Who sent a request: the user its token names (the kubeconfig's admin, a ServiceAccount), plus
+    the user agent."""
     agent = headers.get("x-fleetmend-client") or headers.get("user-agent", "unknown")
+    known = authenticate(headers) if authenticate is not None else None
+    if known is not None:
+        return f"{known.username}/{agent}"
     user = "sim-admin" if headers.get("authorization") == f"Bearer {token}" else "anonymous"
     return f"{user}/{agent}"
 
@@ -125,7 +137,7 @@ def client_identity(headers: dict[str, str], token: str) -> str:
 def build_kube_app(world: SimWorld, kube: KubeApi, audit: AuditLog) -> ASGIApp:
     """The Kubernetes API server app, audited and action-logged."""
     app: ASGIApp = build_kube_routes(kube)
-    app = ActionLogMiddleware(app, world)
+    app = ActionLogMiddleware(app, world, kube.authenticate)
     return AuditMiddleware(app, audit, world.clock, kube.authenticate)
 
 

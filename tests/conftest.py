@@ -28,7 +28,7 @@ from worker.devstack.temporal_dev import TemporalDevServer, find_temporal_cli
 from worker.processes import free_port
 
 # Postgres: pg_server (session), pg_url (an empty database per test), ledger_url (migrated).
-pytest_plugins = ["tests.pg"]
+pytest_plugins = ["tests.pg", "tests.deploy.rbac_audit"]
 
 
 # Packages whose files share a package-scoped fixture: the demo package keeps one running demo per scenario

@@ -5,8 +5,10 @@ subresources (``pods/status``, ``pods/eviction`` in policy/v1, ``*/scale`` in au
 ``*/status``), label and field selectors, optimistic concurrency and ``Status`` errors for every
 failure (also 404s on unknown paths), so the official clients raise their real exception types.
 
-* authentication: the bearer token of the generated kubeconfig; none or another is 401
-  (``--anonymous-auth=false``); ``/version``, ``/healthz``, ``/livez``, ``/readyz`` are open;
+* authentication: the bearer token of the generated kubeconfig (the admin) or a ServiceAccount's
+  token; none or another is 401 (``--anonymous-auth=false``); ``/version``, ``/healthz``, ``/livez``,
+  ``/readyz`` are open. Resource requests are authorized by RBAC (``sim.k8s.rbac``: 403 outside a
+  ServiceAccount's Roles), which also answers the access reviews and TokenRequests;
 * ``?watch=true`` streams (see ``sim.k8s.watch``); lists page with ``limit`` + ``continue``
   tokens (expired: 410, malformed: 400) and honour ``resourceVersion`` / ``resourceVersionMatch``;
 * ``dryRun=All`` on create, update, patch, delete, deletecollection and eviction: validated and
@@ -36,7 +38,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from sim.k8s import objects as o
 from sim.k8s import openapi
-from sim.k8s.audit import ADMIN, User
+from sim.k8s.audit import User
 from sim.k8s.controllers import disruption
 from sim.k8s.controllers.workloads import selector_string
 from sim.k8s.controlplane import ControlPlane
@@ -53,6 +55,7 @@ from sim.k8s.errors import (
 )
 from sim.k8s.faults import ApiFaults, error_for
 from sim.k8s.patch import apply_patch
+from sim.k8s.rbac import Rbac, review_from_protobuf
 from sim.k8s.requestinfo import RequestInfo, request_info
 from sim.k8s.resources import RESOURCES, Resource, resource_for
 from sim.k8s.tables import to_table, wants_table
@@ -101,26 +104,33 @@ class KubeApi:
         self.faults = faults
         self.token = token
         self.watches = WatchHub(self.store)
+        self.rbac = Rbac(self.store, token)
 
     # ------------------------------------------------------------- identity
     def authenticate(self, headers: dict[str, str]) -> User | None:
-        """The user a request's bearer token names (the kubeconfig's), or None."""
-        header = headers.get("authorization", "")
-        return ADMIN if header == f"Bearer {self.token}" else None
+        """The user a request acts as (the kubeconfig's admin, a ServiceAccount, or whom the admin
+        impersonates), or None."""
+        return self.rbac.authenticate(headers)
 
     def _authorise(self, request: Request) -> User:
-        user = self.authenticate({k.lower(): v for k, v in request.headers.items()})
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        user = self.authenticate(headers)
         if user is None:
             raise unauthorized()
+        self.rbac.check_impersonation(headers)
         return user
 
     # ------------------------------------------------------------- dispatch
     async def dispatch(self, request: Request, group: str, version: str, rest: str) -> Response:
         try:
-            self._authorise(request)
+            user = self._authorise(request)
+            info = request_info(request.method, request.url.path, request.url.query)
+            self.rbac.authorize(user, info)
+            review = await self._review(request, user, info)
+            if review is not None:
+                return review
             segments = [s for s in rest.split("/") if s]
             target = self._parse(group, version, segments)
-            info = request_info(request.method, request.url.path, request.url.query)
             # The body is read only for a write (Starlette keeps it for the handler).
             body = await request.body() if request.method in ("POST", "PUT", "PATCH") else b""
             rule = self.faults.pick(request.method, request.url.path, body)
@@ -144,6 +154,28 @@ class KubeApi:
             return await self._handle(request, info, *target)
         except ApiError as error:
             return status_response(error)
+
+    async def _review(self, request: Request, user: User, info: RequestInfo) -> Response | None:
+        """Access reviews and TokenRequests (``sim.k8s.rbac``), answered before routing."""
+        reviews = ("selfsubjectaccessreviews", "selfsubjectrulesreviews")
+        if info.verb != "create" or not (
+            info.resource in reviews or (info.resource, info.subresource) == ("serviceaccounts", "token")
+        ):
+            return None
+        clock = self.control.clock
+        content_type = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
+        if content_type == "application/vnd.kubernetes.protobuf":  # kubectl auth can-i sends these
+            body = review_from_protobuf(await request.body())
+        else:
+            body = await _body(request)
+        answer = self.rbac.serve(
+            user,
+            info,
+            body,
+            clock.timestamp(),
+            clock.timestamp(clock.now() + 3600),
+        )
+        return None if answer is None else _ok(answer, 201)
 
     def _parse(
         self, group: str, version: str, segments: list[str]

@@ -13,8 +13,8 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
-from tests.deploy.kube_calls import wildcard_rules
 from tests.deploy.manifests import K8S, OVERLAYS, ROOT, find, kubectl, pod_specs, render, render_text
+from tests.deploy.rbac_report import wildcard_rules
 from worker.config import Settings
 from worker.temporal_client import SETTING_NAMES
 from worker.worker import package_version

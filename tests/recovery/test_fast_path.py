@@ -51,7 +51,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 FAST_PATH_SETTINGS: dict[str, Any] = {
     "recovery_timings": FAST,
     "serving_objectives": ServingObjectives(group_capacity_rps=GROUP_CAPACITY_RPS),
-    "fastpath_lease_namespace": "inference",
+    "fastpath_lease_namespace": "fleetmend",  # where the shipped Role grants the Lease (deploy/k8s)
     # This 2-core machine runs the sim, the worker and the test in one process under 52 req/s: a
     # /health answer can take over the 1 s default, which would count as a failed check.
     "fastpath_health_timeout_s": 3.0,

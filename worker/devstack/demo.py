@@ -847,11 +847,13 @@ async def run_demo(
         run = DemoRun(scenario=scenario, ui_url=s.temporal_ui_url)
         console.print(f"Temporal UI: [cyan]{s.temporal_ui_url}[/]   sim: {s.sim_url}")
         assert s.kubeconfig is not None
+        # The demo and the operator look at the cluster as its admin; fleetmend acts as its ServiceAccounts.
+        admin_kubeconfig = stack.admin_kubeconfig or s.kubeconfig
         async with httpx.AsyncClient(base_url=s.sim_url, timeout=10) as http:
             adapter: Gateway = EnvoyGateway(
                 GatewayStore(make_engine(s.database_url_value() or "", pool_size=2, pre_ping=True))
             )
-            world = World(http, s.kubeconfig, adapter)
+            world = World(http, admin_kubeconfig, adapter)
             pool = scenario.pool
 
             async def fleet_up() -> bool:
@@ -917,7 +919,7 @@ async def run_demo(
             if keep_running:
                 console.print(keep_running_hint(env_file), soft_wrap=True, highlight=False)
                 console.print(
-                    f"Watch the incident with kubectl:\n  export KUBECONFIG={Path(s.kubeconfig).resolve()}",
+                    f"Watch the incident with kubectl:\n  export KUBECONFIG={Path(admin_kubeconfig).resolve()}",
                     soft_wrap=True,
                     markup=False,
                 )

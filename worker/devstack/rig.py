@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import shutil
 import time
+import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,8 +45,10 @@ from gateway.resources import UPSTREAM_HEADER
 from gateway.store import GatewayStore
 from ledger.store import make_engine
 from sim.control import FaultRequest
+from sim.k8s.rbac import SA_PREFIX
 from worker.config import Settings, load_settings
 from worker.devstack.gateway import LocalGateway
+from worker.devstack.rbac_wiring import AUDIT_DIR_ENV, component_settings, grant_components
 from worker.devstack.sim_wiring import settings_for_running_sim
 from worker.fastpath.service import FastPath, build_fast_path
 from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
@@ -77,6 +82,8 @@ class FleetRig:
     gateway: LocalGateway  # the Envoy the users' requests go through, and its control plane
     worker: Worker | None = None
     scenario: Any = None  # the sim.scenario.Scenario being served
+    # component -> its ServiceAccount's kubeconfig (worker, webhook, gateway; rbac_wiring.COMPONENTS)
+    kubeconfigs: dict[str, Path] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)  # unix seconds this rig was made
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     _envoy: EnvoyGateway | None = None
@@ -281,6 +288,7 @@ async def fleet_rig(
     speed: float = 1.0,
     run_worker: bool = True,
     in_process_sim: bool = False,
+    rbac_objects: list[dict[str, Any]] | None = None,
     **overrides: Any,
 ) -> AsyncIterator[FleetRig]:
     """Serve ``scenario`` (a path, a shipped scenario's name or a ``sim.scenario.Scenario``) and run
@@ -291,6 +299,10 @@ async def fleet_rig(
     that reaches into the simulated world's objects (``rig.sim.world``).
     Users' requests go through a real Envoy that fleetmend configures (the control plane on a
     thread, Envoy a child process), and the worker acts on it.
+    The worker (with its fast path) and the gateway control plane talk to the simulated API server
+    as their ServiceAccounts under deploy/k8s's RBAC (``worker.devstack.rbac_wiring``;
+    ``rbac_objects``: other RBAC objects instead, e.g. a Role with a rule removed); ``rig.kubeconfigs``
+    has each component's kubeconfig, ``rig.sim.kubeconfig`` stays the unrestricted admin's.
     """
     import tempfile
 
@@ -308,8 +320,10 @@ async def fleet_rig(
     gateway: LocalGateway | None = None
     rig: FleetRig | None = None
     try:
+        # Each process acts as its own ServiceAccount under deploy/k8s's RBAC (the sim enforces it).
+        kubeconfigs = await asyncio.to_thread(grant_components, Path(sim.kubeconfig), rbac_objects)
         gateway = LocalGateway(
-            kubeconfig=Path(sim.kubeconfig),
+            kubeconfig=kubeconfigs["gateway"],
             database_url=database_url,
             workdir=Path(sim.kubeconfig).parent / "gateway",
         )
@@ -323,6 +337,7 @@ async def fleet_rig(
             **{
                 **settings_for_running_sim(sim),
                 **gateway.settings_for_clients(),
+                **component_settings(kubeconfigs),
                 **overrides,
             },
         )
@@ -332,7 +347,13 @@ async def fleet_rig(
             )
             reply.raise_for_status()
             rig = FleetRig(
-                client=client, settings=settings, sim=sim, http=http, gateway=gateway, scenario=served
+                client=client,
+                settings=settings,
+                sim=sim,
+                http=http,
+                gateway=gateway,
+                scenario=served,
+                kubeconfigs=kubeconfigs,
             )
             if not run_worker:
                 yield rig
@@ -350,7 +371,35 @@ async def fleet_rig(
         if gateway is not None:
             await asyncio.to_thread(gateway.stop)
         await asyncio.to_thread(sim.stop)
+        keep_audit_events(getattr(sim, "audit_log", None))
         shutil.rmtree(home, ignore_errors=True)
+
+
+def keep_audit_events(audit_log: Path | None) -> None:
+    """Copy fleetmend's ServiceAccounts' audit events of this run to ``$FLEETMEND_RBAC_AUDIT_DIR``
+    (when set: the test suite's RBAC report, tests/deploy/rbac_audit.py, derives the grants used)."""
+    target = os.environ.get(AUDIT_DIR_ENV)
+    if not target or audit_log is None or not Path(audit_log).is_file():
+        return
+    Path(target).mkdir(parents=True, exist_ok=True)
+    mine = f'"username":"{SA_PREFIX}fleetmend:'
+    kept = []
+    with Path(audit_log).open(encoding="utf-8") as source:
+        for line in source:
+            if mine not in line:
+                continue
+            event = json.loads(line)
+            status = event.get("responseStatus") or {}
+            kept.append(  # only what the report reads: who, what, the answer
+                {
+                    "user": {"username": event["user"]["username"]},
+                    "verb": event.get("verb"),
+                    "objectRef": event.get("objectRef"),
+                    "responseStatus": {k: status[k] for k in ("code", "message") if k in status},
+                }
+            )
+    text = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in kept)
+    (Path(target) / f"{uuid.uuid4().hex}.jsonl").write_text(text, encoding="utf-8")
 
 
 def compressed_scenario(

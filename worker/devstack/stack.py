@@ -210,6 +210,7 @@ class _SimPart:
         return Path(sim.__file__).parent / "scenarios" / DEFAULT_SIM_SCENARIO
 
     async def start(self) -> None:
+        from worker.devstack.rbac_wiring import grant_components
         from worker.devstack.sim_process import start_sim_process
 
         self.handle = await start_sim_process(
@@ -218,6 +219,12 @@ class _SimPart:
             port=self.settings.sim_port,
             kube_port=self.settings.sim_kube_port,
         )
+        self.stack.admin_kubeconfig = self.handle.kubeconfig
+        if self.settings.kubeconfig is None:
+            # The sim enforces RBAC: the worker, webhook and gateway act as deploy/k8s's ServiceAccounts.
+            self.stack.component_kubeconfigs = await asyncio.to_thread(
+                grant_components, self.handle.kubeconfig
+            )
 
     async def stop(self) -> None:
         if self.handle is not None:
@@ -235,9 +242,15 @@ class _SimPart:
         Engines are read at ``{pod_ip}:<the scenario's engine port>`` (each listens on its pod IP);
         node telemetry, Jira (tickets) and the incident channel at the sim's HTTP port; the gateway is
         Envoy, through the control plane."""
+        from worker.devstack.rbac_wiring import component_settings
         from worker.devstack.sim_wiring import settings_for_running_sim
 
         update = settings_for_running_sim(self.handle)
+        if self.stack.component_kubeconfigs:
+            worker = component_settings(self.stack.component_kubeconfigs)
+            if "fastpath_lease_namespace" in self.settings.model_fields_set:
+                worker.pop("fastpath_lease_namespace")
+            update.update(worker)
         if "fastpath_enabled" not in self.settings.model_fields_set:  # on in `fleetmend dev` unless set
             update["fastpath_enabled"] = True
         if self.settings.kubeconfig is not None:  # an explicit kubeconfig wins (and its cluster's audit log)
@@ -283,7 +296,7 @@ class _GatewayPart:
         if s.kubeconfig is None or not url:
             raise StackError("the gateway needs the sim (or FLEETMEND_KUBECONFIG) and the ledger database")
         self.gateway = LocalGateway(
-            kubeconfig=s.kubeconfig,
+            kubeconfig=self.stack.component_kubeconfigs.get("gateway", s.kubeconfig),
             database_url=url,
             workdir=s.state_dir / "gateway",
             listen_port=s.gateway_listen_port,
@@ -352,7 +365,11 @@ class _WebhookPart:
         from worker.webhook.app import create_app  # imported on use: FastAPI is not needed by every command
 
         try:
-            app = create_app(self.settings)
+            kubeconfig = self.stack.component_kubeconfigs.get("webhook")
+            settings = (
+                self.settings.model_copy(update={"kubeconfig": kubeconfig}) if kubeconfig else self.settings
+            )
+            app = create_app(settings)
         except ValueError as err:  # bad token / routing rules: the webhook's message names the fix
             raise StackError(f"the webhook API cannot start: {err}") from err
         config = uvicorn.Config(
@@ -517,6 +534,12 @@ class DevStack:
         self._started: list[_Part] = []
         self._client: Client | None = None
         self._runtime: Any = None
+        # component -> the kubeconfig of its ServiceAccount on the sim (worker.devstack.rbac_wiring);
+        # empty when the cluster is not the sim's (FLEETMEND_KUBECONFIG: its own identities).
+        self.component_kubeconfigs: dict[str, Path] = {}
+        self.admin_kubeconfig: Path | None = (
+            None  # the sim's cluster-admin kubeconfig (the operator's kubectl)
+        )
 
     @property
     def state_dir(self) -> Path:
