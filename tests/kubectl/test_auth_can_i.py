@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.kubectl.conftest import NS, Cluster, table
+from tests.kubectl.support import NS, Cluster, table
 from worker.devstack.rbac_wiring import COMPONENTS, grant_components
 
 WORKER = "--as=system:serviceaccount:fleetmend:fleetmend-worker"
