@@ -125,7 +125,11 @@ class KubeApi:
         try:
             user = self._authorise(request)
             info = request_info(request.method, request.url.path, request.url.query)
+            # The authorizer's decision, for the audit event's annotation: a 403 that comes later (an
+            # injected refusal, like an admission webhook's) was authorized, not forbidden by RBAC.
+            request.state.authorization_decision = "forbid"
             self.rbac.authorize(user, info)
+            request.state.authorization_decision = "allow"
             review = await self._review(request, user, info)
             if review is not None:
                 return review

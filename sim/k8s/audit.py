@@ -237,7 +237,10 @@ class AuditMiddleware:
         event["requestReceivedTimestamp"] = micro_timestamp(received)
         event["stageTimestamp"] = micro_timestamp(self.clock.now())
         if user is not None:
-            event["annotations"] = {"authorization.k8s.io/decision": "forbid" if code == 403 else "allow"}
+            decision = (scope.get("state") or {}).get("authorization_decision")
+            if decision is None:  # not dispatched (e.g. exec, reviews' own routes): the status says it
+                decision = "forbid" if code == 403 else "allow"
+            event["annotations"] = {"authorization.k8s.io/decision": decision}
         return event
 
 

@@ -132,7 +132,8 @@ def build_report(
             continue
         report.calls += 1
         status = event.get("responseStatus") or {}
-        if status.get("code") == 403:
+        forbidden = (event.get("annotations") or {}).get("authorization.k8s.io/decision") == "forbid"
+        if status.get("code") == 403 and forbidden:  # RBAC's refusal, not an injected (admission) one
             message = f"{component}: {status.get('message', '')}"
             if message not in report.denied:
                 report.denied.append(message)

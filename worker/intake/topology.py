@@ -29,7 +29,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config import ConfigException
 
 from fleet.incident import PoolRef
-from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL, LWS_WORKER_INDEX_LABEL
+from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL, LWS_WORKER_INDEX_LABEL, MODEL_LABEL
 from kube.client import KubeApis, kube_apis
 from worker.config import Settings
 
@@ -339,12 +339,12 @@ class PoolTopology:
             for ns in sorted(set(namespaces))
         }
 
-    def _list_all(self, list_call: Callable[..., Any], what: str) -> list[dict[str, Any]]:
+    def _list_all(self, list_call: Callable[..., Any], what: str, **selectors: str) -> list[dict[str, Any]]:
         """Every item of a cluster-wide list, page by page, as the API's JSON."""
         items: list[dict[str, Any]] = []
         token: str | None = None
         while True:
-            kwargs: dict[str, Any] = {"limit": LIST_PAGE_SIZE, "_request_timeout": self._timeout}
+            kwargs: dict[str, Any] = {"limit": LIST_PAGE_SIZE, "_request_timeout": self._timeout, **selectors}
             if token:
                 kwargs["_continue"] = token
             response = list_call(_preload_content=False, **kwargs)
@@ -361,15 +361,21 @@ class PoolTopology:
 
     def _cluster_snapshot(self) -> ClusterSnapshot:
         core = self._core()
-        pods = [PodFacts.from_json(p) for p in self._list_all(core.list_pod_for_all_namespaces, "pod")]
+        pods = [
+            PodFacts.from_json(p)
+            for p in self._list_all(core.list_pod_for_all_namespaces, "pod", label_selector=MODEL_LABEL)
+        ]
         services = [
             ServiceFacts.from_json(s) for s in self._list_all(core.list_service_for_all_namespaces, "service")
         ]
         return ClusterSnapshot.of(pods, services)
 
     def _groups_on_node(self, node: str) -> list[AffectedGroup]:
+        # Only the pods that serve a model (the fast path watches the same set): a node also runs
+        # agents (DaemonSets: dcgm-exporter, the device plugin, node-problem-detector) in namespaces
+        # fleetmend has no Role in and no pool to recover.
         listed = self._core().list_pod_for_all_namespaces(
-            field_selector=f"spec.nodeName={node}", _request_timeout=self._timeout
+            field_selector=f"spec.nodeName={node}", label_selector=MODEL_LABEL, _request_timeout=self._timeout
         )
         pods = [PodFacts.of(p) for p in listed.items]
         services = self._services(p.namespace for p in pods)
@@ -383,6 +389,12 @@ class PoolTopology:
         except ApiException as err:
             if err.status == 404:
                 raise PodNotFound(f"pod {namespace}/{name} not found") from err
+            if err.status == 403:
+                # The shipped RBAC grants fleetmend the namespaces of the pools it serves: a pod it may
+                # not read (a node agent in kube-system, say) belongs to no pool it recovers.
+                return []
             raise
-        services = self._services([namespace])
-        return group_pods([PodFacts.of(pod)], services, self._router_label)
+        facts = PodFacts.of(pod)
+        if MODEL_LABEL not in facts.labels:
+            return []  # serves no model: no pool of fleetmend's selects it
+        return group_pods([facts], self._services([namespace]), self._router_label)
