@@ -87,8 +87,38 @@ async def start_sim_process(
     kubeconfig, audit_log, log_file = home / "kubeconfig", home / "audit.log", home / "sim.log"
     home.mkdir(parents=True, exist_ok=True)
     kubeconfig.unlink(missing_ok=True)  # written again once the child listens: that is the signal
-    port = port or free_port()
-    kube_port = kube_port or free_port()
+    # Ports this function picks are free when picked, not when the child binds them: another process
+    # on the machine may take one meanwhile. The child then exits saying it cannot listen, and is
+    # started again on new ports (never when the caller named the ports).
+    picked = not port and not kube_port
+    for attempt in range(3 if picked else 1):
+        try:
+            return await _start_sim(
+                scenario, home, port or free_port(), kube_port or free_port(), speed, timeout_s,
+                engine_port, kubeconfig, audit_log, log_file,
+            )  # fmt: skip
+        except _CannotListen as err:
+            if attempt == 2 or not picked:
+                raise StackError(str(err)) from None
+    raise AssertionError("unreachable")
+
+
+class _CannotListen(StackError):
+    """The sim exited because a port it was given was taken."""
+
+
+async def _start_sim(
+    scenario: Path,
+    home: Path,
+    port: int,
+    kube_port: int,
+    speed: float,
+    timeout_s: float,
+    engine_port: int,
+    kubeconfig: Path,
+    audit_log: Path,
+    log_file: Path,
+) -> SimProcess:
     argv = [
         sys.executable, "-m", "worker.cli", "sim", "--scenario", str(scenario), "--port", str(port),
         "--kube-port", str(kube_port), "--kubeconfig", str(kubeconfig), "--audit-log", str(audit_log),
@@ -101,9 +131,11 @@ async def start_sim_process(
         async with httpx.AsyncClient(timeout=2.0) as http:
             while True:
                 if proc.poll() is not None:
-                    raise StackError(
+                    tail = log_tail(log_file)
+                    error = StackError if "cannot listen on" not in tail else _CannotListen
+                    raise error(
                         f"the sim did not start with {scenario} (exit status {proc.returncode}); see "
-                        f"{log_file}:\n{log_tail(log_file)}"
+                        f"{log_file}:\n{tail}"
                     )
                 if kubeconfig.exists():
                     with contextlib.suppress(httpx.HTTPError):
