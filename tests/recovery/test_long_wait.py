@@ -58,6 +58,23 @@ async def history_length(handle: WorkflowHandle[Any, Any]) -> tuple[int, int]:
     return len(events), len([e for e in events if e.event_type not in TIME_SKIPPING_EVENTS])
 
 
+async def settled_wait(handle: WorkflowHandle[Any, Any]) -> int:
+    """The history's length once the wait is in place: the ask's notify done, the reminder timer started.
+
+    The phase reads ``awaiting-operator`` before the ask's own notify activity has run; counting from
+    there would charge that notify (6 events) to the day of waiting.
+    """
+    while True:
+        events = [e async for e in handle.fetch_history_events()]
+        described = await handle.describe()
+        if (
+            events[-1].event_type == EventType.EVENT_TYPE_TIMER_STARTED
+            and not described.raw_description.pending_activities
+        ):
+            return len([e for e in events if e.event_type not in TIME_SKIPPING_EVENTS])
+        await asyncio.sleep(0.1)
+
+
 async def test_a_day_waiting_for_an_operator_adds_a_bounded_history_and_the_recovery_then_completes(
     time_skipping_env: WorkflowEnvironment, task_queue: str, ledger_url: str
 ) -> None:
@@ -79,7 +96,7 @@ async def test_a_day_waiting_for_an_operator_adds_a_bounded_history_and_the_reco
         recovery = await wait_for_child(env.client, incident)
         waiting = await wait_for_phase(recovery, Phase.AWAITING_OPERATOR)
         assert waiting.awaiting and "force-delete" in waiting.awaiting
-        _, before = await history_length(recovery)
+        before = await settled_wait(recovery)
 
         assert await env.fast_forward(recovery, A_DAY), "the recovery's clock did not reach a day later"
 

@@ -59,14 +59,16 @@ async def _naive_baseline(client: Client, task_queue: str, ledger_url: str) -> i
         for pod in victims:
             await asyncio.to_thread(core.delete_namespaced_pod, pod, POOL.namespace)
         # Envoy's access log and the users' own count each learn of the cuts in their own time: both waited for.
+        # Envoy calls a stream cut once its response began (the first byte); a user whose stream was cut
+        # before its first token counts a terminal error, not a truncated answer: every cut is one or the other.
         deadline = time.monotonic() + 10
         while True:
             cut = await rig.cut_streams(POOL, victims)
             report = await rig.load_report(load)
-            if (cut and report["truncated_streams"] >= cut) or time.monotonic() > deadline:
+            if (cut and report["terminal_errors"] >= cut) or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.2)
-        assert report["truncated_streams"] >= cut, (report, cut)
+        assert report["terminal_errors"] >= cut, (report, cut)
         return cut
 
 
