@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import pytest
 import urllib3
+from kubernetes import watch
 from kubernetes.client.exceptions import NotFoundException
 
 from sim.k8s.store import WatchEvent
@@ -23,13 +24,23 @@ def first_serving(kube: Kube) -> Any:
 
 def test_an_oom_killed_engine_shows_restart_count_crash_loop_and_comes_back(kube: Kube) -> None:
     name = first_serving(kube).metadata.name
+    since = kube.core.list_namespaced_pod(NS).metadata.resource_version
     kube.sim.world.set_container_state(NS, name, "oomkilled")
-    status = wait_for(
-        lambda: (
-            (s := kube.core.read_namespaced_pod(name, NS).status.container_statuses[0]).state.waiting and s
-        ),
-        what="CrashLoopBackOff",
-    )
+    # The back-off lasts 10 simulated seconds (0.1 s here): read from the pod's watch, which sees every
+    # change, not by polling, which a loaded machine can let slip past it.
+    status = None
+    for event in watch.Watch().stream(
+        kube.core.list_namespaced_pod,
+        NS,
+        field_selector=f"metadata.name={name}",
+        resource_version=since,
+        timeout_seconds=30,
+    ):
+        statuses = event["object"].status.container_statuses or []
+        if statuses and statuses[0].state.waiting:
+            status = statuses[0]
+            break
+    assert status is not None, "no CrashLoopBackOff seen on the pod's watch within 30 s"
     assert (
         status.state.waiting.reason == "CrashLoopBackOff"
         and status.restart_count == 1
