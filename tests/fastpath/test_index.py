@@ -1,12 +1,18 @@
-"""The fast path's pod index (one update per pod event, O(1) questions) and its reading of Envoy's admin JSON."""
+"""The fast path's pod index (one update per pod event, O(1) questions), its reading of Envoy's admin
+JSON, and the evidence it takes from what moved in Envoy's view."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
+from fleet.detection import EvidenceKind
 from fleet.vocabulary import LWS_GROUP_KEY_LABEL, LWS_WORKER_INDEX_LABEL, ROUTER_LABEL, ROUTER_LABEL_VALUE
-from worker.fastpath.envoy import FIGURES, cluster_figures, host_health
+from worker.config import load_settings
+from worker.fastpath.envoy import FIGURES, GatewayChanges, HostHealth, cluster_figures, host_health
 from worker.fastpath.index import PodIndex
+from worker.fastpath.service import FastPath
 
 NS = "inference"
 
@@ -97,3 +103,50 @@ def test_envoy_host_health_fails_on_its_checks_and_ejections_and_waits_on_pendin
     pending = host_health("e", "c", host(pending_active_hc=True))
     assert pending is not None and not pending.healthy and not pending.failed
     assert host_health("e", "c", {"address": {"pipe": {"path": "/x"}}}) is None
+
+
+def test_envoys_changes_become_evidence_about_routed_pods_once_per_spell() -> None:
+    """A host turning healthy says its pod answered; a host Envoy newly fails is a suspect, and one
+    it keeps failing is a suspect again only after ``fastpath_reconfirm_s`` with no check running; an
+    address no pod has yet is looked up again at the next reading; a spare (not routed) is nobody's
+    concern."""
+    fast = FastPath(load_settings(fastpath_reconfirm_s=5.0), _no_delivery, topology=None)  # type: ignore[arg-type]
+    fast._queue = asyncio.Queue()
+    fast.index.update("ADDED", _pod("a", "node-0", "10.0.0.1"))
+    fast.index.update("ADDED", _pod("spare", "node-0", "10.0.0.2", routed=False))
+
+    def host(ip: str, *failed: str) -> HostHealth:
+        return HostHealth(
+            admin="http://envoy:9901",
+            cluster=f"{NS}/llama",
+            address=ip,
+            port=8000,
+            hostname="",
+            failed=failed,
+        )
+
+    def evidence() -> list[tuple[str, EvidenceKind]]:
+        assert fast._queue is not None
+        return [(e.entity, e.kind) for e in (fast._queue.get_nowait() for _ in range(fast._queue.qsize()))]
+
+    fast._on_gateway(GatewayChanges(healthy=[host("10.0.0.1"), host("10.0.0.2"), host("10.0.0.3")]))
+    assert evidence() == [(f"pod:{NS}/a", EvidenceKind.GATEWAY_HEALTHY)]
+    fast.index.update("ADDED", _pod("c", "node-1", "10.0.0.3"))  # its IP arrives after Envoy added it
+    fast._on_gateway(GatewayChanges())
+    assert evidence() == [(f"pod:{NS}/c", EvidenceKind.GATEWAY_HEALTHY)]
+
+    failing = host("10.0.0.1", "failed_active_health_check")
+    fast._on_gateway(
+        GatewayChanges(failing=[(failing, True), (host("10.0.0.2", "failed_outlier_check"), True)])
+    )
+    assert evidence() == [(f"pod:{NS}/a", EvidenceKind.GATEWAY_UNHEALTHY)]
+    fast._checked_at[f"pod:{NS}/a"] = time.monotonic()  # its check round just ended: the engine answered
+    fast._on_gateway(GatewayChanges(failing=[(failing, False)]))
+    assert evidence() == []
+    fast._checked_at[f"pod:{NS}/a"] = time.monotonic() - 6.0
+    fast._on_gateway(GatewayChanges(failing=[(failing, False)]))
+    assert evidence() == [(f"pod:{NS}/a", EvidenceKind.GATEWAY_UNHEALTHY)]
+
+
+async def _no_delivery(reports: list[Any]) -> list[Any]:
+    raise AssertionError(f"nothing is delivered in this test: {reports}")
