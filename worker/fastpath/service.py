@@ -382,7 +382,8 @@ class FastPath:
         Envoy fails is a suspect (again after ``fastpath_reconfirm_s`` while Envoy keeps failing it
         and its own /health answers)."""
         now, at = time.monotonic(), time.time()
-        retry = [entry for entry in self._unmapped.values() if now - entry[2] < UNMAPPED_RETRY_S]
+        fresh = {(h.admin, h.address, h.port) for h in [*changes.healthy, *(h for h, _ in changes.failing)]}
+        retry = [v for k, v in self._unmapped.items() if k not in fresh and now - v[2] < UNMAPPED_RETRY_S]
         self._unmapped.clear()
         seen: set[tuple[str, bool]] = set()
         for host, new, first in [
