@@ -28,7 +28,7 @@ import httpx
 from fleet.gateway import GatewayPolicy, JournalEntry, RoutedEndpoint, RoutingSet
 from fleet.incident import PoolRef
 from gateway.resources import CLUSTER_TYPE, ENDPOINT_TYPE, ROUTE_TYPE, WEIGHT_SCALE
-from gateway.store import EnvoyAnswer, GatewayStore, revision_of
+from gateway.store import EnvoyAnswer, GatewayStore, envoy_admin_urls, revision_of
 from ledger.effect import ActionSignature
 from ledger.errors import PermanentEffectError
 
@@ -130,9 +130,7 @@ class EnvoyGateway:
 
     def _admins(self) -> list[str]:
         """The configured admin URLs, else those of every Envoy connected to the control plane."""
-        if self.admin_urls:
-            return self.admin_urls
-        found = sorted({a.admin_url.rstrip("/") for a in self.store.answers() if a.connected and a.admin_url})
+        found = envoy_admin_urls(self.admin_urls, self.store)
         if not found:
             raise GatewayNotApplied(
                 "no Envoy is connected to the control plane (gateway_acks): cannot read the routing set; "

@@ -3,9 +3,11 @@
 The alert path learns of a loss after the node-monitor grace, a Prometheus scrape
 and rule ``for:``, and Alertmanager's ``group_wait``. The fast path watches the
 same world directly (Nodes, Pods and EndpointSlices of the managed pools, the
-engines' ``/health``) and feeds what it sees here, one ``Evidence`` at a time,
-per entity (a pod or a node). ``observe`` is pure: the caller keeps the
-``EntityState`` and acts on the ``Detection``.
+gateway's own view of every engine's health) and feeds what it sees here, one
+``Evidence`` at a time, per entity (a pod or a node). ``observe`` is pure: the
+caller keeps the ``EntityState`` and acts on the ``Detection``; when the state says
+``confirming``, the caller checks the engine's ``/health`` itself and feeds the
+answers back (``HEALTH_OK`` / ``HEALTH_FAILED``) until it no longer does.
 
 Policy (``DetectionPolicy``):
 
@@ -26,6 +28,13 @@ Policy (``DetectionPolicy``):
   scale-down, ``kubectl delete pod`` — and its controller replaces it: not a loss,
   unless it was already failing checks (then its controller is replacing a broken
   replica, as a LeaderWorkerSet re-creates a group whose rank died: a loss);
+* the gateway taking an engine out of rotation (Envoy's active health check failing
+  it, or its outlier detection ejecting it: ``GATEWAY_UNHEALTHY``) makes it a
+  *suspect*: no failure is counted on the gateway's word alone (an outlier ejection
+  can hit a replica that is only slow), the entity is ``confirming`` and its own
+  ``/health`` checks decide; an EndpointSlice endpoint turning not-ready counts as one
+  failure and is confirmed the same way. The gateway's health check passing
+  (``GATEWAY_HEALTHY``) says the engine is present and has answered;
 * an engine is lost after ``failures_to_confirm`` consecutive failed health checks
   (an EndpointSlice endpoint turning not-ready counts as one failure) — once it has
   answered a health check at all: a replica still starting is not lost;
@@ -34,7 +43,9 @@ Policy (``DetectionPolicy``):
   record says why nothing was opened);
 * **hysteresis**: once a loss is reported for an entity, further failures report
   nothing (the incident is open and absorbs them); the entity is re-armed only
-  after ``successes_to_clear`` consecutive good checks. A flapping check
+  after ``successes_to_clear`` consecutive good checks (the gateway's health check
+  passing again counts as one and sets ``confirming``, so the direct checks supply
+  the rest). A flapping check
   (fail, ok, fail, ok, ...) never reaches two consecutive failures, so it opens
   nothing; one that flaps after a confirmed loss does not report it again.
 """
@@ -59,6 +70,10 @@ class EvidenceKind(StrEnum):
     RANK_FAILED = "rank-failed"  # a worker rank of the entity's multi-node group restarted its container
     POD_GONE = "pod-gone"
     POD_TERMINATED = "pod-terminated"  # gracefully: a terminating endpoint, a deletion with a grace period
+    # The gateway (Envoy) took the engine out of rotation: its active health check fails it, or its
+    # outlier detection ejected it. A suspect, confirmed by the engine's own /health.
+    GATEWAY_UNHEALTHY = "gateway-unhealthy"
+    GATEWAY_HEALTHY = "gateway-healthy"  # the gateway's health check passes: present, and it has answered
 
 
 # Evidence that is a loss on its own, without a second check.
@@ -113,6 +128,10 @@ class EntityState(BaseModel):
     reported: bool = Field(default=False, description="A loss was reported and not yet cleared")
     slow: bool = Field(default=False, description="In a slow spell (not-a-loss already recorded)")
     answered: bool = Field(default=False, description="Its health check has answered at least once")
+    confirming: bool = Field(
+        default=False,
+        description="A suspect (or a reported entity to re-arm): check its /health directly until this clears",
+    )
     evidence: tuple[Evidence, ...] = ()
 
 
@@ -146,7 +165,7 @@ def observe(
     def lost(new: EntityState, reason: str) -> tuple[EntityState, Detection]:
         if s.reported:
             return wait(new, f"{reason}; already reported (the open incident absorbs it)")
-        return new.model_copy(update={"reported": True}), Detection(
+        return new.model_copy(update={"reported": True, "confirming": False}), Detection(
             entity=s.entity, verdict=Verdict.LOSS, reason=reason, evidence=kept
         )
 
@@ -164,24 +183,48 @@ def observe(
                 "its controller is replacing a broken replica",
             )
         return wait(
-            s.model_copy(update={"evidence": kept}),
+            s.model_copy(update={"evidence": kept, "confirming": False}),
             f"{s.entity}: terminated gracefully while healthy (rollout, scale-down, delete): planned, not a loss",
+        )
+    if kind is EvidenceKind.GATEWAY_UNHEALTHY:
+        if s.reported:
+            return wait(
+                s.model_copy(update={"evidence": kept, "confirming": False}),
+                f"{s.entity}: out of the gateway's rotation ({evidence.describe()}); already reported "
+                "(the open incident absorbs it)",
+            )
+        return wait(
+            s.model_copy(update={"evidence": kept, "confirming": True}),
+            f"{s.entity}: suspect, the gateway took it out of rotation ({evidence.describe()}); "
+            "confirming with its own /health",
         )
     if kind in (EvidenceKind.HEALTH_FAILED, EvidenceKind.ENDPOINT_NOT_READY):
         if not s.answered:
             # A replica that never answered is starting, not lost (its controller and the
             # alert path own a start-up that fails).
             return wait(
-                s.model_copy(update={"evidence": kept}),
+                s.model_copy(update={"evidence": kept, "confirming": False}),
                 f"{s.entity}: has not answered a health check yet (starting), not counted",
             )
         failures = s.failures + 1
-        new = s.model_copy(update={"failures": failures, "successes": 0, "slow": False, "evidence": kept})
+        new = s.model_copy(
+            update={
+                "failures": failures,
+                "successes": 0,
+                "slow": False,
+                "evidence": kept,
+                # Keep checking until confirmed; a reported entity failing again needs nothing more.
+                "confirming": not s.reported,
+            }
+        )
         if failures >= p.failures_to_confirm:
-            checks = ", ".join(e.describe() for e in kept[-failures:])
+            failed = [
+                e for e in kept if e.kind in (EvidenceKind.HEALTH_FAILED, EvidenceKind.ENDPOINT_NOT_READY)
+            ]
+            checks = ", ".join(e.describe() for e in failed[-failures:])
             return lost(new, f"{s.entity}: {failures} consecutive failed checks ({checks})")
         return wait(new, f"{s.entity}: {failures} of {p.failures_to_confirm} failed checks to confirm")
-    # HEALTH_OK / NODE_READY: present.
+    # HEALTH_OK / GATEWAY_HEALTHY / NODE_READY: present.
     successes = s.successes + 1
     reported = s.reported and successes < p.successes_to_clear
     new = s.model_copy(
@@ -190,7 +233,9 @@ def observe(
             "successes": successes,
             "reported": reported,
             "evidence": kept,
-            "answered": s.answered or kind is EvidenceKind.HEALTH_OK,
+            "answered": s.answered or kind in (EvidenceKind.HEALTH_OK, EvidenceKind.GATEWAY_HEALTHY),
+            # A suspect that answers is cleared; a reported entity is checked until it is re-armed.
+            "confirming": reported and kind is not EvidenceKind.NODE_READY,
         }
     )
     slow = kind is EvidenceKind.HEALTH_OK and (evidence.latency_s or 0.0) >= p.slow_health_s

@@ -8,6 +8,7 @@ to render Envoy resources and records every ACK or NACK it receives.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -132,6 +133,16 @@ class GatewayStore:
                 .values(connected=connected, updated_at=text("now()"))
             )
 
+    def admin_urls(self) -> list[str]:
+        """The admin URLs the Envoys connected to the control plane announced (their bootstrap's node
+        metadata ``admin_url``), sorted."""
+        t = gateway_acks_table
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(t.c.admin_url).where(t.c.connected.is_(True), t.c.admin_url.is_not(None)).distinct()
+            ).all()
+        return sorted({str(r.admin_url).rstrip("/") for r in rows if r.admin_url})
+
     def answers(self) -> list[EnvoyAnswer]:
         with self.engine.connect() as conn:
             rows = conn.execute(select(gateway_acks_table)).all()
@@ -175,3 +186,11 @@ class GatewayStore:
         t = gateway_requests_table
         with self.engine.begin() as conn:
             return int(conn.execute(delete(t).where(t.c.started_at < older_than)).rowcount or 0)
+
+
+def envoy_admin_urls(configured: Sequence[str], store: GatewayStore | None) -> list[str]:
+    """Where Envoy's own view (routing set, host health, counters) is read: the configured admin URLs
+    (``FLEETMEND_GATEWAY_ADMIN_URLS``), else those of every Envoy connected to the control plane."""
+    if configured:
+        return [u.rstrip("/") for u in configured]
+    return store.admin_urls() if store is not None else []

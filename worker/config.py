@@ -245,10 +245,11 @@ class Settings(BaseSettings):
         9901, ge=0, le=65535, description="The embedded Envoy's admin port (0 = any free)"
     )
 
-    # Fast path: Kubernetes watches + engine /health, beside the alert path (README "Fast path").
+    # Fast path: Kubernetes watches + Envoy's view of engine health, beside the alert path (README "Fast path").
     fastpath_enabled: bool = Field(
         False,
-        description="Run the fast path in the worker (watches + /health probes; one leader per cluster)",
+        description="Run the fast path in the worker (watches + Envoy's health view, /health checks of "
+        "suspects; one leader per cluster)",
     )
     fastpath_lease_namespace: str = Field("default", description="Namespace of the fast path's Lease")
     fastpath_lease_name: str = Field("fleetmend-fastpath", description="Name of the fast path's Lease")
@@ -260,9 +261,36 @@ class Settings(BaseSettings):
         10.0, gt=0, description="Holder steps down if not renewed within"
     )
     fastpath_retry_period_s: float = Field(2.0, gt=0, description="Lease renew / acquire attempt interval")
-    fastpath_health_interval_s: float = Field(0.5, gt=0, description="Engine /health probe interval")
-    fastpath_health_timeout_s: float = Field(1.0, gt=0, description="Engine /health probe timeout")
-    fastpath_failures_to_confirm: int = Field(2, ge=1, description="Consecutive failed /health checks = loss")
+    fastpath_envoy_interval_s: float = Field(
+        0.5,
+        gt=0,
+        description="How often the fast path reads each Envoy's health figures (admin /stats, a few per "
+        "cluster; the hosts from /clusters only when they moved)",
+    )
+    fastpath_envoy_discovery_s: float = Field(
+        5.0,
+        gt=0,
+        description="How often the fast path re-reads which Envoys to read (FLEETMEND_GATEWAY_ADMIN_URLS, else "
+        "those connected to the control plane)",
+    )
+    fastpath_confirm_concurrency: int = Field(
+        16, ge=1, description="Direct /health checks of suspect engines in flight at most"
+    )
+    fastpath_reconfirm_s: float = Field(
+        5.0,
+        gt=0,
+        description="An engine Envoy keeps failing after its own /health answered is checked again after this",
+    )
+    fastpath_health_interval_s: float = Field(
+        0.5, gt=0, description="Interval between the direct /health checks of a suspect engine"
+    )
+    fastpath_health_timeout_s: float = Field(1.0, gt=0, description="Timeout of a direct /health check")
+    fastpath_failures_to_confirm: int = Field(
+        2,
+        ge=1,
+        description="Consecutive failed checks = loss (direct /health checks; an endpoint turning not-ready "
+        "counts as one)",
+    )
     fastpath_slow_health_s: float = Field(
         0.5, gt=0, description="A /health slower than this is 'slow but present' (not a loss)"
     )

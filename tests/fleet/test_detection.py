@@ -149,3 +149,73 @@ def test_losses_need_consecutive_failures_and_a_clear_spell_between_them(oks: li
             run = run + 1 if ok else 0
             best = max(best, run)
         assert best >= policy.successes_to_clear  # re-armed only by enough good checks in between
+
+
+SUSPECT, PRESENT = EvidenceKind.GATEWAY_UNHEALTHY, EvidenceKind.GATEWAY_HEALTHY
+
+
+def test_the_gateway_failing_an_engine_makes_a_suspect_its_own_checks_confirm() -> None:
+    """Envoy's word alone counts no failure; it asks for the engine's own /health checks
+    (``confirming``), and ``failures_to_confirm`` of them failing is the loss."""
+    s, _ = observe(None, Evidence(entity=POD, kind=PRESENT, at=0.0, detail="health check passes"))
+    assert s.answered and not s.confirming  # the gateway's passing check: it has answered
+    s, d = observe(s, Evidence(entity=POD, kind=SUSPECT, at=1.0, detail="failed_active_health_check"))
+    assert d.verdict is Verdict.WAIT and "suspect" in d.reason and "failed_active_health_check" in d.reason
+    assert s.confirming and s.failures == 0
+    s, d = observe(s, Evidence(entity=POD, kind=FAIL, at=1.1, detail="ConnectError"))
+    assert d.verdict is Verdict.WAIT and s.confirming and s.failures == 1
+    s, d = observe(s, Evidence(entity=POD, kind=FAIL, at=1.6, detail="ConnectError"))
+    assert d.loss and s.reported and not s.confirming
+    assert (
+        "2 consecutive failed checks (health-failed (ConnectError), health-failed (ConnectError))" in d.reason
+    )
+    assert [e.kind for e in d.evidence] == [PRESENT, SUSPECT, FAIL, FAIL]
+    # Envoy keeps failing it: absorbed by the open incident, nothing more to check.
+    s, again = observe(s, Evidence(entity=POD, kind=SUSPECT, at=5.0))
+    assert again.verdict is Verdict.WAIT and "already reported" in again.reason and not s.confirming
+
+
+def test_a_suspect_that_answers_is_cleared_and_a_slow_answer_is_recorded_not_a_loss() -> None:
+    s, _ = observe(None, Evidence(entity=POD, kind=PRESENT, at=0.0))
+    s, _ = observe(s, Evidence(entity=POD, kind=SUSPECT, at=1.0, detail="failed_outlier_check"))
+    cleared, d = observe(s, Evidence(entity=POD, kind=OK, at=1.1, latency_s=0.01))
+    assert d.verdict is Verdict.WAIT and not cleared.confirming and cleared.failures == 0
+    slow, d = observe(s, Evidence(entity=POD, kind=OK, at=1.1, latency_s=2.0))
+    assert d.verdict is Verdict.NOT_A_LOSS and "slow but present" in d.reason and not slow.confirming
+
+
+def test_an_engine_the_gateway_never_saw_answer_is_starting_whatever_its_checks_say() -> None:
+    s, _ = observe(None, Evidence(entity=POD, kind=SUSPECT, at=0.0, detail="failed_active_health_check"))
+    assert s.confirming and not s.answered
+    for at in (0.1, 0.6, 1.1):
+        s, d = observe(s, Evidence(entity=POD, kind=FAIL, at=at))
+        assert d.verdict is Verdict.WAIT and "has not answered" in d.reason
+    assert not s.confirming  # nothing more to check: its controller owns a start-up that fails
+
+
+def test_a_reported_engine_the_gateway_passes_again_is_re_armed_by_its_own_checks() -> None:
+    """The gateway's passing check counts as one good check and asks for more; the engine is
+    re-armed after ``successes_to_clear`` in all, and a later failure is a new loss."""
+    s, _ = observe(None, Evidence(entity=POD, kind=PRESENT, at=0.0))
+    s, _ = observe(s, Evidence(entity=POD, kind=SUSPECT, at=1.0))
+    s, _ = observe(s, Evidence(entity=POD, kind=FAIL, at=1.1))
+    s, lost = observe(s, Evidence(entity=POD, kind=FAIL, at=1.6))
+    assert lost.loss
+    s, _ = observe(s, Evidence(entity=POD, kind=PRESENT, at=9.0))
+    assert s.reported and s.confirming
+    s, _ = observe(s, Evidence(entity=POD, kind=OK, at=9.1, latency_s=0.01))
+    assert s.reported and s.confirming
+    s, d = observe(s, Evidence(entity=POD, kind=OK, at=9.6, latency_s=0.01))
+    assert "re-armed" in d.reason and not s.reported and not s.confirming
+    s, _ = observe(s, Evidence(entity=POD, kind=SUSPECT, at=20.0))
+    s, _ = observe(s, Evidence(entity=POD, kind=FAIL, at=20.1))
+    _, again = observe(s, Evidence(entity=POD, kind=FAIL, at=20.6))
+    assert again.loss
+
+
+def test_an_endpoint_turning_not_ready_counts_one_failure_and_asks_for_checks() -> None:
+    s, _ = observe(None, Evidence(entity=POD, kind=PRESENT, at=0.0))
+    s, d = observe(s, Evidence(entity=POD, kind=EvidenceKind.ENDPOINT_NOT_READY, at=1.0))
+    assert d.verdict is Verdict.WAIT and s.failures == 1 and s.confirming
+    _, d = observe(s, Evidence(entity=POD, kind=FAIL, at=1.1))
+    assert d.loss

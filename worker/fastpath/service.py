@@ -2,8 +2,17 @@
 
 Once per cluster (``LeaderElector`` on a Lease) the worker runs three informers
 (Nodes; Pods of the managed pools, i.e. carrying the model label; EndpointSlices)
-and probes the ``/health`` of every routed pod (``health_url_template``). Each
-observation becomes ``fleet.detection.Evidence``; the pure policy decides; a
+and reads the gateway's own view of the engines' health: every Envoy already
+health-checks each engine and ejects outliers, and the fast path reads that
+verdict through Envoy's admin API (``worker/fastpath/envoy.py``: a few figures per
+cluster each ``fastpath_envoy_interval_s``, the hosts only when they moved). An
+engine Envoy takes out of rotation, or whose EndpointSlice endpoint turns
+not-ready, is a *suspect*: the fast path checks that engine's ``/health`` itself
+(``health_url_template``; at most ``fastpath_confirm_concurrency`` checks in flight)
+until ``fleet.detection`` settles it. Nothing is polled per pod while every engine
+answers, and every informer handler costs O(1) per event (``worker/fastpath/index.py``).
+
+Each observation becomes ``fleet.detection.Evidence``; the pure policy decides; a
 confirmed loss is delivered through the ``AlertIntake`` the webhook uses too
 (``worker/intake/``) — the same signal-with-start into the pool's ``FleetIncident`` —
 with one report per affected replica group (resolved by the intake's ``PoolTopology``), so the
@@ -16,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import threading
@@ -26,15 +36,20 @@ from typing import Any
 
 import httpx
 from kubernetes import client as k8s
+from sqlalchemy import Engine
 
-from fleet.detection import Detection, DetectionPolicy, EntityState, Evidence, EvidenceKind, observe
+from fleet.detection import Detection, DetectionPolicy, EntityState, Evidence, EvidenceKind, Verdict, observe
 from fleet.incident import LossReport, PoolRef, Severity, incident_workflow_id
 from fleet.qualification import gpu_problem_conditions
 from fleet.vocabulary import LWS_GROUP_KEY_LABEL, LWS_WORKER_INDEX_LABEL, MODEL_LABEL
+from gateway.store import GatewayStore, envoy_admin_urls
 from kube.client import kube_apis
 from kube.informer import Informer
 from kube.lease import LeaderElector
+from ledger.store import make_engine
 from worker.config import Settings
+from worker.fastpath.envoy import EnvoyHealthView, GatewayChanges, HostHealth
+from worker.fastpath.index import PodIndex
 from worker.intake.intake import AlertIntake, Delivery
 from worker.intake.metrics import WebhookMetrics
 from worker.intake.routing import AlertRouter, RoutedReport
@@ -46,6 +61,11 @@ log = logging.getLogger("fleetmend.fastpath")
 FAST_PATH_ALERT = "FleetmendFastPathLoss"
 EVIDENCE_LABEL = "fleetmend_evidence"
 LEASE_USER_AGENT = "fleetmend-leader-election/0.1"
+# The fast path's own /health checks of suspects, and its reads of Envoy's admin API, say who asks.
+FASTPATH_USER_AGENT = "fleetmend-fastpath/0.1"
+# An address Envoy reports that no pod has (yet): looked up again each reading for this long
+# (the pods watch may deliver the pod's IP a moment after Envoy added the host).
+UNMAPPED_RETRY_S = 30.0
 
 Deliver = Callable[[list[RoutedReport]], Awaitable[list[Delivery | None]]]
 
@@ -85,11 +105,21 @@ class FastPath:
         self._states: dict[str, EntityState] = {}
         self._gone: dict[str, dict[str, Any]] = {}  # routed pods deleted, by ns/name (their last state)
         self._restarts: dict[str, int] = {}  # container restarts seen per rank pod uid (pods informer thread)
+        self.index = PodIndex(self._routed)  # kept by the pods informer's handler
         self.detections: list[Detection] = []  # the record of every loss / not-a-loss verdict
         self.counts: Counter[str] = Counter()
         self.informers: list[Informer] = []
+        self.gateway: EnvoyHealthView | None = None  # Envoy's health view, while leading
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue[Evidence] | None = None
+        self._http: httpx.AsyncClient | None = None
+        self._checks: dict[str, asyncio.Task[None]] = {}  # suspects being checked directly, by entity
+        self._checked_at: dict[str, float] = {}  # when each entity's last direct check round ended
+        self._check_slots: asyncio.Semaphore | None = None  # made on the loop that leads
+        self._unmapped: dict[tuple[str, str, int], tuple[HostHealth, bool, float]] = {}
+        self._store_engine: Engine | None = None
+        self._admins: list[str] | None = None
+        self._admins_read_at = -math.inf
 
     def _coordination_api(self) -> k8s.CoordinationV1Api:
         """The Lease client: its own user agent, so ledger reconcile does not take lease renewals for
@@ -107,26 +137,36 @@ class FastPath:
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Campaign for the Lease; lead (watch + probe) while holding it."""
+        """Campaign for the Lease; lead (watch + read Envoy's view) while holding it."""
         log.info("fast path: campaigning", extra={"identity": self.identity})
-        await self.elector.run(stop, self._lead)
+        try:
+            await self.elector.run(stop, self._lead)
+        finally:
+            if self._store_engine is not None:
+                self._store_engine.dispose()
+                self._store_engine = None
 
     async def _lead(self, lost: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
         self._states.clear()
+        self._checked_at.clear()
+        self._unmapped.clear()
+        self._check_slots = asyncio.Semaphore(self.settings.fastpath_confirm_concurrency)
+        self.index = PodIndex(self._routed)
         core = kube_apis(self.settings).core
         discovery = kube_apis(self.settings).discovery
         timeout = self.settings.fastpath_watch_timeout_s
+        pods = Informer(
+            "pods",
+            core.list_pod_for_all_namespaces,
+            self._on_pod,
+            label_selector=MODEL_LABEL,
+            watch_timeout_s=timeout,
+        )
         self.informers = [
             Informer("nodes", core.list_node, self._on_node, watch_timeout_s=timeout),
-            Informer(
-                "pods",
-                core.list_pod_for_all_namespaces,
-                self._on_pod,
-                label_selector=MODEL_LABEL,
-                watch_timeout_s=timeout,
-            ),
+            pods,
             Informer(
                 "endpointslices",
                 discovery.list_endpoint_slice_for_all_namespaces,
@@ -141,9 +181,13 @@ class FastPath:
         ]
         for t in threads:
             t.start()
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(self.settings.fastpath_health_timeout_s),
+            headers={"User-Agent": FASTPATH_USER_AGENT},
+        )
         tasks = [
             asyncio.create_task(self._consume(), name="fastpath-detect"),
-            asyncio.create_task(self._probe_loop(lost), name="fastpath-probe"),
+            asyncio.create_task(self._read_gateway(lost, pods), name="fastpath-gateway"),
         ]
         try:
             await lost.wait()
@@ -151,9 +195,14 @@ class FastPath:
             halt.set()
             for i in self.informers:
                 i.stop()
-            for task in tasks:
+            running = [*tasks, *self._checks.values()]
+            for task in running:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*running, return_exceptions=True)
+            self._checks.clear()
+            await self._http.aclose()
+            self._http = None
+            self.gateway = None
 
     # -- informer handlers (informer threads) -------------------------------------------------
 
@@ -166,13 +215,9 @@ class FastPath:
         labels = (pod.get("metadata") or {}).get("labels") or {}
         return bool(labels.get(self.settings.router_label) == self.settings.router_label_value)
 
-    def _pods(self) -> list[dict[str, Any]]:
-        informer = next((i for i in self.informers if i.name == "pods"), None)
-        return list(informer.cache.values()) if informer is not None else []
-
     def _on_node(self, kind: str, node: dict[str, Any]) -> None:
         name = (node.get("metadata") or {}).get("name") or ""
-        if not any((p.get("spec") or {}).get("nodeName") == name and self._routed(p) for p in self._pods()):
+        if not self.index.serves_on(name):
             return  # no routed pod of a managed pool there
         conditions = [c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type")]
         ready = next((c for c in conditions if c["type"] == "Ready"), None)
@@ -196,6 +241,7 @@ class FastPath:
         self._push(Evidence(entity=f"node:{name}", kind=EvidenceKind.NODE_NOT_READY, at=at, detail=detail))
 
     def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
+        self.index.update(kind, pod)
         meta = pod.get("metadata") or {}
         if kind != "DELETED":
             self._rank_restart(pod)
@@ -235,18 +281,9 @@ class FastPath:
         self._restarts[uid] = restarts
         if seen is None or restarts <= seen:
             return
-        namespace, group = meta.get("namespace"), labels.get(LWS_GROUP_KEY_LABEL)
-        leader = next(
-            (
-                p
-                for p in self._pods()
-                if (p.get("metadata") or {}).get("namespace") == namespace
-                and ((p.get("metadata") or {}).get("labels") or {}).get(LWS_GROUP_KEY_LABEL) == group
-                and ((p.get("metadata") or {}).get("labels") or {}).get(LWS_WORKER_INDEX_LABEL) == "0"
-            ),
-            None,
-        )
-        if group is None or leader is None or not self._routed(leader):
+        namespace, group = str(meta.get("namespace") or ""), labels.get(LWS_GROUP_KEY_LABEL)
+        leader = self.index.leader(namespace, group) if group is not None else None
+        if leader is None or not self._routed(leader):
             return
         ended = (
             next(
@@ -272,17 +309,14 @@ class FastPath:
     def _on_slice(self, kind: str, eps: dict[str, Any]) -> None:
         if kind == "DELETED":
             return
-        routed = {
-            f"{(p.get('metadata') or {}).get('namespace')}/{(p.get('metadata') or {}).get('name')}"
-            for p in self._pods()
-            if self._routed(p)
-        }
         namespace = (eps.get("metadata") or {}).get("namespace")
         for ep in eps.get("endpoints") or []:
             ref = ep.get("targetRef") or {}
-            key = f"{ref.get('namespace') or namespace}/{ref.get('name')}"
             conditions = ep.get("conditions") or {}
-            if ref.get("kind") != "Pod" or key not in routed or conditions.get("ready") is not False:
+            if ref.get("kind") != "Pod" or conditions.get("ready") is not False:
+                continue
+            key = f"{ref.get('namespace') or namespace}/{ref.get('name')}"
+            if not self.index.routed(key):
                 continue
             terminating = bool(conditions.get("terminating"))
             self._push(
@@ -296,17 +330,87 @@ class FastPath:
                 )
             )
 
-    # -- health probes -------------------------------------------------------------------------
+    # -- the gateway's view ----------------------------------------------------------------------
 
-    async def _probe_loop(self, lost: asyncio.Event) -> None:
-        interval = self.settings.fastpath_health_interval_s
-        timeout = self.settings.fastpath_health_timeout_s
-        async with httpx.AsyncClient(timeout=timeout) as http:
-            while not lost.is_set():
-                started = time.monotonic()
-                pods = [p for p in self._pods() if self._probed(p)]
-                await asyncio.gather(*(self._probe(http, p) for p in pods))
-                await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+    async def _admin_urls(self) -> list[str]:
+        """The Envoys to read (``gateway.store.envoy_admin_urls``: configured, else announced to the
+        control plane), re-read every ``fastpath_envoy_discovery_s``."""
+        now = time.monotonic()
+        if self._admins is None or now - self._admins_read_at >= self.settings.fastpath_envoy_discovery_s:
+            configured = self.settings.gateway_admin_urls
+            store = None if configured else self._store()
+            found = await asyncio.to_thread(envoy_admin_urls, configured, store)
+            if not found and self._admins != found:
+                log.warning(
+                    "fast path: no Envoy to read (FLEETMEND_GATEWAY_ADMIN_URLS is unset and no Envoy is "
+                    "connected to the control plane): engines are watched through Kubernetes only"
+                )
+            self._admins, self._admins_read_at = found, now
+        return self._admins
+
+    def _store(self) -> GatewayStore | None:
+        url = self.settings.database_url_value()
+        if not url:
+            return None
+        if self._store_engine is None:
+            self._store_engine = make_engine(url, pool_size=1, max_overflow=1, pre_ping=True)
+        return GatewayStore(self._store_engine)
+
+    async def _read_gateway(self, lost: asyncio.Event, pods: Informer) -> None:
+        """Read Envoy's health view every ``fastpath_envoy_interval_s`` once the pods are listed (an
+        address is mapped to its pod through their index)."""
+        while not pods.lists and not lost.is_set():
+            await asyncio.sleep(0.05)
+        assert self._http is not None
+        view = EnvoyHealthView(self._http, self._admin_urls)
+        self.gateway = view
+        interval = self.settings.fastpath_envoy_interval_s
+        while not lost.is_set():
+            started = time.monotonic()
+            try:
+                changes = await view.poll()
+            except Exception as err:  # the control plane's record unreadable: try again next time
+                log.warning("fast path: reading Envoy's view failed", extra={"error": str(err)[:300]})
+                self._admins = None
+            else:
+                self._on_gateway(changes)
+            self.counts["gateway_readings"] += 1
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    def _on_gateway(self, changes: GatewayChanges) -> None:
+        """Evidence from what moved in Envoy's view: a host that turned healthy has answered; a host
+        Envoy fails is a suspect (again after ``fastpath_reconfirm_s`` while Envoy keeps failing it
+        and its own /health answers)."""
+        now, at = time.monotonic(), time.time()
+        fresh = {(h.admin, h.address, h.port) for h in [*changes.healthy, *(h for h, _ in changes.failing)]}
+        retry = [v for k, v in self._unmapped.items() if k not in fresh and now - v[2] < UNMAPPED_RETRY_S]
+        self._unmapped.clear()
+        seen: set[tuple[str, bool]] = set()
+        for host, new, first in [
+            *((h, True, now) for h in changes.healthy),
+            *((h, new, now) for h, new in changes.failing),
+            *retry,
+        ]:
+            key = self.index.by_ip(host.address)
+            if key is None:
+                self._unmapped[(host.admin, host.address, host.port)] = (host, new, first)
+                continue
+            entity, failing = f"pod:{key}", bool(host.failed)
+            if not self.index.routed(key) or (entity, failing) in seen:
+                continue
+            seen.add((entity, failing))
+            if not failing:
+                kind = EvidenceKind.GATEWAY_HEALTHY
+            elif new or (
+                entity not in self._checks
+                and now - self._checked_at.get(entity, -math.inf) >= self.settings.fastpath_reconfirm_s
+            ):
+                kind = EvidenceKind.GATEWAY_UNHEALTHY
+            else:
+                continue
+            self._queue_put(Evidence(entity=entity, kind=kind, at=at, detail=host.describe()))
+
+    # -- direct /health checks of suspects -------------------------------------------------------
 
     def _probed(self, pod: dict[str, Any]) -> bool:
         """Routed, running, not terminating. Ready or not: an engine that answered once and then
@@ -316,37 +420,56 @@ class FastPath:
             return False
         return bool((pod.get("status") or {}).get("phase") == "Running")
 
-    async def _probe(self, http: httpx.AsyncClient, pod: dict[str, Any]) -> None:
+    async def _check(self, entity: str) -> None:
+        """Check a suspect's /health every ``fastpath_health_interval_s`` until the detector no longer
+        asks for it (a loss reported, the suspicion cleared, a reported engine re-armed), at most
+        ``failures_to_confirm + successes_to_clear`` times; at most ``fastpath_confirm_concurrency``
+        checks are in flight across suspects."""
+        key = entity.partition(":")[2]
+        budget = self.policy.failures_to_confirm + self.policy.successes_to_clear
+        try:
+            for n in range(budget):
+                if n:
+                    await asyncio.sleep(self.settings.fastpath_health_interval_s)
+                state = self._states.get(entity)
+                pod = self.index.pod(key)
+                if state is None or not state.confirming:
+                    return
+                if pod is None or not self._probed(pod):
+                    return  # gone or terminating: the pods and EndpointSlices watches say what it was
+                assert self._check_slots is not None
+                async with self._check_slots:
+                    evidence = await self._probe(pod)
+                self.counts["health_checks"] += 1
+                await self._handle(evidence)
+        finally:
+            self._checks.pop(entity, None)
+            self._checked_at[entity] = time.monotonic()
+            state = self._states.get(entity)
+            if state is not None and state.confirming:  # the round is over; the gateway may ask again
+                self._states[entity] = state.model_copy(update={"confirming": False})
+
+    async def _probe(self, pod: dict[str, Any]) -> Evidence:
         meta = pod.get("metadata") or {}
         ns, name = meta.get("namespace") or "", meta.get("name") or ""
         ip = (pod.get("status") or {}).get("podIP") or ""
-        if not ip and "{pod_ip}" in self.settings.health_url_template:
-            return  # not started yet
-        url = self.settings.health_url_template.format(pod_ip=ip, namespace=ns, pod=name)
         entity = f"pod:{ns}/{name}"
         at = time.time()
+        if not ip and "{pod_ip}" in self.settings.health_url_template:
+            return Evidence(entity=entity, kind=EvidenceKind.HEALTH_FAILED, at=at, detail="no pod IP")
+        url = self.settings.health_url_template.format(pod_ip=ip, namespace=ns, pod=name)
+        assert self._http is not None
         started = time.monotonic()
         try:
-            r = await http.get(url)
+            r = await self._http.get(url)
         except httpx.HTTPError as err:
-            self._queue_put(
-                Evidence(
-                    entity=entity, kind=EvidenceKind.HEALTH_FAILED, at=at, detail=f"{type(err).__name__}"
-                )
-            )
-            return
+            return Evidence(entity=entity, kind=EvidenceKind.HEALTH_FAILED, at=at, detail=type(err).__name__)
         took = time.monotonic() - started
         if r.status_code == 200:
-            self._queue_put(Evidence(entity=entity, kind=EvidenceKind.HEALTH_OK, at=at, latency_s=took))
-        else:
-            self._queue_put(
-                Evidence(
-                    entity=entity,
-                    kind=EvidenceKind.HEALTH_FAILED,
-                    at=at,
-                    detail=f"/health HTTP {r.status_code}",
-                )
-            )
+            return Evidence(entity=entity, kind=EvidenceKind.HEALTH_OK, at=at, latency_s=took)
+        return Evidence(
+            entity=entity, kind=EvidenceKind.HEALTH_FAILED, at=at, detail=f"/health HTTP {r.status_code}"
+        )
 
     def _queue_put(self, evidence: Evidence) -> None:
         if self._queue is not None:
@@ -357,27 +480,34 @@ class FastPath:
     async def _consume(self) -> None:
         assert self._queue is not None
         while True:
-            evidence = await self._queue.get()
-            state, detection = observe(self._states.get(evidence.entity), evidence, self.policy)
-            self._states[evidence.entity] = state
-            if detection.verdict.value == "wait":
-                continue
-            self.detections.append(detection)
-            self.counts[detection.verdict.value] += 1
-            log.info(
-                f"fast path: {detection.verdict.value}",
-                extra={"entity": detection.entity, "reason": detection.reason},
+            await self._handle(await self._queue.get())
+
+    async def _handle(self, evidence: Evidence) -> None:
+        state, detection = observe(self._states.get(evidence.entity), evidence, self.policy)
+        self._states[evidence.entity] = state
+        if state.confirming and evidence.entity not in self._checks and evidence.entity.startswith("pod:"):
+            self._checks[evidence.entity] = asyncio.create_task(
+                self._check(evidence.entity), name=f"fastpath-check-{evidence.entity}"
             )
-            if detection.loss:
-                try:
-                    await self._report(detection)
-                except Exception as err:
-                    # Not lost: the alert path still opens the incident; the next evidence retries here.
-                    log.warning(
-                        "fast path: delivery failed",
-                        extra={"entity": detection.entity, "error": str(err)[:300]},
-                    )
-                    self._states[evidence.entity] = state.model_copy(update={"reported": False})
+        if detection.verdict is Verdict.WAIT:
+            return
+        self.detections.append(detection)
+        self.counts[detection.verdict.value] += 1
+        log.info(
+            f"fast path: {detection.verdict.value}",
+            extra={"entity": detection.entity, "reason": detection.reason},
+        )
+        if detection.loss:
+            try:
+                await self._report(detection)
+            except Exception as err:
+                # Not lost: the alert path still opens the incident; the next evidence retries here.
+                log.warning(
+                    "fast path: delivery failed",
+                    extra={"entity": detection.entity, "error": str(err)[:300]},
+                )
+                current = self._states.get(evidence.entity, state)
+                self._states[evidence.entity] = current.model_copy(update={"reported": False})
 
     async def _report(self, detection: Detection) -> None:
         kind, _, name = detection.entity.partition(":")
