@@ -48,7 +48,7 @@ class ActivityDeps:
 
     @cached_property
     def kube(self) -> KubeApis:
-        return kube_apis(self.settings)
+        return kube_apis(self.settings, self.settings.kube_connections)
 
     @cached_property
     def gateway(self) -> Gateway:

@@ -54,7 +54,10 @@ def test_a_look_that_read_nothing_looks_again_until_the_patience_then_asks_with_
 
 
 def test_nothing_wanted_is_a_whole_look_and_bad_times_are_refused() -> None:
-    assert judge_partial_look([], {"gx": SLOW}, waited_s=0, patience_s=0, what="x").verdict is LookVerdict.PROCEED
+    assert (
+        judge_partial_look([], {"gx": SLOW}, waited_s=0, patience_s=0, what="x").verdict
+        is LookVerdict.PROCEED
+    )
     with pytest.raises(ValueError, match="must be >= 0"):
         judge_partial_look(["g1"], {}, waited_s=-1, patience_s=5, what="x")
 
@@ -64,7 +67,10 @@ def test_survivors_read_wants_both_looks_of_every_routed_survivor_but_not_the_lo
     after = _look(1002, {"g1": _busy(2), "g2": _busy(0)}, {"g3": "not read within the look's time"})
     judged = survivors_read(before, after, {"lost"}, waited_s=0, patience_s=60)
     assert judged.verdict is LookVerdict.PROCEED and judged.read == ("g1",)
-    assert judged.unread == {"g2": SLOW, "g3": "not read within the look's time"}  # the lost one is not wanted
+    assert judged.unread == {
+        "g2": SLOW,
+        "g3": "not read within the look's time",
+    }  # the lost one is not wanted
     none_read = _look(1002, {}, {"g1": SLOW, "g2": SLOW, "g3": SLOW})
     assert survivors_read(none_read, none_read, {"lost"}, waited_s=5, patience_s=60).verdict is (
         LookVerdict.LOOK_AGAIN
@@ -93,7 +99,9 @@ def test_shedding_counts_an_unread_survivor_for_its_capacity_never_as_dead() -> 
     )
     assert with_unread.survivor_capacity_rps == pytest.approx(60)
     assert with_unread.deficit_fraction == pytest.approx(0.0)
-    assert "3 survivor(s) (1 not read: g3" in with_unread.reason and "judged on the 2 read" in with_unread.reason
+    assert (
+        "3 survivor(s) (1 not read: g3" in with_unread.reason and "judged on the 2 read" in with_unread.reason
+    )
     # Counted dead (left out) it would have refused a share of arrivals the pool can carry.
     as_dead = decide_shedding(arrival_rps=50, survivors=read, lost_capacity_rps=20, per_group_capacity_rps=20)
     assert as_dead.survivor_capacity_rps == pytest.approx(40) and as_dead.deficit_fraction > 0
