@@ -320,7 +320,10 @@ class ObserveActivities:
             read = reads[g.id]
             pod_obs[g.leader_pod] = pod_obs[g.leader_pod].model_copy(update={"engine_health": read.health})
             if read.unread is not None:
-                unread[g.id] = f"{g.leader_pod}: {read.unread}"
+                # Named by group id; a group whose id is not its leader pod's name names the pod too.
+                unread[g.id] = (
+                    read.unread if g.id == g.leader_pod else f"leader {g.leader_pod}: {read.unread}"
+                )
             if read.snapshot is not None:
                 engines[g.id] = read.snapshot
                 if g.id in req.check_progress_of:

@@ -594,7 +594,7 @@ class Procedure(Record):
                     await workflow.sleep(backoff, summary=f"{summary}: read again"[:190])
                     backoff = min(READ_BACKOFF_CAP_S, 2 * backoff)
                     continue
-                if patient:
+                if patient and timed_out(err):
                     error = f"{error} (failing for {waited:.0f} s)"
                 await self.escalate(Refusal(step="observe", what=summary, error=error, can_skip=False))
                 started, backoff, waiting_said = self.now(), self._budget.max_interval_s, False
