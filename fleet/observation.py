@@ -12,10 +12,23 @@ engines do not answer a scrape in time. Their groups are named in
 ``PoolObservation.unread_engines`` with the reason, their ``engine_health`` stays
 ``UNKNOWN`` and they have no entry in ``engines``. An unread engine is neither idle nor
 dead: it connected and did not answer in time (a refused or timed-out *connection* is
-``UNREACHABLE``, what a dead process or a dead machine leaves). Every decider says what
-it does with one (``judge_partial_look`` for whether a step may proceed at all;
-``fleet.survivor_load.survivors_look`` and ``fleet.shedding.decide_shedding`` for the
-survivors' load).
+``UNREACHABLE``, what a dead process or a dead machine leaves). What each step does with one:
+
+* confirm the loss: an unread engine is no loss evidence (its health is ``UNKNOWN``); the
+  verdict rests on Kubernetes (pod, node, EndpointSlice) and the engines that answered;
+* protect the survivors: ``judge_partial_look`` via ``fleet.survivor_load.survivors_read`` -
+  some read: decide on them (``decide_shedding`` counts an unread survivor at the per-group
+  capacity, judges pressure on those read, names it); none read: look again with backoff for
+  ``RetryBudget.read_patience_s``, then ask an operator with every reason;
+* in-flight retry budget: an unread survivor adds no queue headroom (its queue is unknown);
+* admission keeper: the backlog and served rate are those of the survivors read (the capacity
+  counted on never drops below the estimate for it);
+* capacity guard (``fleet.capacity.recovery_guard``): an unread group counts for the group floor,
+  at the mean rate of those read in both capacity and demand;
+* ramp: a replica not read is left out of that step's weights (the gateway gives an unnamed host
+  the mean weight);
+* verification: an unread replica is not checked in that look; the verification looks again;
+* scale-down drain (``fleet.scale_down.drain_progress``): an unread victim is never drained.
 """
 
 from __future__ import annotations

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import pytest
 
+from fleet.capacity import recovery_guard
 from fleet.engine_metrics import EngineSnapshot
 from fleet.observation import LookVerdict, PoolObservation, judge_partial_look
 from fleet.retry_budget import decide_retry_policy
+from fleet.scale_down import drain_progress
 from fleet.shedding import SurvivorLoad, decide_shedding
 from fleet.survivor_load import survivors_look, survivors_read
 
@@ -137,3 +139,36 @@ def test_the_retry_budget_counts_no_headroom_on_an_unread_survivor() -> None:
     look = survivors_look(after, after, {"lost"})
     decision = decide_retry_policy(look.loads)
     assert decision.headroom_slots == 5 and look.unread == {"g2": SLOW}
+
+
+def test_a_drain_never_counts_a_victim_it_could_not_read_as_drained() -> None:
+    scrapes = {"v1": EngineSnapshot(running=0, waiting=0)}
+    progress = drain_progress(["v1", "v2", "v3"], scrapes, {"v2": SLOW})
+    assert progress.in_flight == 0 and not progress.drained  # v2 may still hold requests
+    assert progress.unread == {"v2": SLOW} and progress.unreachable == ("v3",)  # v3's process is gone
+    assert f"not read: v2 ({SLOW}) (not counted as drained" in progress.summary()
+    assert drain_progress(["v1", "v3"], scrapes, {}).drained  # read empty, or gone: drained
+
+
+def test_the_capacity_guard_names_a_group_it_could_not_read_and_keeps_it_in_the_floor() -> None:
+    def tokens(n: float) -> EngineSnapshot:
+        return EngineSnapshot(generation_tokens_total=n)
+
+    before = _look(1000, {"lost": tokens(0), "g1": tokens(0), "g2": tokens(0)}, {"g3": SLOW})
+    after = _look(1010, {"lost": tokens(0), "g1": tokens(1000), "g2": tokens(1000)}, {"g3": SLOW})
+    decision = recovery_guard("retire lost", before, after, ["lost"], min_groups=3)
+    assert decision.allowed and decision.remaining_groups == 3, decision.reason  # g3 is in the floor
+    assert f"not read: g3 ({SLOW}) - each counted in the group floor at the 100 tokens/s" in decision.reason
+    # Removing the unread group itself: the others carry its estimated load (200 >= 300 is false).
+    taking_it = recovery_guard("retire g3", before, after, ["g3"], min_groups=1)
+    assert not taking_it.allowed and "remaining 200 tokens/s < demand 300" in taking_it.reason, (
+        taking_it.reason
+    )
+    whole = recovery_guard(
+        "retire lost",
+        before.model_copy(update={"unread_engines": {}}),
+        after.model_copy(update={"unread_engines": {}}),
+        ["lost"],
+        min_groups=3,
+    )
+    assert "not read" not in whole.reason
