@@ -34,9 +34,10 @@ from fleet.observation import EngineHealth
 
 K = TypeVar("K", bound=Hashable)
 
-# Of one attempt's start-to-close, the share a look may spend waiting for engines (the rest is
-# the Kubernetes and gateway reads before them, and returning the result).
-ENGINE_SHARE_OF_ATTEMPT = 0.5
+# Of one attempt's start-to-close, the share after which a look stops waiting for engines (counted
+# from the attempt's start: the Kubernetes and gateway reads before them are in it; the rest of the
+# attempt is margin for a last read's HTTP timeout and for returning the result).
+ENGINE_SHARE_OF_ATTEMPT = 0.6
 # Outside an activity (a direct call), the time a look gives its engines.
 DEFAULT_ENGINE_WAIT_S = 15.0
 

@@ -166,6 +166,9 @@ class ObserveActivities:
     @activity.defn(name="observe_pool")
     def observe_pool(self, req: ObserveRequest) -> PoolObservation:
         """Kubernetes + gateway + engines, for one pool, as one observation."""
+        # Engines are waited for until a share of this attempt's time from its start, whatever the
+        # Kubernetes and gateway reads before them took (at least a second).
+        deadline = look_deadline()
         k = self.deps.kube
         ns, svc_name = req.pool.namespace, req.pool.service
         warnings: list[str] = []
@@ -308,7 +311,7 @@ class ObserveActivities:
             or set(req.focus_nodes) & set(g.nodes)
             or g.id in req.check_progress_of
         ]
-        deadline = look_deadline()
+        deadline = max(deadline, time.monotonic() + 1.0)
         concurrency = self.deps.settings.engine_reads_per_look
         reads = read_all(
             lambda gid: self._read_engine(ns, leaders[gid]),

@@ -3,6 +3,7 @@ and a look at a pool's engines never waits past its share of the attempt's time.
 
 from __future__ import annotations
 
+import ast
 import threading
 import time
 import uuid
@@ -104,3 +105,16 @@ def test_a_look_names_the_engines_that_did_not_answer_by_its_deadline_and_keeps_
     assert reads["stuck"] == EngineRead(EngineHealth.UNKNOWN, unread="not read within the look's time")
     with pytest.raises(ValueError, match="concurrency must be >= 1"):
         read_all(read, ["a"], deadline=time.monotonic() + 1, concurrency=0)
+
+
+def test_no_activity_runs_blocking_code_on_the_worker_event_loop() -> None:
+    """fleetmend's activities are plain functions run on the activity threads; the only ``async`` one
+    asks Temporal through the SDK's own asynchronous client (nothing in it blocks the loop)."""
+    async_activities: list[str] = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "activities").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.AsyncFunctionDef) and any(
+                "activity.defn" in ast.unparse(d) for d in node.decorator_list
+            ):
+                async_activities.append(node.name)
+    assert async_activities == ["incident_on_pool"], async_activities

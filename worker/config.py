@@ -263,7 +263,7 @@ class Settings(BaseSettings):
         8,
         ge=1,
         description="Engines one look at a pool reads at once (/health, /metrics); the look waits for "
-        "them at most half its attempt's time and names the ones that did not answer",
+        "them until 60 % of its attempt's time and names the ones that did not answer",
     )
     http_connections: int = Field(
         256,
