@@ -489,10 +489,6 @@ class ObserveActivities:
         metrics_url, health_url = self._urls(ns, pod)
         return read_engine(self.deps.http, health_url, metrics_url)
 
-    def _probe_engine(self, ns: str, pod: kr.Obj) -> tuple[EngineHealth, EngineSnapshot | None]:
-        read = self._read_engine(ns, pod)
-        return read.health, read.snapshot
-
     @activity.defn(name="scrape_engines")
     def scrape_engines(self, req: ScrapeRequest) -> dict[str, EngineSnapshot]:
         """One metrics scrape per named pod (group leaders), several at once within the attempt's time;

@@ -566,12 +566,15 @@ class Procedure(Record):
         )
 
     async def _read(self, attempt: Callable[[], Awaitable[ResultT]], summary: str) -> ResultT:
-        """Run a read-only activity until it answers. A read is safe to repeat, so one slow pass of the
-        world (its retry budget spent on timeouts, ``timed_out``) never stops the step: the read is tried again with
-        backoff (``max_interval_s`` doubling to ``READ_BACKOFF_CAP_S``) until ``read_patience_s`` have
-        passed since it first started; only then is an operator asked, with the world's error and how long
-        the read has been failing. A read the world refuses (403, 404, a bad answer) asks at once, as an
-        effect does. Workflows that started before this replay their immediate ask (patch)."""
+        """Run a read-only activity until it answers.
+
+        A read is safe to repeat, so one slow pass of the world (its retry budget spent on timeouts,
+        ``timed_out``) never stops the step: the read is tried again with backoff (``max_interval_s``
+        doubling to ``READ_BACKOFF_CAP_S``) until ``read_patience_s`` have passed since it first started;
+        only then is an operator asked, with the world's error and how long the read has been failing.
+        A read the world refuses (403, 404, a bad answer) asks at once, as an effect does. Workflows that
+        started before this replay their immediate ask (patch).
+        """
         started = self.now()
         backoff = self._budget.max_interval_s
         waiting_said = False
@@ -606,7 +609,6 @@ class Procedure(Record):
         *,
         what: str,
         step: str,
-        first: ResultT | None = None,
     ) -> ResultT:
         """Look until enough of the engines a step needs answered (``partial`` judges, with the seconds
         waited: ``fleet.observation.judge_partial_look``), then return that look.
@@ -618,7 +620,7 @@ class Procedure(Record):
         """
         started = self.now()
         backoff = self._budget.max_interval_s
-        seen = first if first is not None else await look()
+        seen = await look()
         looked_again = False
         while True:
             judged = partial(seen, self.now() - started)
