@@ -264,6 +264,9 @@ class EngineServers:
         if path == "/health" and method in ("GET", "HEAD"):
             await reply.raw(engine.health_status(), b"", b"application/json")
         elif path == "/metrics" and method == "GET":
+            delay = self.layer.supervisor.sticky.get(server.replica, {}).get("metrics_delay_s")
+            if delay:  # the slow-metrics fault: a server too busy to answer its scrapes in time
+                await asyncio.sleep(delay)
             await reply.raw(200, engine.render_metrics(), PROMETHEUS_TEXT)
         elif path == "/v1/models" and method == "GET":
             await reply.json(200, self._models(engine))
