@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from pydantic import ValidationError
-from sqlalchemy import Engine, delete, select, text, update
+from sqlalchemy import Engine, delete, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 
 from fleet.gateway import GatewayPolicy, JournalEntry
@@ -94,6 +94,14 @@ class GatewayStore:
         if row is None:
             return None
         return StoredPolicy(row.pool, int(row.revision), GatewayPolicy.model_validate(row.policy))
+
+    def policy_mark(self) -> tuple[int, int]:
+        """The highest policy revision and the number of policy rows: one indexed query that moves
+        whenever any pool's policy is written (revisions come from one sequence)."""
+        t = gateway_policies_table
+        with self.engine.connect() as conn:
+            row = conn.execute(select(func.coalesce(func.max(t.c.revision), 0), func.count())).one()
+        return int(row[0]), int(row[1])
 
     def all(self) -> list[StoredPolicy]:
         """Every pool's policy; a row that no longer validates (written by another version) is skipped."""
