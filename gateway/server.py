@@ -21,6 +21,8 @@ import hashlib
 import importlib
 import json
 import logging
+import math
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -253,11 +255,12 @@ class ControlPlane:
     """Holds the current snapshot, refreshes it from the world, and serves it to every Envoy.
 
     The snapshot is rebuilt on change only. A routing source that can say it changed (``RoutingWatch``:
-    a ``version`` that moves and ``subscribe``) wakes the refresh at once; a policy row is noticed by
-    one cheap query (its highest revision) every ``refresh_s``; a source that cannot say (a plain
-    callable) is read every ``refresh_s``. A rebuild renders only the pools whose hosts or policy
-    revision moved and reuses every other pool's resources; the snapshot is then put together in
-    O(pools) and handed to every Envoy as one consistent version.
+    a ``version`` that moves and ``subscribe``) wakes the refresh at once, and so does a policy write
+    (Postgres NOTIFY, heard on a LISTEN connection); the policies' highest revision is also checked
+    with one cheap query every ``policy_check_s``, in case a notification went unheard. A source that
+    cannot say (a plain callable) is read every ``refresh_s``. A rebuild renders only the pools whose
+    hosts or policy revision moved and reuses every other pool's resources; the snapshot is then put
+    together in O(pools) and handed to every Envoy as one consistent version.
     """
 
     def __init__(
@@ -266,11 +269,13 @@ class ControlPlane:
         store: GatewayStore,
         data_plane: DataPlaneSettings | None = None,
         refresh_s: float = 0.25,
+        policy_check_s: float = 2.0,
     ) -> None:
         self._read_hosts = read_hosts
         self.store = store
         self.data_plane = data_plane or DataPlaneSettings()
         self.refresh_s = refresh_s
+        self.policy_check_s = policy_check_s
         self.snapshot: Snapshot | None = None
         self._changed = asyncio.Condition()
         self.refresh_errors = 0
@@ -289,9 +294,9 @@ class ControlPlane:
         self.snapshots_built = 0
         self.pools_rendered = 0
 
-    async def refresh(self) -> Snapshot:
+    async def refresh(self, *, check_policies: bool = True) -> Snapshot:
         """Rebuild the pools whose inputs moved (Kubernetes, Postgres); wakes every stream when a
-        version moved. Nothing moved: one query, no rendering."""
+        version moved. Nothing moved: at most one query (``check_policies``), no rendering."""
         self.refreshes += 1
         # Read before the routing set: an event between the two is seen again at the next refresh.
         version = getattr(self._read_hosts, "version", None)
@@ -303,7 +308,9 @@ class ControlPlane:
             or version != self._routing_version
         ):
             hosts = await asyncio.to_thread(self._read_hosts)
-        mark = await asyncio.to_thread(self.store.policy_mark)
+        mark = self._policy_mark
+        if check_policies or mark is None:
+            mark = await asyncio.to_thread(self.store.policy_mark)
         policies_moved = mark != self._policy_mark
         if policies_moved:
             self._policies = {p.pool: p for p in await asyncio.to_thread(self.store.all)}
@@ -354,30 +361,60 @@ class ControlPlane:
         return changed
 
     async def run_refresh(self) -> None:
-        """Refresh whenever the routing set says it changed, and every ``refresh_s`` for policies."""
+        """Refresh whenever the routing set or a policy says it changed; check the policies every
+        ``policy_check_s`` and read a routing source that cannot say every ``refresh_s``."""
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
+        policy_written = False
 
-        def changed() -> None:  # on a watch thread
+        def routing_changed() -> None:  # on a watch thread
             with contextlib.suppress(RuntimeError):  # the loop already ended
                 loop.call_soon_threadsafe(wake.set)
 
+        def policy_changed() -> None:  # on the listening thread
+            def mark() -> None:
+                nonlocal policy_written
+                policy_written = True
+                wake.set()
+
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(mark)
+
         subscribe = getattr(self._read_hosts, "subscribe", None)
-        unsubscribe = subscribe(changed) if callable(subscribe) else None
+        unsubscribe = subscribe(routing_changed) if callable(subscribe) else None
+        poll_s = self.refresh_s if unsubscribe is None else math.inf
+        stop_listening = threading.Event()
+        listener = threading.Thread(
+            target=self.store.listen, args=(policy_changed, stop_listening), name="xds-policies", daemon=True
+        )
+        listener.start()
+        next_check = 0.0
         try:
             while True:
                 wake.clear()
+                check = policy_written or time.monotonic() >= next_check
+                if check:
+                    policy_written = False
+                    next_check = time.monotonic() + self.policy_check_s
                 try:
-                    await self.refresh()
+                    await self.refresh(check_policies=check)
                 except Exception as err:  # the API server or Postgres is away: keep serving the last snapshot
                     self.refresh_errors += 1
+                    policy_written = policy_written or check  # look again at the next pass
                     if self.refresh_errors in (1, 10) or self.refresh_errors % 100 == 0:
                         log.warning("xds refresh failed (%s): serving the last snapshot", err)
+                    poll = min(poll_s, self.refresh_s)
+                else:
+                    poll = poll_s
+                timeout = max(0.0, min(poll, next_check - time.monotonic()))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), self.refresh_s)
+                    await asyncio.wait_for(wake.wait(), timeout)
         finally:
+            stop_listening.set()
             if callable(unsubscribe):
                 unsubscribe()
+            # Its connection closes within one listening timeout: gone before the plane's store is.
+            await asyncio.to_thread(listener.join, 5.0)
 
     async def _wait_for_change(self, seen: Snapshot | None) -> Snapshot:
         async with self._changed:

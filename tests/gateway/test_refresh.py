@@ -206,6 +206,33 @@ def test_a_routing_change_wakes_the_running_plane_without_waiting_for_its_interv
         plane.stop()
 
 
+def test_a_policy_write_wakes_the_running_plane_without_waiting_for_its_check(
+    ledger_url: str, store: GatewayStore
+) -> None:
+    index = fleet(pools=2)
+    # Both intervals are long: only Postgres's notification of the write can explain a prompt rebuild.
+    plane = ControlPlaneThread(index, ledger_url, refresh_s=60.0, policy_check_s=60.0).start()
+    try:
+        assert plane.plane is not None
+        running = plane.plane
+        wait_for(lambda: running.snapshot is not None and running.refreshes >= 2)
+        revision = store.put(f"{NS}/pool1", GatewayPolicy(weights={"pool1-0": 1.0, "pool1-1": 4.0}))
+
+        def weights() -> dict[str, int]:
+            snap = running.snapshot
+            assert snap is not None
+            assignment = snap.resources[ENDPOINT_TYPE][f"{NS}/pool1"]
+            return {str(e["endpoint"]["hostname"]): int(e["load_balancing_weight"]) for e in lbs(assignment)}
+
+        wait_for(
+            lambda: running.snapshot is not None and weights()["pool1-1"] == 4 * weights()["pool1-0"], 10.0
+        )
+        snap = running.snapshot
+        assert snap is not None and all(v.startswith(f"p{revision}.") for v in snap.versions.values())
+    finally:
+        plane.stop()
+
+
 def lbs(assignment: dict[str, Any]) -> list[dict[str, Any]]:
     return [lb for group in assignment["endpoints"] for lb in group["lb_endpoints"]]
 
