@@ -285,6 +285,7 @@ class ControlPlane:
         self.request_retention_s = 6 * 3600.0
         self._last_prune = 0.0
         self._builds: dict[str, PoolBuild] = {}
+        self._unassembled = False  # a pool was rendered since the snapshot was last put together
         self._hosts_seen: dict[str, tuple[RoutedHost, ...]] | None = None
         self._routing_version: int | None = None
         self._policy_mark: tuple[int, int] | None = None
@@ -312,22 +313,25 @@ class ControlPlane:
         if check_policies or mark is None:
             mark = await asyncio.to_thread(self.store.policy_mark)
         policies_moved = mark != self._policy_mark
+        policies = self._policies
         if policies_moved:
-            self._policies = {p.pool: p for p in await asyncio.to_thread(self.store.all)}
-            self._policy_mark = mark
+            policies = {p.pool: p for p in await asyncio.to_thread(self.store.all)}
         now = time.time()
         if now - self._last_prune > 60:
             self._last_prune = now
             await asyncio.to_thread(self.store.prune_requests, now - self.request_retention_s)
-        unchanged = self.snapshot is not None and hosts is self._hosts_seen and not policies_moved
-        self._hosts_seen = hosts
-        self._routing_version = version if isinstance(version, int) else None
-        if unchanged:
-            assert self.snapshot is not None
+        if self.snapshot is not None and hosts is self._hosts_seen and not policies_moved:
+            self._routing_version = version if isinstance(version, int) else None
             return self.snapshot
-        if not self._rebuild(hosts) and self.snapshot is not None:
+        if self._rebuild(hosts, policies):
+            self._unassembled = True
+        # The inputs count as seen only once rendered: a refresh that failed is done again in full.
+        self._hosts_seen, self._policies, self._policy_mark = hosts, policies, mark
+        self._routing_version = version if isinstance(version, int) else None
+        if not self._unassembled and self.snapshot is not None:
             return self.snapshot
         fresh = assemble(self._builds)
+        self._unassembled = False
         self.snapshots_built += 1
         if self.snapshot is None or fresh.versions != self.snapshot.versions:
             async with self._changed:
@@ -335,14 +339,14 @@ class ControlPlane:
                 self._changed.notify_all()
         return self.snapshot
 
-    def _rebuild(self, hosts: dict[str, tuple[RoutedHost, ...]]) -> bool:
+    def _rebuild(self, hosts: dict[str, tuple[RoutedHost, ...]], policies: dict[str, StoredPolicy]) -> bool:
         """Render the pools whose hosts or policy revision moved; True when any pool changed."""
         changed = False
         for gone in set(self._builds) - set(hosts):
             del self._builds[gone]
             changed = True
         for pool, routed in hosts.items():
-            stored = self._policies.get(pool)
+            stored = policies.get(pool)
             revision = None if stored is None else stored.revision
             built = self._builds.get(pool)
             if (

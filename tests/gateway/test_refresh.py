@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 
 from fleet.gateway import GatewayPolicy
 from fleet.vocabulary import ROUTER_LABEL, ROUTER_LABEL_VALUE
@@ -178,6 +180,25 @@ def test_the_snapshot_renders_only_the_pools_whose_hosts_or_policy_moved(store: 
     assert plane.pools_rendered == 6 and plane.snapshots_built == 3
     assert all(v.startswith(f"p{revision}.") for v in third.versions.values())
     assert third == build_snapshot(index(), store.all(), DataPlaneSettings())
+
+
+def test_a_refresh_that_failed_after_reading_the_routing_set_is_done_again(
+    store: GatewayStore, ledger_url: str
+) -> None:
+    index = fleet(pools=2)
+    plane = ControlPlane(index, store)
+    asyncio.run(plane.refresh())
+    index.on_event("pods", "MODIFIED", pod("pool0-0", routed=False))
+    missing = make_url(ledger_url).set(database="no_such_database")
+    plane.store = GatewayStore(make_engine(missing.render_as_string(hide_password=False), pool_size=1))
+    with pytest.raises(OperationalError):  # Postgres refuses after the routing set was read
+        asyncio.run(plane.refresh())
+    plane.store.engine.dispose()
+    plane.store = store
+    snap = asyncio.run(plane.refresh())
+    assert [str(e["endpoint"]["hostname"]) for e in lbs(snap.resources[ENDPOINT_TYPE][f"{NS}/pool0"])] == [
+        "pool0-1"
+    ]
 
 
 def test_a_routing_change_wakes_the_running_plane_without_waiting_for_its_interval(ledger_url: str) -> None:
