@@ -127,7 +127,12 @@ class Settings(BaseSettings):
     )
     xds_host: str = Field("0.0.0.0", description="Address `fleetmend gateway serve` binds its ADS server to")
     xds_port: int = Field(18000, ge=0, le=65535, description="Port of the ADS server Envoy dials")
-    xds_refresh_s: float = Field(0.25, gt=0, description="How often the control plane re-reads the world")
+    xds_refresh_s: float = Field(
+        0.25,
+        gt=0,
+        description="How often the control plane polls a routing source that cannot signal changes (the "
+        "Kubernetes watches wake it on change; policy writes wake it through Postgres NOTIFY)",
+    )
     gateway_service_selector: str | None = Field(
         None, description="Label selector of the Services the gateway serves (unset: every Service)"
     )
