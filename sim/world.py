@@ -107,6 +107,7 @@ class SimWorld:
             self._startup_profile,
             seed=scenario.seed,
             engine_port=engine_port_of(scenario),
+            scoring=scenario.scheduler.scoring,
         )
         self.control.gates_set_on_first_ready.add(SERVING_READY_CONDITION)
         self._fault_handlers: dict[FaultKind, FaultHandler] = {}

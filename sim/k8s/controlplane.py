@@ -99,8 +99,10 @@ class ControlPlane:
         *,
         seed: int = 0,
         engine_port: int = 8000,
+        scoring: str = "LeastAllocated",
     ) -> None:
         self.store = store
+        self.scoring = scoring  # the scheduler's NodeResourcesFit strategy (sim.scenario.SchedulerSpec)
         self.clock = clock
         self.timings = timings
         self.profile_for = profile_for
