@@ -257,6 +257,18 @@ class EngineSupervisor:
         if tracked is not None:
             tracked.exit_reported = True
 
+    def busy(self) -> bool:
+        """Is an engine loading, serving requests, draining, or dead with its exit not yet seen?"""
+        if self._loading:
+            return True
+        for tracked in self._tracked.values():
+            engine = tracked.engine
+            if engine.running or engine.waiting or engine.state is EngineState.DRAINING:
+                return True
+            if engine.state is EngineState.DEAD and not tracked.exit_reported:
+                return True
+        return False
+
     def advance(self, now: float) -> None:
         for tracked in self._tracked.values():
             engine = tracked.engine

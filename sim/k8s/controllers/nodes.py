@@ -65,6 +65,8 @@ def reconcile_nodes(cp: ControlPlane) -> None:
         name = o.name_of(node)
         lost_at = cp.lost_nodes.get(name)
         unreachable = lost_at is not None and now - lost_at >= cp.timings.node_monitor_grace_s
+        if lost_at is not None and not unreachable:
+            cp.wake_at(lost_at + cp.timings.node_monitor_grace_s)
         was_unknown = o.condition_status(node, "Ready") == "Unknown"
 
         def change(obj: Obj, lost_at: float | None = lost_at, unreachable: bool = unreachable) -> None:
@@ -128,6 +130,8 @@ def evict_tainted_pods(cp: ControlPlane) -> None:
                 added = parse_timestamp(taint["timeAdded"]) if taint.get("timeAdded") else now
                 due = min(due, added + max(0, int(seconds)))
             if due > now:
+                if due != float("inf"):
+                    cp.wake_at(due)
                 continue
             _taint_delete(cp, pod, node_name)
 
@@ -205,16 +209,18 @@ def renew_node_leases(cp: ControlPlane) -> None:
         name = o.name_of(node)
         if cp.is_node_lost(name):
             continue
-        lease = cp.store.list_view("leases", NODE_LEASE_NAMESPACE, field_selector=f"metadata.name={name}")
-        if lease:
-            renewed = lease[0].get("spec", {}).get("renewTime")
+        lease = cp.store.view("leases", NODE_LEASE_NAMESPACE, name)
+        if lease is not None:
+            renewed = lease.get("spec", {}).get("renewTime")
             if renewed and now - parse_timestamp(renewed) < LEASE_RENEW_S:
+                cp.wake_at(parse_timestamp(renewed) + LEASE_RENEW_S)
                 continue
 
             def renew(obj: Obj) -> None:
                 obj["spec"]["renewTime"] = micro_timestamp(now)
 
             cp.store.mutate("leases", NODE_LEASE_NAMESPACE, name, renew)
+            cp.wake_at(now + LEASE_RENEW_S)
             continue
         cp.store.create(
             "leases",
@@ -233,3 +239,4 @@ def renew_node_leases(cp: ControlPlane) -> None:
                 },
             },
         )
+        cp.wake_at(now + LEASE_RENEW_S)

@@ -201,8 +201,10 @@ def _unschedulable(cp: ControlPlane, pod: Obj, message: str) -> None:
     uid = o.uid_of(pod)
     last = cp.scheduler_memory.get(uid)
     if last is not None and last[0] == message and now - last[1] < cp.timings.scheduler_retry_s:
+        cp.wake_at(last[1] + cp.timings.scheduler_retry_s)
         return
     cp.scheduler_memory[uid] = (message, now)
+    cp.wake_at(now + cp.timings.scheduler_retry_s)
     stamp = cp.clock.timestamp()
     cp.store.mutate(
         "pods",
