@@ -152,9 +152,9 @@ class ObjectStore:
 
     def _reindex(self, plural: str, key: Key, old: Obj, new: Obj) -> None:
         old_meta, new_meta = old.get("metadata", {}), new.get("metadata", {})
-        if old_meta.get("labels") != new_meta.get("labels") or old_meta.get("ownerReferences") != new_meta.get(
+        if old_meta.get("labels") != new_meta.get("labels") or old_meta.get(
             "ownerReferences"
-        ):
+        ) != new_meta.get("ownerReferences"):
             self._index(plural, key, old, add=False)
             self._index(plural, key, new, add=True)
 

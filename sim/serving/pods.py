@@ -135,7 +135,7 @@ class _FastConnection(asyncio.Protocol):
     request it does not answer (a completion, a body, HTTP/1.0, a pipelined mix) and everything
     after it on this connection go to uvicorn's protocol, which takes the transport over."""
 
-    __slots__ = ("servers", "state", "make_inner", "transport", "host", "buffer")
+    __slots__ = ("buffer", "host", "make_inner", "servers", "state", "transport")
 
     def __init__(
         self, servers: EngineServers, state: ServerState, make_inner: Callable[[], asyncio.Protocol]

@@ -104,7 +104,9 @@ class DaemonSetController:
         owned = [
             p
             for p in cp.store.owned_by("pods", uid)
-            if o.namespace_of(p) == namespace and (ref := o.controller_ref(p)) is not None and ref.get("uid") == uid
+            if o.namespace_of(p) == namespace
+            and (ref := o.controller_ref(p)) is not None
+            and ref.get("uid") == uid
         ]
         by_node: dict[str, list[Obj]] = {}
         for pod in owned:

@@ -13,8 +13,8 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from sim.k8s import objects as o
-from sim.k8s.errors import ApiError, too_many_requests
 from sim.k8s.controllers.workloads import pods_for_selector
+from sim.k8s.errors import ApiError, too_many_requests
 from sim.k8s.selectors import matches_label_selector_object
 
 if TYPE_CHECKING:

@@ -76,7 +76,12 @@ def run_kubelets(cp: ControlPlane) -> None:
             _write_status(cp, obj, runtime, node, now)
 
         stored = cp.store.mutate("pods", o.namespace_of(pod), o.name_of(pod), write)
-        if stored is not None and program is None and not o.is_terminating(stored) and _container_ready(runtime, now):
+        if (
+            stored is not None
+            and program is None
+            and not o.is_terminating(stored)
+            and _container_ready(runtime, now)
+        ):
             runtime.extra["settled"] = _settled_key(runtime, stored)
     for uid in list(cp.runtimes):
         if uid not in live_uids:
