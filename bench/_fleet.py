@@ -80,7 +80,7 @@ class Fleet:
         text = httpx.get(self.gateway.admin_url + "/clusters", timeout=10.0).text
         hosts = healthy = 0
         for line in text.splitlines():
-            if "::health_flags::" in line:
+            if "::health_flags::" in line and not line.startswith("fleetmend_xds::"):
                 hosts += 1
                 healthy += line.rsplit("::", 1)[1].strip() == "healthy"
         return hosts, healthy

@@ -68,6 +68,9 @@ def reconcile_nodes(cp: ControlPlane) -> None:
         if lost_at is not None and not unreachable:
             cp.wake_at(lost_at + cp.timings.node_monitor_grace_s)
         was_unknown = o.condition_status(node, "Ready") == "Unknown"
+        inputs = (node["metadata"].get("resourceVersion"), lost_at, unreachable)
+        if cp.node_sync.get(name) == inputs:
+            continue  # written from the same node and the same facts: the write would change nothing
 
         def change(obj: Obj, lost_at: float | None = lost_at, unreachable: bool = unreachable) -> None:
             stamp = cp.clock.timestamp()
@@ -90,7 +93,9 @@ def reconcile_nodes(cp: ControlPlane) -> None:
             else:
                 obj["spec"].pop("taints", None)
 
-        cp.store.mutate("nodes", "", name, change)
+        stored = cp.store.mutate("nodes", "", name, change)
+        if stored is not None:
+            cp.node_sync[name] = (stored["metadata"].get("resourceVersion"), lost_at, unreachable)
         if unreachable and not was_unknown:
             _mark_pods_not_ready(cp, name)
 
