@@ -116,6 +116,7 @@ class ControlPlane:
         self.lost_nodes: dict[str, float] = {}
         # Node lifecycle: (resourceVersion, lost at, unreachable) each node was last written from.
         self.node_sync: dict[str, tuple[Any, ...]] = {}
+        self.gc_inputs: tuple[int, ...] | None = None  # what garbage collection last ran on
         self.runtimes: dict[str, PodRuntime] = {}
         self.gates_set_on_first_ready: set[str] = set()  # readiness-gate condition types the sim admits
         self.pod_ips = PodIpAllocator(engine_port)

@@ -128,7 +128,9 @@ class ObjectStore:
         self._sorted: dict[str, list[Key] | None] = dict.fromkeys(RESOURCES)  # keys in order, None: stale
         self._by_label: dict[str, dict[tuple[str, str, str], set[Key]]] = {p: {} for p in RESOURCES}
         self._by_owner: dict[str, dict[str, set[Key]]] = {p: {} for p in RESOURCES}
-        self.created_or_removed = 0  # objects created or removed so far (what garbage collection follows)
+        # Objects created or removed, and ownerReferences changed, so far (what garbage collection follows).
+        self.created_or_removed = 0
+        self.owners_changed = 0
         self._written: dict[str, int] = dict.fromkeys(RESOURCES, 0)  # plural -> revision of its last write
 
     # --------------------------------------------------------------- indexes
@@ -152,9 +154,9 @@ class ObjectStore:
 
     def _reindex(self, plural: str, key: Key, old: Obj, new: Obj) -> None:
         old_meta, new_meta = old.get("metadata", {}), new.get("metadata", {})
-        if old_meta.get("labels") != new_meta.get("labels") or old_meta.get(
-            "ownerReferences"
-        ) != new_meta.get("ownerReferences"):
+        owners_changed = old_meta.get("ownerReferences") != new_meta.get("ownerReferences")
+        self.owners_changed += owners_changed
+        if owners_changed or old_meta.get("labels") != new_meta.get("labels"):
             self._index(plural, key, old, add=False)
             self._index(plural, key, new, add=True)
 

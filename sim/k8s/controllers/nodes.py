@@ -175,6 +175,23 @@ def collect_garbage(cp: ControlPlane) -> None:
     from sim.k8s.controlplane import OUT_OF_SERVICE_TAINT
 
     nodes = {o.name_of(n): n for n in cp.store.list_view("nodes")}
+    out_of_service_nodes = any(
+        t.get("key") == OUT_OF_SERVICE_TAINT
+        for n in nodes.values()
+        for t in n.get("spec", {}).get("taints") or []
+    )
+    store = cp.store
+    # What the collection follows: objects created or removed, owners changed, nodes written, and pods
+    # written while a node is out of service. None of it changed since the last run: nothing to collect.
+    inputs = (
+        store.created_or_removed,
+        store.owners_changed,
+        store.written_at("nodes"),
+        store.written_at("pods") if out_of_service_nodes else 0,
+    )
+    if cp.gc_inputs == inputs:
+        return
+    cp.gc_inputs = inputs
     for pod in cp.store.list_view("pods"):
         node_name = pod.get("spec", {}).get("nodeName")
         if not node_name:

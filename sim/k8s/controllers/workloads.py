@@ -22,6 +22,7 @@ from fleet.vocabulary import POD_DELETION_COST_ANNOTATION
 from sim.clock import parse_timestamp
 from sim.k8s import objects as o
 from sim.k8s.selectors import matches_label_selector_object, selector_object_to_string
+from sim.k8s.store import json_copy
 
 if TYPE_CHECKING:
     from sim.k8s.controlplane import ControlPlane
@@ -80,7 +81,7 @@ def pods_for_selector(cp: ControlPlane, namespace: str, selector: Obj | None) ->
 def _sync_deployment(cp: ControlPlane, deployment: Obj) -> None:
     spec = deployment["spec"]
     namespace, name = o.namespace_of(deployment), o.name_of(deployment)
-    template = copy.deepcopy(spec["template"])
+    template = json_copy(spec["template"])
     template_hash = o.stable_hash(template)
     replica_sets = _owned(cp, "replicasets", deployment)
     new_rs = next((rs for rs in replica_sets if o.labels(rs).get(TEMPLATE_HASH_LABEL) == template_hash), None)
