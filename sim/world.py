@@ -183,9 +183,12 @@ class SimWorld:
             due = min(due, self.started_at + self._pending_faults[0].at_s)
         if self._pending_rollouts:
             due = min(due, self.started_at + self._pending_rollouts[0][0])
+        # Look again at least every sim second (cheap: only due timers run), so a timer set meanwhile
+        # by a path that does not kick (e.g. from another thread) is never late by more than that.
+        longest = max(self.tick_real_seconds(), min(FULL_PASS_EVERY_S, self.clock.real_seconds(1.0)))
         if math.isinf(due):
-            return FULL_PASS_EVERY_S
-        return min(FULL_PASS_EVERY_S, max(0.001, self.clock.real_seconds(due - self.clock.now())))
+            return longest
+        return min(longest, max(0.001, self.clock.real_seconds(due - self.clock.now())))
 
     async def stop(self) -> None:
         self._stopping = True
