@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(BIN)/fleetmend demo
 
 test: $(STAMP) system-deps
-	$(BIN)/python -m pytest -q -ra --durations=30 -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -ra --durations=30 -n 4 --dist loadfile
 
 # The tests that need no Temporal server, Envoy or fleetmend worker (``quick``: QUICK_PATHS in
 # tests/conftest.py): the domain, the ledger, the simulator, configuration. About a minute on 2 cores.

@@ -339,6 +339,10 @@ class EngineServers:
         server = self._servers.get(key) if key is not None else None
         if server is None:
             return None
+        if path == b"/metrics" and self.layer.supervisor.sticky.get(server.replica, {}).get(
+            "metrics_delay_s"
+        ):
+            return None  # the slow-metrics fault: the app answers, late
         user_agent = request_id = ""
         close = False
         if line_end >= 0:

@@ -264,7 +264,11 @@ async def test_losing_one_rank_of_a_multi_node_group_takes_the_whole_group_down_
         assert (await sim.fault("rank-lost", f"{NAMESPACE}/{worker}")).status_code == 202
         # The leader's engine aborts at once (NCCL), so the group stops serving...
         assert not engine.alive and "rank" in engine.death_reason
-        assert (await sim.engine_get(leader, "/health")).status_code == 503
+        # A dead engine answers 503 until its process exits (quickly at 40x), then its socket is gone.
+        try:
+            assert (await sim.engine_get(leader, "/health")).status_code == 503
+        except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+            pass
 
         # ...and the LeaderWorkerSet recreates the whole group (a new leader pod), which serves again.
         def recreated() -> bool:
