@@ -27,12 +27,12 @@ async def generation_tokens(sim: RunningServing, pod: str) -> float:
 async def test_a_cold_replicas_measured_rate_climbs_to_warm_over_its_warm_up_window() -> None:
     scn = scenario(
         workloads=[{"name": "llama", "model": "llama-8b", "replicas": 1}],
-        # A long window (in sim seconds, speed 10): a slow start on a loaded machine (the first reading
+        # A long window (in sim seconds, speed 5: the engines keep their rate on a machine shared with three other test processes): a slow start on a loaded machine (the first reading
         # as late as 35 s into the engine's life) still sees it cold.
         model={"warm_up_s": 120, "cold_rate_fraction": 0.25, "warm_rate_tokens_per_s": WARM_RATE},
         load={"engine": {"prefill_cost": 0.0}},
     )
-    async with running_serving(scn, speed=10) as sim:
+    async with running_serving(scn, speed=5) as sim:
         (pod,) = await sim.wait_serving(1)
         engine = sim.layer.supervisor.get(f"{NAMESPACE}/{pod}")
         assert engine is not None
@@ -62,7 +62,7 @@ async def run_with_one_cold_replica(
     weighting: str, spec: LoadSpec, gateway_db: str
 ) -> tuple[LoadReport, dict[str, Any]]:
     scn = scenario(model={"warm_up_s": 600, "cold_rate_fraction": 0.25, "warm_rate_tokens_per_s": WARM_RATE})
-    async with running_serving(scn, speed=10, gateway_db=gateway_db) as sim:
+    async with running_serving(scn, speed=5, gateway_db=gateway_db) as sim:
         warm, cold = await sim.wait_serving(2)
         # Let both warm up fully, then restart one: it comes back Ready but cold.
         advance = await sim.http.post("/sim/v1/clock/advance", json={"seconds": 600})
