@@ -31,6 +31,9 @@ class ActivityConfig(BaseModel):
     gateway_apply_timeout_s: float = 5.0
     metrics_url_template: str = "http://{pod_ip}:8000/metrics"
     health_url_template: str = "http://{pod_ip}:8000/health"
+    engine_reads_per_look: int = Field(8, ge=1)
+    http_connections: int = Field(256, ge=1)
+    kube_connections: int = Field(64, ge=1)
     node_telemetry_url_template: str = "http://{node}:9400/metrics"
     qualification: QualificationSpec = Field(default_factory=QualificationSpec)
     action_log_url: str | None = None

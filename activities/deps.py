@@ -48,7 +48,7 @@ class ActivityDeps:
 
     @cached_property
     def kube(self) -> KubeApis:
-        return kube_apis(self.settings)
+        return kube_apis(self.settings, self.settings.kube_connections)
 
     @cached_property
     def gateway(self) -> Gateway:
@@ -64,8 +64,14 @@ class ActivityDeps:
     @property
     def http(self) -> httpx.Client:
         if self._http is None:
+            # One pool for every activity thread: engines, Envoy admin, the incident channel. A read
+            # that finds no free connection within the timeout is reported unread, never as a dead engine.
             self._http = httpx.Client(
-                timeout=httpx.Timeout(3.0, connect=1.0), headers={"User-Agent": USER_AGENT}
+                timeout=httpx.Timeout(3.0, connect=1.0),
+                limits=httpx.Limits(
+                    max_connections=self.settings.http_connections, max_keepalive_connections=32
+                ),
+                headers={"User-Agent": USER_AGENT},
             )
         return self._http
 

@@ -11,8 +11,8 @@ from temporalio import activity
 
 from activities import kube_reads as kr
 from activities.deps import ActivityDeps
+from activities.engine_reads import look_deadline, read_all
 from activities.observe import ObserveActivities
-from fleet.engine_metrics import EngineSnapshot
 from fleet.gateway import Outcome
 from fleet.incident import PoolRef
 from fleet.scale_down import DrainProgress, drain_progress
@@ -43,16 +43,19 @@ class DrainActivities:
 
     @activity.defn(name="drain_look")
     def drain_look(self, req: DrainLook) -> DrainProgress:
-        """Running + waiting requests on each victim engine, from its own /metrics."""
-        scrapes: dict[str, EngineSnapshot] = {}
-        for name in req.pods:
-            pod = kr.get_pod(self.deps.kube, req.pool.namespace, name)
-            if pod is None:
-                continue
-            _, snap = self._observe._probe_engine(req.pool.namespace, pod)
-            if snap is not None:
-                scrapes[name] = snap
-        return drain_progress(req.pods, scrapes)
+        """Running + waiting requests on each victim engine, from its own /metrics (several at once, within
+        the attempt's time); a victim too slow to answer is named unread, never counted drained."""
+        ns = req.pool.namespace
+        found = {name: pod for name in req.pods if (pod := kr.get_pod(self.deps.kube, ns, name)) is not None}
+        reads = read_all(
+            lambda name: self._observe._read_engine(ns, found[name]),
+            list(found),
+            deadline=look_deadline(),
+            concurrency=self.deps.settings.engine_reads_per_look,
+        )
+        scrapes = {name: r.snapshot for name, r in reads.items() if r.snapshot is not None}
+        unread = {name: r.unread for name, r in reads.items() if r.unread is not None}
+        return drain_progress(req.pods, scrapes, unread)
 
     @activity.defn(name="cut_streams")
     def cut_streams(self, req: CutStreamsRequest) -> CutStreams:

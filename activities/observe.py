@@ -15,7 +15,8 @@ from temporalio import activity
 
 from activities import kube_reads as kr
 from activities.deps import ActivityDeps
-from fleet.engine_metrics import EngineSnapshot, NodeGpuTelemetry, parse_dcgm_metrics, parse_engine_metrics
+from activities.engine_reads import EngineRead, look_deadline, read_all, read_engine
+from fleet.engine_metrics import EngineSnapshot, NodeGpuTelemetry, parse_dcgm_metrics
 from fleet.gateway import JournalEntry, RouterState
 from fleet.incident import PoolRef
 from fleet.observation import (
@@ -165,6 +166,9 @@ class ObserveActivities:
     @activity.defn(name="observe_pool")
     def observe_pool(self, req: ObserveRequest) -> PoolObservation:
         """Kubernetes + gateway + engines, for one pool, as one observation."""
+        # Engines are waited for until a share of this attempt's time from its start, whatever the
+        # Kubernetes and gateway reads before them took (at least a second).
+        deadline = look_deadline()
         k = self.deps.kube
         ns, svc_name = req.pool.namespace, req.pool.service
         warnings: list[str] = []
@@ -292,26 +296,51 @@ class ObserveActivities:
                 )
             )
 
-        # Engines: health + one scrape per leader; two scrapes for groups under suspicion.
+        # Engines: health + one scrape per leader; two scrapes for groups under suspicion. Read several
+        # at once, within a share of this attempt's time: an engine too slow to answer is unread, named
+        # in the look, and the look still returns (activities.engine_reads).
         engines: dict[str, EngineSnapshot] = {}
+        unread: dict[str, str] = {}
         first: dict[str, EngineSnapshot] = {}
         focus = set(req.focus_pods)
-        for g in groups:
-            if req.light and not (
-                focus & set(g.pods) or set(req.focus_nodes) & set(g.nodes) or g.id in req.check_progress_of
-            ):
-                continue
-            leader = leaders[g.id]
-            health, snap = self._probe_engine(ns, leader)
-            pod_obs[g.leader_pod] = pod_obs[g.leader_pod].model_copy(update={"engine_health": health})
-            if snap is not None:
-                engines[g.id] = snap
+        probed = [
+            g
+            for g in groups
+            if not req.light
+            or focus & set(g.pods)
+            or set(req.focus_nodes) & set(g.nodes)
+            or g.id in req.check_progress_of
+        ]
+        deadline = max(deadline, time.monotonic() + 1.0)
+        concurrency = self.deps.settings.engine_reads_per_look
+        reads = read_all(
+            lambda gid: self._read_engine(ns, leaders[gid]),
+            [g.id for g in probed],
+            deadline=deadline,
+            concurrency=concurrency,
+        )
+        for g in probed:
+            read = reads[g.id]
+            pod_obs[g.leader_pod] = pod_obs[g.leader_pod].model_copy(update={"engine_health": read.health})
+            if read.unread is not None:
+                # Named by group id; a group whose id is not its leader pod's name names the pod too.
+                unread[g.id] = (
+                    read.unread if g.id == g.leader_pod else f"leader {g.leader_pod}: {read.unread}"
+                )
+            if read.snapshot is not None:
+                engines[g.id] = read.snapshot
                 if g.id in req.check_progress_of:
-                    first[g.id] = snap
+                    first[g.id] = read.snapshot
         if first:
             time.sleep(PROGRESS_PROBE_GAP_S)
+            again = read_all(
+                lambda gid: self._read_engine(ns, leaders[gid]),
+                list(first),
+                deadline=max(deadline, time.monotonic() + 1.0),
+                concurrency=concurrency,
+            )
             for gid, before in first.items():
-                _, after = self._probe_engine(ns, leaders[gid])
+                after = again[gid].snapshot
                 if after is None:
                     continue
                 stuck = (
@@ -362,6 +391,7 @@ class ObserveActivities:
             engines=engines,
             pending_pods=pending,
             warnings=warnings,
+            unread_engines=unread,
         )
 
     def _workloads(self, ns: str) -> tuple[list[WorkloadSelector], dict[str, str], dict[str, Any]]:
@@ -453,35 +483,25 @@ class ObserveActivities:
         values = {"pod_ip": pod.get("status", {}).get("podIP") or "", "namespace": ns, "pod": kr.name(pod)}
         return s.metrics_url_template.format(**values), s.health_url_template.format(**values)
 
-    def _probe_engine(self, ns: str, pod: kr.Obj) -> tuple[EngineHealth, EngineSnapshot | None]:
+    def _read_engine(self, ns: str, pod: kr.Obj) -> EngineRead:
         if not pod.get("status", {}).get("podIP"):
-            return EngineHealth.UNREACHABLE, None
+            return EngineRead(EngineHealth.UNREACHABLE)
         metrics_url, health_url = self._urls(ns, pod)
-        try:
-            h = self.deps.http.get(health_url)
-            health = EngineHealth.OK if h.status_code == 200 else EngineHealth.FAILING
-        except httpx.HTTPError:
-            return EngineHealth.UNREACHABLE, None
-        try:
-            m = self.deps.http.get(metrics_url)
-            snap = parse_engine_metrics(m.text) if m.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            snap = None
-        return health, snap
+        return read_engine(self.deps.http, health_url, metrics_url)
 
     @activity.defn(name="scrape_engines")
     def scrape_engines(self, req: ScrapeRequest) -> dict[str, EngineSnapshot]:
-        """One metrics scrape per named pod (group leaders); unreachable ones are left out."""
-        k = self.deps.kube
-        out: dict[str, EngineSnapshot] = {}
-        for name in req.pods:
-            pod = kr.get_pod(k, req.pool.namespace, name)
-            if pod is None:
-                continue
-            _, snap = self._probe_engine(req.pool.namespace, pod)
-            if snap is not None:
-                out[name] = snap
-        return out
+        """One metrics scrape per named pod (group leaders), several at once within the attempt's time;
+        those that did not answer (unreachable or too slow) are left out."""
+        k, ns = self.deps.kube, req.pool.namespace
+        found = {name: pod for name in req.pods if (pod := kr.get_pod(k, ns, name)) is not None}
+        reads = read_all(
+            lambda name: self._read_engine(ns, found[name]),
+            list(found),
+            deadline=look_deadline(),
+            concurrency=self.deps.settings.engine_reads_per_look,
+        )
+        return {name: read.snapshot for name, read in reads.items() if read.snapshot is not None}
 
     # ------------------------------------------------------------ nodes
 

@@ -131,10 +131,30 @@ def recovery_guard(
     """Before a destructive recovery step: each group counts for what it serves now, the demand is
     what the pool serves now (no headroom: the loss already took some)."""
     rates = measured_token_rates(before, after)
+    # A group whose engine did not answer either look serves what it serves unmeasured. It is neither
+    # dead nor idle: it counts for the group floor, and the mean rate of the groups read (1 token/s when
+    # none served) is added both to what it carries and to the demand - neutral while it stays, its load
+    # carried by the others when it is the one removed.
+    unread = {
+        g: after.unread_engines.get(g) or before.unread_engines[g]
+        for g in rates
+        if g in after.unread_engines or g in before.unread_engines
+    }
+    measured = [r for g, r in rates.items() if g not in unread and r > 0]
+    estimate = sum(measured) / len(measured) if measured else 1.0
+    rates.update({g: estimate for g in unread})
     capacity = {gid: GroupCapacity(tokens_per_s=r) for gid, r in rates.items()}
     gone = [g for g in removing if g in capacity]
     demand = Demand(tokens_per_s=sum(rates.values()))
-    return check_capacity(action, capacity, gone, demand, min_groups=min_groups, headroom=1.0)
+    decision = check_capacity(action, capacity, gone, demand, min_groups=min_groups, headroom=1.0)
+    if not unread:
+        return decision
+    named = "; ".join(f"{g} ({why})" for g, why in sorted(unread.items()))
+    note = (
+        f"; not read: {named} - each counted in the group floor at the {estimate:,.0f} tokens/s mean of "
+        "those read, in what it carries and in the demand alike"
+    )
+    return decision.model_copy(update={"reason": decision.reason + note})
 
 
 def scale_down_guard(

@@ -68,6 +68,13 @@ class RetryBudget(BaseModel):
     initial_interval_s: float = Field(0.2, gt=0)
     max_interval_s: float = Field(5.0, gt=0)
     call_timeout_s: float = Field(30.0, gt=0, description="One attempt's start-to-close timeout")
+    read_patience_s: float = Field(
+        300.0,
+        ge=0,
+        description="A read-only look (a list, a scrape) that keeps failing or finds nothing readable is "
+        "tried again with backoff for this long, from its first try, before an operator is asked: a slow "
+        "world delays a step, only a persistent failure stops it",
+    )
     operator_reminder_s: float = Field(
         900.0, gt=0, description="While an operator is awaited, the incident channel is reminded this often"
     )

@@ -88,6 +88,11 @@ class DrainProgress(BaseModel):
     running: dict[str, float] = Field(default_factory=dict)
     waiting: dict[str, float] = Field(default_factory=dict)
     unreachable: tuple[str, ...] = ()
+    unread: dict[str, str] = Field(
+        default_factory=dict,
+        description="pod -> why its engine's /metrics was not read (it answered too late: slow, not "
+        "dead); such a victim may still hold requests, so the drain is not done",
+    )
 
     @property
     def in_flight(self) -> int:
@@ -95,7 +100,7 @@ class DrainProgress(BaseModel):
 
     @property
     def drained(self) -> bool:
-        return self.in_flight == 0
+        return self.in_flight == 0 and not self.unread
 
     def summary(self) -> str:
         busy = {p: int(self.running.get(p, 0) + self.waiting.get(p, 0)) for p in self.running}
@@ -104,15 +109,25 @@ class DrainProgress(BaseModel):
         text = f"{self.in_flight} request(s) in flight" + (f" ({', '.join(parts)})" if parts else "")
         if self.unreachable:
             text += f"; metrics unreachable on {', '.join(self.unreachable)} (counted as drained)"
+        if self.unread:
+            named = "; ".join(f"{p} ({why})" for p, why in sorted(self.unread.items()))
+            text += f"; not read: {named} (not counted as drained: a slow engine may still hold requests)"
         return text
 
 
-def drain_progress(pods: list[str], scrapes: Mapping[str, EngineSnapshot]) -> DrainProgress:
-    """Running + waiting per victim pod. A victim whose engine no longer answers holds nothing."""
+def drain_progress(
+    pods: list[str], scrapes: Mapping[str, EngineSnapshot], unread: Mapping[str, str] | None = None
+) -> DrainProgress:
+    """Running + waiting per victim pod. A victim whose engine no longer answers (its process is gone:
+    connection refused) holds nothing; one whose engine answered too late (``unread``) is not drained."""
+    slow = {p: why for p, why in (unread or {}).items() if p in pods and p not in scrapes}
     running = {p: scrapes[p].running for p in pods if p in scrapes}
     waiting = {p: scrapes[p].waiting for p in pods if p in scrapes}
     return DrainProgress(
-        running=running, waiting=waiting, unreachable=tuple(p for p in pods if p not in scrapes)
+        running=running,
+        waiting=waiting,
+        unreachable=tuple(p for p in pods if p not in scrapes and p not in slow),
+        unread=slow,
     )
 
 

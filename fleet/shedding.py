@@ -299,24 +299,38 @@ def decide_shedding(
     *,
     keep_armed: bool = False,
     queues: QueueRoom | None = None,
+    unread_survivors: Mapping[str, str] | None = None,
 ) -> ShedDecision:
     """What share of which tiers to refuse so the survivors carry the load (the gap, exactly).
 
     ``per_group_capacity_rps`` fills the survivors' unknown capacities. ``keep_armed`` keeps the
     queue bound on even with no gap (a recovery passes True: its warm floor is not restored).
     ``queues`` lets the survivors' queues absorb what they can of the gap first.
+    ``unread_survivors`` (group id -> why): survivors whose engines did not answer the look. Each
+    counts for ``per_group_capacity_rps`` (it still serves: never counted dead), and the pressure
+    is judged on the survivors read (never counted idle); the reason names them.
     """
     t = thresholds or PressureThresholds()
     mix = normalised_mix(tier_mix)
     if arrival_rps < 0 or lost_capacity_rps < 0 or per_group_capacity_rps < 0:
         raise ValueError("arrival rate and capacities must be >= 0")
+    unread = dict(unread_survivors or {})
+    overlap = sorted(set(unread) & {s.group_id for s in survivors})
+    if overlap:
+        raise ValueError(f"a survivor is either read or unread, not both: {', '.join(overlap)}")
     capacity = sum(
         s.capacity_rps if s.capacity_rps is not None else per_group_capacity_rps for s in survivors
-    )
+    ) + per_group_capacity_rps * len(unread)
+    head = f"lost {lost_capacity_rps:.1f} req/s of capacity; {len(survivors) + len(unread)} survivor(s)"
+    if unread:
+        head += (
+            f" ({len(unread)} not read: {', '.join(sorted(unread))}; each counted at "
+            f"{per_group_capacity_rps:.1f} req/s, pressure judged on the {len(survivors)} read)"
+        )
     return _decide(
         arrival_rps=arrival_rps,
         capacity_rps=capacity,
-        head=f"lost {lost_capacity_rps:.1f} req/s of capacity; {len(survivors)} survivor(s)",
+        head=head,
         mix=mix,
         t=t,
         keep_armed=keep_armed,

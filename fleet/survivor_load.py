@@ -5,14 +5,21 @@ that survived (what shedding, the retry budget and verification decide from),
 ``routed_backlog`` the requests waiting in the routed groups' queues, and
 ``next_admission_look`` how long the admission keeper waits before it looks at
 those queues again.
+
+A survivor whose engine did not answer the look in time (``PoolObservation.unread_engines``)
+has no figures: ``survivors_look`` names it beside the loads of those read. Steps judge the
+survivors' pressure on those read only; the unread still count for their capacity (they serve,
+their EndpointSlice says so) and for no queue headroom (their queue is unknown, not empty).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from fleet.engine_metrics import EngineSnapshot
-from fleet.observation import PoolObservation
+from fleet.observation import PartialLook, PoolObservation, judge_partial_look
 from fleet.shedding import SurvivorLoad
 
 # Once Temporal suggests continuing as new (the history is thousands of events long), the keeper looks
@@ -46,6 +53,61 @@ def survivor_loads(before: PoolObservation, after: PoolObservation, lost_ids: se
         now_e = after.engines[g.id]
         loads.append(survivor_load(g.id, before.engines.get(g.id, now_e), now_e, seconds))
     return loads
+
+
+class SurvivorsLook(BaseModel):
+    """The survivors' load from two looks: figures of those read, and the ones that could not be read."""
+
+    model_config = ConfigDict(frozen=True)
+
+    loads: tuple[SurvivorLoad, ...]
+    unread: dict[str, str] = Field(
+        default_factory=dict, description="survivor group id -> why its engine was not read"
+    )
+
+    @property
+    def note(self) -> str:
+        """What the decision must say about the survivors it could not read ("" when it read them all)."""
+        if not self.unread:
+            return ""
+        named = "; ".join(f"{g} ({why})" for g, why in sorted(self.unread.items()))
+        return (
+            f"{len(self.unread)} survivor(s) not read, judged on the {len(self.loads)} read: {named}; "
+            "their capacity still counts, their queues are unknown (no headroom counted)"
+        )
+
+
+def survivors_look(before: PoolObservation, after: PoolObservation, lost_ids: set[str]) -> SurvivorsLook:
+    """Every routed serving survivor: its load when its engine answered the last look, else why not.
+
+    Unread is what ``after`` could not read (it answered neither in time); a survivor read now but
+    not in ``before`` is judged on its one scrape (no rate), as ``survivor_loads`` always did.
+    """
+    unread = {
+        g.id: after.unread_engines[g.id]
+        for g in after.snapshot.serving
+        if g.id not in lost_ids and g.routed and g.id in after.unread_engines
+    }
+    return SurvivorsLook(loads=tuple(survivor_loads(before, after, lost_ids)), unread=unread)
+
+
+def survivors_read(
+    before: PoolObservation, after: PoolObservation, lost_ids: set[str], *, waited_s: float, patience_s: float
+) -> PartialLook:
+    """May the protect step decide on these two looks? (``fleet.observation.judge_partial_look``.)
+
+    Wanted: every routed serving survivor. Unread: a survivor either look could not read (its load
+    needs both). Some read: proceed on them. None read: look again until ``patience_s``, then ask.
+    """
+    wanted = [g.id for g in after.snapshot.serving if g.id not in lost_ids and g.routed]
+    unread = {g: after.unread_engines.get(g) or before.unread_engines.get(g, "") for g in wanted}
+    return judge_partial_look(
+        wanted,
+        {g: why for g, why in unread.items() if why},
+        waited_s=waited_s,
+        patience_s=patience_s,
+        what="the survivors' load",
+    )
 
 
 def routed_backlog(obs: PoolObservation, lost_ids: Iterable[str] = ()) -> float:

@@ -71,6 +71,7 @@ class FaultKind(StrEnum):
     POD_OOMKILLED = "pod-oomkilled"
     RANK_LOST = "rank-lost"
     SLOW_REPLICA = "slow-replica"
+    SLOW_METRICS = "slow-metrics"
     WEDGED_ENGINE = "wedged-engine"
     NVLINK_ERROR = "nvlink-error"
     THERMAL = "thermal"

@@ -65,6 +65,8 @@ async def run_forever(
             await stop.wait()
     finally:
         refresher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await refresher
         await server.stop(grace=0.5)
 
 
@@ -78,6 +80,7 @@ class ControlPlaneThread:
     port: int = 0
     data_plane: DataPlaneSettings = field(default_factory=DataPlaneSettings)
     refresh_s: float = 0.1
+    policy_check_s: float = 2.0
     plane: ControlPlane | None = None
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
@@ -87,7 +90,9 @@ class ControlPlaneThread:
         ready = threading.Event()
         failure: list[BaseException] = []
         store = GatewayStore(make_engine(self.database_url, pool_size=2, max_overflow=2))
-        self.plane = ControlPlane(self.read_hosts, store, self.data_plane, self.refresh_s)
+        self.plane = ControlPlane(
+            self.read_hosts, store, self.data_plane, self.refresh_s, self.policy_check_s
+        )
 
         def bound(port: int) -> None:
             self.port = port

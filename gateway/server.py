@@ -21,6 +21,8 @@ import hashlib
 import importlib
 import json
 import logging
+import math
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -30,7 +32,7 @@ from typing import Any
 import grpc
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
-from envoy.config.route.v3 import route_pb2
+from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import any_pb2, descriptor_pb2, descriptor_pool, json_format
@@ -41,13 +43,13 @@ from gateway.resources import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
     PREVIOUS_HOSTS_PREDICATE,
+    ROUTE_CONFIG_NAME,
     ROUTE_TYPE,
     DataPlaneSettings,
     PoolSnapshot,
     RoutedHost,
     cluster,
     load_assignment,
-    route_configuration,
     virtual_host,
 )
 from gateway.store import GatewayStore, StoredPolicy, version_string
@@ -88,56 +90,143 @@ _MESSAGES: dict[str, type[Message]] = {
 
 @dataclass(frozen=True)
 class Snapshot:
-    """One consistent view: per type, its version and its resources by name (JSON form)."""
+    """One consistent view: per type, its version and its resources by name (JSON form), and the
+    same resources packed for the wire (built once per snapshot, not once per Envoy)."""
 
     versions: dict[str, str]
     resources: dict[str, dict[str, dict[str, Any]]]
     pools: tuple[PoolSnapshot, ...] = ()
+    packed: dict[str, dict[str, any_pb2.Any]] = field(default_factory=dict, compare=False)
 
 
-def build_snapshot(
-    hosts: dict[str, tuple[RoutedHost, ...]], policies: list[StoredPolicy], dp: DataPlaneSettings
-) -> Snapshot:
-    """The pools Kubernetes has, each with fleetmend's policy for it (or the defaults).
+@dataclass(frozen=True)
+class PoolBuild:
+    """One pool's Envoy resources, rendered from its routed hosts and its policy row.
+
+    ``hosts`` and ``stored_revision`` are the inputs it was rendered from: while both stay the same
+    the pool is not rendered again. ``revision`` is the policy revision it carries (0 when it runs
+    the defaults, including when its stored policy could not be rendered)."""
+
+    pool: PoolSnapshot
+    hosts: tuple[RoutedHost, ...]
+    stored_revision: int | None
+    revision: int
+    cluster: dict[str, Any]
+    load_assignment: dict[str, Any]
+    virtual_host: dict[str, Any]
+    packed_cluster: any_pb2.Any
+    packed_load_assignment: any_pb2.Any
+    virtual_host_message: route_components_pb2.VirtualHost
+    digests: tuple[str, str, str]  # cluster, load assignment, virtual host
+
+
+def _digest(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _render(candidate: PoolSnapshot, dp: DataPlaneSettings) -> tuple[Any, ...]:
+    body_cluster, body_cla, body_vhost = (
+        cluster(candidate, dp),
+        load_assignment(candidate),
+        virtual_host(candidate, dp),
+    )
+    return (
+        body_cluster,
+        body_cla,
+        body_vhost,
+        _packed(CLUSTER_TYPE, body_cluster),
+        _packed(ENDPOINT_TYPE, body_cla),
+        json_format.ParseDict(body_vhost, route_components_pb2.VirtualHost()),
+    )
+
+
+def render_pool(
+    pool: str, hosts: tuple[RoutedHost, ...], stored: StoredPolicy | None, dp: DataPlaneSettings
+) -> PoolBuild:
+    """One pool's resources: its policy if it renders for Envoy, else the default policy.
 
     A policy that cannot even be turned into Envoy's protos is left out (the pool keeps the default
     policy) and so is its revision: no Envoy ACK can then be mistaken for having applied it, and
     the adapter waiting for it reports it as not applied.
     """
-    by_pool = {p.pool: p for p in policies}
-    pools: list[PoolSnapshot] = []
-    revision = 0
-    for pool, routed in sorted(hosts.items()):
-        stored = by_pool.get(pool)
-        if stored is not None:
-            candidate = PoolSnapshot(pool=pool, hosts=routed, policy=stored.policy)
-            try:
-                _packed(CLUSTER_TYPE, cluster(candidate, dp))
-                _packed(ENDPOINT_TYPE, load_assignment(candidate))
-                _packed(ROUTE_TYPE, {"name": "check", "virtual_hosts": [virtual_host(candidate, dp)]})
-            except json_format.ParseError as err:
-                log.warning(
-                    "policy revision %s of %s cannot be rendered for Envoy: %s", stored.revision, pool, err
-                )
-            else:
-                pools.append(candidate)
-                revision = max(revision, stored.revision)
-                continue
-        pools.append(PoolSnapshot(pool=pool, hosts=routed))
+    if stored is not None:
+        candidate = PoolSnapshot(pool=pool, hosts=hosts, policy=stored.policy)
+        try:
+            rendered = _render(candidate, dp)
+        except json_format.ParseError as err:
+            log.warning(
+                "policy revision %s of %s cannot be rendered for Envoy: %s", stored.revision, pool, err
+            )
+        else:
+            return _build(candidate, hosts, stored.revision, stored.revision, rendered)
+    candidate = PoolSnapshot(pool=pool, hosts=hosts)
+    return _build(candidate, hosts, None if stored is None else stored.revision, 0, _render(candidate, dp))
+
+
+def _build(
+    candidate: PoolSnapshot,
+    hosts: tuple[RoutedHost, ...],
+    stored: int | None,
+    revision: int,
+    rendered: tuple[Any, ...],
+) -> PoolBuild:
+    body_cluster, body_cla, body_vhost, packed_cluster, packed_cla, vhost = rendered
+    return PoolBuild(
+        pool=candidate,
+        hosts=hosts,
+        stored_revision=stored,
+        revision=revision,
+        cluster=body_cluster,
+        load_assignment=body_cla,
+        virtual_host=body_vhost,
+        packed_cluster=packed_cluster,
+        packed_load_assignment=packed_cla,
+        virtual_host_message=vhost,
+        digests=(_digest(body_cluster), _digest(body_cla), _digest(body_vhost)),
+    )
+
+
+def assemble(builds: dict[str, PoolBuild]) -> Snapshot:
+    """The snapshot of every pool from their rendered resources: O(pools), no rendering.
+
+    A type's version is the highest policy revision any pool carries and a digest of its resources'
+    own digests, so the same pools give the same versions on any replica of the control plane."""
+    ordered = [builds[name] for name in sorted(builds)]
+    revision = max((b.revision for b in ordered), default=0)
+    route_body = {"name": ROUTE_CONFIG_NAME, "virtual_hosts": [b.virtual_host for b in ordered]}
+    route_message = route_pb2.RouteConfiguration(
+        name=ROUTE_CONFIG_NAME, virtual_hosts=[b.virtual_host_message for b in ordered]
+    )
+    packed_route = any_pb2.Any()
+    packed_route.Pack(route_message)
     resources: dict[str, dict[str, dict[str, Any]]] = {
-        CLUSTER_TYPE: {p.pool: cluster(p, dp) for p in pools},
-        ENDPOINT_TYPE: {p.pool: load_assignment(p) for p in pools},
-        ROUTE_TYPE: {},
+        CLUSTER_TYPE: {b.pool.pool: b.cluster for b in ordered},
+        ENDPOINT_TYPE: {b.pool.pool: b.load_assignment for b in ordered},
+        ROUTE_TYPE: {ROUTE_CONFIG_NAME: route_body},
     }
-    routes = route_configuration(pools, dp)
-    resources[ROUTE_TYPE][str(routes["name"])] = routes
-    versions = {
-        type_url: version_string(
-            revision, hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:12]
-        )
-        for type_url, named in resources.items()
+    packed: dict[str, dict[str, any_pb2.Any]] = {
+        CLUSTER_TYPE: {b.pool.pool: b.packed_cluster for b in ordered},
+        ENDPOINT_TYPE: {b.pool.pool: b.packed_load_assignment for b in ordered},
+        ROUTE_TYPE: {ROUTE_CONFIG_NAME: packed_route},
     }
-    return Snapshot(versions=versions, resources=resources, pools=tuple(pools))
+    versions = {}
+    for type_url, index in ((CLUSTER_TYPE, 0), (ENDPOINT_TYPE, 1), (ROUTE_TYPE, 2)):
+        joined = "\n".join(f"{b.pool.pool} {b.digests[index]}" for b in ordered)
+        versions[type_url] = version_string(revision, hashlib.sha256(joined.encode()).hexdigest()[:12])
+    return Snapshot(
+        versions=versions, resources=resources, pools=tuple(b.pool for b in ordered), packed=packed
+    )
+
+
+def build_snapshot(
+    hosts: dict[str, tuple[RoutedHost, ...]], policies: list[StoredPolicy], dp: DataPlaneSettings
+) -> Snapshot:
+    """The pools Kubernetes has, each with fleetmend's policy for it (or the defaults): every pool
+    rendered afresh (``ControlPlane`` renders only the pools whose inputs moved)."""
+    by_pool = {p.pool: p for p in policies}
+    return assemble(
+        {pool: render_pool(pool, routed, by_pool.get(pool), dp) for pool, routed in hosts.items()}
+    )
 
 
 def _packed(type_url: str, body: dict[str, Any]) -> any_pb2.Any:
@@ -163,7 +252,16 @@ class _Stream:
 
 
 class ControlPlane:
-    """Holds the current snapshot, refreshes it from the world, and serves it to every Envoy."""
+    """Holds the current snapshot, refreshes it from the world, and serves it to every Envoy.
+
+    The snapshot is rebuilt on change only. A routing source that can say it changed (``RoutingWatch``:
+    a ``version`` that moves and ``subscribe``) wakes the refresh at once, and so does a policy write
+    (Postgres NOTIFY, heard on a LISTEN connection); the policies' highest revision is also checked
+    with one cheap query every ``policy_check_s``, in case a notification went unheard. A source that
+    cannot say (a plain callable) is read every ``refresh_s``. A rebuild renders only the pools whose
+    hosts or policy revision moved and reuses every other pool's resources; the snapshot is then put
+    together in O(pools) and handed to every Envoy as one consistent version.
+    """
 
     def __init__(
         self,
@@ -171,11 +269,13 @@ class ControlPlane:
         store: GatewayStore,
         data_plane: DataPlaneSettings | None = None,
         refresh_s: float = 0.25,
+        policy_check_s: float = 2.0,
     ) -> None:
         self._read_hosts = read_hosts
         self.store = store
         self.data_plane = data_plane or DataPlaneSettings()
         self.refresh_s = refresh_s
+        self.policy_check_s = policy_check_s
         self.snapshot: Snapshot | None = None
         self._changed = asyncio.Condition()
         self.refresh_errors = 0
@@ -184,44 +284,141 @@ class ControlPlane:
         self.known_hosts: dict[str, tuple[str, str]] = {}
         self.request_retention_s = 6 * 3600.0
         self._last_prune = 0.0
-        self._inputs: object = None
+        self._builds: dict[str, PoolBuild] = {}
+        self._unassembled = False  # a pool was rendered since the snapshot was last put together
+        self._hosts_seen: dict[str, tuple[RoutedHost, ...]] | None = None
+        self._routing_version: int | None = None
+        self._policy_mark: tuple[int, int] | None = None
+        self._policies: dict[str, StoredPolicy] = {}
+        # What the refreshes did, for benches and operators: refreshes run, snapshots built, pools rendered.
+        self.refreshes = 0
+        self.snapshots_built = 0
+        self.pools_rendered = 0
 
-    async def refresh(self) -> Snapshot:
-        """Rebuild from Kubernetes and Postgres; wakes every stream when a version moved."""
-        hosts, policies = await asyncio.gather(
-            asyncio.to_thread(self._read_hosts), asyncio.to_thread(self.store.all)
-        )
-        # Rendering (and checking every resource against Envoy's protos) only when an input moved:
-        # most refreshes see the same routing set and the same policy revisions.
-        inputs = (tuple(sorted(hosts.items())), tuple(sorted((p.pool, p.revision) for p in policies)))
+    async def refresh(self, *, check_policies: bool = True) -> Snapshot:
+        """Rebuild the pools whose inputs moved (Kubernetes, Postgres); wakes every stream when a
+        version moved. Nothing moved: at most one query (``check_policies``), no rendering."""
+        self.refreshes += 1
+        # Read before the routing set: an event between the two is seen again at the next refresh.
+        version = getattr(self._read_hosts, "version", None)
+        hosts = self._hosts_seen
+        if (
+            hosts is None
+            or self.snapshot is None
+            or not isinstance(version, int)
+            or version != self._routing_version
+        ):
+            hosts = await asyncio.to_thread(self._read_hosts)
+        mark = self._policy_mark
+        if check_policies or mark is None:
+            mark = await asyncio.to_thread(self.store.policy_mark)
+        policies_moved = mark != self._policy_mark
+        policies = self._policies
+        if policies_moved:
+            policies = {p.pool: p for p in await asyncio.to_thread(self.store.all)}
         now = time.time()
         if now - self._last_prune > 60:
             self._last_prune = now
             await asyncio.to_thread(self.store.prune_requests, now - self.request_retention_s)
-        if self.snapshot is not None and inputs == self._inputs:
+        if self.snapshot is not None and hosts is self._hosts_seen and not policies_moved:
+            self._routing_version = version if isinstance(version, int) else None
             return self.snapshot
-        self._inputs = inputs
-        fresh = build_snapshot(hosts, policies, self.data_plane)
-        for pool in fresh.pools:
-            for h in pool.hosts:
-                self.known_hosts[f"{h.address}:{h.port}"] = (pool.pool, h.pod)
-        if len(self.known_hosts) > 100_000:  # bound the memory: keep the newest half
-            self.known_hosts = dict(list(self.known_hosts.items())[-50_000:])
+        if self._rebuild(hosts, policies):
+            self._unassembled = True
+        # The inputs count as seen only once rendered: a refresh that failed is done again in full.
+        self._hosts_seen, self._policies, self._policy_mark = hosts, policies, mark
+        self._routing_version = version if isinstance(version, int) else None
+        if not self._unassembled and self.snapshot is not None:
+            return self.snapshot
+        fresh = assemble(self._builds)
+        self._unassembled = False
+        self.snapshots_built += 1
         if self.snapshot is None or fresh.versions != self.snapshot.versions:
             async with self._changed:
                 self.snapshot = fresh
                 self._changed.notify_all()
         return self.snapshot
 
+    def _rebuild(self, hosts: dict[str, tuple[RoutedHost, ...]], policies: dict[str, StoredPolicy]) -> bool:
+        """Render the pools whose hosts or policy revision moved; True when any pool changed."""
+        changed = False
+        for gone in set(self._builds) - set(hosts):
+            del self._builds[gone]
+            changed = True
+        for pool, routed in hosts.items():
+            stored = policies.get(pool)
+            revision = None if stored is None else stored.revision
+            built = self._builds.get(pool)
+            if (
+                built is not None
+                and built.stored_revision == revision
+                and (built.hosts is routed or built.hosts == routed)
+            ):
+                continue
+            self._builds[pool] = render_pool(pool, routed, stored, self.data_plane)
+            self.pools_rendered += 1
+            changed = True
+            for h in routed:
+                self.known_hosts[f"{h.address}:{h.port}"] = (pool, h.pod)
+        if len(self.known_hosts) > 100_000:  # bound the memory: keep the newest half
+            self.known_hosts = dict(list(self.known_hosts.items())[-50_000:])
+        return changed
+
     async def run_refresh(self) -> None:
-        while True:
-            try:
-                await self.refresh()
-            except Exception as err:  # the API server or Postgres is away: keep serving the last snapshot
-                self.refresh_errors += 1
-                if self.refresh_errors in (1, 10) or self.refresh_errors % 100 == 0:
-                    log.warning("xds refresh failed (%s): serving the last snapshot", err)
-            await asyncio.sleep(self.refresh_s)
+        """Refresh whenever the routing set or a policy says it changed; check the policies every
+        ``policy_check_s`` and read a routing source that cannot say every ``refresh_s``."""
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        policy_written = False
+
+        def routing_changed() -> None:  # on a watch thread
+            with contextlib.suppress(RuntimeError):  # the loop already ended
+                loop.call_soon_threadsafe(wake.set)
+
+        def policy_changed() -> None:  # on the listening thread
+            def mark() -> None:
+                nonlocal policy_written
+                policy_written = True
+                wake.set()
+
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(mark)
+
+        subscribe = getattr(self._read_hosts, "subscribe", None)
+        unsubscribe = subscribe(routing_changed) if callable(subscribe) else None
+        poll_s = self.refresh_s if unsubscribe is None else math.inf
+        stop_listening = threading.Event()
+        listener = threading.Thread(
+            target=self.store.listen, args=(policy_changed, stop_listening), name="xds-policies", daemon=True
+        )
+        listener.start()
+        next_check = 0.0
+        try:
+            while True:
+                wake.clear()
+                check = policy_written or time.monotonic() >= next_check
+                if check:
+                    policy_written = False
+                    next_check = time.monotonic() + self.policy_check_s
+                try:
+                    await self.refresh(check_policies=check)
+                except Exception as err:  # the API server or Postgres is away: keep serving the last snapshot
+                    self.refresh_errors += 1
+                    policy_written = policy_written or check  # look again at the next pass
+                    if self.refresh_errors in (1, 10) or self.refresh_errors % 100 == 0:
+                        log.warning("xds refresh failed (%s): serving the last snapshot", err)
+                    poll = min(poll_s, self.refresh_s)
+                else:
+                    poll = poll_s
+                timeout = max(0.0, min(poll, next_check - time.monotonic()))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), timeout)
+        finally:
+            stop_listening.set()
+            if callable(unsubscribe):
+                unsubscribe()
+            # Its connection closes within one listening timeout: gone before the plane's store is.
+            await asyncio.to_thread(listener.join, 5.0)
 
     async def _wait_for_change(self, seen: Snapshot | None) -> Snapshot:
         async with self._changed:
@@ -240,13 +437,16 @@ class ControlPlane:
         if version == state.sent_version and state.names == state.sent_names:
             return None
         wanted = named if state.names is None else {n: r for n, r in named.items() if n in state.names}
+        packed = snap.packed.get(type_url, {})
         state.sent_version, state.sent_names = version, state.names
         state.nonce = uuid.uuid4().hex[:16]
         return discovery_pb2.DiscoveryResponse(
             version_info=version,
             type_url=type_url,
             nonce=state.nonce,
-            resources=[_packed(type_url, body) for body in wanted.values()],
+            resources=[
+                packed[name] if name in packed else _packed(type_url, body) for name, body in wanted.items()
+            ],
         )
 
     async def _on_request(self, stream: _Stream, req: discovery_pb2.DiscoveryRequest) -> None:

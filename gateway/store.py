@@ -8,12 +8,13 @@ to render Envoy resources and records every ACK or NACK it receives.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
 from pydantic import ValidationError
-from sqlalchemy import Engine, delete, select, text, update
+from sqlalchemy import Engine, delete, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 
 from fleet.gateway import GatewayPolicy, JournalEntry
@@ -21,6 +22,9 @@ from gateway.outcomes import journal_entry
 from ledger.models import gateway_acks_table, gateway_policies_table, gateway_requests_table
 
 log = logging.getLogger("fleetmend.xds")
+
+# Postgres channel a policy write notifies (payload: the pool), delivered when its transaction commits.
+POLICY_CHANNEL = "fleetmend_gateway_policy"
 
 
 def version_string(revision: int, digest: str) -> str:
@@ -84,6 +88,7 @@ class GatewayStore:
                     set_={"revision": revision, "policy": body, "updated_at": text("now()")},
                 )
             )
+            conn.execute(text("SELECT pg_notify(:channel, :pool)"), {"channel": POLICY_CHANNEL, "pool": pool})
             return revision
 
     def get(self, pool: str) -> StoredPolicy | None:
@@ -94,6 +99,38 @@ class GatewayStore:
         if row is None:
             return None
         return StoredPolicy(row.pool, int(row.revision), GatewayPolicy.model_validate(row.policy))
+
+    def policy_mark(self) -> tuple[int, int]:
+        """The highest policy revision and the number of policy rows: one indexed query that moves
+        whenever any pool's policy is written (revisions come from one sequence)."""
+        t = gateway_policies_table
+        with self.engine.connect() as conn:
+            row = conn.execute(select(func.coalesce(func.max(t.c.revision), 0), func.count())).one()
+        return int(row[0]), int(row[1])
+
+    def listen(self, on_change: Callable[[], None], stop: threading.Event, timeout_s: float = 0.5) -> None:
+        """Call ``on_change`` whenever a pool's policy is written (Postgres LISTEN on its own
+        connection), until ``stop``; run it on a thread. A lost connection is opened again after a
+        pause and reported as a change, since a write may have gone unheard meanwhile."""
+        import psycopg
+
+        conninfo = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        failures = 0
+        while not stop.is_set():
+            try:
+                with psycopg.connect(conninfo, autocommit=True) as conn:
+                    conn.execute(f"LISTEN {POLICY_CHANNEL}")
+                    if failures:
+                        on_change()
+                    failures = 0
+                    while not stop.is_set():
+                        for _ in conn.notifies(timeout=timeout_s):
+                            on_change()
+            except psycopg.Error as err:
+                failures += 1
+                if failures in (1, 10) or failures % 100 == 0:
+                    log.warning("listening for gateway policy writes failed (%s): retrying", err)
+                stop.wait(min(5.0, 0.25 * 2 ** min(failures, 5)))
 
     def all(self) -> list[StoredPolicy]:
         """Every pool's policy; a row that no longer validates (written by another version) is skipped."""

@@ -33,7 +33,7 @@ class KubeApis:
 
 
 _lock = threading.Lock()
-_cache: dict[tuple[str | None, str | None], KubeApis] = {}
+_cache: dict[tuple[str | None, str | None, int | None], KubeApis] = {}
 
 
 class ClusterAddress(Protocol):
@@ -46,17 +46,23 @@ class ClusterAddress(Protocol):
     def kube_context(self) -> str | None: ...
 
 
-def kube_apis(settings: ClusterAddress) -> KubeApis:
-    """APIs for the configured cluster: kubeconfig (+context) if set, else in-cluster, else ~/.kube/config."""
-    key = (str(settings.kubeconfig) if settings.kubeconfig else None, settings.kube_context)
+def kube_apis(settings: ClusterAddress, connections: int | None = None) -> KubeApis:
+    """APIs for the configured cluster: kubeconfig (+context) if set, else in-cluster, else ~/.kube/config.
+
+    ``connections``: connections kept to the API server (the client's default is 5 per core; more
+    concurrent requests than that open and drop a connection each).
+    """
+    key = (str(settings.kubeconfig) if settings.kubeconfig else None, settings.kube_context, connections)
     with _lock:
         if key not in _cache:
-            _cache[key] = _build(settings.kubeconfig, settings.kube_context)
+            _cache[key] = _build(settings.kubeconfig, settings.kube_context, connections)
         return _cache[key]
 
 
-def _build(kubeconfig: Path | None, context: str | None) -> KubeApis:
+def _build(kubeconfig: Path | None, context: str | None, connections: int | None = None) -> KubeApis:
     cfg = client.Configuration()
+    if connections is not None:
+        cfg.connection_pool_maxsize = connections
     if kubeconfig is not None:
         config.load_kube_config(config_file=str(kubeconfig), context=context, client_configuration=cfg)
     else:

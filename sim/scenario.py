@@ -4,13 +4,17 @@ A scenario is YAML validated by pydantic; a bad file is rejected with an error
 naming the offending field (``load_scenario`` raises ``ScenarioError``).
 
 Sections:
-* ``nodes``: groups of identical GPU nodes (count, GPUs, topology labels);
+* ``nodes``: groups of identical GPU nodes (count, GPUs, topology labels; ``label_blocks`` give
+  a label whose value changes every N nodes, e.g. a rack of 16 or an NVLink domain of 2);
 * ``models``: what a replica needs (GPUs per pod, pods per replica) and how it
   behaves (image pull, weight load, distributed init, warm rate, KV capacity,
   engine version era, shutdown timeout), with one or more revisions;
 * ``workloads``: pools — a Service plus a serving Deployment or LeaderWorkerSet,
   optionally a warm-spare Deployment of the same model and revision
   (``fleetmend.io/role=spare``, no router label: Ready but not routed) and a PDB;
+* ``pool_sets``: many pools of one shape at once (``count`` pools ``{prefix}-{i:03d}``, each
+  serving its own copy of a model), expanded into ``models`` and ``workloads`` on load;
+* ``scheduler``: the scheduler's scoring (LeastAllocated spreads, MostAllocated bin-packs);
 * ``timings``: control-plane durations (node-monitor grace, toleration seconds);
 * ``faults``: faults to inject at given sim times;
 * ``load``: free-form settings owned by the serving layer (``sim.serving``).
@@ -35,11 +39,40 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class LabelBlock(_Strict):
+    """A label whose value changes every ``every`` nodes of a group: node ``i`` is in block ``n = i // every``
+    and gets ``format.format(n=n)`` (e.g. ``rack-{n:02d}``) or ``values[n % len(values)]`` (blocks
+    take the values in turn, e.g. racks alternating between two zones)."""
+
+    key: str = Field(min_length=1)
+    every: int = Field(ge=1, description="nodes per block (consecutive node indexes)")
+    format: str | None = Field(None, description="value template; {n} is the block number")
+    values: list[str] | None = Field(None, min_length=1, description="values the blocks take in turn")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> LabelBlock:
+        if (self.format is None) == (self.values is None):
+            raise ValueError("set exactly one of format or values")
+        if self.format is not None:
+            try:
+                self.format.format(n=0)
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(f"format {self.format!r} must use only {{n}} ({exc})") from None
+        return self
+
+    def value(self, index: int) -> str:
+        block = index // self.every
+        if self.values is not None:
+            return self.values[block % len(self.values)]
+        return str(self.format).format(n=block)
+
+
 class NodeGroup(_Strict):
-    """``count`` identical nodes named ``{prefix}-{i}``."""
+    """``count`` identical nodes named ``{prefix}-{i}`` (``{i}`` zero-padded to ``index_width`` digits)."""
 
     prefix: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-    count: int = Field(ge=1, le=512)
+    count: int = Field(ge=1, le=2048)
+    index_width: int = Field(0, ge=0, le=6, description="zero-pad node indexes to this many digits")
     gpus: int = Field(ge=0, le=64)
     gpu_product: str = "NVIDIA-H100-80GB-HBM3"
     cpu: str = "96"
@@ -47,7 +80,20 @@ class NodeGroup(_Strict):
     labels: dict[str, str] = Field(default_factory=dict)
     # Optional per-node labels, e.g. one NVLink domain per pair of nodes: {"0": {...}, "1": {...}}.
     node_labels: dict[int, dict[str, str]] = Field(default_factory=dict)
+    # Labels by blocks of consecutive nodes, e.g. {key: topology.kubernetes.io/rack, every: 16, format: rack-{n:02d}}.
+    label_blocks: list[LabelBlock] = Field(default_factory=list)
     unschedulable: bool = False
+
+    def node_name(self, index: int) -> str:
+        return f"{self.prefix}-{index:0{self.index_width}d}"
+
+    def labels_of(self, index: int) -> dict[str, str]:
+        """The scenario's labels of node ``index``: the group's, its blocks', then its own."""
+        return {
+            **self.labels,
+            **{block.key: block.value(index) for block in self.label_blocks},
+            **self.node_labels.get(index, {}),
+        }
 
 
 class ModelRevision(_Strict):
@@ -147,6 +193,36 @@ class WorkloadSpec(_Strict):
     rollout: RolloutSpec | None = None
 
 
+class PoolSet(_Strict):
+    """``count`` pools of one shape: pools ``{prefix}-{i:03d}``, each with its own copy of ``model``
+    (named like the pool, served as ``{pool}/{last part of the model's served name}``), so a user or
+    a load run names one pool by its model."""
+
+    prefix: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    count: int = Field(ge=1, le=1024)
+    model: str = Field(description="the model every pool of the set serves a copy of")
+    kind: Literal["Deployment", "LeaderWorkerSet"] = "Deployment"
+    replicas: int = Field(ge=0, le=512)
+    warm_spares: int = Field(0, ge=0, le=64)
+    topology_key: str | None = None
+    service: ServiceSpec = Field(default_factory=ServiceSpec)
+    pdb: PdbSpec | None = None
+
+    def pool_name(self, index: int) -> str:
+        return f"{self.prefix}-{index:03d}"
+
+
+class SchedulerSpec(_Strict):
+    """How the scheduler scores the nodes a pod fits on (kube-scheduler's NodeResourcesFit strategy)."""
+
+    scoring: Literal["LeastAllocated", "MostAllocated"] = Field(
+        "LeastAllocated",
+        description="LeastAllocated: most free GPUs first (spreads). MostAllocated: fewest free GPUs "
+        "that fit first (bin-packs, leaving whole nodes free for TP=8 and multi-node groups); pods "
+        "of one ReplicaSet then prefer nodes holding none of their siblings (a soft spread over hosts)",
+    )
+
+
 class Timings(_Strict):
     """Control-plane durations in sim seconds (Kubernetes defaults)."""
 
@@ -176,11 +252,16 @@ class Scenario(_Strict):
     nodes: list[NodeGroup] = Field(min_length=1)
     models: list[ModelSpec] = Field(min_length=1)
     workloads: list[WorkloadSpec] = Field(default_factory=list)
+    pool_sets: list[PoolSet] = Field(
+        default_factory=list, exclude=True, description="expanded into models and workloads on load"
+    )
+    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     faults: list[ScheduledFault] = Field(default_factory=list)
     load: dict[str, Any] = Field(default_factory=dict, description="owned by the serving layer")
 
     @model_validator(mode="after")
     def _cross_references(self) -> Scenario:
+        self._expand_pool_sets()
         models = {m.name: m for m in self.models}
         if len(models) != len(self.models):
             raise ValueError("models: model names must be unique")
@@ -212,6 +293,32 @@ class Scenario(_Strict):
                 raise ValueError(f"{where}.name: duplicate workload {workload.name!r}")
             seen.add(key)
         return self
+
+    def _expand_pool_sets(self) -> None:
+        templates = {m.name: m for m in self.models}
+        for index, pool_set in enumerate(self.pool_sets):
+            template = templates.get(pool_set.model)
+            if template is None:
+                raise ValueError(
+                    f"pool_sets.{index}.model: unknown model {pool_set.model!r} (known: {sorted(templates)})"
+                )
+            for i in range(pool_set.count):
+                pool = pool_set.pool_name(i)
+                served = f"{pool}/{template.served_name.rsplit('/', 1)[-1]}"
+                self.models.append(template.model_copy(update={"name": pool, "served_name": served}))
+                self.workloads.append(
+                    WorkloadSpec(
+                        name=pool,
+                        model=pool,
+                        kind=pool_set.kind,
+                        replicas=pool_set.replicas,
+                        warm_spares=pool_set.warm_spares,
+                        topology_key=pool_set.topology_key,
+                        service=pool_set.service.model_copy(),
+                        pdb=pool_set.pdb.model_copy() if pool_set.pdb is not None else None,
+                    )
+                )
+        self.pool_sets = []
 
     def model(self, name: str) -> ModelSpec:
         for model in self.models:
@@ -259,6 +366,41 @@ def load_scenario(path: str | Path) -> Scenario:
 
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
+
+
+def scaled_scenario(scenario: str | Path, nodes: int) -> Scenario:
+    """The scenario at ``scenario`` (a path, or a shipped scenario's name) with ``nodes`` nodes: every
+    node group's count and every pool set's count scaled by ``nodes`` / its node total, so the same
+    shape (racks, zones, mix of pools, free share) holds at another size, e.g. ``fleet-512`` at 64."""
+    path = Path(scenario)
+    if not path.suffix:
+        path = SCENARIO_DIR / f"{scenario}.yaml"
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ScenarioError(f"{path}: cannot read scenario file ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("nodes"), list):
+        raise ScenarioError(f"{path}: a scenario must be a YAML mapping with a 'nodes' list")
+    total = sum(int(group.get("count", 0)) for group in data["nodes"])
+    if total <= 0 or nodes <= 0:
+        raise ScenarioError(f"{path}: cannot scale {total} nodes to {nodes}")
+
+    def scaled(count: int, where: str) -> int:
+        value = count * nodes / total
+        if value != int(value) or value < 1:
+            raise ScenarioError(
+                f"{path}: {where} ({count}) does not scale to {nodes} nodes from {total}: pick a node "
+                f"count that divides evenly (e.g. {total // 8}, {total // 4}, {total // 2})"
+            )
+        return int(value)
+
+    for i, group in enumerate(data["nodes"]):
+        group["count"] = scaled(int(group["count"]), f"nodes.{i}.count")
+    for i, pool_set in enumerate(data.get("pool_sets") or []):
+        pool_set["count"] = scaled(int(pool_set["count"]), f"pool_sets.{i}.count")
+    if nodes != total:
+        data["name"] = f"{data.get('name', path.stem)}-at-{nodes}"
+    return parse_scenario(data, f"{path} at {nodes} nodes")
 
 
 def shipped_scenarios() -> dict[str, Path]:

@@ -36,7 +36,7 @@ Acting on it (what faults do)
     world.finish_termination(ns, pod)     the engine drained and exited before the grace period ended
     world.register_fault_handler(kind, handler)   handler(FaultRequest) for faults this module does not own
     world.inject_fault(FaultRequest)      node-lost is handled here, other kinds by registered handlers
-    world.kick()                          run the controllers now instead of at the next tick
+    world.kick()                          run the controllers now (after a change they do not see in the store)
 
 Lifecycle
     task = world.start()    on a running asyncio loop (or: await world.run())
@@ -48,7 +48,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
+import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -66,6 +68,9 @@ from sim.scenario import ModelRevision, ModelSpec, Scenario
 log = logging.getLogger(__name__)
 
 FaultHandler = Callable[[FaultRequest], None]
+# Longest a running world goes without a whole reconcile pass (wall seconds): a backstop only, every
+# timer a controller needs is set with ``ControlPlane.wake_at``.
+FULL_PASS_EVERY_S = 30.0
 # Writes no controller reacts to: they do not wake the controllers (lease heartbeats, events, config).
 QUIET_RESOURCES = frozenset({"leases", "events", "configmaps"})
 
@@ -107,6 +112,7 @@ class SimWorld:
             self._startup_profile,
             seed=scenario.seed,
             engine_port=engine_port_of(scenario),
+            scoring=scenario.scheduler.scoring,
         )
         self.control.gates_set_on_first_ready.add(SERVING_READY_CONDITION)
         self._fault_handlers: dict[FaultKind, FaultHandler] = {}
@@ -116,11 +122,15 @@ class SimWorld:
             key=lambda item: item[0],
         )
         self.serving: Any = None  # the ServingLayer, once sim.serving.attach() ran
+        # Called (on the caller's thread) as a node is lost: the serving layer ends its engines at once.
+        self.node_loss_listeners: list[Callable[[str], None]] = []
         self.audit: Any = None  # the API server's sim.k8s.audit.AuditLog, once it serves
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._changed = True  # a whole reconcile is due (a change, or the start)
+        self.passes = 0  # whole reconcile passes run (for benches and tests of idleness)
         for plural, obj in build_objects(scenario):
             self.store.create(plural, obj)
         # The scenario starts in steady state: pods already pulled, loaded and Ready.
@@ -137,21 +147,48 @@ class SimWorld:
         return self._task
 
     async def run(self) -> None:
-        """Reconcile every tick (and at once after any change) until ``stop``."""
+        """Reconcile after every change, and run each controller's timers when they come due, until
+        ``stop``. An idle world (no writes, no timer due) runs nothing."""
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._stopping = False
+        self._changed = True
+        last_full = time.monotonic()
         while not self._stopping:
             self._wake.clear()
             try:
                 self._apply_due_scenario_events()
-                self.control.reconcile()
+                if self._changed or time.monotonic() - last_full >= FULL_PASS_EVERY_S:
+                    self._changed = False
+                    last_full = time.monotonic()
+                    self.passes += 1
+                    self.control.reconcile()
+                else:
+                    self.control.reconcile_due()
             except Exception:  # a controller bug must not freeze the whole world
-                log.exception("sim controllers failed; retrying next tick")
+                log.exception("sim controllers failed; retrying shortly")
+                self._changed = True
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=self.tick_real_seconds())
+                await asyncio.wait_for(self._wake.wait(), timeout=self._idle_seconds())
             # let a burst of API writes land before reconciling
             await asyncio.sleep(0.002)
+
+    def _idle_seconds(self) -> float:
+        """Wall seconds until the next timer (a controller's, a scheduled fault or rollout), at least
+        ``tick_real_seconds`` after a failed pass, at most ``FULL_PASS_EVERY_S``."""
+        if self._changed:
+            return self.tick_real_seconds()
+        due = self.control.next_due()
+        if self._pending_faults:
+            due = min(due, self.started_at + self._pending_faults[0].at_s)
+        if self._pending_rollouts:
+            due = min(due, self.started_at + self._pending_rollouts[0][0])
+        # Look again at least every sim second (cheap: only due timers run), so a timer set meanwhile
+        # by a path that does not kick (e.g. from another thread) is never late by more than that.
+        longest = max(self.tick_real_seconds(), min(FULL_PASS_EVERY_S, self.clock.real_seconds(1.0)))
+        if math.isinf(due):
+            return longest
+        return min(longest, max(0.001, self.clock.real_seconds(due - self.clock.now())))
 
     async def stop(self) -> None:
         self._stopping = True
@@ -162,11 +199,12 @@ class SimWorld:
             self._task = None
 
     def tick_real_seconds(self) -> float:
-        """Wall seconds between reconcile passes: half a sim second, clamped to [20 ms, 100 ms]."""
+        """Wall seconds before a pass that failed is retried: half a sim second, clamped to [20 ms, 100 ms]."""
         return min(0.1, max(0.02, self.clock.real_seconds(0.5)))
 
     def kick(self) -> None:
-        """Wake the controllers now (safe from any thread)."""
+        """Run every controller now (safe from any thread)."""
+        self._changed = True
         loop, wake = self._loop, self._wake
         if loop is None or wake is None or loop.is_closed():
             return
@@ -229,6 +267,8 @@ class SimWorld:
         """The node's kubelet stops reporting (power loss, fabric partition, kernel panic)."""
         self.control.lose_node(name)
         self.kick()
+        for listener in list(self.node_loss_listeners):
+            listener(name)
 
     def restore_node(self, name: str) -> None:
         self.control.restore_node(name)

@@ -28,7 +28,6 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +59,7 @@ from worker.config import Settings
 from worker.devstack.rig import FAST_TIMINGS, FleetRig, compressed_scenario, fleet_rig
 from worker.devstack.sim_wiring import SIM_JIRA_TOKEN
 from worker.webhook.app import ALERTMANAGER_PATH
-from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
+from worker.worker import activity_threads, build_worker
 
 REPO = Path(__file__).resolve().parents[1]
 POOL = PoolRef(namespace="inference", service="llama")
@@ -487,9 +486,7 @@ async def running_worker(
 
     Without ``workflows``/``activities`` it serves everything in ``worker.registry``.
     """
-    with ThreadPoolExecutor(
-        max_workers=MAX_CONCURRENT_ACTIVITIES, thread_name_prefix="fleetmend-activity"
-    ) as pool:
+    with activity_threads(settings) as pool:
         worker = build_worker(
             client, settings, activity_executor=pool, workflows=workflows, activities=activities
         )

@@ -14,7 +14,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, Field, SecretStr
+from pydantic import AliasChoices, BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fleet.qualification import QualificationSpec
@@ -127,7 +127,12 @@ class Settings(BaseSettings):
     )
     xds_host: str = Field("0.0.0.0", description="Address `fleetmend gateway serve` binds its ADS server to")
     xds_port: int = Field(18000, ge=0, le=65535, description="Port of the ADS server Envoy dials")
-    xds_refresh_s: float = Field(0.25, gt=0, description="How often the control plane re-reads the world")
+    xds_refresh_s: float = Field(
+        0.25,
+        gt=0,
+        description="How often the control plane polls a routing source that cannot signal changes (the "
+        "Kubernetes watches wake it on change; policy writes wake it through Postgres NOTIFY)",
+    )
     gateway_service_selector: str | None = Field(
         None, description="Label selector of the Services the gateway serves (unset: every Service)"
     )
@@ -230,6 +235,54 @@ class Settings(BaseSettings):
         None, description="Build id of this worker's code (default: the fleetmend package version)"
     )
 
+    # Worker concurrency: what one worker holds at once (README "Concurrency"). Sized for a burst of about
+    # 100 recoveries on a pair of workers; every recovery's reads and effects take their own slot and
+    # their own connections, so one pool's slow world never queues another pool's recovery behind it.
+    worker_max_concurrent_activities: int = Field(
+        200,
+        ge=1,
+        description="Activities one worker runs at once (Temporal slots): ~50 recoveries per worker x "
+        "up to 3 activities each (the step, the admission keeper's look, a node's triage), with room",
+    )
+    worker_activity_threads: int | None = Field(
+        None,
+        ge=1,
+        description="Threads of the activity executor (fleetmend's activities are synchronous: the "
+        "Kubernetes client is); unset = worker_max_concurrent_activities; never fewer (refused), so an "
+        "activity that has a slot never waits for a thread",
+    )
+    worker_max_concurrent_workflow_tasks: int = Field(
+        100,
+        ge=1,
+        description="Workflow tasks one worker runs at once (each is milliseconds of Python: the GIL, "
+        "not this, bounds them; Temporal's default)",
+    )
+    worker_max_cached_workflows: int = Field(
+        1000,
+        ge=0,
+        description="Workflows kept in the sticky cache (no replay on their next task): a burst's "
+        "recoveries, incidents, node qualifications and the pools' readiness keepers, with room for "
+        "the other worker's share if it dies",
+    )
+    engine_reads_per_look: int = Field(
+        8,
+        ge=1,
+        description="Engines one look at a pool reads at once (/health, /metrics); the look waits for "
+        "them until 60 % of its attempt's time and names the ones that did not answer",
+    )
+    http_connections: int = Field(
+        256,
+        ge=1,
+        description="The worker's HTTP connection pool (engines, Envoy admin, incident channel) shared by "
+        "every activity thread; a read that finds no free connection in time is reported unread",
+    )
+    kube_connections: int = Field(
+        64,
+        ge=1,
+        description="Connections the worker keeps to the Kubernetes API server (the client's default is "
+        "5 per core: a burst would open and drop a TLS connection per request beyond it)",
+    )
+
     # Embedded dev stack
     state_dir: Path = Field(Path(".fleetmend"), description="Where the embedded stack keeps its state")
     temporal_ui_port: int = Field(8233, description="Embedded Temporal Web UI port")
@@ -312,6 +365,21 @@ class Settings(BaseSettings):
     ramp_interval_s: float = Field(30.0, description="Ramp-back re-measure interval")
     repeat_fault_window_s: float = Field(7 * 24 * 3600.0, description="Repeat-fault escalation window")
     ledger_retention_days: int = Field(30, description="Applied ledger rows are kept this long")
+
+    @model_validator(mode="after")
+    def _threads_cover_slots(self) -> Settings:
+        threads, slots = self.worker_activity_threads, self.worker_max_concurrent_activities
+        if threads is not None and threads < slots:
+            raise ValueError(
+                f"worker_activity_threads ({threads}) is below worker_max_concurrent_activities ({slots}): "
+                "an activity holding a slot would wait for a thread; raise the threads or lower the slots"
+            )
+        return self
+
+    @property
+    def activity_threads(self) -> int:
+        """The activity executor's size: the setting, else one thread per activity slot."""
+        return self.worker_activity_threads or self.worker_max_concurrent_activities
 
     def masked(self) -> dict[str, Any]:
         """Effective settings for display: secrets masked, credentials stripped from URLs."""

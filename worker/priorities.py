@@ -10,6 +10,12 @@ Priorities are set in one place, by workflow type, instead of at every call
 site: a client interceptor for the starts (webhook, CLI, Schedules) and a
 worker interceptor for child workflows. Activities inherit their workflow's
 priority. A start that names a priority itself keeps it.
+
+**Fairness between pools.** Within one priority, every pool's work carries its pool as
+Temporal's fairness key (``<namespace>/<service>``, from the workflow id every fleetmend
+workflow is named by): on a server with task-queue fairness, a burst of one pool's
+recovery activities is dispatched in turn with another pool's, never all ahead of it.
+A server without fairness ignores the key.
 """
 
 from __future__ import annotations
@@ -35,30 +41,46 @@ PRIORITY_BY_WORKFLOW: dict[str, int] = {
 }
 
 
-def priority_for(workflow_type: str, given: Priority) -> Priority:
-    """``given`` when it names a priority key, else the type's priority (unknown types: unchanged)."""
+# Workflow ids that name a pool: ``<kind>/<namespace>/<service>[/...]`` (fleet.incident, the keeper).
+POOL_WORKFLOW_KINDS = frozenset({"incident", "scale-down", "readiness"})
+
+
+def fairness_key_for(workflow_id: str | None) -> str | None:
+    """The pool a workflow works on, as a fairness key (``<namespace>/<service>``), or None."""
+    parts = (workflow_id or "").split("/")
+    if len(parts) >= 3 and parts[0] in POOL_WORKFLOW_KINDS and parts[1] and parts[2]:
+        return f"{parts[1]}/{parts[2]}"
+    return None
+
+
+def priority_for(workflow_type: str, given: Priority, workflow_id: str | None = None) -> Priority:
+    """``given`` with the type's priority key unless it names one (unknown types: none), and the pool's
+    fairness key (from ``workflow_id``) unless it names one."""
     key = PRIORITY_BY_WORKFLOW.get(workflow_type)
-    if key is None or given.priority_key is not None:
-        return given
-    return dataclasses.replace(given, priority_key=key)
+    if key is not None and given.priority_key is None:
+        given = dataclasses.replace(given, priority_key=key)
+    fairness = fairness_key_for(workflow_id)
+    if fairness is not None and given.fairness_key is None:
+        given = dataclasses.replace(given, fairness_key=fairness)
+    return given
 
 
 class _ClientOutbound(temporal_client.OutboundInterceptor):
     async def start_workflow(self, input: temporal_client.StartWorkflowInput) -> Any:
-        input.priority = priority_for(input.workflow, input.priority)
+        input.priority = priority_for(input.workflow, input.priority, input.id)
         return await super().start_workflow(input)
 
     async def start_update_with_start_workflow(
         self, input: temporal_client.StartWorkflowUpdateWithStartInput
     ) -> Any:
         start = input.start_workflow_input
-        start.priority = priority_for(start.workflow, start.priority)
+        start.priority = priority_for(start.workflow, start.priority, start.id)
         return await super().start_update_with_start_workflow(input)
 
     async def create_schedule(self, input: temporal_client.CreateScheduleInput) -> Any:
         action = input.schedule.action
         if isinstance(action, temporal_client.ScheduleActionStartWorkflow):
-            action.priority = priority_for(action.workflow, action.priority)
+            action.priority = priority_for(action.workflow, action.priority, action.id)
         return await super().create_schedule(input)
 
 
@@ -73,7 +95,7 @@ class ClientPriorities(temporal_client.Interceptor):
 
 class _WorkflowOutbound(temporal_worker.WorkflowOutboundInterceptor):
     async def start_child_workflow(self, input: temporal_worker.StartChildWorkflowInput) -> Any:
-        input.priority = priority_for(input.workflow, input.priority)
+        input.priority = priority_for(input.workflow, input.priority, input.id)
         return await super().start_child_workflow(input)
 
 

@@ -45,8 +45,6 @@ from worker.temporal_client import TemporalSettingError, connect
 
 log = logging.getLogger("fleetmend.worker")
 
-MAX_CONCURRENT_ACTIVITIES = 32
-
 
 def metrics_runtime(settings: Settings) -> Runtime | None:
     """A Temporal runtime exporting SDK metrics over Prometheus, or None when the port is 0.
@@ -150,6 +148,14 @@ async def promote_first_version(client: Client, settings: Settings, *, attempts:
     )
 
 
+def activity_threads(settings: Settings) -> ThreadPoolExecutor:
+    """The activity executor ``build_worker`` wants: one thread per activity slot (``Settings.activity_threads``).
+
+    The caller owns it (``with activity_threads(settings) as pool: ...``) and shuts it down after the worker.
+    """
+    return ThreadPoolExecutor(max_workers=settings.activity_threads, thread_name_prefix="fleetmend-activity")
+
+
 def build_worker(
     client: Client,
     settings: Settings,
@@ -171,7 +177,9 @@ def build_worker(
         workflows=list(registry.WORKFLOWS if workflows is None else workflows),
         activities=list(registry.build_activities(settings) if activities is None else activities),
         activity_executor=activity_executor,
-        max_concurrent_activities=MAX_CONCURRENT_ACTIVITIES,
+        max_concurrent_activities=settings.worker_max_concurrent_activities,
+        max_concurrent_workflow_tasks=settings.worker_max_concurrent_workflow_tasks,
+        max_cached_workflows=settings.worker_max_cached_workflows,
         interceptors=[ProcedureMetricsInterceptor(), WorkerPriorities()],
         # Let an in-flight Kubernetes call or drain step finish on deploy instead of cutting it.
         graceful_shutdown_timeout=timedelta(seconds=10),
@@ -209,9 +217,7 @@ async def run_worker(
         await health.start()  # /healthz answers from here on; /readyz once polling
     try:
         client = await connect_checked(settings, runtime=runtime, database_url=database_url)
-        with ThreadPoolExecutor(
-            max_workers=MAX_CONCURRENT_ACTIVITIES, thread_name_prefix="fleetmend-activity"
-        ) as pool:
+        with activity_threads(settings) as pool:
             async with build_worker(client, settings, activity_executor=pool, versioned=True):
                 if settings.worker_versioning:
                     await promote_first_version(client, settings)

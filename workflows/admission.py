@@ -43,7 +43,13 @@ with workflow.unsafe.imports_passed_through():
         pool_capacity_rps,
         refused_fraction,
     )
-    from fleet.survivor_load import PARKED_FACTOR, next_admission_look, routed_backlog, survivor_loads
+    from fleet.survivor_load import (
+        PARKED_FACTOR,
+        next_admission_look,
+        routed_backlog,
+        survivor_loads,
+        survivors_look,
+    )
     from fleet.vocabulary import SHED_ORDER
     from fleet.warmth import RampPlan, ramp_capacity_shape
     from workflows.procedure import Procedure
@@ -104,8 +110,10 @@ class AdmissionKeeper:
         )
         self._proc.decide(f"arrivals {arrival:.1f} req/s ({counted}); {capacity_note}")
         self.arrivals = self.arrivals.add(before, 0.0).add(obs, refused_fraction(self.admission))
-        survivors = survivor_loads(before, obs, lost_ids)
-        self.arrival_rps, self.per_group_rps, self.serving_groups = arrival, per_group, len(survivors)
+        look = survivors_look(before, obs, lost_ids)
+        survivors = list(look.loads)
+        self.arrival_rps, self.per_group_rps = arrival, per_group
+        self.serving_groups = len(survivors) + len(look.unread)
         self.backlog = routed_backlog(obs, lost_ids)
         async with self._lock:
             self.shed = decide_shedding(
@@ -115,6 +123,7 @@ class AdmissionKeeper:
                 per_group_capacity_rps=per_group,
                 keep_armed=True,  # the warm floor is short until the replacement is back
                 queues=self._queue_room(self.backlog),
+                unread_survivors=look.unread,
             )
             self.capacity_rps = self.shed.survivor_capacity_rps
             await self._apply(self.shed, step="protect-shed")
@@ -275,8 +284,10 @@ class AdmissionKeeper:
         headroom; the lost replicas' request journal says what became of their requests."""
         proc, pool = self._proc, self._inp.pool
         await proc.enter(Phase.IN_FLIGHT, "Deciding the lost replicas' in-flight requests")
-        decision = decide_retry_policy(survivor_loads(obs, obs, {g.id for g in lost}))
-        proc.decide(decision.reason, {"retry": decision.policy.model_dump(mode="json")})
+        look = survivors_look(obs, obs, {g.id for g in lost})
+        decision = decide_retry_policy(look.loads)
+        reason = f"{decision.reason}; {look.note}" if look.note else decision.reason
+        proc.decide(reason, {"retry": decision.policy.model_dump(mode="json"), "unread": look.unread})
         await proc.act(
             ActActivities.set_retry_policy,
             RetryPolicyChangeRequest(step="in-flight-retry-policy", pool=pool, retry=decision.policy),

@@ -63,7 +63,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.observe import DerouteSeen, DerouteWait, ObserveActivities, ObserveRequest
     from fleet import search_attributes as sa
     from fleet.incident import PoolRef
-    from fleet.observation import PoolObservation
+    from fleet.observation import LookVerdict, PartialLook, PoolObservation
     from fleet.recovery import (
         TERMINAL_PHASES,
         Decision,
@@ -94,6 +94,9 @@ EVENTS_PER_REMINDER = 11
 # marker and the search-attribute upsert that records it (2), a timeout's timer (2) and the answer's
 # workflow task (3), with one to spare. A day's wait measured +89 (tests/recovery/test_long_wait.py).
 OPERATOR_WAIT_EVENTS_MAX = REMINDERS_MAX * EVENTS_PER_REMINDER + 8
+# A read-only look that failed, or read nothing a step needs, is tried again after a backoff that
+# doubles from the retry budget's max interval up to this (``Procedure._read``, ``read_enough``).
+READ_BACKOFF_CAP_S = 60.0
 
 
 def activity_retry(budget: RetryBudget) -> RetryPolicy:
@@ -184,6 +187,20 @@ def describe_failure(err: BaseException) -> str:
     head = spent.get(retry_state.name, "") if retry_state is not None else ""
     text = "; ".join(p for p in parts if p) or str(err)
     return f"{head}: {text}" if head else text
+
+
+def timed_out(err: ActivityError) -> bool:
+    """The activity's budget ran out on time (an attempt or the whole call timed out): the world was
+    slow, not refusing - for a read, worth trying again later."""
+    retry_state = getattr(err, "retry_state", None)
+    if retry_state is not None and retry_state.name == "TIMEOUT":
+        return True
+    cause: BaseException | None = err.cause
+    while cause is not None:
+        if isinstance(cause, TemporalTimeoutError):
+            return True
+        cause = cause.__cause__
+    return False
 
 
 def is_cancellation(err: ActivityError) -> bool:
@@ -528,32 +545,103 @@ class Procedure(Record):
         timeout_s: float | None = None,
         heartbeat_s: float | None = None,
     ) -> ResultT:
-        """A read of the world, with the bounded retry budget; spent, it asks an operator (retry / abort)."""
-        while True:
-            try:
-                result: ResultT = await run_bounded(
-                    activity,
-                    arg,
-                    budget=self._budget,
-                    summary=summary,
-                    timeout_s=timeout_s,
-                    heartbeat_s=heartbeat_s,
-                )
-                return result
-            except ActivityError as err:
-                await self.escalate(
-                    Refusal(step="observe", what=summary, error=describe_failure(err), can_skip=False)
-                )
+        """A read of the world, with the bounded retry budget; a spent budget is tried again with backoff
+        for the budget's ``read_patience_s``, then an operator is asked (retry / abort)."""
+        return await self._read(
+            lambda: run_bounded(
+                activity,
+                arg,
+                budget=self._budget,
+                summary=summary,
+                timeout_s=timeout_s,
+                heartbeat_s=heartbeat_s,
+            ),
+            summary,
+        )
 
     async def call(self, activity: Callable[[ArgT], Any], arg: ArgT, summary: str) -> Any:
         """A read implemented as a plain function activity (e.g. ``incident_on_pool``), same budget."""
+        return await self._read(
+            lambda: run_bounded(activity, arg, budget=self._budget, summary=summary), summary
+        )
+
+    async def _read(self, attempt: Callable[[], Awaitable[ResultT]], summary: str) -> ResultT:
+        """Run a read-only activity until it answers.
+
+        A read is safe to repeat, so one slow pass of the world (its retry budget spent on timeouts,
+        ``timed_out``) never stops the step: the read is tried again with backoff (``max_interval_s``
+        doubling to ``READ_BACKOFF_CAP_S``) until ``read_patience_s`` have passed since it first started;
+        only then is an operator asked, with the world's error and how long the read has been failing.
+        A read the world refuses (403, 404, a bad answer) asks at once, as an effect does. Workflows that
+        started before this replay their immediate ask (patch).
+        """
+        started = self.now()
+        backoff = self._budget.max_interval_s
+        waiting_said = False
         while True:
             try:
-                return await run_bounded(activity, arg, budget=self._budget, summary=summary)
+                return await attempt()
             except ActivityError as err:
-                await self.escalate(
-                    Refusal(step="observe", what=summary, error=describe_failure(err), can_skip=False)
-                )
+                error = describe_failure(err)
+                waited = self.now() - started
+                patient = workflow.patched("reads-outwait-a-slow-world")
+                if patient and is_cancellation(err):
+                    raise
+                if patient and timed_out(err) and waited + backoff <= self._budget.read_patience_s:
+                    if not waiting_said:
+                        waiting_said = True
+                        self.decide(
+                            f"{summary}: could not read ({error}); reading again with backoff for up to "
+                            f"{self._budget.read_patience_s:.0f} s before asking an operator"
+                        )
+                    await workflow.sleep(backoff, summary=f"{summary}: read again"[:190])
+                    backoff = min(READ_BACKOFF_CAP_S, 2 * backoff)
+                    continue
+                if patient and timed_out(err):
+                    error = f"{error} (failing for {waited:.0f} s)"
+                await self.escalate(Refusal(step="observe", what=summary, error=error, can_skip=False))
+                started, backoff, waiting_said = self.now(), self._budget.max_interval_s, False
+
+    async def read_enough(
+        self,
+        look: Callable[[], Awaitable[ResultT]],
+        partial: Callable[[ResultT, float], PartialLook],
+        *,
+        what: str,
+        step: str,
+    ) -> ResultT:
+        """Look until enough of the engines a step needs answered (``partial`` judges, with the seconds
+        waited: ``fleet.observation.judge_partial_look``), then return that look.
+
+        A partial look proceeds (the step decides on what it read and the record names the rest); a look
+        where nothing needed was read is taken again with backoff for the budget's ``read_patience_s``;
+        past that an operator is asked - ``retry`` (look again), ``skip`` (decide on the look as it is) or
+        ``abort`` - with every unread engine and why.
+        """
+        started = self.now()
+        backoff = self._budget.max_interval_s
+        seen = await look()
+        looked_again = False
+        while True:
+            judged = partial(seen, self.now() - started)
+            if judged.verdict is LookVerdict.PROCEED:
+                if judged.unread or looked_again:
+                    self.decide(judged.reason, {"unread": judged.unread, "read": list(judged.read)})
+                return seen
+            if not workflow.patched("partial-looks"):
+                return seen  # a recovery that started before this decided on the look as it was
+            if judged.verdict is LookVerdict.LOOK_AGAIN:
+                if not looked_again:
+                    self.decide(judged.reason, {"unread": judged.unread})
+                looked_again = True
+                await workflow.sleep(backoff, summary=f"{what}: look again"[:190])
+                backoff = min(READ_BACKOFF_CAP_S, 2 * backoff)
+            else:
+                refusal = Refusal(step=step, what=what, error=judged.reason)
+                if await self.escalate(refusal) == "skip":
+                    return seen
+                started, backoff = self.now(), self._budget.max_interval_s
+            seen = await look()
 
     async def observe_pool(
         self,

@@ -58,6 +58,7 @@ with workflow.unsafe.imports_passed_through():
         room_for,
         with_lost,
     )
+    from fleet.survivor_load import survivors_read
     from fleet.verification import verify_recovery
     from workflows.admission import AdmissionKeeper
     from workflows.node_qualification import NodeTriaged, NodeWorkflows
@@ -265,7 +266,17 @@ class ReplicaLossRecovery(Procedure):
         await self.enter(
             Phase.PROTECTING, "Protecting the survivors: reading their queues, KV and preemptions"
         )
-        before, obs = await self.window(self._look, self._inp.timings.poll_interval_s, summary="survivors")
+        before, obs = await self.read_enough(
+            lambda: self.window(self._look, self._inp.timings.poll_interval_s, summary="survivors"),
+            lambda seen, waited: survivors_read(
+                *seen,
+                {g.id for g in lost},
+                waited_s=waited,
+                patience_s=self._inp.timings.retry.read_patience_s,
+            ),
+            what="read the survivors' load",
+            step="survivors",
+        )
         # Survivors' queues now are the baseline verification compares against.
         self.state.baseline = {gid: e.waiting for gid, e in before.engines.items()}
         await self.keeper.first_shed(before, obs, lost, self._initial())

@@ -1,8 +1,11 @@
-"""The simulated control plane: runs every controller over the store, once per tick.
+"""The simulated control plane: runs every controller over the store when something changed.
 
 Controllers are level-triggered: each pass compares the desired state with the
 stored objects and writes only differences (no-op writes are dropped by the
-store), so running them every tick is cheap and converges.
+store), so running them again converges. They run when the cluster changed (a
+write) and when a timer a controller set comes due (``wake_at``: a container's
+image pull ends, a toleration expires, a lease needs renewing); a timer runs only
+the controller that set it (``reconcile_due``). An idle cluster runs nothing.
 
 Pass order (one reconcile): node lifecycle → node lease heartbeats → taint eviction → garbage collection
 → Deployments → ReplicaSets → LeaderWorkerSets → Jobs → DaemonSets → scheduler → kubelets →
@@ -22,6 +25,7 @@ once and its dependents are garbage-collected.
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 from collections.abc import Callable
@@ -99,8 +103,10 @@ class ControlPlane:
         *,
         seed: int = 0,
         engine_port: int = 8000,
+        scoring: str = "LeastAllocated",
     ) -> None:
         self.store = store
+        self.scoring = scoring  # the scheduler's NodeResourcesFit strategy (sim.scenario.SchedulerSpec)
         self.clock = clock
         self.timings = timings
         self.profile_for = profile_for
@@ -108,6 +114,9 @@ class ControlPlane:
         self.rng = random.Random(seed)
         self.lock = threading.RLock()
         self.lost_nodes: dict[str, float] = {}
+        # Node lifecycle: (resourceVersion, lost at, unreachable) each node was last written from.
+        self.node_sync: dict[str, tuple[Any, ...]] = {}
+        self.gc_inputs: tuple[int, ...] | None = None  # what garbage collection last ran on
         self.runtimes: dict[str, PodRuntime] = {}
         self.gates_set_on_first_ready: set[str] = set()  # readiness-gate condition types the sim admits
         self.pod_ips = PodIpAllocator(engine_port)
@@ -121,6 +130,9 @@ class ControlPlane:
         from sim.k8s.controllers.daemonsets import DaemonSetController
 
         self.daemonsets = DaemonSetController(self)  # event-driven: idle while nothing it reads changes
+        # Timers: the sim time each pass asked to run again at (``wake_at``); None = a whole reconcile.
+        self._timers: dict[Callable[[ControlPlane], None] | None, float] = {}
+        self._running: Callable[[ControlPlane], None] | None = None
         self._passes: list[Callable[[ControlPlane], None]] = [
             nodes.reconcile_nodes,
             nodes.renew_node_leases,
@@ -139,9 +151,43 @@ class ControlPlane:
 
     # ------------------------------------------------------------- running
     def reconcile(self) -> None:
+        """Run every controller once."""
         with self.lock:
+            self._timers.pop(None, None)
             for step in self._passes:
-                step(self)
+                self._run(step)
+
+    def reconcile_due(self) -> bool:
+        """Run the controllers whose timer came due (``wake_at``); False when none did."""
+        now = self.now()
+        with self.lock:
+            if self._timers.get(None, math.inf) <= now:
+                self.reconcile()
+                return True
+            due = [step for step in self._passes if self._timers.get(step, math.inf) <= now]
+            for step in due:
+                self._run(step)
+            return bool(due)
+
+    def _run(self, step: Callable[[ControlPlane], None]) -> None:
+        self._timers.pop(step, None)
+        self._running = step
+        try:
+            step(self)
+        finally:
+            self._running = None
+
+    def wake_at(self, at: float) -> None:
+        """Run the calling controller again at sim time ``at`` (outside a pass: every controller)."""
+        with self.lock:
+            key = self._running
+            if at < self._timers.get(key, math.inf):
+                self._timers[key] = at
+
+    def next_due(self) -> float:
+        """The earliest sim time a controller asked to run again (``inf``: none)."""
+        with self.lock:
+            return min(self._timers.values(), default=math.inf)
 
     def settle(self, max_passes: int = 20) -> None:
         """Reconcile until nothing changes (used to build the initial steady state)."""

@@ -44,7 +44,7 @@ KUBELET_VERSION = "v1.33.4"
 
 
 def node_names(group: NodeGroup) -> list[str]:
-    return [f"{group.prefix}-{i}" for i in range(group.count)]
+    return [group.node_name(i) for i in range(group.count)]
 
 
 def build_nodes(scenario: Scenario) -> list[Obj]:
@@ -61,8 +61,7 @@ def build_nodes(scenario: Scenario) -> list[Obj]:
                 "nvidia.com/gpu.count": str(group.gpus),
                 # What GPU feature discovery labels a GPU node with: the GPU DaemonSets' nodeSelector.
                 **({GPU_PRESENT_LABEL: "true"} if group.gpus else {}),
-                **group.labels,
-                **group.node_labels.get(i, {}),
+                **group.labels_of(i),
             }
             resources = {
                 "cpu": group.cpu,

@@ -9,6 +9,10 @@ Thread-safe (one re-entrant lock): the API server, the controllers and the
 serving layer may all touch it. Every read returns a deep copy; callers mutate
 their copy and write it back with ``update``.
 
+Indexes: objects by label (``select``: the objects whose labels include a map, e.g. a Service's
+selector) and by owner (``owned_by``), kept on every write, so a controller's lookup costs what it
+finds, not the cluster's size; ``list_view`` uses them for equality label selectors.
+
 Watchers: ``store.watch(callback)`` registers ``callback(WatchEvent)``, called
 synchronously after every effective write (ADDED, MODIFIED, DELETED). Callbacks
 must be quick; they may read the store, and should schedule (not perform) writes.
@@ -16,10 +20,11 @@ must be quick; they may read the store, and should schedule (not perform) writes
 
 from __future__ import annotations
 
+import re
 import threading
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,6 +35,8 @@ from sim.k8s.selectors import parse_field_selector, parse_label_selector
 
 Obj = dict[str, Any]
 Objs = list[Obj]  # (the store has a method named "list")
+Key = tuple[str, str]  # (namespace, name)
+_EQUALITY_TERM = re.compile(r"^\s*([A-Za-z0-9./_-]+)\s*==?\s*([A-Za-z0-9._-]*)\s*$")
 Events = list["WatchEvent"]
 EventType = Literal["ADDED", "MODIFIED", "DELETED"]
 
@@ -86,6 +93,23 @@ def key_of(obj: Obj) -> tuple[str, str]:
     return meta.get("namespace", "") or "", meta["name"]
 
 
+def _equality_terms(selector: str | None) -> dict[str, str] | None:
+    """``a=b,c==d`` as a map; None when the selector has any other kind of term (or none)."""
+    if not selector or "(" in selector:
+        return None
+    out: dict[str, str] = {}
+    for term in selector.split(","):
+        match = _EQUALITY_TERM.match(term)
+        if match is None:
+            return None
+        out[match.group(1)] = match.group(2)
+    return out
+
+
+def _owner_uids(obj: Obj) -> set[str]:
+    return {ref["uid"] for ref in obj.get("metadata", {}).get("ownerReferences") or [] if ref.get("uid")}
+
+
 class ObjectStore:
     """All API objects of the simulated cluster."""
 
@@ -101,6 +125,72 @@ class ObjectStore:
         }
         # Per resource: the newest revision whose event was dropped from the history (0 = none yet).
         self._horizon: dict[str, int] = dict.fromkeys(RESOURCES, 0)
+        self._sorted: dict[str, list[Key] | None] = dict.fromkeys(RESOURCES)  # keys in order, None: stale
+        self._by_label: dict[str, dict[tuple[str, str, str], set[Key]]] = {p: {} for p in RESOURCES}
+        self._by_owner: dict[str, dict[str, set[Key]]] = {p: {} for p in RESOURCES}
+        # Objects created or removed, and ownerReferences changed, so far (what garbage collection follows).
+        self.created_or_removed = 0
+        self.owners_changed = 0
+        self._written: dict[str, int] = dict.fromkeys(RESOURCES, 0)  # plural -> revision of its last write
+
+    # --------------------------------------------------------------- indexes
+    def _index(self, plural: str, key: Key, obj: Obj, *, add: bool) -> None:
+        by_label, by_owner = self._by_label[plural], self._by_owner[plural]
+        for label, value in (obj.get("metadata", {}).get("labels") or {}).items():
+            entry = (key[0], label, value)
+            if add:
+                by_label.setdefault(entry, set()).add(key)
+            elif entry in by_label:
+                by_label[entry].discard(key)
+                if not by_label[entry]:
+                    del by_label[entry]
+        for uid in _owner_uids(obj):
+            if add:
+                by_owner.setdefault(uid, set()).add(key)
+            elif uid in by_owner:
+                by_owner[uid].discard(key)
+                if not by_owner[uid]:
+                    del by_owner[uid]
+
+    def _reindex(self, plural: str, key: Key, old: Obj, new: Obj) -> None:
+        old_meta, new_meta = old.get("metadata", {}), new.get("metadata", {})
+        owners_changed = old_meta.get("ownerReferences") != new_meta.get("ownerReferences")
+        self.owners_changed += owners_changed
+        if owners_changed or old_meta.get("labels") != new_meta.get("labels"):
+            self._index(plural, key, old, add=False)
+            self._index(plural, key, new, add=True)
+
+    def _keys_in_order(self, plural: str) -> list[Key]:
+        keys = self._sorted[plural]
+        if keys is None:
+            keys = self._sorted[plural] = sorted(self._objects[plural])
+        return keys
+
+    def written_at(self, plural: str) -> int:
+        """The revision of the last write to ``plural`` (0: none since the store began)."""
+        with self._lock:
+            return self._written[plural]
+
+    def select(self, plural: str, namespace: str, labels: Mapping[str, str]) -> Objs:
+        """Stored objects in ``namespace`` whose labels include every pair of ``labels`` (a Service's
+        selector, a LabelSelector's ``matchLabels``), by name: READ-ONLY, never mutate them. Empty
+        ``labels`` select every object of the namespace."""
+        resource = _resource(plural)
+        namespace = namespace if resource.namespaced else ""
+        with self._lock:
+            objects = self._objects[plural]
+            if not labels:
+                return [objects[k] for k in self._keys_in_order(plural) if k[0] == namespace]
+            index = self._by_label[plural]
+            sets = [index.get((namespace, k, v), set()) for k, v in labels.items()]
+            found = set.intersection(*sorted(sets, key=len))
+            return [objects[k] for k in sorted(found)]
+
+    def owned_by(self, plural: str, uid: str) -> Objs:
+        """Stored objects with an ownerReference to ``uid``, by namespace/name: READ-ONLY."""
+        with self._lock:
+            objects = self._objects[plural]
+            return [objects[k] for k in sorted(self._by_owner[plural].get(uid, ()))]
 
     # ----------------------------------------------------------------- reads
     @property
@@ -119,6 +209,12 @@ class ObjectStore:
         with self._lock:
             obj = self._objects[plural].get((namespace if resource.namespaced else "", name))
             return json_copy(obj) if obj is not None else None
+
+    def view(self, plural: str, namespace: str, name: str) -> Obj | None:
+        """Like ``find`` but the stored object itself: READ-ONLY, never mutate it."""
+        resource = _resource(plural)
+        with self._lock:
+            return self._objects[plural].get((namespace if resource.namespaced else "", name))
 
     def get(self, plural: str, namespace: str, name: str) -> Obj:
         """The object, or the apiserver's 404 ``ApiError``."""
@@ -155,15 +251,27 @@ class ObjectStore:
         resource = _resource(plural)
         label_match = parse_label_selector(label_selector)
         field_match = parse_field_selector(field_selector, resource.field_selectors)
+        equality = _equality_terms(label_selector)
         with self._lock:
-            return [
-                obj
-                for (ns, _), obj in sorted(self._objects[plural].items())
-                if (namespace is None or ns == namespace)
-                and label_match(labels_of(obj))
-                and field_match(obj)
-                and (predicate is None or predicate(obj))
-            ]
+            objects = self._objects[plural]
+            if equality is not None and namespace is not None:
+                index = self._by_label[plural]
+                sets = [index.get((namespace, k, v), set()) for k, v in equality.items()]
+                keys: Iterable[Key] = sorted(set.intersection(*sorted(sets, key=len)))
+            else:
+                keys = self._keys_in_order(plural)
+            out = []
+            for key in keys:
+                if namespace is not None and key[0] != namespace:
+                    continue
+                obj = objects[key]
+                if (
+                    (field_selector is None or field_match(obj))
+                    and (label_selector is None or label_match(obj.get("metadata", {}).get("labels") or {}))
+                    and (predicate is None or predicate(obj))
+                ):
+                    out.append(obj)
+            return out
 
     # ---------------------------------------------------------------- writes
     def create(self, plural: str, obj: Obj, *, dry_run: bool = False) -> Obj:
@@ -203,6 +311,10 @@ class ObjectStore:
             meta["resourceVersion"] = str(self._revision)
             self._created[meta["uid"]] = self._revision
             self._objects[plural][key] = obj
+            self._sorted[plural] = None
+            self._index(plural, key, obj, add=True)
+            self.created_or_removed += 1
+            self._written[plural] = self._revision
             self._notify("ADDED", plural, obj)
             return json_copy(obj)
 
@@ -256,6 +368,8 @@ class ObjectStore:
             self._revision += 1
             meta["resourceVersion"] = str(self._revision)
             self._objects[plural][key] = obj
+            self._reindex(plural, key, current, obj)
+            self._written[plural] = self._revision
             self._notify("MODIFIED", plural, obj, current)
             return json_copy(obj)
 
@@ -289,6 +403,9 @@ class ObjectStore:
             self._revision += 1
             meta["resourceVersion"] = str(self._revision)
             self._objects[plural][key] = obj
+            if old is not None:
+                self._reindex(plural, key, old, obj)
+            self._written[plural] = self._revision
             self._notify("MODIFIED", plural, obj, old)
             return json_copy(obj)
 
@@ -296,11 +413,16 @@ class ObjectStore:
         """Delete an object from storage for good; returns its last state."""
         resource = _resource(plural)
         with self._lock:
-            obj = self._objects[plural].pop((namespace if resource.namespaced else "", name), None)
+            key = (namespace if resource.namespaced else "", name)
+            obj = self._objects[plural].pop(key, None)
             if obj is None:
                 return None
+            self._sorted[plural] = None
+            self._index(plural, key, obj, add=False)
+            self.created_or_removed += 1
             self._created.pop(obj["metadata"].get("uid", ""), None)
             self._revision += 1
+            self._written[plural] = self._revision
             obj["metadata"]["resourceVersion"] = str(self._revision)
             self._notify("DELETED", plural, obj)
             return json_copy(obj)

@@ -247,6 +247,8 @@ class Engine:
         self._last = now
         if self.state is EngineState.DEAD:
             return
+        if self.state is EngineState.SERVING and not (self.running or self.waiting):
+            return  # idle: nothing to admit, prefill or decode
         if self.state is EngineState.DRAINING:
             if not (self.running or self.waiting):
                 self.kill("shutdown complete (drained)", now)

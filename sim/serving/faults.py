@@ -14,6 +14,8 @@
 |                 |               | controller recreates the whole group                                    |
 | slow-replica    | ns/pod        | rate x factor (default 0.3): ITL up, throughput down, still Ready       |
 | wedged-engine   | ns/pod        | no progress at all; /health still 200; running/waiting stay, tokens flat |
+| slow-metrics    | ns/pod        | GET /metrics answers ``delay_s`` (default 5) late: an API server so busy |
+|                 |               | its scrapes time out; it still serves, /health still 200               |
 | nvlink-error    | node (+gpu)   | Xid 74 + NVLink CRC/replay counters; multi-GPU replicas there die and   |
 |                 |               | crash-loop until repair                                                  |
 | thermal         | node          | GPU temp high, clock-event reasons = thermal slowdown; engines there   |
@@ -21,7 +23,7 @@
 | bad-rollout     | ns/workload   | the workload's template moves to a revision whose pods crash on start  |
 |                 |               | (CrashLoopBackOff, restartCount climbing)                                |
 
-``params.clear: true`` undoes slow-replica, wedged-engine (by restart), thermal and
+``params.clear: true`` undoes slow-replica, slow-metrics, wedged-engine (by restart), thermal and
 repairs a node's broken GPUs (what a GPU reset or RMA would do). A repair with
 ``params.under_load_defect: true`` leaves the GPU that broke idling clean but failing under
 load (a reset that hid the fault): DCGM's series show nothing, ``dcgmi diag -r 1`` passes,
@@ -53,7 +55,13 @@ log = logging.getLogger(__name__)
 
 NODE_FAULTS = frozenset({FaultKind.NODE_LOST, FaultKind.GPU_XID, FaultKind.NVLINK_ERROR, FaultKind.THERMAL})
 POD_FAULTS = frozenset(
-    {FaultKind.POD_OOMKILLED, FaultKind.RANK_LOST, FaultKind.SLOW_REPLICA, FaultKind.WEDGED_ENGINE}
+    {
+        FaultKind.POD_OOMKILLED,
+        FaultKind.RANK_LOST,
+        FaultKind.SLOW_REPLICA,
+        FaultKind.SLOW_METRICS,
+        FaultKind.WEDGED_ENGINE,
+    }
 )
 
 
@@ -109,6 +117,8 @@ class FaultInjector:
             _param_int(params, "gpu", 0, 0, max(0, len(tel.gpus) - 1))
         if fault.kind in (FaultKind.SLOW_REPLICA, FaultKind.THERMAL) and "factor" in params:
             _param_float(params, "factor", 0.3, 0.01, 1.0)
+        if fault.kind == FaultKind.SLOW_METRICS:
+            _param_float(params, "delay_s", 5.0, 0.0, 600.0)
 
     def _node(self, name: str) -> dict[str, Any]:
         node = self.layer.kube.node(name)
@@ -170,6 +180,10 @@ class FaultInjector:
             if engine is not None:
                 engine.advance(now)
                 engine.slow_factor = factor
+        elif kind == FaultKind.SLOW_METRICS:
+            key = self._pod_key(fault.target)
+            delay = 0.0 if clear else _param_float(params, "delay_s", 5.0, 0.0, 600.0)
+            self.layer.supervisor.sticky.setdefault(key, {})["metrics_delay_s"] = delay
         elif kind == FaultKind.WEDGED_ENGINE:
             key = self._pod_key(fault.target)
             engine = self.layer.supervisor.get(key)

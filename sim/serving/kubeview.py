@@ -34,6 +34,7 @@ class KubeView:
         self._lock = threading.Lock()
         self.objects: dict[str, dict[tuple[str, str], Obj]] = {kind: {} for kind in _KINDS}
         self.generation = 0
+        self.on_change: Callable[[], None] = lambda: None  # called after every change it sees
         self._unsubscribe = store.watch(self._on_event)
         for kind in _KINDS:
             for obj in store.list(kind):
@@ -52,6 +53,7 @@ class KubeView:
             else:
                 table[_key(event.object)] = event.object
             self.generation += 1
+        self.on_change()
 
     # ---- lookups (return the cached dicts; callers must not mutate them) ----------
     def pods(self) -> list[Obj]:

@@ -6,7 +6,10 @@ stack, the demo and the tests) to the engines on their pod IPs.
 
 ``ServingLayer(world)`` wires everything to the world's clock and object store;
 ``start()`` runs the single tick loop (engines advance on the sim clock, probes,
-scheduled faults); ``stop()`` ends it. ``sim.serving.attach``
+scheduled faults); ``stop()`` ends it. The loop ticks fast while something is under way (a
+request in flight, an engine loading, draining or dying, a fault due) and otherwise sleeps until
+something happens (a cluster change, a request, a fault, a node lost) or ``IDLE_TICK_S`` passes:
+an idle fleet costs next to nothing however many engines it has. ``sim.serving.attach``
 builds one and mounts its HTTP API on the simulator's app.
 
 Settings come from the scenario's free-form ``load`` section (``ServingSettings``).
@@ -36,6 +39,9 @@ from sim.serving.supervisor import EngineSupervisor
 from sim.serving.telemetry import NodeTelemetry, gpu_assignment, node_gpu_count, node_gpu_product
 
 log = logging.getLogger(__name__)
+# Longest an idle serving layer sleeps between ticks (wall seconds; shorter in a fast world: at most
+# one sim second), so the kubelets' readiness probes still run on their period.
+IDLE_TICK_S = 0.5
 
 
 class NoGateway(LookupError):
@@ -146,6 +152,32 @@ class ServingLayer:
                 if kind != FaultKind.NODE_LOST:
                     register(kind, self._world_fault_handler)
         self.supervisor.reconcile(self.clock.now(), force=True)
+        self._wake: asyncio.Event | None = None
+        self.kube.on_change = self.wake
+        self.engine_servers.on_request = self.wake
+        listeners = getattr(world, "node_loss_listeners", None)
+        if listeners is not None:
+            listeners.append(lambda node: self.wake())
+
+    def wake(self) -> None:
+        """Tick now (safe from any thread): something changed that the engines must act on."""
+        loop, wake = self._loop, self._wake
+        if loop is None or wake is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            wake.set()
+        else:
+            loop.call_soon_threadsafe(wake.set)
+
+    def busy(self) -> bool:
+        """Is anything under way that the tick must advance (not merely wait for)?"""
+        if self._scheduled or self.supervisor.busy():
+            return True
+        return False
 
     # ---- the gateway users' requests go through --------------------------------------------
     def use_gateway(self, url: str | None, upstream_header: str | None = None) -> None:
@@ -211,6 +243,7 @@ class ServingLayer:
         if self._task is None or self._task.done():
             self._stopping = False
             self._loop = asyncio.get_running_loop()
+            self._wake = asyncio.Event()
             self._task = self._loop.create_task(self._run(), name="sim-serving")
             self._start_traffic()
         return self._task
@@ -242,13 +275,24 @@ class ServingLayer:
     def tick_real_seconds(self) -> float:
         return min(0.05, max(0.005, self.clock.real_seconds(self.settings.tick_s)))
 
+    def idle_real_seconds(self) -> float:
+        return max(self.tick_real_seconds(), min(IDLE_TICK_S, self.clock.real_seconds(1.0)))
+
     async def _run(self) -> None:
+        assert self._wake is not None
         while not self._stopping:
+            self._wake.clear()
+            busy = True
             try:
                 self.tick()
+                busy = self.busy()
             except Exception:  # one bad tick must not stop the fleet
                 log.exception("serving tick failed")
-            await asyncio.sleep(self.tick_real_seconds())
+            if busy:
+                await asyncio.sleep(self.tick_real_seconds())
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=self.idle_real_seconds())
 
     def tick(self) -> None:
         now = self.clock.now()
@@ -276,11 +320,13 @@ class ServingLayer:
             loop.call_soon_threadsafe(self._apply_logged, fault)
         else:
             self.faults.apply(fault)
+            self.wake()
 
     def _apply_logged(self, fault: FaultRequest) -> None:
         try:
             self.faults.apply(fault)
             self.sync_engine_servers()
+            self.wake()
         except Exception:
             log.exception("fault %s on %s failed", fault.kind.value, fault.target)
 
@@ -311,6 +357,7 @@ class ServingLayer:
         self.faults.apply(fault)
         self.kick_world()
         self.sync_engine_servers()
+        self.wake()
         return {"accepted": True, "applied_at": now, "kind": fault.kind.value, "target": fault.target}
 
     def _apply_due_faults(self, now: float) -> None:

@@ -29,6 +29,12 @@ address (``scope["server"]``); each pod socket is a plain ``asyncio`` server run
 uvicorn's HTTP protocol (no ``uvicorn.Server`` per pod: no per-pod main loop), opened
 and closed by the serving layer's tick (``EngineServers.sync``). Cost per pod: one
 listening file descriptor and a few KB (``bench/engine_servers.py`` prints figures).
+
+Health checks and scrapes are answered cheaply: a connection starts on a small protocol
+(``_FastConnection``) that answers ``GET``/``HEAD /health`` and ``GET /metrics`` itself (the same
+status, headers and body the app gives), with no HTTP framework per request. A gateway health-checks
+every engine twice a second over kept-alive connections, so at fleet size these are nearly all the
+requests the engines see. Any other request hands the connection to uvicorn for good.
 """
 
 from __future__ import annotations
@@ -74,6 +80,8 @@ Send = Callable[[Message], Awaitable[None]]
 
 PROMETHEUS_TEXT = b"text/plain; version=0.0.4; charset=utf-8"
 BACKLOG = 128
+_REASONS = {200: b"OK", 500: b"Internal Server Error", 503: b"Service Unavailable"}
+_MAX_HEAD = 16384  # a request head longer than this goes to uvicorn (which answers as it does)
 
 
 class CompletionRequest(BaseModel):
@@ -122,6 +130,70 @@ class _PodServer:
         return cut
 
 
+class _FastConnection(asyncio.Protocol):
+    """One connection to an engine's socket. Answers health checks and scrapes itself; the first
+    request it does not answer (a completion, a body, HTTP/1.0, a pipelined mix) and everything
+    after it on this connection go to uvicorn's protocol, which takes the transport over."""
+
+    __slots__ = ("buffer", "host", "make_inner", "servers", "state", "transport")
+
+    def __init__(
+        self, servers: EngineServers, state: ServerState, make_inner: Callable[[], asyncio.Protocol]
+    ) -> None:
+        self.servers = servers
+        self.state = state
+        self.make_inner = make_inner
+        self.transport: asyncio.Transport | None = None
+        self.host = ""
+        self.buffer = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sockname = transport.get_extra_info("sockname")
+        self.host = sockname[0] if sockname else ""
+        self.state.connections.add(self)  # type: ignore[arg-type]  # cut like uvicorn's when the process dies
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.state.connections.discard(self)  # type: ignore[arg-type]
+
+    def data_received(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is None:
+            return
+        buffer = self.buffer + data if self.buffer else data
+        while buffer:
+            end = buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buffer) > _MAX_HEAD:
+                    self._hand_over(buffer)
+                else:
+                    self.buffer = buffer
+                return
+            answer = self.servers.answer_quickly(self.host, buffer[:end])
+            if answer is None:
+                self._hand_over(buffer)
+                return
+            response, close = answer
+            transport.write(response)
+            buffer = buffer[end + 4 :]
+            if close:
+                transport.close()
+                self.buffer = b""
+                return
+        self.buffer = b""
+
+    def _hand_over(self, buffer: bytes) -> None:
+        transport = self.transport
+        assert transport is not None
+        self.buffer = b""
+        self.state.connections.discard(self)  # type: ignore[arg-type]
+        inner = self.make_inner()
+        transport.set_protocol(inner)
+        inner.connection_made(transport)
+        inner.data_received(buffer)  # type: ignore[attr-defined]
+
+
 def raise_open_file_limit(wanted: int = 65536) -> int:
     """Lift the soft RLIMIT_NOFILE towards the hard limit: every pod socket and every connection to it
     is a file descriptor of this one process (a default soft limit of 1024 would cap the fleet)."""
@@ -159,6 +231,7 @@ class EngineServers:
         # Requests answered, by "METHOD path" and by (path, User-Agent): who reached the engines.
         self.served: Counter[str] = Counter()
         self.served_to: Counter[tuple[str, str]] = Counter()
+        self.on_request: Callable[[], None] = lambda: None  # an engine took a request: tick it
 
     # ---- what is listening ---------------------------------------------------------------
     def address_of(self, replica: str) -> str | None:
@@ -208,10 +281,13 @@ class EngineServers:
         state.default_headers = [(b"server", b"uvicorn")]
         config = self.config
 
-        def protocol() -> asyncio.Protocol:
+        def inner() -> asyncio.Protocol:
             return config.http_protocol_class(  # type: ignore[call-arg]
                 config=config, server_state=state, app_state={}, _loop=loop
             )
+
+        def protocol() -> asyncio.Protocol:
+            return _FastConnection(self, state, inner)
 
         server = _PodServer(key, address, engine, sock, state)
         server.task = loop.create_task(loop.create_server(protocol, sock=sock, backlog=BACKLOG))
@@ -244,6 +320,61 @@ class EngineServers:
             self.close(key)
         await asyncio.sleep(0)
 
+    # ---- health checks and scrapes, without the app ---------------------------------------------
+    def answer_quickly(self, host: str, head: bytes) -> tuple[bytes, bool] | None:
+        """The whole response to a request ``head`` (request line and headers) that is a health check
+        or a scrape of a live engine, and whether to close the connection after it; None for any other
+        request (the app answers it)."""
+        line_end = head.find(b"\r\n")
+        request_line = head if line_end < 0 else head[:line_end]
+        parts = request_line.split(b" ")
+        if len(parts) != 3 or parts[2] != b"HTTP/1.1":
+            return None
+        method, path = parts[0], parts[1]
+        if not (path == b"/health" and method in (b"GET", b"HEAD")) and not (
+            path == b"/metrics" and method == b"GET"
+        ):
+            return None
+        key = self._by_address.get(host)
+        server = self._servers.get(key) if key is not None else None
+        if server is None:
+            return None
+        user_agent = request_id = ""
+        close = False
+        if line_end >= 0:
+            for header in head[line_end + 2 :].split(b"\r\n"):
+                name, _, value = header.partition(b":")
+                name = name.strip().lower()
+                if name == b"user-agent":
+                    user_agent = value.strip().decode("latin-1")
+                elif name == b"x-request-id":
+                    request_id = value.strip().decode("latin-1")
+                elif name == b"connection":
+                    close = b"close" in value.lower()
+                elif name in (b"content-length", b"transfer-encoding", b"expect", b"upgrade"):
+                    if name != b"content-length" or value.strip() != b"0":
+                        return None
+        text_path = path.decode()
+        self.served[f"{method.decode()} {text_path}"] += 1
+        self.served_to[(text_path, user_agent)] += 1
+        engine = server.engine
+        if path == b"/health":
+            status, body, content_type = engine.health_status(), b"", b"application/json"
+        else:
+            status, body, content_type = 200, engine.render_metrics(), PROMETHEUS_TEXT
+        head_out = [
+            b"HTTP/1.1 %d %s" % (status, _REASONS.get(status, b"")),
+            b"server: uvicorn",
+            b"content-type: " + content_type,
+        ]
+        if request_id:
+            head_out.append(b"x-request-id: " + request_id.encode("latin-1", "replace"))
+        head_out.append(b"content-length: %d" % len(body))
+        if close:
+            head_out.append(b"connection: close")
+        response = b"\r\n".join(head_out) + b"\r\n\r\n"
+        return (response if method == b"HEAD" else response + body), close
+
     # ---- the shared ASGI app ------------------------------------------------------------------
     async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -264,6 +395,9 @@ class EngineServers:
         if path == "/health" and method in ("GET", "HEAD"):
             await reply.raw(engine.health_status(), b"", b"application/json")
         elif path == "/metrics" and method == "GET":
+            delay = self.layer.supervisor.sticky.get(server.replica, {}).get("metrics_delay_s")
+            if delay:  # the slow-metrics fault: a server too busy to answer its scrapes in time
+                await asyncio.sleep(delay)
             await reply.raw(200, engine.render_metrics(), PROMETHEUS_TEXT)
         elif path == "/v1/models" and method == "GET":
             await reply.json(200, self._models(engine))
@@ -318,6 +452,7 @@ class EngineServers:
         ereq = EngineRequest(request_id, prompt_tokens, output_tokens, body.max_tokens, stream)
         try:
             engine.submit(ereq, clock.now())
+            self.on_request()
         except EngineRefused as refused:
             if engine.state is EngineState.DEAD:
                 status = engine.health_status()

@@ -43,6 +43,9 @@ class ReadinessProber:
         self.supervisor = supervisor
         self.defaults = defaults
         self._state: dict[str, _ProbeState] = {}
+        # Skip a tick when neither the pods nor the engines changed and no probe is due yet.
+        self._seen: tuple[int, int] | None = None
+        self._next_due = 0.0
 
     def settings_for(self, pod: dict[str, Any]) -> ProbeSettings:
         containers = (pod.get("spec") or {}).get("containers") or [{}]
@@ -53,6 +56,11 @@ class ReadinessProber:
         )
 
     def tick(self, now: float) -> None:
+        seen = (self.kube.generation, self.supervisor.version)
+        if seen == self._seen and now < self._next_due:
+            return
+        self._seen = seen
+        self._next_due = float("inf")
         existing: set[str] = set()
         for pod in self.kube.pods():
             if MODEL_LABEL not in pod_labels(pod) or not is_leader(pod):
@@ -74,10 +82,13 @@ class ReadinessProber:
             state = self._state.get(key)
             if state is None:
                 state = self._state[key] = _ProbeState(next_at=now + settings.period_s)
+                self._next_due = min(self._next_due, state.next_at)
                 continue
             if now < state.next_at:
+                self._next_due = min(self._next_due, state.next_at)
                 continue
             state.next_at = now + settings.period_s
+            self._next_due = min(self._next_due, state.next_at)
             if engine.health_status() == 200:
                 state.failures = 0
                 if state.marked_unready:

@@ -110,6 +110,7 @@ class EngineSupervisor:
         self.node_factor: Callable[[str | None], float] = lambda node: 1.0
         self._seen_generation = -1
         self._loading = False
+        self.version = 0  # bumped whenever an engine process starts or is dropped
 
     def get(self, replica: str) -> Engine | None:
         tracked = self._tracked.get(replica)
@@ -142,6 +143,7 @@ class EngineSupervisor:
         for key in list(self._tracked):
             if key not in pods:
                 self._tracked.pop(key).engine.kill("pod deleted", now)
+                self.version += 1
         groups_broken = self._broken_groups(pods)
         for key, pod in pods.items():
             labels = pod_labels(pod)
@@ -176,6 +178,7 @@ class EngineSupervisor:
             # A new process (container restart) or a new pod with the same name (StatefulSet/LWS).
             tracked.engine.kill("process replaced", now)
             self._tracked.pop(key)
+            self.version += 1
             tracked = None
         if tracked is None:
             if not running or pod_is_terminating(pod) or (node and self.world.is_node_lost(node)):
@@ -200,6 +203,7 @@ class EngineSupervisor:
             engine.slow_factor = sticky.get("slow_factor", engine.slow_factor) * self.node_factor(node)
             tracked = _Tracked(engine, (restarts, started), uid)
             self._tracked[key] = tracked
+            self.version += 1
             blocker = self.start_blocker(pod)
             if blocker is not None:
                 engine.kill(f"CUDA error at start-up: {blocker}", now)
@@ -256,6 +260,18 @@ class EngineSupervisor:
         tracked = self._tracked.get(key)
         if tracked is not None:
             tracked.exit_reported = True
+
+    def busy(self) -> bool:
+        """Is an engine loading, serving requests, draining, or dead with its exit not yet seen?"""
+        if self._loading:
+            return True
+        for tracked in self._tracked.values():
+            engine = tracked.engine
+            if engine.running or engine.waiting or engine.state is EngineState.DRAINING:
+                return True
+            if engine.state is EngineState.DEAD and not tracked.exit_reported:
+                return True
+        return False
 
     def advance(self, now: float) -> None:
         for tracked in self._tracked.values():

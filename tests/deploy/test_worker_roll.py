@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,7 @@ from worker.devstack.temporal_dev import TemporalDevServer
 from worker.priorities import RECOVERY
 from worker.processes import free_port
 from worker.worker import (
-    MAX_CONCURRENT_ACTIVITIES,
+    activity_threads,
     build_worker,
     current_version,
     deployment_version,
@@ -108,7 +107,7 @@ async def worker_of(
     client: Client, settings: Settings, workflows: Sequence[type], *, versioned: bool = True
 ) -> AsyncIterator[Worker]:
     activities: list[Callable[..., Any]] = [stub_notify]
-    with ThreadPoolExecutor(MAX_CONCURRENT_ACTIVITIES) as pool:
+    with activity_threads(settings) as pool:
         worker = build_worker(
             client,
             settings,
@@ -124,7 +123,7 @@ async def worker_of(
 @asynccontextmanager
 async def real_worker(client: Client, settings: Settings) -> AsyncIterator[Worker]:
     """A worker of this version with every workflow and activity (a ``fleetmend worker`` process's)."""
-    with ThreadPoolExecutor(MAX_CONCURRENT_ACTIVITIES) as pool:
+    with activity_threads(settings) as pool:
         async with build_worker(client, settings, activity_executor=pool, versioned=True) as worker:
             yield worker
 

@@ -20,7 +20,6 @@ import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,7 +50,7 @@ from worker.devstack.gateway import LocalGateway
 from worker.devstack.rbac_wiring import AUDIT_DIR_ENV, component_settings, grant_components
 from worker.devstack.sim_wiring import settings_for_running_sim
 from worker.fastpath.service import FastPath, build_fast_path
-from worker.worker import MAX_CONCURRENT_ACTIVITIES, build_worker
+from worker.worker import activity_threads, build_worker
 
 # The procedure's waits in a compressed world (``compressed_scenario``: the sim at real speed, start-up and
 # warm-up in seconds): a whole recovery takes tens of seconds. The demo and the tests both start from these;
@@ -358,9 +357,7 @@ async def fleet_rig(
             if not run_worker:
                 yield rig
                 return
-            with ThreadPoolExecutor(
-                MAX_CONCURRENT_ACTIVITIES, thread_name_prefix="fleetmend-activity"
-            ) as pool:
+            with activity_threads(settings) as pool:
                 worker = build_worker(client, settings, activity_executor=pool)
                 async with worker:
                     rig.worker = worker

@@ -39,6 +39,7 @@ _TAKES: dict[FaultKind | None, Literal["node", "pod", "nothing"]] = {
     FaultKind.POD_OOMKILLED: "pod",
     FaultKind.WEDGED_ENGINE: "pod",
     FaultKind.SLOW_REPLICA: "nothing",
+    FaultKind.SLOW_METRICS: "nothing",
     None: "nothing",  # the sim's own rollout (bad-rollout): its new pods crash before serving a token
 }
 

@@ -103,8 +103,10 @@ class DaemonSetController:
         generation = int(ds["metadata"].get("generation", 1))
         owned = [
             p
-            for p in cp.store.list_view("pods", namespace)
-            if (ref := o.controller_ref(p)) is not None and ref.get("uid") == uid
+            for p in cp.store.owned_by("pods", uid)
+            if o.namespace_of(p) == namespace
+            and (ref := o.controller_ref(p)) is not None
+            and ref.get("uid") == uid
         ]
         by_node: dict[str, list[Obj]] = {}
         for pod in owned:

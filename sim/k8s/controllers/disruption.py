@@ -13,6 +13,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from sim.k8s import objects as o
+from sim.k8s.controllers.workloads import pods_for_selector
 from sim.k8s.errors import ApiError, too_many_requests
 from sim.k8s.selectors import matches_label_selector_object
 
@@ -51,7 +52,7 @@ def budget(cp: ControlPlane, pdb: Obj) -> Obj:
     selector = pdb["spec"].get("selector")
     pods = [
         p
-        for p in cp.store.list_view("pods", namespace)
+        for p in pods_for_selector(cp, namespace, selector)
         if matches_label_selector_object(selector, o.labels(p))
     ]
     expected = _expected_pods(cp, pods)

@@ -58,7 +58,7 @@ def reconcile_endpointslices(cp: ControlPlane) -> None:
         publish_not_ready = bool(service["spec"].get("publishNotReadyAddresses"))
         pods = [
             p
-            for p in cp.store.list_view("pods", namespace)
+            for p in cp.store.select("pods", namespace, selector)
             if all(o.labels(p).get(k) == v for k, v in selector.items())
             and not o.is_pod_terminal(p)
             and p.get("status", {}).get("podIP")

@@ -64,8 +64,10 @@ def _pods_of(cp: ControlPlane, job: Obj) -> list[Obj]:
     uid = o.uid_of(job)
     return [
         p
-        for p in cp.store.list_view("pods", o.namespace_of(job))
-        if (ref := o.controller_ref(p)) is not None and ref.get("uid") == uid
+        for p in cp.store.owned_by("pods", uid)
+        if o.namespace_of(p) == o.namespace_of(job)
+        and (ref := o.controller_ref(p)) is not None
+        and ref.get("uid") == uid
     ]
 
 
@@ -109,6 +111,8 @@ def reconcile_jobs(cp: ControlPlane) -> None:
             verdict = ("Failed", "BackoffLimitExceeded", "Job has reached the specified backoff limit")
         elif deadline is not None and now >= start + float(deadline):
             verdict = ("Failed", "DeadlineExceeded", "Job was active longer than specified deadline")
+        elif deadline is not None:
+            cp.wake_at(start + float(deadline))
         if verdict is not None and verdict[0] == "Failed":
             for pod in pods:
                 if o.is_pod_active(pod):

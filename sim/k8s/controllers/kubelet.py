@@ -58,8 +58,10 @@ def run_kubelets(cp: ControlPlane) -> None:
                 cp.store.remove("pods", o.namespace_of(pod), o.name_of(pod))
                 cp.runtimes.pop(uid, None)
                 continue
-        elif runtime.extra.get("settled") == _settled_key(runtime):
-            continue  # a plain container, up and ready: nothing to sync until something acts on it
+            if deadline is not None:
+                cp.wake_at(deadline)
+        elif runtime.extra.get("settled") == _settled_key(runtime, pod):
+            continue  # up and ready: nothing to sync until something acts on it or on its pod
         profile = cp.profile_for(pod) or DEFAULT_PROFILE
         node = nodes[node_name]
         if "program" not in runtime.extra:
@@ -73,30 +75,31 @@ def run_kubelets(cp: ControlPlane) -> None:
         def write(obj: Obj, runtime: PodRuntime = runtime, node: Obj = node) -> None:
             _write_status(cp, obj, runtime, node, now)
 
-        cp.store.mutate("pods", o.namespace_of(pod), o.name_of(pod), write)
-        if program is None and _container_ready(runtime, now) and _plain(cp, pod):
-            runtime.extra["settled"] = _settled_key(runtime)
+        stored = cp.store.mutate("pods", o.namespace_of(pod), o.name_of(pod), write)
+        if (
+            stored is not None
+            and program is None
+            and not o.is_terminating(stored)
+            and _container_ready(runtime, now)
+        ):
+            runtime.extra["settled"] = _settled_key(runtime, stored)
     for uid in list(cp.runtimes):
         if uid not in live_uids:
             del cp.runtimes[uid]
 
 
-def _plain(cp: ControlPlane, pod: Obj) -> bool:
-    """A container with no engine (no model profile) and no readiness gates: a node agent's (the
-    DaemonSets' pods). Once it is up and ready nothing time-driven changes its status, so the
-    kubelet stops re-syncing it each tick (at fleet size there are several per node)."""
-    return cp.profile_for(pod) is None and not (pod.get("spec") or {}).get("readinessGates")
-
-
-def _settled_key(runtime: PodRuntime) -> tuple[Any, ...]:
-    """What a settled pod's status was written from: any change (a crash, a readiness override, an
-    exit) differs from the key recorded and brings the pod back into the sync."""
+def _settled_key(runtime: PodRuntime, pod: Obj) -> tuple[Any, ...]:
+    """What a settled pod's status was written from. Once a long-running container is up and ready
+    nothing time-driven changes its status, so the kubelet stops re-syncing it (at fleet size there
+    are thousands): any change (a crash, a readiness override, an exit, any write to the pod, such as
+    a readiness gate's condition) differs from the key recorded and brings the pod back into the sync."""
     return (
         runtime.started_at,
         runtime.crashed_at,
         runtime.ready_override,
         runtime.restart_count,
         runtime.exited,
+        pod["metadata"].get("resourceVersion"),
     )
 
 
@@ -110,6 +113,7 @@ def _run_program(
         if exit_code == 0 or restart == "Never" or runtime.crashed_at is None:
             return
         if now < runtime.crashed_at + cp.timings.crash_loop_backoff_s:
+            cp.wake_at(runtime.crashed_at + cp.timings.crash_loop_backoff_s)
             return
         runtime.extra.pop("exit")
         runtime.restart_count += 1
@@ -118,11 +122,13 @@ def _run_program(
     if runtime.started_at is None:
         started = runtime.bound_at + profile.image_pull_s
         if now < started:
+            cp.wake_at(started)
             return
         runtime.started_at = started
         cp.logs[o.uid_of(pod)] = program.started_output
     ends = runtime.started_at + program.duration_s
     if now < ends:
+        cp.wake_at(ends)
         return
     exit_code, output = program.finish()
     uid = o.uid_of(pod)
@@ -151,15 +157,19 @@ def _advance(cp: ControlPlane, runtime: PodRuntime, profile: StartupProfile, now
     if runtime.crashed_at is not None:
         restart_at = runtime.crashed_at + cp.timings.crash_loop_backoff_s
         if now < restart_at:
+            cp.wake_at(restart_at)
             return
         runtime.crashed_at = None
         runtime.started_at = restart_at
     if runtime.started_at is None:
         started = runtime.bound_at + profile.image_pull_s
         if now < started:
+            cp.wake_at(started)
             return
         runtime.started_at = started
     loaded_at = runtime.started_at + profile.ready_after_start_s
+    if now < loaded_at:
+        cp.wake_at(loaded_at)
     if profile.defect in ("crash-on-start", "oom-on-start") and now >= loaded_at:
         cp._crash(runtime, loaded_at, oom=profile.defect == "oom-on-start")
         _advance(cp, runtime, profile, now)

@@ -65,7 +65,12 @@ def reconcile_nodes(cp: ControlPlane) -> None:
         name = o.name_of(node)
         lost_at = cp.lost_nodes.get(name)
         unreachable = lost_at is not None and now - lost_at >= cp.timings.node_monitor_grace_s
+        if lost_at is not None and not unreachable:
+            cp.wake_at(lost_at + cp.timings.node_monitor_grace_s)
         was_unknown = o.condition_status(node, "Ready") == "Unknown"
+        inputs = (node["metadata"].get("resourceVersion"), lost_at, unreachable)
+        if cp.node_sync.get(name) == inputs:
+            continue  # written from the same node and the same facts: the write would change nothing
 
         def change(obj: Obj, lost_at: float | None = lost_at, unreachable: bool = unreachable) -> None:
             stamp = cp.clock.timestamp()
@@ -88,7 +93,9 @@ def reconcile_nodes(cp: ControlPlane) -> None:
             else:
                 obj["spec"].pop("taints", None)
 
-        cp.store.mutate("nodes", "", name, change)
+        stored = cp.store.mutate("nodes", "", name, change)
+        if stored is not None:
+            cp.node_sync[name] = (stored["metadata"].get("resourceVersion"), lost_at, unreachable)
         if unreachable and not was_unknown:
             _mark_pods_not_ready(cp, name)
 
@@ -128,6 +135,8 @@ def evict_tainted_pods(cp: ControlPlane) -> None:
                 added = parse_timestamp(taint["timeAdded"]) if taint.get("timeAdded") else now
                 due = min(due, added + max(0, int(seconds)))
             if due > now:
+                if due != float("inf"):
+                    cp.wake_at(due)
                 continue
             _taint_delete(cp, pod, node_name)
 
@@ -166,6 +175,23 @@ def collect_garbage(cp: ControlPlane) -> None:
     from sim.k8s.controlplane import OUT_OF_SERVICE_TAINT
 
     nodes = {o.name_of(n): n for n in cp.store.list_view("nodes")}
+    out_of_service_nodes = any(
+        t.get("key") == OUT_OF_SERVICE_TAINT
+        for n in nodes.values()
+        for t in n.get("spec", {}).get("taints") or []
+    )
+    store = cp.store
+    # What the collection follows: objects created or removed, owners changed, nodes written, and pods
+    # written while a node is out of service. None of it changed since the last run: nothing to collect.
+    inputs = (
+        store.created_or_removed,
+        store.owners_changed,
+        store.written_at("nodes"),
+        store.written_at("pods") if out_of_service_nodes else 0,
+    )
+    if cp.gc_inputs == inputs:
+        return
+    cp.gc_inputs = inputs
     for pod in cp.store.list_view("pods"):
         node_name = pod.get("spec", {}).get("nodeName")
         if not node_name:
@@ -205,16 +231,18 @@ def renew_node_leases(cp: ControlPlane) -> None:
         name = o.name_of(node)
         if cp.is_node_lost(name):
             continue
-        lease = cp.store.list_view("leases", NODE_LEASE_NAMESPACE, field_selector=f"metadata.name={name}")
-        if lease:
-            renewed = lease[0].get("spec", {}).get("renewTime")
+        lease = cp.store.view("leases", NODE_LEASE_NAMESPACE, name)
+        if lease is not None:
+            renewed = lease.get("spec", {}).get("renewTime")
             if renewed and now - parse_timestamp(renewed) < LEASE_RENEW_S:
+                cp.wake_at(parse_timestamp(renewed) + LEASE_RENEW_S)
                 continue
 
             def renew(obj: Obj) -> None:
                 obj["spec"]["renewTime"] = micro_timestamp(now)
 
             cp.store.mutate("leases", NODE_LEASE_NAMESPACE, name, renew)
+            cp.wake_at(now + LEASE_RENEW_S)
             continue
         cp.store.create(
             "leases",
@@ -233,3 +261,4 @@ def renew_node_leases(cp: ControlPlane) -> None:
                 },
             },
         )
+        cp.wake_at(now + LEASE_RENEW_S)

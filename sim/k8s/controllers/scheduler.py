@@ -4,7 +4,9 @@ Filters as kube-scheduler reports them: ``spec.unschedulable``, untolerated
 NoSchedule/NoExecute taints, ``nodeSelector``, insufficient GPUs, and for
 LeaderWorkerSet groups with the exclusive-topology annotation, one topology
 domain per group. Scoring is LeastAllocated (most free GPUs first, then name),
-so placements are deterministic. A pod that fits nowhere stays Pending with
+or, when the scenario asks for it (``scheduler.scoring``), MostAllocated: the fewest free GPUs
+that fit first, a node already in use before an empty one, and at most ``SPREAD_SKEW`` pods of one
+ReplicaSet per node while another node fits (a soft spread over hosts); placements are deterministic. A pod that fits nowhere stays Pending with
 ``PodScheduled=False/Unschedulable`` and a ``FailedScheduling`` event such as
 ``0/4 nodes are available: 4 Insufficient nvidia.com/gpu. ...`` — even when the
 cluster has enough free GPUs in total (fragmentation).
@@ -24,6 +26,9 @@ if TYPE_CHECKING:
 
 Obj = dict[str, Any]
 COMPONENT = "default-scheduler"
+# MostAllocated keeps a ReplicaSet's pods at most this many per node while another busy node fits
+# them (a soft spread over hosts, kube-scheduler's default PodTopologySpread in spirit).
+SPREAD_SKEW = 2
 
 
 def _free_gpus(cp: ControlPlane, nodes: list[Obj]) -> dict[str, int]:
@@ -127,6 +132,7 @@ def schedule_pending_pods(cp: ControlPlane) -> None:
         return
     nodes = cp.store.list_view("nodes")
     free = _free_gpus(cp, nodes)
+    siblings = _owners_by_node(cp) if cp.scoring == "MostAllocated" else None
     pending.sort(key=lambda p: cp.store.creation_order(o.uid_of(p)))
     handled: set[str] = set()
     for pod in pending:
@@ -145,11 +151,35 @@ def schedule_pending_pods(cp: ControlPlane) -> None:
             _schedule_gang(cp, gang, nodes, free, topology)
         else:
             handled.add(uid)
-            _schedule_one(cp, pod, nodes, free)
+            _schedule_one(cp, pod, nodes, free, siblings)
 
 
-def _bind(cp: ControlPlane, pod: Obj, node_name: str, free: dict[str, int]) -> None:
+def _owner(pod: Obj) -> str | None:
+    refs = pod["metadata"].get("ownerReferences") or []
+    return refs[0].get("uid") if refs else None
+
+
+def _owners_by_node(cp: ControlPlane) -> dict[str, Counter[str]]:
+    """Pods per owner on every node (the spread MostAllocated keeps among a ReplicaSet's pods)."""
+    out: dict[str, Counter[str]] = {}
+    for pod in cp.store.list_view("pods"):
+        node, owner = pod.get("spec", {}).get("nodeName"), _owner(pod)
+        if node and owner and not o.is_pod_terminal(pod):
+            out.setdefault(node, Counter())[owner] += 1
+    return out
+
+
+def _bind(
+    cp: ControlPlane,
+    pod: Obj,
+    node_name: str,
+    free: dict[str, int],
+    siblings: dict[str, Counter[str]] | None = None,
+) -> None:
     free[node_name] -= o.pod_gpus(pod)
+    owner = _owner(pod)
+    if siblings is not None and owner:
+        siblings.setdefault(node_name, Counter())[owner] += 1
     stamp = cp.clock.timestamp()
 
     def change(obj: Obj) -> None:
@@ -171,8 +201,10 @@ def _unschedulable(cp: ControlPlane, pod: Obj, message: str) -> None:
     uid = o.uid_of(pod)
     last = cp.scheduler_memory.get(uid)
     if last is not None and last[0] == message and now - last[1] < cp.timings.scheduler_retry_s:
+        cp.wake_at(last[1] + cp.timings.scheduler_retry_s)
         return
     cp.scheduler_memory[uid] = (message, now)
+    cp.wake_at(now + cp.timings.scheduler_retry_s)
     stamp = cp.clock.timestamp()
     cp.store.mutate(
         "pods",
@@ -183,7 +215,13 @@ def _unschedulable(cp: ControlPlane, pod: Obj, message: str) -> None:
     cp.events.record(pod, "FailedScheduling", message, event_type="Warning", component=COMPONENT)
 
 
-def _schedule_one(cp: ControlPlane, pod: Obj, nodes: list[Obj], free: dict[str, int]) -> None:
+def _schedule_one(
+    cp: ControlPlane,
+    pod: Obj,
+    nodes: list[Obj],
+    free: dict[str, int],
+    siblings: dict[str, Counter[str]] | None = None,
+) -> None:
     reasons: Counter[str] = Counter()
     candidates: list[Obj] = []
     for node in nodes:
@@ -195,8 +233,20 @@ def _schedule_one(cp: ControlPlane, pod: Obj, nodes: list[Obj], free: dict[str, 
     if not candidates:
         _unschedulable(cp, pod, _failure_message(len(nodes), reasons))
         return
-    best = min(candidates, key=lambda n: (-(free[o.name_of(n)] - o.pod_gpus(pod)), o.name_of(n)))
-    _bind(cp, pod, o.name_of(best), free)
+    if siblings is None:  # LeastAllocated
+        best = min(candidates, key=lambda n: (-(free[o.name_of(n)] - o.pod_gpus(pod)), o.name_of(n)))
+    else:  # MostAllocated: at most SPREAD_SKEW siblings per node while others fit, busy nodes before empty ones
+        owner = _owner(pod) or ""
+        best = min(
+            candidates,
+            key=lambda n: (
+                free[o.name_of(n)] == o.node_gpus(n),
+                siblings.get(o.name_of(n), Counter())[owner] >= SPREAD_SKEW,
+                free[o.name_of(n)] - o.pod_gpus(pod),
+                o.name_of(n),
+            ),
+        )
+    _bind(cp, pod, o.name_of(best), free, siblings)
 
 
 def _schedule_gang(

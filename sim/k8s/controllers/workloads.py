@@ -22,6 +22,7 @@ from fleet.vocabulary import POD_DELETION_COST_ANNOTATION
 from sim.clock import parse_timestamp
 from sim.k8s import objects as o
 from sim.k8s.selectors import matches_label_selector_object, selector_object_to_string
+from sim.k8s.store import json_copy
 
 if TYPE_CHECKING:
     from sim.k8s.controlplane import ControlPlane
@@ -59,18 +60,28 @@ def reconcile_deployments(cp: ControlPlane) -> None:
 
 
 def _owned(cp: ControlPlane, plural: str, owner: Obj) -> list[Obj]:
-    uid = o.uid_of(owner)
+    uid, namespace = o.uid_of(owner), o.namespace_of(owner)
     return [
         obj
-        for obj in cp.store.list_view(plural, o.namespace_of(owner))
-        if (ref := o.controller_ref(obj)) is not None and ref.get("uid") == uid
+        for obj in cp.store.owned_by(plural, uid)
+        if o.namespace_of(obj) == namespace
+        and (ref := o.controller_ref(obj)) is not None
+        and ref.get("uid") == uid
     ]
+
+
+def pods_for_selector(cp: ControlPlane, namespace: str, selector: Obj | None) -> list[Obj]:
+    """The pods a LabelSelector object can match, from the store's label index when it has only
+    ``matchLabels`` (the caller still checks the selector); every pod of the namespace otherwise."""
+    if selector is not None and selector.get("matchLabels") and not selector.get("matchExpressions"):
+        return cp.store.select("pods", namespace, selector["matchLabels"])
+    return cp.store.list_view("pods", namespace)
 
 
 def _sync_deployment(cp: ControlPlane, deployment: Obj) -> None:
     spec = deployment["spec"]
     namespace, name = o.namespace_of(deployment), o.name_of(deployment)
-    template = copy.deepcopy(spec["template"])
+    template = json_copy(spec["template"])
     template_hash = o.stable_hash(template)
     replica_sets = _owned(cp, "replicasets", deployment)
     new_rs = next((rs for rs in replica_sets if o.labels(rs).get(TEMPLATE_HASH_LABEL) == template_hash), None)
@@ -271,10 +282,14 @@ def _progress_condition(cp: ControlPlane, obj: Obj, new_name: str, progressed: b
         for cond in obj["status"]["conditions"]:
             if cond["type"] == "Progressing":
                 cond["lastUpdateTime"] = stamp
+        cp.wake_at(parse_timestamp(stamp) + deadline + 1e-3)
         return
     if current.get("reason") == "ProgressDeadlineExceeded":
         return
-    if cp.now() - parse_timestamp(current.get("lastUpdateTime", stamp)) > deadline:
+    expires = parse_timestamp(current.get("lastUpdateTime", stamp)) + deadline
+    if cp.now() <= expires:
+        cp.wake_at(expires + 1e-3)
+    else:
         o.set_condition(
             obj,
             "Progressing",
@@ -308,7 +323,12 @@ def _sync_replicaset(cp: ControlPlane, rs: Obj) -> None:
     selector = rs["spec"].get("selector")
     rs_deleting = o.is_terminating(rs)
     owned: list[Obj] = []
-    for pod in cp.store.list_view("pods", namespace):
+    # The pods it owns, and the pods its selector matches (to adopt or release): not the whole namespace.
+    candidates = {o.uid_of(p): p for p in pods_for_selector(cp, namespace, selector)}
+    candidates.update((o.uid_of(p), p) for p in cp.store.owned_by("pods", rs_uid))
+    for pod in sorted(candidates.values(), key=o.name_of):
+        if o.namespace_of(pod) != namespace:
+            continue
         ref = o.controller_ref(pod)
         matches = matches_label_selector_object(selector, o.labels(pod))
         if ref is not None and ref.get("uid") == rs_uid:
