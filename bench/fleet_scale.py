@@ -58,6 +58,7 @@ import json
 import math
 import os
 import secrets
+import signal
 import socket
 import statistics
 import sys
@@ -84,7 +85,7 @@ from gateway.resources import UPSTREAM_HEADER
 from ledger.migrate import upgrade_head
 from ledger.scratch import PgServer, acquire_server
 from sim.control import FaultRequest
-from sim.scenario import Scenario
+from sim.scenario import Scenario, scaled_scenario
 from worker.config import Settings, load_settings
 from worker.devstack.envoy import EnvoyProcess
 from worker.devstack.rbac_wiring import component_settings, grant_components
@@ -93,13 +94,11 @@ from worker.devstack.sim_process import SimProcess, scenario_file, start_sim_pro
 from worker.devstack.sim_wiring import settings_for_running_sim
 from worker.devstack.temporal_dev import throwaway_dev_server
 from worker.processes import free_port, spawn, terminate
-from worker.worker import MAX_CONCURRENT_ACTIVITIES
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = (64, 128, 256, 512)
 FAULTS = ("node", "rack", "burst")
 RACK_LABEL = "topology.kubernetes.io/rack"
-RACK_NODES = 16
 BURST_NODES, BURST_S = 200, 60.0
 FLEET_NODES = 512  # the size the burst's 200 nodes are named for
 ROTATION_POLL_S = 0.2
@@ -114,6 +113,15 @@ CLOUD_APS = (
 TIMINGS = FAST_TIMINGS
 OBJECTIVES = ServingObjectives(group_capacity_rps=15.0)
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# The worker's concurrency settings (worker/config.py), recorded with the figures.
+CONCURRENCY_SETTINGS = (
+    "worker_max_concurrent_activities",
+    "worker_activity_threads",
+    "worker_max_concurrent_workflow_tasks",
+    "worker_max_cached_workflows",
+    "engine_reads_per_look",
+    "http_connections",
+)
 # Workflow types whose run is a recovery (the procedure a pool's incident starts per loss).
 RECOVERY_TYPES = {"ReplicaLossRecovery"}
 WAITING_PHASES = {Phase.AWAITING_OPERATOR, Phase.AWAITING_REPAIR}
@@ -126,48 +134,11 @@ console = Console(width=160)
 
 def fleet_scenario(nodes: int, home: Path) -> Scenario:
     """``fleet-512`` at ``nodes`` nodes, with engine start-up and warm-up compressed to seconds."""
-    from sim.scenario import SCENARIO_DIR
-
-    if (SCENARIO_DIR / "fleet-512.yaml").is_file():
-        from sim.scenario import scaled_scenario  # type: ignore[attr-defined]
-
-        scaled = scaled_scenario("fleet-512", nodes)
-    else:
-        scaled = generated_fleet(nodes)
-    path = scenario_file(scaled, home)
+    path = scenario_file(scaled_scenario("fleet-512", nodes), home)
     scenario = compressed_scenario(path, startup_s=STARTUP_S, warm_up_s=WARM_UP_S, rollout_at_s=None)
     return scenario.model_copy(
         update={"timings": scenario.timings.model_copy(update={"node_monitor_grace_s": NODE_GRACE_S})}
     )
-
-
-def generated_fleet(nodes: int) -> Scenario:
-    """The shape of ``fleet-512`` where that scenario is not shipped: racks of 16 nodes (two zones), TP=4
-    pools of 7 serving replicas and a warm spare (4 nodes each), an eighth of the nodes free."""
-    from sim.scenario import SCENARIO_DIR, load_scenario
-
-    base = load_scenario(SCENARIO_DIR / "gpu-node-loss.yaml")
-    group = base.nodes[0].model_copy(
-        update={
-            "count": nodes,
-            "labels": {"node.kubernetes.io/instance-type": "p5.48xlarge"},
-            "node_labels": {
-                i: {
-                    RACK_LABEL: f"rack-{i // RACK_NODES:02d}",
-                    "topology.kubernetes.io/zone": ("zone-a", "zone-b")[(i // RACK_NODES) % 2],
-                    "fleetmend.io/nvlink-domain": f"nvl-{i // 2:03d}",
-                }
-                for i in range(nodes)
-            },
-        }
-    )
-    template = base.workloads[0]
-    pools = nodes * 7 // 8 // 4
-    workloads = [
-        template.model_copy(update={"name": f"chat-tp4-{i:03d}", "replicas": 7, "warm_spares": 1})
-        for i in range(pools)
-    ]
-    return base.model_copy(update={"name": f"fleet-at-{nodes}", "nodes": [group], "workloads": workloads})
 
 
 @dataclass
@@ -537,9 +508,14 @@ def api_rates(world: World, start: float, end: float) -> dict[str, float]:
 
 
 def cordons(world: World, start: float) -> list[tuple[float, str]]:
-    """(time, node) of every cordon fleetmend's worker made after ``start``."""
-    found = []
-    for e in audit_events(world):
+    """(time, node) of the first cordon of each node fleetmend's worker cordoned after ``start`` (a
+    quarantine patch sets ``spec.unschedulable`` again: the node was fenced at the first)."""
+    return first_cordons(audit_events(world), start)
+
+
+def first_cordons(events: Iterable[dict[str, Any]], start: float) -> list[tuple[float, str]]:
+    found: dict[str, float] = {}
+    for e in events:
         ref = e.get("objectRef") or {}
         if (
             e.get("verb") == "patch"
@@ -548,8 +524,9 @@ def cordons(world: World, start: float) -> list[tuple[float, str]]:
             and (e.get("responseStatus") or {}).get("code", 200) < 300
             and event_time(e) >= start
         ):
-            found.append((event_time(e), str(ref.get("name"))))
-    return sorted(found)
+            name = str(ref.get("name"))
+            found[name] = min(found.get(name, math.inf), event_time(e))
+    return sorted((t, name) for name, t in found.items())
 
 
 def sets_unschedulable(patch: Any) -> bool:
@@ -792,11 +769,22 @@ async def run_fault(world: World, fault: str) -> dict[str, Any]:
     }
     incidents = [r for r in runs if r.type == "FleetIncident"]
     by_id = Counter(r.workflow_id for r in incidents)
+    # A pool's incident: its first run opened after the pool's first fault (in a burst a pool hit again
+    # after its incident closed gets a new run: re-opened, not duplicated; two runs open at once would be).
     opened_after = [
-        next(r.start for r in incidents if r.workflow_id == incident_workflow_id(p)) - t
+        min(r.start for r in incidents if r.workflow_id == incident_workflow_id(p) and r.start >= t - 1.0) - t
         for p, t in pool_fault.items()
-        if incident_workflow_id(p) in by_id
+        if any(r.workflow_id == incident_workflow_id(p) and r.start >= t - 1.0 for r in incidents)
     ]
+    duplicated = sum(
+        1
+        for a in incidents
+        for b in incidents
+        if a.workflow_id == b.workflow_id
+        and a.run_id < b.run_id
+        and a.start < (b.close or math.inf)
+        and b.start < (a.close or math.inf)
+    )
     recoveries = [r for r in runs if r.type in RECOVERY_TYPES]
     waiting: list[dict[str, str]] = []
     completed = failed = running = 0
@@ -837,8 +825,10 @@ async def run_fault(world: World, fault: str) -> dict[str, Any]:
         "fault_to_out_of_rotation_s": quantiles(rotation),
         "not_out_of_rotation": len(watched) - len(rotation),
         "fault_to_incident_opened_s": quantiles(opened_after),
-        "incidents_opened": len(by_id),
-        "incidents_duplicated": sum(1 for n in by_id.values() if n > 1),
+        "incidents_opened": len(incidents),
+        "pools_with_incident": len(by_id),
+        "incidents_duplicated": duplicated,
+        "incidents_reopened": len(incidents) - len(by_id),
         "pools_without_incident": sorted(p.key for p in pools if incident_workflow_id(p) not in by_id),
         "recoveries": {
             "started": len(recoveries),
@@ -850,7 +840,7 @@ async def run_fault(world: World, fault: str) -> dict[str, Any]:
         "waiting": waiting[:20],
         "last_recovery_ended_s": round(max(closes) - first_fault, 1) if closes else None,
         "node_qualifications": sum(1 for r in runs if r.type == "NodeQualification"),
-        "cordoned": len(cordoned),
+        "nodes_cordoned": len(cordoned),
         "cordons_per_s": {
             "mean": round(len(cordon_times) / max(cordon_times[-1] - cordon_times[0], 1.0), 2)
             if cordon_times
@@ -929,36 +919,72 @@ def print_faults(rows: list[dict[str, Any]]) -> None:
             console.print(f"  waiting: {w['workflow']} [{w['phase']}] {w['reason'][:140]}")
 
 
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """The cost curve: fleetmend's processes' and the sim's idle CPU by fleet size, per worker count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in sorted(k for k in doc if k.startswith("workers=")):
+        rows = sorted(doc[key].get("idle", []), key=lambda r: r["nodes"])
+        if not rows:
+            continue
+        nodes = [r["nodes"] for r in rows]
+        ax.plot(nodes, [r["fleetmend_cpu_pct"] for r in rows], marker="o", label=f"fleetmend ({key})")
+        ax.plot(nodes, [r["sim_cpu_pct"] for r in rows], marker="x", linestyle="--", label=f"sim ({key})")
+    ax.set_xlabel("GPU nodes (fleet-512 scaled)")
+    ax.set_ylabel("idle CPU, % of one core")
+    ax.set_title("Idle cost by fleet size (Envoy health-checking every engine)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ============================================================================ main
 
 
 async def main(args: argparse.Namespace) -> None:
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = [int(s) for s in args.sizes.split(",") if s]
     faults = [f for f in args.faults.split(",") if f]
     unknown = sorted(set(faults) - set(FAULTS))
     if unknown:
         raise SystemExit(f"unknown fault {unknown}: choose from {', '.join(FAULTS)}")
-    fault_sizes = [int(s) for s in args.fault_sizes.split(",")] if args.fault_sizes else [max(sizes)]
+    fault_sizes = [int(s) for s in args.fault_sizes.split(",") if s] or sizes[-1:]
     pg = await asyncio.to_thread(acquire_server)
     idle: list[dict[str, Any]] = []
     fault_rows: list[dict[str, Any]] = []
     try:
         with contextlib.ExitStack() as stack:
             tmp = args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="fleet-scale-"))
+            # Each world serves one idle window (its size's) and then at most one fault: a fault's
+            # figures come from a fleet that lost nothing before it.
+            plan: list[tuple[int, bool, str | None]] = []
+            pending = [(n, f) for n in fault_sizes for f in faults]
             for nodes in sizes:
-                console.print(f"[bold]{nodes} nodes[/]: idle, {args.idle_s:g} s")
-                async with running_world(nodes, args.workers, pg, Path(tmp) / f"idle-{nodes}") as world:
-                    idle.append(await idle_cost(world, args.idle_s))
-                console.print(
-                    f"  fleetmend {idle[-1]['fleetmend_cpu_pct']:.1f} %, sim {idle[-1]['sim_cpu_pct']:.1f} %"
-                )
-            for nodes in fault_sizes:
-                for fault in faults:
-                    console.print(f"[bold]{nodes} nodes[/]: {fault} lost")
-                    home = Path(tmp) / f"{fault}-{nodes}"
-                    async with running_world(nodes, args.workers, pg, home) as world:
+                first = next((f for n, f in pending if n == nodes), None)
+                if first is not None:
+                    pending.remove((nodes, first))
+                plan.append((nodes, True, first))
+            plan += [(n, False, f) for n, f in pending]
+            for nodes, measure_idle, fault in plan:
+                console.print(f"[bold]{nodes} nodes[/]: {'idle, ' if measure_idle else ''}{fault or ''}")
+                home = Path(tmp) / f"{nodes}-{fault or 'idle'}"
+                async with running_world(nodes, args.workers, pg, home) as world:
+                    if measure_idle:
+                        idle.append(await idle_cost(world, args.idle_s))
+                        console.print(
+                            f"  idle: fleetmend {idle[-1]['fleetmend_cpu_pct']:.1f} %, "
+                            f"sim {idle[-1]['sim_cpu_pct']:.1f} %"
+                        )
+                    if fault is not None:
                         fault_rows.append(await run_fault(world, fault))
-                    console.print(json.dumps(fault_rows[-1], indent=None)[:600])
+                        console.print(json.dumps(fault_rows[-1], indent=None)[:600])
     finally:
         await asyncio.to_thread(pg.stop)
     slope = {
@@ -971,29 +997,46 @@ async def main(args: argparse.Namespace) -> None:
     doc: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {}
     doc["about"] = (__doc__ or "").split("\n\n")[0]
     doc["machine"] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
+    concurrency = load_settings()  # the workers run with these (the bench sets none of them)
     doc["settings"] = {
         "recovery_timings": TIMINGS.model_dump(mode="json"),
         "node_monitor_grace_s": NODE_GRACE_S,
         "engine_startup_s": STARTUP_S,
         "engine_warm_up_s": WARM_UP_S,
-        "max_concurrent_activities_per_worker": MAX_CONCURRENT_ACTIVITIES,
+        "worker_concurrency": {
+            name: getattr(concurrency, name) for name in CONCURRENCY_SETTINGS if hasattr(concurrency, name)
+        },
         "temporal_cloud_actions": "https://docs.temporal.io/cloud/actions",
         "temporal_cloud_aps_limit": "https://docs.temporal.io/cloud/limits#throughput",
     }
     key = f"workers={args.workers}"
     previous = doc.get(key, {})
-    if not idle and previous.get("idle"):
-        idle = previous["idle"]
+    if not idle and previous.get("idle"):  # a run of faults only keeps the idle figures it found
+        idle, slope = previous["idle"], previous.get("slope", slope)
     doc[key] = {
         "idle": idle,
-        "slope": slope if len(idle) > 1 else previous.get("slope", slope),
-        "faults": fault_rows or previous.get("faults", []),
-        "command": " ".join(["python -m bench.fleet_scale", *sys.argv[1:]]),
-        "measured_at": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "slope": slope,
+        # A run's faults replace the same fault at the same size from an earlier run, and keep the rest.
+        "faults": [
+            f
+            for f in previous.get("faults", [])
+            if (f["nodes"], f["fault"]) not in {(r["nodes"], r["fault"]) for r in fault_rows}
+        ]
+        + fault_rows,
+        "runs": [
+            *previous.get("runs", []),
+            {
+                "command": " ".join(["python -m bench.fleet_scale", *sys.argv[1:]]),
+                "finished_at": datetime.now().astimezone().isoformat(timespec="seconds"),
+            },
+        ],
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
     console.print(f"wrote {out}")
+    if args.plot:
+        plot(doc, Path(args.plot))
+        console.print(f"wrote {args.plot}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1009,6 +1052,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--idle-s", type=float, default=30.0, help="idle window per size, seconds")
     parser.add_argument("--quick", action="store_true", help="64 nodes, one node and one rack, 10 s idle")
     parser.add_argument("--out", default=str(REPO / "docs" / "fleet-scale.json"))
+    parser.add_argument("--plot", default="", help="draw the cost curve of --out's figures to this PNG")
     parser.add_argument("--workdir", default="", help="keep every process's logs here (default: a temp dir)")
     args = parser.parse_args(argv)
     if args.workers < 1:
@@ -1018,5 +1062,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+async def run(args: argparse.Namespace) -> None:
+    """``main``, stopped cleanly (every world's processes too) by SIGINT or SIGTERM."""
+    task = asyncio.ensure_future(main(args))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 if __name__ == "__main__":
-    asyncio.run(main(parse_args()))
+    asyncio.run(run(parse_args()))
