@@ -44,7 +44,8 @@ line through fleetmend's processes' total (CPU % per 100 nodes).
 * with ``--workers 2``: the activities each worker ran (the ``identity`` of each
   ``ActivityTaskStarted`` event).
 
-``--quick``: 64 nodes, one node and one rack, a 10 s idle window (a smoke run of a few minutes). The
+``--quick``: 64 nodes, one node and one rack, a 10 s idle window, and shorter replacement, verification
+and ramp-back caps (a smoke run of about three minutes; write it elsewhere with ``--out``). The
 figures are written under the key ``workers=N`` of ``--out``, so runs with 1 and 2 workers sit side by
 side. Shares this machine's CPUs with everything else running.
 """
@@ -78,7 +79,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowExecutionStatus
 
 from fleet.incident import PoolRef, incident_workflow_id
-from fleet.recovery import Phase, ProcedureStatus, ServingObjectives
+from fleet.recovery import Phase, ProcedureStatus, RecoveryTimings, ServingObjectives
 from fleet.vocabulary import FaultKind
 from gateway.bootstrap import BootstrapSettings
 from gateway.resources import UPSTREAM_HEADER
@@ -111,6 +112,11 @@ CLOUD_APS = (
     400,
 )  # actions/s of a Temporal Cloud namespace: the issue's figure, the limits page's default
 TIMINGS = FAST_TIMINGS
+# --quick: a recovery that cannot place its replacements, or whose warm floor is not back, says so
+# sooner, and the ramp-back (no load to measure) ends sooner.
+QUICK_TIMINGS = FAST_TIMINGS.model_copy(
+    update={"replacement_timeout_s": 20, "verify_timeout_s": 15, "ramp_max_s": 8}
+)
 OBJECTIVES = ServingObjectives(group_capacity_rps=15.0)
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # The worker's concurrency settings (worker/config.py), recorded with the figures.
@@ -310,7 +316,9 @@ async def wait_leader(kubeconfig: Path, settings: Settings, timeout_s: float = 6
 
 
 @contextlib.asynccontextmanager
-async def running_world(nodes: int, workers: int, pg: PgServer, home: Path) -> AsyncIterator[World]:
+async def running_world(
+    nodes: int, workers: int, pg: PgServer, home: Path, timings: RecoveryTimings = TIMINGS
+) -> AsyncIterator[World]:
     """A fresh world of ``nodes`` nodes (its own Temporal, ledger database, sim, gateway, workers),
     yielded once Envoy finds every routed engine healthy and a worker's fast path leads."""
     home.mkdir(parents=True, exist_ok=True)
@@ -339,7 +347,7 @@ async def running_world(nodes: int, workers: int, pg: PgServer, home: Path) -> A
                     "gateway_admin_urls": [],
                     **component_settings(kubeconfigs),
                     "fastpath_enabled": True,
-                    "recovery_timings": TIMINGS,
+                    "recovery_timings": timings,
                     "serving_objectives": OBJECTIVES,
                 },
             )
@@ -975,7 +983,7 @@ async def main(args: argparse.Namespace) -> None:
             for nodes, measure_idle, fault in plan:
                 console.print(f"[bold]{nodes} nodes[/]: {'idle, ' if measure_idle else ''}{fault or ''}")
                 home = Path(tmp) / f"{nodes}-{fault or 'idle'}"
-                async with running_world(nodes, args.workers, pg, home) as world:
+                async with running_world(nodes, args.workers, pg, home, args.timings) as world:
                     if measure_idle:
                         idle.append(await idle_cost(world, args.idle_s))
                         console.print(
@@ -999,7 +1007,7 @@ async def main(args: argparse.Namespace) -> None:
     doc["machine"] = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
     concurrency = load_settings()  # the workers run with these (the bench sets none of them)
     doc["settings"] = {
-        "recovery_timings": TIMINGS.model_dump(mode="json"),
+        "recovery_timings": args.timings.model_dump(mode="json"),
         "node_monitor_grace_s": NODE_GRACE_S,
         "engine_startup_s": STARTUP_S,
         "engine_warm_up_s": WARM_UP_S,
@@ -1057,8 +1065,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    args.timings = TIMINGS
     if args.quick:
         args.sizes, args.faults, args.fault_sizes, args.idle_s = "64", "node,rack", "64", 10.0
+        args.timings = QUICK_TIMINGS
     return args
 
 
