@@ -1,0 +1,166 @@
+"""A rack of a 64-node fleet lost at once: every pool it hit gets one incident, and each recovery ends or
+waits on an operator saying why.
+
+The world is the shipped ``fleet-512`` at 64 nodes (4 racks of 16, 16 pools of TP=1/2/4/8 Deployments and
+a multi-node LeaderWorkerSet, warm spares, 8 nodes free), served by the simulator in a process of its own
+behind a real Envoy; fleetmend's worker and its fast path (Envoy's health view, the Kubernetes watches)
+run against it. The 16 nodes of the rack holding the most pools' routed replicas die at once. What an
+SRE checks afterwards: each pool hit has its incident (one, not two), each incident's recovery completed
+or is in ``awaiting-operator`` with the reason, nothing failed, and the ledger matches the world's own
+record of fleetmend's requests. ``bench/fleet_scale.py`` measures the same loss (and a node, and a burst
+of 200 nodes) for time and cost; this test asserts behaviour only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.client import Client, WorkflowExecutionStatus
+
+from fleet.incident import PoolRef, incident_workflow_id
+from fleet.recovery import Phase, ServingObjectives
+from fleet.vocabulary import FaultKind
+from sim.scenario import Scenario, scaled_scenario
+from tests.support import FAST, GROUP_CAPACITY_RPS, reconcile_with_world, status_of
+from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
+from worker.devstack.sim_process import scenario_file
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+NODES = 64
+RACK_LABEL = "topology.kubernetes.io/rack"
+RECOVERY = "ReplicaLossRecovery"
+# A rack's loss is more than the 8 free nodes can replace: a recovery that cannot place its replacements,
+# or whose warm floor is not restored, says so after its timeout, so these are short (no load runs, so the
+# ramp-back has nothing to measure and ends at its cap); the rest are the suite's compressed timings.
+TIMINGS = FAST.model_copy(update={"replacement_timeout_s": 20, "verify_timeout_s": 15, "ramp_max_s": 8})
+SETTINGS: dict[str, Any] = {
+    "recovery_timings": TIMINGS,
+    "serving_objectives": ServingObjectives(group_capacity_rps=GROUP_CAPACITY_RPS),
+    "fastpath_lease_namespace": "fleetmend",  # where the shipped Role grants the Lease (deploy/k8s)
+    "fastpath_lease_duration_s": 3.0,
+    "fastpath_renew_deadline_s": 2.0,
+    "fastpath_retry_period_s": 0.5,
+}
+SETTLE_S = 150.0
+
+
+def rack_world(directory: Path) -> Scenario:
+    """``fleet-512`` at 64 nodes, engines starting and warming in seconds, nodes NotReady after 5 s."""
+    scenario = compressed_scenario(
+        scenario_file(scaled_scenario("fleet-512", NODES), directory), startup_s=4.0, warm_up_s=8.0
+    )
+    return scenario.model_copy(
+        update={"timings": scenario.timings.model_copy(update={"node_monitor_grace_s": 5.0})}
+    )
+
+
+async def routed_by_node(rig: FleetRig) -> dict[str, set[PoolRef]]:
+    """Node -> the pools with a replica Envoy routes to on it."""
+    pools = [
+        PoolRef(namespace=w.namespace or rig.scenario.namespace, service=w.name)
+        for w in rig.scenario.workloads
+    ]
+    routed = {pool: set(await rig.routing_set(pool)) for pool in pools}
+    pods: Any = await asyncio.to_thread(rig.core.list_namespaced_pod, rig.scenario.namespace)
+    found: dict[str, set[PoolRef]] = {}
+    for pod in pods.items:
+        for pool, names in routed.items():
+            if pod.metadata.name in names and pod.spec.node_name:
+                found.setdefault(pod.spec.node_name, set()).add(pool)
+    return found
+
+
+async def racks(rig: FleetRig) -> dict[str, list[str]]:
+    nodes: Any = await asyncio.to_thread(rig.core.list_node)
+    found: dict[str, list[str]] = {}
+    for node in nodes.items:
+        found.setdefault(node.metadata.labels[RACK_LABEL], []).append(node.metadata.name)
+    return found
+
+
+async def runs(client: Client, workflow_type: str) -> list[Any]:
+    return [wf async for wf in client.list_workflows(f'WorkflowType="{workflow_type}"')]
+
+
+async def settled(client: Client, pools: set[PoolRef]) -> tuple[bool, str]:
+    """Whether every pool hit has its incident, each incident its recovery, and each recovery ended or
+    waits on an operator; and what is still pending."""
+    incidents = {wf.id: wf for wf in await runs(client, "FleetIncident")}
+    missing = sorted(p.key for p in pools if incident_workflow_id(p) not in incidents)
+    if missing:
+        return False, f"no incident yet for {missing}"
+    for incident in incidents.values():
+        if incident.status == WorkflowExecutionStatus.RUNNING:
+            status = await status_of(client.get_workflow_handle(incident.id))
+            if not status.children:
+                return False, f"{incident.id} has no recovery yet"
+    for recovery in await runs(client, RECOVERY):
+        if recovery.status == WorkflowExecutionStatus.RUNNING:
+            status = await status_of(client.get_workflow_handle(recovery.id))
+            if status.phase != Phase.AWAITING_OPERATOR:
+                return False, f"{recovery.id} is {status.phase.value}"
+    return True, ""
+
+
+async def test_a_lost_rack_opens_one_incident_per_pool_hit_and_each_recovers_or_waits_with_a_reason(
+    temporal_client: Client, task_queue: str, ledger_url: str, tmp_path: Path
+) -> None:
+    async with fleet_rig(
+        temporal_client,
+        scenario=rack_world(tmp_path),
+        database_url=ledger_url,
+        task_queue=task_queue,
+        **SETTINGS,
+    ) as rig:
+        await rig.pool_ready(timeout_s=90)
+        async with rig.fast_path(identity="fastpath-rack"):
+            by_node = await routed_by_node(rig)
+            rack, nodes = max(
+                (await racks(rig)).items(),
+                key=lambda item: (len(set().union(*(by_node.get(n, set()) for n in item[1]))), item[0]),
+            )
+            hit: set[PoolRef] = set().union(*(by_node.get(n, set()) for n in nodes))
+            assert len(nodes) == 16 and len(hit) >= 3, f"{rack} holds {sorted(p.key for p in hit)}"
+            replies = await asyncio.gather(*(rig.inject(FaultKind.NODE_LOST, n) for n in nodes))
+            assert all(r["accepted"] for r in replies), replies
+
+            deadline = time.monotonic() + SETTLE_S
+            done, pending = await settled(temporal_client, hit)
+            while not done:
+                assert time.monotonic() < deadline, f"{rack} lost {SETTLE_S:g} s ago: {pending}"
+                await asyncio.sleep(1.0)  # histories and queries of every open workflow: not every tick
+                done, pending = await settled(temporal_client, hit)
+
+        incidents = await runs(temporal_client, "FleetIncident")
+        opened = Counter(wf.id for wf in incidents)
+        assert {incident_workflow_id(p) for p in hit} <= set(opened), opened
+        assert [i for i, n in opened.items() if n > 1] == [], "an incident was opened twice"
+        assert not any(wf.status == WorkflowExecutionStatus.FAILED for wf in incidents)
+
+        recoveries = await runs(temporal_client, RECOVERY)
+        assert recoveries, "no recovery started"
+        outcomes = []
+        for recovery in recoveries:
+            assert recovery.status in (WorkflowExecutionStatus.COMPLETED, WorkflowExecutionStatus.RUNNING), (
+                f"{recovery.id}: {recovery.status}"
+            )
+            if recovery.status == WorkflowExecutionStatus.RUNNING:
+                status = await status_of(temporal_client.get_workflow_handle(recovery.id))
+                reason = status.awaiting or (status.refusal.error if status.refusal else "")
+                assert status.phase == Phase.AWAITING_OPERATOR and reason, status
+                outcomes.append(f"{recovery.id}: waiting: {reason}")
+            else:
+                outcomes.append(f"{recovery.id}: completed")
+        print(f"{rack} lost ({len(hit)} pools):\n  " + "\n  ".join(sorted(outcomes)))
+
+        report = await reconcile_with_world(rig, ledger_url)
+        # The fast path's leader election renews its Lease: coordination, not an effect on the fleet.
+        orphans = [a for a in report.orphans if "/leases" not in a.path]
+        assert report.duplicates == [] and orphans == [] and report.divergent == [], report
+        assert report.missing == [] and report.unresolved == [], report
