@@ -48,6 +48,7 @@ LONGEST_FIRST = (
     "tests/e2e/test_alert_pipeline.py",  # Prometheus + Alertmanager, and a recovery behind them
     "tests/scale_down/test_scale_down.py",  # ~110 s
     "tests/deploy/test_rbac.py",  # ~90 s: a real recovery under recorded RBAC
+    "tests/scale/test_rack_loss.py",  # ~50-85 s: a 64-node world loses a rack
     "tests/scale_down/test_readiness.py",  # ~50 s
     "tests/scale_down/test_worker_crash.py",
     "tests/recovery/test_queue_absorption.py",
