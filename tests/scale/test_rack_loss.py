@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -84,14 +85,18 @@ async def racks(rig: FleetRig) -> dict[str, list[str]]:
     return found
 
 
-async def runs(client: Client, workflow_type: str) -> list[Any]:
-    return [wf async for wf in client.list_workflows(f'WorkflowType="{workflow_type}"')]
+async def runs(client: Client, workflow_type: str, since: float) -> list[Any]:
+    """This test's runs of ``workflow_type``: those started since ``since`` (unix seconds). Earlier tests on
+    the same Temporal server ran incidents under the same well-known ids (``incident/<ns>/<pool>``)."""
+    after = datetime.fromtimestamp(since - 1, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    query = f'WorkflowType="{workflow_type}" AND StartTime > "{after}"'
+    return [wf async for wf in client.list_workflows(query)]
 
 
-async def settled(client: Client, pools: set[PoolRef]) -> tuple[bool, str]:
+async def settled(client: Client, pools: set[PoolRef], since: float) -> tuple[bool, str]:
     """Whether every pool hit has its incident, each incident its recovery, and each recovery ended or
     waits on an operator; and what is still pending."""
-    incidents = {wf.id: wf for wf in await runs(client, "FleetIncident")}
+    incidents = {wf.id: wf for wf in await runs(client, "FleetIncident", since)}
     missing = sorted(p.key for p in pools if incident_workflow_id(p) not in incidents)
     if missing:
         return False, f"no incident yet for {missing}"
@@ -100,7 +105,7 @@ async def settled(client: Client, pools: set[PoolRef]) -> tuple[bool, str]:
             status = await status_of(client.get_workflow_handle(incident.id))
             if not status.children:
                 return False, f"{incident.id} has no recovery yet"
-    for recovery in await runs(client, RECOVERY):
+    for recovery in await runs(client, RECOVERY, since):
         if recovery.status == WorkflowExecutionStatus.RUNNING:
             status = await status_of(client.get_workflow_handle(recovery.id))
             if status.phase != Phase.AWAITING_OPERATOR:
@@ -131,19 +136,19 @@ async def test_a_lost_rack_opens_one_incident_per_pool_hit_and_each_recovers_or_
             assert all(r["accepted"] for r in replies), replies
 
             deadline = time.monotonic() + SETTLE_S
-            done, pending = await settled(temporal_client, hit)
+            done, pending = await settled(temporal_client, hit, rig.started_at)
             while not done:
                 assert time.monotonic() < deadline, f"{rack} lost {SETTLE_S:g} s ago: {pending}"
                 await asyncio.sleep(1.0)  # histories and queries of every open workflow: not every tick
-                done, pending = await settled(temporal_client, hit)
+                done, pending = await settled(temporal_client, hit, rig.started_at)
 
-        incidents = await runs(temporal_client, "FleetIncident")
+        incidents = await runs(temporal_client, "FleetIncident", rig.started_at)
         opened = Counter(wf.id for wf in incidents)
         assert {incident_workflow_id(p) for p in hit} <= set(opened), opened
         assert [i for i, n in opened.items() if n > 1] == [], "an incident was opened twice"
         assert not any(wf.status == WorkflowExecutionStatus.FAILED for wf in incidents)
 
-        recoveries = await runs(temporal_client, RECOVERY)
+        recoveries = await runs(temporal_client, RECOVERY, rig.started_at)
         assert recoveries, "no recovery started"
         outcomes = []
         for recovery in recoveries:
