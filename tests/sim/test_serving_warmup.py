@@ -16,6 +16,8 @@ from sim.serving.loadgen import GatewayTarget, LoadReport, LoadSpec, arrivals, s
 from tests.sim.serving_fixtures import NAMESPACE, RunningServing, running_serving, scenario
 
 WARM_RATE = 200.0
+# How long (sim seconds; 120 s of wall clock at 5x) a wait for replicas to route gives a loaded machine.
+WAIT_SIM_S = 600.0
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -33,7 +35,7 @@ async def test_a_cold_replicas_measured_rate_climbs_to_warm_over_its_warm_up_win
         load={"engine": {"prefill_cost": 0.0}},
     )
     async with running_serving(scn, speed=5) as sim:
-        (pod,) = await sim.wait_serving(1)
+        (pod,) = await sim.wait_serving(1, timeout_sim_s=WAIT_SIM_S)
         engine = sim.layer.supervisor.get(f"{NAMESPACE}/{pod}")
         assert engine is not None
         # Saturate it (at its pod IP: one replica, nothing to route): 12 req/s x ~20 tokens is above
@@ -63,7 +65,7 @@ async def run_with_one_cold_replica(
 ) -> tuple[LoadReport, dict[str, Any]]:
     scn = scenario(model={"warm_up_s": 600, "cold_rate_fraction": 0.25, "warm_rate_tokens_per_s": WARM_RATE})
     async with running_serving(scn, speed=5, gateway_db=gateway_db) as sim:
-        warm, cold = await sim.wait_serving(2)
+        warm, cold = await sim.wait_serving(2, timeout_sim_s=WAIT_SIM_S)
         # Let both warm up fully, then restart one: it comes back Ready but cold.
         advance = await sim.http.post("/sim/v1/clock/advance", json={"seconds": 600})
         assert advance.status_code == 200
@@ -75,8 +77,8 @@ async def run_with_one_cold_replica(
             engine = sim.layer.supervisor.get(f"{NAMESPACE}/{cold}")
             return engine is not None and engine is not old and engine.alive
 
-        await sim.wait_for(restarted, 120, "the OOM-killed replica to restart")
-        await sim.wait_serving(2)
+        await sim.wait_for(restarted, WAIT_SIM_S, "the OOM-killed replica to restart")
+        await sim.wait_serving(2, timeout_sim_s=WAIT_SIM_S)
         now = sim.world.clock.now()
         rates = {pod: sim.layer.supervisor.get(f"{NAMESPACE}/{pod}").rate(now) for pod in (warm, cold)}  # type: ignore[union-attr]
         assert rates[cold] < 0.3 * rates[warm]
