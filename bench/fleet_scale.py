@@ -87,7 +87,7 @@ from ledger.migrate import upgrade_head
 from ledger.scratch import PgServer, acquire_server
 from sim.control import FaultRequest
 from sim.scenario import Scenario, scaled_scenario
-from worker.config import Settings, load_settings
+from worker.config import CONCURRENCY_SETTINGS, Settings, load_settings
 from worker.devstack.envoy import EnvoyProcess
 from worker.devstack.rbac_wiring import component_settings, grant_components
 from worker.devstack.rig import FAST_TIMINGS, compressed_scenario
@@ -119,15 +119,6 @@ QUICK_TIMINGS = FAST_TIMINGS.model_copy(
 )
 OBJECTIVES = ServingObjectives(group_capacity_rps=15.0)
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-# The worker's concurrency settings (worker/config.py), recorded with the figures.
-CONCURRENCY_SETTINGS = (
-    "worker_max_concurrent_activities",
-    "worker_activity_threads",
-    "worker_max_concurrent_workflow_tasks",
-    "worker_max_cached_workflows",
-    "engine_reads_per_look",
-    "http_connections",
-)
 # Workflow types whose run is a recovery (the procedure a pool's incident starts per loss).
 RECOVERY_TYPES = {"ReplicaLossRecovery"}
 WAITING_PHASES = {Phase.AWAITING_OPERATOR, Phase.AWAITING_REPAIR}

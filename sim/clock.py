@@ -78,3 +78,18 @@ def micro_timestamp(at: float) -> str:
 def parse_timestamp(value: str) -> float:
     """Inverse of ``SimClock.timestamp``: an RFC 3339 string to epoch seconds."""
     return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+def set_from_any_thread(loop: asyncio.AbstractEventLoop | None, event: asyncio.Event | None) -> None:
+    """Set ``event``, which belongs to ``loop``, from that loop or from any other thread (a no-op once the
+    loop is gone): how the simulator's loops are woken by changes made elsewhere."""
+    if loop is None or event is None or loop.is_closed():
+        return
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        event.set()
+    else:
+        loop.call_soon_threadsafe(event.set)

@@ -56,7 +56,7 @@ from typing import Any, Literal
 
 from fleet.vocabulary import MODEL_LABEL, REVISION_LABEL, SERVING_READY_CONDITION, FaultKind
 from sim.actionlog import ActionLog
-from sim.clock import SimClock
+from sim.clock import SimClock, set_from_any_thread
 from sim.control import FaultRequest
 from sim.k8s.controlplane import ControlPlane, StartupProfile
 from sim.k8s.faults import ApiFaults
@@ -205,17 +205,7 @@ class SimWorld:
     def kick(self) -> None:
         """Run every controller now (safe from any thread)."""
         self._changed = True
-        loop, wake = self._loop, self._wake
-        if loop is None or wake is None or loop.is_closed():
-            return
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            wake.set()
-        else:
-            loop.call_soon_threadsafe(wake.set)
+        set_from_any_thread(self._loop, self._wake)
 
     def _on_change(self, event: WatchEvent) -> None:
         if event.resource not in QUIET_RESOURCES:

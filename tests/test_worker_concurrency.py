@@ -17,7 +17,7 @@ from activities.engine_reads import EngineRead, read_all
 from activities.smoke import smoke_probe
 from fleet.observation import EngineHealth
 from kube.client import kube_apis
-from worker.config import Settings, load_settings
+from worker.config import CONCURRENCY_SETTINGS, Settings, load_settings
 from worker.registry import activity_config
 from worker.worker import activity_threads, build_worker
 from workflows.smoke import FleetmendSmoke
@@ -28,15 +28,7 @@ def test_defaults_hold_a_burst_of_recoveries_and_every_slot_has_a_thread() -> No
     assert settings.worker_max_concurrent_activities >= 100  # ~50 recoveries per worker x 2 or more
     assert settings.activity_threads == settings.worker_max_concurrent_activities
     assert settings.http_connections >= settings.worker_max_concurrent_activities
-    for name in (
-        "worker_max_concurrent_activities",
-        "worker_activity_threads",
-        "worker_max_concurrent_workflow_tasks",
-        "worker_max_cached_workflows",
-        "engine_reads_per_look",
-        "http_connections",
-        "kube_connections",
-    ):
+    for name in CONCURRENCY_SETTINGS:
         assert Settings.model_fields[name].description, name
 
 

@@ -33,6 +33,18 @@ def _temporal_env(name: str) -> AliasChoices:
     return AliasChoices(f"FLEETMEND_TEMPORAL_{name}", f"TEMPORAL_{name}", f"temporal_{name.lower()}")
 
 
+# The settings that size a worker for a burst of incidents ("A slow world, and many incidents at once").
+CONCURRENCY_SETTINGS = (
+    "worker_max_concurrent_activities",
+    "worker_activity_threads",
+    "worker_max_concurrent_workflow_tasks",
+    "worker_max_cached_workflows",
+    "engine_reads_per_look",
+    "http_connections",
+    "kube_connections",
+)
+
+
 class Settings(BaseSettings):
     # populate_by_name: code passes field names (temporal_address=...), the environment the aliases.
     model_config = SettingsConfigDict(

@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fleet.vocabulary import FaultKind, Tier
+from sim.clock import set_from_any_thread
 from sim.control import FaultRequest, NotifyMessage
 from sim.k8s.podips import DEFAULT_ENGINE_PORT
 from sim.serving.diagnostics import diagnostic_program
@@ -161,17 +162,7 @@ class ServingLayer:
 
     def wake(self) -> None:
         """Tick now (safe from any thread): something changed that the engines must act on."""
-        loop, wake = self._loop, self._wake
-        if loop is None or wake is None or loop.is_closed():
-            return
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            wake.set()
-        else:
-            loop.call_soon_threadsafe(wake.set)
+        set_from_any_thread(self._loop, self._wake)
 
     def busy(self) -> bool:
         """Is anything under way that the tick must advance (not merely wait for)?"""
