@@ -28,7 +28,7 @@ test: $(STAMP) system-deps
 # The tests that need no Temporal server, Envoy or fleetmend worker (``quick``: QUICK_PATHS in
 # tests/conftest.py): the domain, the ledger, the simulator, configuration. About a minute on 2 cores.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -ra -m quick -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -ra -m quick -n 4 --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
