@@ -19,6 +19,7 @@ from activities.envoy_gateway import EnvoyGateway
 from activities.gateway import Gateway
 from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX
 from gateway.store import GatewayStore
+from kube.allocation import GpuAllocation, gpu_allocation
 from kube.client import USER_AGENT, KubeApis, kube_apis
 from ledger.effect import EffectContext
 from ledger.store import EffectLedger
@@ -45,10 +46,21 @@ class ActivityDeps:
         except Exception as exc:  # any configuration error: reported here, raised again per activity
             log.warning("Kubernetes client not configured at start-up: %s", exc)
         _ = self.gateway, self.http
+        try:
+            _ = self.allocation
+        except Exception as exc:
+            log.warning("GPU allocation watch not started: %s", exc)
 
     @cached_property
     def kube(self) -> KubeApis:
         return kube_apis(self.settings, self.settings.kube_connections)
+
+    @property
+    def allocation(self) -> GpuAllocation:
+        """GPUs allocated per node from one pod watch per cluster and process (kube.allocation)."""
+        s = self.settings
+        key = (str(s.kubeconfig) if s.kubeconfig else None, s.kube_context)
+        return gpu_allocation(key, self.kube.core.list_pod_for_all_namespaces)
 
     @cached_property
     def gateway(self) -> Gateway:

@@ -42,8 +42,12 @@ def list_pods(k: KubeApis, ns: str, selector: str | None = None) -> list[Obj]:
     return list(_load(k.core.list_namespaced_pod(ns, **kwargs)).get("items", []))
 
 
-def list_all_pods(k: KubeApis) -> list[Obj]:
-    return list(_load(k.core.list_pod_for_all_namespaces(_preload_content=False)).get("items", []))
+def list_all_pods(k: KubeApis, node: str | None = None) -> list[Obj]:
+    """Every pod in the cluster, or only those bound to ``node`` (a field selector the API server serves)."""
+    kwargs: dict[str, Any] = {"_preload_content": False}
+    if node:
+        kwargs["field_selector"] = f"spec.nodeName={node}"
+    return list(_load(k.core.list_pod_for_all_namespaces(**kwargs)).get("items", []))
 
 
 def list_nodes(k: KubeApis) -> list[Obj]:

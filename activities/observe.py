@@ -39,6 +39,8 @@ from fleet.vocabulary import (
     ROLE_LABEL,
     ROLE_SPARE,
 )
+from kube.allocation import allocation_of, gpus_of
+from kube.allocation import terminated as pod_terminated
 
 PROGRESS_PROBE_GAP_S = 0.5
 
@@ -98,20 +100,6 @@ class JournalRequest(BaseModel):
     pool: PoolRef
     replicas: list[str]
     since: float | None = None
-
-
-def _gpus_of(pod: kr.Obj) -> int:
-    total = 0
-    for c in pod.get("spec", {}).get("containers") or []:
-        res = c.get("resources") or {}
-        value = (res.get("limits") or {}).get(GPU_RESOURCE) or (res.get("requests") or {}).get(GPU_RESOURCE)
-        if value is not None:
-            total += int(value)
-    return total
-
-
-def _terminated(pod: kr.Obj) -> bool:
-    return pod.get("status", {}).get("phase") in ("Succeeded", "Failed")
 
 
 def node_info(node: kr.Obj, allocated: int) -> NodeInfo:
@@ -216,11 +204,11 @@ class ObserveActivities:
             warnings.append(f"gateway unreachable: {exc}")
 
         # Nodes, with GPUs allocated by every non-terminated pod on them (all namespaces).
+        # From the worker's pod watch (kube.allocation); a list of every pod only while it is not following.
         allocated: dict[str, int] = {}
-        for p in [] if req.light else kr.list_all_pods(k):
-            node = p.get("spec", {}).get("nodeName")
-            if node and not _terminated(p):
-                allocated[node] = allocated.get(node, 0) + _gpus_of(p)
+        if not req.light:
+            watched = self.deps.allocation.allocated()
+            allocated = watched if watched is not None else allocation_of(kr.list_all_pods(k))
         nodes = [node_info(n, allocated.get(kr.name(n), 0)) for n in kr.list_nodes(k)]
 
         workloads, rs_owner, targets = self._workloads(ns)
@@ -285,7 +273,7 @@ class ObserveActivities:
                     pods=names,
                     nodes=tuple(sorted({pod_nodes[n] for n in names if n in pod_nodes})),
                     leader_pod=kr.name(leader),
-                    gpus_per_pod=_gpus_of(leader),
+                    gpus_per_pod=gpus_of(leader),
                     engine_up=all(pod_obs[n].containers_ready and not pod_obs[n].deleting for n in names),
                     ready=all(pod_obs[n].pod_ready and not pod_obs[n].deleting for n in names),
                     routed=(kr.name(leader) in routed)
@@ -517,15 +505,15 @@ class ObserveActivities:
         reasons: dict[str, str] = {}
         holders: list[GpuHolder] = []
         settings = self.deps.settings
-        for p in kr.list_all_pods(k):
+        for p in kr.list_all_pods(k, node):
             if p.get("spec", {}).get("nodeName") == node:
                 lbl = kr.labels(p)
-                if not _terminated(p) and QUALIFICATION_LABEL not in lbl and _gpus_of(p) > 0:
+                if not pod_terminated(p) and QUALIFICATION_LABEL not in lbl and gpus_of(p) > 0:
                     holders.append(
                         GpuHolder(
                             namespace=p["metadata"]["namespace"],
                             pod=kr.name(p),
-                            gpus=_gpus_of(p),
+                            gpus=gpus_of(p),
                             spare=lbl.get(ROLE_LABEL) == ROLE_SPARE
                             and lbl.get(settings.router_label) != settings.router_label_value,
                         )

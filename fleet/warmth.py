@@ -100,12 +100,18 @@ def plan_weights(
     notes: list[str] = []
     warm: dict[str, bool] = {}
     rates: dict[str, float] = {}
+    # An idle pool (its established replicas served nothing this interval) has no rate to match:
+    # a new replica that is not slower than nothing is as warm as the traffic needs.
+    idle = bool(established) and ref_tokens == 0.0
     for p in pods:
         if p not in new_pods:
             rates[p] = throughput[p] or ref_tokens or 1.0
             continue
         h = hits[p]
-        if ref_hit and h is not None:
+        if idle:
+            warmth = 1.0
+            warm[p] = True
+        elif ref_hit and h is not None:
             warmth = min(1.0, h / ref_hit)
             warm[p] = warmth >= warm_fraction
         else:  # no prefix-cache counters: judge by throughput alone
@@ -122,7 +128,9 @@ def plan_weights(
         mult[p] = m
         rates[p] = max(throughput[p], ref_tokens * warmth) * m
         notes.append(
-            f"{p} cache {warmth:.0%} warm, serving {throughput[p]:.0f} tok/s vs {ref_tokens:.0f} established"
+            f"{p} idle pool: no traffic to ramp"
+            if idle
+            else f"{p} cache {warmth:.0%} warm, serving {throughput[p]:.0f} tok/s vs {ref_tokens:.0f} established"
             + (" (warm)" if warm[p] else "")
         )
     all_warm = bool(warm) and all(warm.values())

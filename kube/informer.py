@@ -75,6 +75,7 @@ class Informer:
         self.relists_after_gone = 0
         self.relists_after_error = 0  # re-lists that followed a broken watch or an unreachable server
         self.failures = 0  # consecutive failed list/watch attempts (back-off grows with it)
+        self.synced = False  # a list has succeeded: the cache holds the whole collection
         self._watch: watch.Watch | None = None
 
     def _kwargs(self) -> dict[str, Any]:
@@ -92,6 +93,7 @@ class Informer:
             self.relists_after_error += 1
             log.info("re-listed after a broken watch", extra={"resource": self.name})
         self.failures = 0
+        self.synced = True
         fresh = {object_key(o): o for o in body.get("items") or []}
         old = self.cache
         self.cache = fresh
@@ -178,9 +180,10 @@ class Informer:
             log.warning("re-list failed", extra={"resource": self.name, "error": str(err)[:200]})
             self.resource_version = None  # list again before the next watch (the cache stays)
 
-    def run(self, stop: threading.Event) -> None:
-        """The informer loop: list, then watch, until ``stop``."""
-        while not stop.is_set():
+    def run(self, stop: threading.Event, *, give_up_after: int | None = None) -> None:
+        """The informer loop: list, then watch, until ``stop`` (or, with ``give_up_after``, until that many
+        consecutive attempts have failed: the caller reads without the cache then, and may start again)."""
+        while not stop.is_set() and (give_up_after is None or self.failures < give_up_after):
             try:
                 if self.resource_version is None:
                     self.sync()

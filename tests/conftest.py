@@ -69,6 +69,7 @@ QUICK_PATHS = (
     "tests/ledger/",
     "tests/sim/",
     "tests/kubectl/",
+    "tests/kube/",
     "tests/gateway/test_store.py",
     "tests/deploy/test_k8s_manifests.py",
     "tests/webhook/test_alert_rules.py",

@@ -7,7 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from fleet.engine_metrics import EngineSnapshot
 from fleet.ramp import RampParams, RampPolicy, rate_weights, simulate_ramp, simulate_ramp_trace
+from fleet.warmth import RampPlan, plan_weights
 
 cold_fractions = st.floats(min_value=0.1, max_value=0.9)
 warmups = st.floats(min_value=30.0, max_value=600.0)
@@ -149,3 +151,47 @@ def test_rate_weights_floor_gives_an_unmeasured_replacement_a_trickle() -> None:
 def test_rate_weights_refuse_nonsense(rates: dict[str, float], floor: float) -> None:
     with pytest.raises(ValueError):
         rate_weights(rates, floor=floor)
+
+
+# --- plan_weights: one ramp step from two scrapes -------------------------------------------------
+
+
+def _scrape(tokens: float) -> EngineSnapshot:
+    return EngineSnapshot(generation_tokens_total=tokens)
+
+
+def _step(established_tokens: float, new_tokens: float) -> RampPlan:
+    before = {"old-a": _scrape(0), "old-b": _scrape(0), "new": _scrape(0)}
+    after = {
+        "old-a": _scrape(established_tokens),
+        "old-b": _scrape(established_tokens),
+        "new": _scrape(new_tokens),
+    }
+    return plan_weights(before, after, 10.0, ["new"], ttft_slo_s=2.0, warm_fraction=0.9)
+
+
+def test_a_cold_replacement_in_a_busy_pool_gets_a_share_by_its_measured_rate() -> None:
+    plan = _step(established_tokens=1000, new_tokens=200)  # 20 tok/s against 100 established
+    assert not plan.all_warm
+    assert plan.weights["new"] < plan.weights["old-a"] == plan.weights["old-b"]
+    assert "20% warm" in plan.reason
+
+
+def test_a_replacement_at_the_established_rate_is_warm_and_weights_return_to_equal() -> None:
+    plan = _step(established_tokens=1000, new_tokens=950)
+    assert plan.all_warm
+    assert set(plan.weights.values()) == {1.0}
+
+
+def test_an_idle_pool_has_nothing_to_ramp_so_its_replacement_counts_as_warm() -> None:
+    """No traffic on the established replicas: there is no rate to match, and waiting for one would
+    hold the recovery in its ramp until the ramp window ends."""
+    plan = _step(established_tokens=0, new_tokens=0)
+    assert plan.all_warm
+    assert "idle pool" in plan.reason
+
+
+def test_without_an_established_replica_there_is_no_reference_and_nothing_is_called_warm() -> None:
+    before, after = {"new": _scrape(0)}, {"new": _scrape(0)}
+    plan = plan_weights(before, after, 10.0, ["new"], ttft_slo_s=2.0, warm_fraction=0.9)
+    assert not plan.all_warm

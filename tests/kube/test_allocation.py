@@ -1,0 +1,76 @@
+"""``kube.allocation``: GPUs allocated per node from one pod watch, against the simulated API server.
+
+It must agree with a list of every pod at all times it answers, follow a pod bound or deleted, and stop
+answering (so a look lists instead) once its watch is broken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client, config
+
+from activities import kube_reads as kr
+from kube.allocation import GpuAllocation, allocation_of
+from kube.client import KubeApis
+from sim.runner import RunningSim, start_sim
+from sim.scenario import shipped_scenarios
+from tests.sim.support import TEST_SPEED, wait_for
+
+
+@pytest.fixture
+def world() -> Iterator[tuple[RunningSim, KubeApis]]:
+    running = start_sim(shipped_scenarios()["gpu-node-loss"], speed=TEST_SPEED, serving=False)
+    api = config.new_client_from_config(config_file=str(running.kubeconfig), context="sim")
+    try:
+        yield running, KubeApis(
+            client.CoreV1Api(api), client.AppsV1Api(api), client.DiscoveryV1Api(api),
+            client.CustomObjectsApi(api), client.PolicyV1Api(api), client.BatchV1Api(api),
+        )  # fmt: skip
+    finally:
+        api.close()
+        running.stop()
+
+
+def _pod(name: str, node: str, gpus: int) -> Any:  # a manifest (the client takes dicts too)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "nodeName": node,
+            "containers": [
+                {"name": "c", "image": "busybox", "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}
+            ],
+        },
+    }
+
+
+def test_the_watch_agrees_with_a_list_follows_binds_and_deletes_and_steps_aside_when_broken(
+    world: tuple[RunningSim, KubeApis],
+) -> None:
+    running, k = world
+    cache = GpuAllocation(k.core.list_pod_for_all_namespaces)
+    try:
+        listed = allocation_of(kr.list_all_pods(k))
+        assert sum(listed.values()) > 0, "the scenario's engines hold GPUs"
+        assert wait_for(cache.allocated, 10, "the first list") == listed
+
+        node = next(n for n, used in sorted(listed.items()) if used)
+        k.core.create_namespaced_pod("default", _pod("gpu-tenant", node, 2))
+        wait_for(lambda: (cache.allocated() or {}).get(node) == listed[node] + 2, 10, "the bound pod counted")
+        assert cache.allocated() == allocation_of(kr.list_all_pods(k))
+        on_node = {p["metadata"]["name"] for p in kr.list_all_pods(k, node)}  # the field-selected list
+        assert "gpu-tenant" in on_node and all(
+            p["spec"]["nodeName"] == node for p in kr.list_all_pods(k, node)
+        )
+
+        k.core.delete_namespaced_pod("gpu-tenant", "default", grace_period_seconds=0)
+        wait_for(lambda: (cache.allocated() or {}).get(node) == listed[node], 10, "the deleted pod uncounted")
+
+        running.stop()  # the API server goes: the watch breaks, and the cache no longer answers
+        wait_for(lambda: cache.allocated() is None, 30, "the broken watch to step aside")
+    finally:
+        cache.stop()
