@@ -4,7 +4,9 @@ A Deployment's lost pods still count as replicas until they are deleted, so the
 serving workload first *retires* them (pod-deletion-cost -1000 makes them the ones
 the ReplicaSet removes), then grows back by the groups no spare covered. The
 promoted spares carry the other slots; the spare workload grows by as many to
-restore the warm floor. A LeaderWorkerSet recreates a lost group by itself
+restore the warm floor. A warm spare lost with its node is retired and refilled in its own
+workload the same way (otherwise its pod holds the slot until Kubernetes' taint eviction,
+300 s by default, and the warm floor waits). A LeaderWorkerSet recreates a lost group by itself
 (RecreateGroupOnPodRestart), so it gets no scale. Every count is absolute: a
 retried scale cannot compound.
 """
@@ -56,6 +58,8 @@ def plan_rebuild(
     replicas: Mapping[tuple[str, str], int],
     present_pods: Iterable[str] | None = None,
     pool_groups: Sequence[ReplicaGroup] = (),
+    *,
+    refill_lost_spares: bool = True,
 ) -> RebuildPlan:
     """The marks and absolute scales that replace what the loss took and the promotion used.
 
@@ -65,7 +69,8 @@ def plan_rebuild(
     ``pool_groups`` the pool's groups before the loss, which say which workloads hold the
     warm spares. A spare promoted in an earlier incident keeps serving from the spare
     workload: when it is lost, its replacement grows the *serving* workload (a new pod of
-    the spare workload would be an unrouted spare, not serving capacity).
+    the spare workload would be an unrouted spare, not serving capacity). A lost spare that was
+    still a spare (``refill_lost_spares``) is retired and refilled in its own workload.
     """
     present = None if present_pods is None else set(present_pods)
     unmatched_set = set(unmatched_ids)
@@ -92,11 +97,16 @@ def plan_rebuild(
         g for g in lost if g.role is GroupRole.SERVING and g.workload_kind is WorkloadKind.DEPLOYMENT
     ]
     unmatched = [g for g in lost if g.role is GroupRole.SERVING and g.id in unmatched_set]
+    lost_spares = [
+        g
+        for g in lost
+        if refill_lost_spares and g.role is GroupRole.SPARE and g.workload_kind is WorkloadKind.DEPLOYMENT
+    ]
     retiring: dict[tuple[str, str], list[ReplicaGroup]] = {}
-    for g in lost_serving:
+    for g in [*lost_serving, *lost_spares]:
         retiring.setdefault(key(g), []).append(g)
     regrow = Counter(serving_home(g) for g in unmatched if g.workload_kind is WorkloadKind.DEPLOYMENT)
-    refill = Counter(key(g) for g in promoted)
+    refill = Counter(key(g) for g in [*promoted, *lost_spares])
     order = list(dict.fromkeys([*retiring, *regrow, *refill]))
     workloads: list[WorkloadRebuild] = []
     for kind, name in order:

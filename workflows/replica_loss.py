@@ -64,6 +64,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.node_qualification import NodeTriaged, NodeWorkflows
     from workflows.procedure import Aborted, Procedure
     from workflows.ramp import promote_warm_capacity, ramp_back
+    from workflows.rebuild import await_retired
 
 
 @workflow.defn(name="ReplicaLossRecovery")
@@ -294,6 +295,8 @@ class ReplicaLossRecovery(Procedure):
         await self.enter(Phase.REBUILDING, "Rebuilding the warm floor")
         obs = with_lost(obs, lost)
         await self.nodes.fence(obs, lost, self._look_light)
+        # patched: a recovery that had planned its rebuild before lost spares were refilled replays as it ran.
+        refill_spares = workflow.patched("refill-lost-spares")
         plan = rebuild.plan_rebuild(
             lost,
             promoted,
@@ -301,6 +304,7 @@ class ReplicaLossRecovery(Procedure):
             {(w.kind, w.name): w.replicas or 0 for w in obs.workloads},
             present_pods=obs.pods,
             pool_groups=st.initial_obs.snapshot.groups if st.initial_obs else (),
+            refill_lost_spares=refill_spares,
         )
         st.expected_new = plan.expected_new
         # patched: a recovery that was past this point when the worker was upgraded replays as it ran.
@@ -314,8 +318,15 @@ class ReplicaLossRecovery(Procedure):
                 change = ScaleChange(namespace=inp.pool.namespace, **fields)
                 report = await self.act(ActActivities.scale_workload, change, scale.summary)
                 self.decide(scale.summary, {"ledger": report.state})
-                if retire_first and n == 0 and workload.retire_pods and len(workload.scales) > 1:
-                    await self._await_retired(workload.retire_pods, f"{scale.kind} {scale.name}")
+                if (
+                    retire_first
+                    and n == 0
+                    and workload.retire_pods
+                    and len(workload.scales) > 1
+                    and not inp.dry_run
+                ):
+                    what = f"{scale.kind} {scale.name}"
+                    await await_retired(self, self._look_light, inp.timings, workload.retire_pods, what)
         unmatched = [g for g in lost if g.id in plan.unmatched]
         if not unmatched:
             self.figure("lead_time_announced_seconds", None)
@@ -327,31 +338,6 @@ class ReplicaLossRecovery(Procedure):
         text = lead_time_notice(inp.pool.key, unmatched, estimate)
         await self.notify("lead-time", text)
         self.decide(text, {"lead_time": estimate.model_dump(mode="json")})
-
-    async def _await_retired(self, pods: tuple[str, ...], workload: str) -> None:
-        """Before scaling up: has the workload's controller let the lost pods go (``fleet.rebuild.still_counted``)?"""
-        timings = self._inp.timings
-        if self._inp.dry_run:
-            return
-
-        async def counted() -> list[str]:
-            obs = await self._observe(light=True, summary=f"rebuild: has {workload} let the lost pods go?")
-            return rebuild.still_counted(pods, obs.pods)
-
-        left, gone = await self.poll(
-            counted,
-            lambda left: not left,
-            interval_s=timings.poll_interval_s,
-            deadline=self.now() + timings.deroute_timeout_s,
-            summary=f"rebuild: {workload} to let the lost pods go",
-        )
-        if not gone:
-            self.decide(
-                f"{workload} still counts {', '.join(left)} {timings.deroute_timeout_s:g} s after the "
-                "scale-down that retires them: scaling up anyway (verification shows whether a "
-                "replacement came for each)",
-                {"still_counted": left},
-            )
 
     async def _force_delete(self, pods: list[str], why: str, lost: list[ReplicaGroup], *, step: str) -> None:
         """The last resort (DESIGN.md §3 step 2): an operator approves, the capacity guard agrees, then grace 0."""

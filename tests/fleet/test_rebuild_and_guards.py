@@ -254,3 +254,32 @@ def test_the_scale_up_waits_until_the_controller_lets_every_lost_pod_go() -> Non
     both_leaving = {**coalesced, "llama-b": PodObservation(pod="llama-b", deleting=True)}
     assert still_counted(lost, both_leaving) == []
     assert still_counted(lost, {"llama-c": coalesced["llama-c"]}) == []  # already gone
+
+
+def test_a_warm_spare_lost_with_its_node_is_retired_and_refilled_in_its_own_workload() -> None:
+    """A whole pool on one failed node: its spare's pod would hold the spare slot until taint eviction."""
+    serving = [group(f"g{i}") for i in range(3)]
+    spare = group("s1", role=GroupRole.SPARE).model_copy(update={"workload_name": "llama-spare"})
+    replicas = {("Deployment", "llama"): 3, ("Deployment", "llama-spare"): 1}
+    plan = plan_rebuild(
+        [*serving, spare],
+        [],
+        unmatched_ids=[g.id for g in serving],
+        replicas=replicas,
+        pool_groups=[*serving, spare],
+    )
+    by_name = {s.name: [(x.step, x.replicas) for x in w.scales] for w in plan.workloads for s in w.scales[:1]}
+    assert by_name["llama-spare"] == [("retire-lost-llama-spare", 0), ("rebuild-warm-floor-llama-spare", 1)]
+    assert by_name["llama"] == [("retire-lost-llama", 0), ("replace-lost-llama", 3)]
+    assert "s1-0" in next(w.retire_pods for w in plan.workloads if w.scales[0].name == "llama-spare")
+    assert plan.expected_new == 3  # the ramp waits for routed replacements, not for the unrouted spare
+    # A recovery planned before this rule (replaying its history) leaves the spare to taint eviction.
+    before = plan_rebuild(
+        [*serving, spare],
+        [],
+        [g.id for g in serving],
+        replicas,
+        pool_groups=[*serving, spare],
+        refill_lost_spares=False,
+    )
+    assert [s.name for w in before.workloads for s in w.scales] == ["llama", "llama"]
