@@ -277,6 +277,25 @@ class FleetIncident(Record):
             return  # continue-as-new: the next run picks the wait up again, still awaiting the operator
         self.set_phase(Phase.CORRELATING)
 
+    def _absorb_handled(self, child_id: str, result: ProcedureStatus) -> None:
+        """Reports that came in while ``child_id`` ran and name a loss it handled (its lost groups and
+        pods: the fast path and alerts keep naming a dead node's terminating pods) are absorbed, not
+        a new recovery."""
+        figures = result.figures
+        handled = {f"group:{g}" for g in figures.get("lost_groups") or []}
+        handled |= {f"pod:{p}" for p in figures.get("lost_pods") or []} | {
+            f"group:{p}" for p in figures.get("lost_pods") or []
+        }
+        self._entities |= handled
+        late = [r for r in self._pending if entity_key(r) in handled]
+        if late:
+            self._pending = [r for r in self._pending if entity_key(r) not in handled]
+            self._absorbed += len(late)
+            self.decide(
+                f"{len(late)} report(s) that came in while {child_id} ran name losses it handled: absorbed",
+                {"entities": sorted({entity_key(r) for r in late})},
+            )
+
     async def _run_recovery(self, pool: PoolRef, config: IncidentInput) -> None:
         first = self._pending.pop(0)
         now = self.now()
@@ -341,6 +360,9 @@ class FleetIncident(Record):
                 break
         try:
             result: ProcedureStatus = await handle
+            # patched: an incident that started a recovery for a late report of a handled loss replays as it ran.
+            if workflow.patched("absorb-handled-reports"):
+                self._absorb_handled(child_id, result)
             if result.phase is Phase.FAILED:
                 self._failed[child_id] = "ended in phase failed"
             self.decide(

@@ -187,6 +187,7 @@ class ReplicaLossRecovery(Procedure):
         self.decide(f"loss confirmed: {size.summary}", {"loss": size.model_dump(mode="json")})
         self.figure("groups_lost", size.groups_lost)
         self.figure("lost_pods", sorted(p for g in lost for p in g.pods))
+        self.figure("lost_groups", sorted(st.lost_ids))  # the incident absorbs late reports of these
         events = [LossEvent(group_id=g.id, revision=g.revision, nodes=g.nodes, at=self.now()) for g in lost]
         st.correlation = correlate(events, obs.snapshot, timings.correlation_window_s)
         self.decide(f"cause: {st.correlation.reason}", {"cause": st.correlation.cause.value})
@@ -562,6 +563,8 @@ class ReplicaLossRecovery(Procedure):
             st.lost_ids.update(g.id for g in more)
             # The steps still ahead (promote, rebuild, place, triage, verify) handle them too.
             st.lost_groups.extend(more)
+            self.figure("lost_pods", sorted(p for g in st.lost_groups for p in g.pods))
+            self.figure("lost_groups", sorted(st.lost_ids))
             self.decide(
                 f"{len(more)} more group(s) lost within the correlation window: "
                 f"{', '.join(g.id for g in more)}; derouting them now"
