@@ -17,6 +17,7 @@ with workflow.unsafe.imports_passed_through():
 
 class Finish(BaseModel):
     phase: Phase = Phase.DONE
+    lost: list[str] = []  # the groups (single-pod: named as their pods) the recovery says it handled
 
 
 @workflow.defn(name="ReplicaLossRecovery")
@@ -41,7 +42,12 @@ class StubRecovery:
             workflow=workflow.info().workflow_id,
             pool=inp.pool,
             phase=self._finish.phase,
-            figures={"reports": len(inp.reports) + len(self._reports)},
+            figures={
+                "reports": len(inp.reports) + len(self._reports),
+                "first_report": inp.reports[0].pod,
+                "lost_groups": self._finish.lost,
+                "lost_pods": self._finish.lost,
+            },
         )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from temporalio.api.enums.v1 import EventType
 from temporalio.api.workflowservice.v1 import SetWorkerDeploymentCurrentVersionRequest
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy
@@ -332,3 +333,38 @@ async def test_a_long_incident_continues_as_new_and_carries_its_state(short_hist
         assert resolved.awaiting is None
         final = await client.get_workflow_handle(incident.id, result_type=ProcedureStatus).result()
         assert final.phase == Phase.DONE and final.children == [recovery_1.id]
+
+
+async def test_reports_of_losses_its_recovery_handled_are_absorbed_not_recovered_a_second_time(
+    short_history_client: Client,
+) -> None:
+    """The fast path keeps naming a dead node's terminating pods while the recovery runs: once it has
+    handled them, those reports are absorbed; a report of another pod still gets a recovery of its own."""
+    client = short_history_client
+    task_queue = f"absorb-{uuid.uuid4().hex[:8]}"
+    settings = settings_for(client, task_queue, "unused", "unused")
+    pool = PoolRef(namespace="inference", service="llama-absorb")
+    cfg = incident_input(pool, cooldown_s=0.2)
+
+    async with worker_of(client, settings, [FleetIncident, StubRecovery], versioned=False):
+        incident = await report(client, task_queue, pool, cfg, "llama-0", "fp-0")
+        recovery_1 = await child_handle(client, incident, 1)
+
+        async def window_over() -> bool:  # the correlation window's timer fired: later reports wait
+            events = [e async for e in client.get_workflow_handle(incident.id).fetch_history_events()]
+            return any(e.event_type == EventType.EVENT_TYPE_TIMER_FIRED for e in events)
+
+        await until(window_over, "the correlation window to end")
+        await report(client, task_queue, pool, cfg, "llama-1", "fp-1")  # found lost by recovery 1
+        await report(client, task_queue, pool, cfg, "llama-9", "fp-9")  # a loss recovery 1 never saw
+        await recovery_1.signal("finish", Finish(lost=["llama-0", "llama-1"]))
+        recovery_2 = await child_handle(client, incident, 2)
+        await recovery_2.signal("finish", Finish(lost=["llama-9"]))
+        final = await client.get_workflow_handle(incident.id, result_type=ProcedureStatus).result()
+
+    text_ = "\n".join(d.summary for d in final.decisions)
+    assert final.children == [recovery_1.id, recovery_2.id], text_  # not a third for llama-1
+    second = await client.get_workflow_handle(recovery_2.id, result_type=ProcedureStatus).result()
+    assert second.figures["first_report"] == "llama-9" and second.figures["reports"] == 1
+    assert f"1 report(s) that came in while {recovery_1.id} ran name losses it handled: absorbed" in text_
+    assert final.figures["alerts_absorbed"] == 1
