@@ -56,6 +56,7 @@ from fleet.recovery import (
 )
 from ledger.reconcile import ReconcileReport, reconcile
 from worker.config import Settings
+from worker.devstack.rbac_wiring import grant_components
 from worker.devstack.rig import FAST_TIMINGS, FleetRig, compressed_scenario, fleet_rig
 from worker.devstack.sim_wiring import SIM_JIRA_TOKEN
 from worker.webhook.app import ALERTMANAGER_PATH
@@ -76,6 +77,13 @@ FAST = FAST_TIMINGS.model_copy(
         "retry": RetryBudget(attempts=8, budget_s=90, call_timeout_s=10, max_interval_s=2),
     }
 )
+
+
+def component_kubeconfig(admin_kubeconfig: Path, component: str) -> Path:
+    """A fleetmend component's own kubeconfig for a simulated cluster: its ServiceAccount under
+    deploy/k8s's RBAC (``worker.devstack.rbac_wiring``), as in production; granted once per cluster."""
+    path = admin_kubeconfig.parent / f"kubeconfig-{component}"
+    return path if path.is_file() else grant_components(admin_kubeconfig)[component]
 
 
 def incident_config(

@@ -39,6 +39,7 @@ from tests.support import (
     finish,
     fleetmend_actions,
     incident_config,
+    load_reaches,
     pod_report,
     reconcile_with_world,
     wait_for_child,
@@ -212,7 +213,10 @@ async def test_a_real_recovery_survives_a_worker_roll_on_its_version_and_the_inc
             await until(lambda: _routed(rig, 2), "the pool serves before the loss", tries=600)
             pod = (await rig.routing_set(POOL))[0]
             await rig.start_load(rate=30, duration_s=90, seed=6)
+            await load_reaches(rig)
             await rig.inject(FaultKind.WEDGED_ENGINE, f"inference/{pod}")
+            # Requests pile up on it: without any in flight the engine only looks slow, not wedged.
+            await load_reaches(rig, pods=[pod], in_flight=True)
             incident = await rig.report_loss(pod_report(pod, "fp-wedged"), HELD_OPEN)
             first_run = (await incident.describe()).run_id
             recovery = await wait_for_child(client, incident)
@@ -350,9 +354,21 @@ async def test_reports_of_losses_its_recovery_handled_are_absorbed_not_recovered
         incident = await report(client, task_queue, pool, cfg, "llama-0", "fp-0")
         recovery_1 = await child_handle(client, incident, 1)
 
-        async def window_over() -> bool:  # the correlation window's timer fired: later reports wait
+        async def window_over() -> bool:
+            """The incident waits on its recovery alone: the child started, no timer open (the correlation
+            window's fired, or none was needed), and its last task completed. Later reports wait."""
             events = [e async for e in client.get_workflow_handle(incident.id).fetch_history_events()]
-            return any(e.event_type == EventType.EVENT_TYPE_TIMER_FIRED for e in events)
+            kinds = [e.event_type for e in events]
+            opened = (
+                kinds.count(EventType.EVENT_TYPE_TIMER_STARTED)
+                - kinds.count(EventType.EVENT_TYPE_TIMER_FIRED)
+                - kinds.count(EventType.EVENT_TYPE_TIMER_CANCELED)
+            )
+            return (
+                EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_STARTED in kinds
+                and opened == 0
+                and kinds[-1] == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED
+            )
 
         await until(window_over, "the correlation window to end")
         await report(client, task_queue, pool, cfg, "llama-1", "fp-1")  # found lost by recovery 1

@@ -15,6 +15,7 @@ from gateway.resources import RoutedHost
 from gateway.run import hosts_reader
 from sim.runner import RunningSim, start_sim
 from sim.scenario import shipped_scenarios
+from tests.support import component_kubeconfig
 
 pytestmark = pytest.mark.timeout(120)
 POOL = "inference/llama"
@@ -41,7 +42,7 @@ def settle(read: object, want: int, timeout_s: float = 60.0) -> tuple[RoutedHost
 def test_the_routing_set_is_ready_endpoints_with_the_router_label_and_follows_a_deroute(
     sim: RunningSim,
 ) -> None:
-    read = hosts_reader(sim.kubeconfig, None)
+    read = hosts_reader(component_kubeconfig(sim.kubeconfig, "gateway"), None)
     try:
         check_routing_set(sim, read)
     finally:
@@ -66,7 +67,9 @@ def check_routing_set(sim: RunningSim, read: object) -> None:
 
 
 def test_a_service_selector_limits_the_pools(sim: RunningSim) -> None:
-    read = hosts_reader(sim.kubeconfig, None, service_selector="app=nothing-matches")
+    read = hosts_reader(
+        component_kubeconfig(sim.kubeconfig, "gateway"), None, service_selector="app=nothing-matches"
+    )
     try:
         assert read() == {}
     finally:

@@ -32,6 +32,7 @@ from tests.support import (
     finish,
     fleetmend_actions,
     incident_config,
+    load_reaches,
     pod_report,
     wait_for_child,
     wait_for_phase,
@@ -89,7 +90,10 @@ async def test_a_day_waiting_for_an_operator_adds_a_bounded_history_and_the_reco
             await asyncio.sleep(0.3)
         pod = (await rig.routing_set(POOL))[0]
         await rig.start_load(rate=30, duration_s=90, seed=6)
+        await load_reaches(rig)
         await rig.inject(FaultKind.WEDGED_ENGINE, f"inference/{pod}")
+        # Requests pile up on it: without any in flight the engine only looks slow, not wedged.
+        await load_reaches(rig, pods=[pod], in_flight=True)
         # The incident and its recovery run on wall-clock time; only the day of waiting is skipped.
         with env.with_time_skipping_disabled():
             incident = await rig.report_loss(pod_report(pod, "fp-wedged"), incident_config())

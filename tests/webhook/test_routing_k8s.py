@@ -24,7 +24,13 @@ from temporalio.testing import WorkflowEnvironment
 from kube.client import kube_apis
 from sim.runner import RunningSim, start_sim, write_kubeconfig
 from sim.scenario import load_scenario
-from tests.support import ServedWebhook, report_loss_signals, serve_webhook, webhook_settings
+from tests.support import (
+    ServedWebhook,
+    component_kubeconfig,
+    report_loss_signals,
+    serve_webhook,
+    webhook_settings,
+)
 from worker.intake.topology import PoolTopology
 from worker.processes import free_port
 from worker.webhook.app import create_app
@@ -60,7 +66,9 @@ def rank_sim() -> Iterator[RunningSim]:
 
 def served_for(sim: RunningSim, env: WorkflowEnvironment, task_queue: str) -> Iterator[ServedWebhook]:
     token = secrets.token_hex(16)
-    settings = webhook_settings(env, task_queue, token, kubeconfig=sim.kubeconfig, kube_context="sim")
+    settings = webhook_settings(
+        env, task_queue, token, kubeconfig=component_kubeconfig(sim.kubeconfig, "webhook"), kube_context=None
+    )
     app = create_app(settings)  # the shipped routing rules
     with serve_webhook(app, settings) as base_url:
         yield ServedWebhook(app, base_url, token, settings)
@@ -247,7 +255,9 @@ def counting_webhook(
     sim: RunningSim, env: WorkflowEnvironment, task_queue: str
 ) -> tuple[Callable[[], Iterator[ServedWebhook]], CountingCoreApi]:
     token = secrets.token_hex(16)
-    settings = webhook_settings(env, task_queue, token, kubeconfig=sim.kubeconfig, kube_context="sim")
+    settings = webhook_settings(
+        env, task_queue, token, kubeconfig=component_kubeconfig(sim.kubeconfig, "webhook"), kube_context=None
+    )
     real = kube_apis(settings)
     core = CountingCoreApi(real.core)
     counted = dataclasses.replace(real, core=core)  # type: ignore[arg-type]
