@@ -572,6 +572,30 @@ def ledger_rows(url: str) -> dict[str, int]:
         engine.dispose()
 
 
+def reconcile_world(world: World) -> dict[str, Any]:
+    """The ledger against the world's own record (the API server's audit log, the sim's action log),
+    as the recoveries' verification reads it: counts, and the first findings in full."""
+    from sqlalchemy import create_engine
+
+    from activities.audit import world_record
+    from ledger.reconcile import reconcile
+
+    worlds, actions = world_record(world.settings)
+    engine = create_engine(world.database_url)
+    try:
+        report = reconcile(engine, world=worlds or None, actions=actions if worlds else None)
+    finally:
+        engine.dispose()
+    return {
+        "duplicates": len(report.duplicates),
+        "orphans": len(report.orphans),
+        "unresolved": len(report.unresolved) + len(report.needs_operator),
+        "divergent": len(report.divergent),
+        "first_duplicates": [d.model_dump(mode="json") for d in report.duplicates[:3]],
+        "first_orphans": [o.model_dump(mode="json") for o in report.orphans[:3]],
+    }
+
+
 # ============================================================================ Temporal's record
 
 
@@ -857,6 +881,7 @@ async def run_fault(world: World, fault: str) -> dict[str, Any]:
         },
         "activities_by_worker": dict(sorted(per_worker.items())),
         "ledger_rows": await asyncio.to_thread(ledger_rows, world.database_url),
+        "reconcile": await asyncio.to_thread(reconcile_world, world),
         "kube_api_rps_by_verb": api_rates(world, first_fault, end),
         "window_s": round(end - first_fault, 1),
     }

@@ -37,6 +37,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
@@ -83,6 +84,10 @@ class LeaderElector:
         self.expires_at: float | None = None
         self.leading = False
         self.transitions_won = 0
+        # Its own thread, as client-go's elector has its own goroutine: a renewal queued behind other
+        # blocking work in the event loop's default executor (a burst's topology lookups) missed its
+        # deadline, and the leader stepped down in the middle of the burst it was detecting.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fleetmend-lease")
 
     # -- one attempt (synchronous: run it in a thread) ----------------------------------------
 
@@ -235,7 +240,7 @@ class LeaderElector:
                     await asyncio.wait_for(task, timeout=5.0)
                 if not task.done():
                     task.cancel()
-        await asyncio.to_thread(self.release)
+        await asyncio.get_running_loop().run_in_executor(self._thread, self.release)
 
     def _until_next_try(self, tried: float) -> float:
         """A standby's pause: one retry period from its last try's start, or less when the Lease it
@@ -248,7 +253,8 @@ class LeaderElector:
     async def _attempt(self) -> bool:
         try:
             return await asyncio.wait_for(
-                asyncio.to_thread(self.try_acquire_or_renew), timeout=self.renew_deadline_s
+                asyncio.get_running_loop().run_in_executor(self._thread, self.try_acquire_or_renew),
+                timeout=self.renew_deadline_s,
             )
         except Exception as err:
             log.warning("fast path: lease request failed", extra={"error": str(err)[:200]})

@@ -434,3 +434,51 @@ async def test_a_standby_holds_the_lease_within_lease_duration_plus_one_retry_pe
         if leader.poll() is None:
             leader.kill()
         leader.wait(10)
+
+
+async def test_the_leader_keeps_renewing_while_the_event_loops_default_executor_is_busy(
+    short_history: RunningSim,
+) -> None:
+    """A burst's topology lookups fill the loop's default executor with blocking calls: the Lease's
+    renewals do not queue behind them (the elector has its own thread), so the leader does not step
+    down in the middle of the burst it is detecting."""
+    api = client.CoordinationV1Api(
+        config.new_client_from_config(config_file=str(short_history.kubeconfig), context="sim")
+    )
+    elector = LeaderElector(
+        lambda: api,
+        namespace=NS,
+        name="fleetmend-fastpath-busy",
+        identity="worker-a",
+        lease_duration_s=1.5,
+        renew_deadline_s=1.0,
+        retry_period_s=0.2,
+    )
+    stop, released = asyncio.Event(), threading.Event()
+    led: list[asyncio.Event] = []
+
+    async def lead(lost: asyncio.Event) -> None:
+        led.append(lost)
+        await lost.wait()
+
+    running = asyncio.create_task(elector.run(stop, lead))
+    try:
+        while not elector.leading:
+            await asyncio.sleep(0.05)
+        # More blocking calls than the default executor has threads, each longer than the renew deadline.
+        busy = [asyncio.create_task(asyncio.to_thread(released.wait, 5.0)) for _ in range(64)]
+        seen: set[Any] = set()
+        deadline = time.monotonic() + 10
+        # Six renewals at a 0.2 s retry period span more than the 1 s renew deadline.
+        while len(seen) < 7:
+            assert time.monotonic() < deadline, (
+                f"renewals stopped while the default executor was busy: {seen}"
+            )
+            seen.add(api.read_namespaced_lease("fleetmend-fastpath-busy", NS).spec.renew_time)
+            await asyncio.sleep(0.05)
+        assert all(not t.done() for t in busy), "the executor was not busy for the whole check"
+        assert elector.leading and len(led) == 1 and not led[0].is_set(), "the leader stepped down"
+    finally:
+        released.set()
+        stop.set()
+        await asyncio.wait_for(running, 10)
