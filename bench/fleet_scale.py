@@ -588,6 +588,7 @@ def reconcile_world(world: World) -> dict[str, Any]:
         engine.dispose()
     return {
         "duplicates": len(report.duplicates),
+        "repeated_at_least_once": len(report.repeated),
         "orphans": len(report.orphans),
         "unresolved": len(report.unresolved) + len(report.needs_operator),
         "divergent": len(report.divergent),

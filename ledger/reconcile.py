@@ -9,6 +9,10 @@ Findings:
 * **orphans** — actions in the world with no ledger row (someone acted outside the ledger,
   or the ledger lost a row);
 * **duplicates** — ledger operations whose action appears in the world more than once;
+* **repeated** (not a finding) — an effect that declares at-least-once delivery (an incident
+  channel's webhook: no idempotency key, nothing to query) repeated after an unknown outcome,
+  no more often than its row counts attempts. That is the declared behaviour, stored on the
+  row; it is listed so an auditor sees it, and it fails nothing;
 * **missing** — ``applied`` rows whose action the world never logged (opt-in with
   ``check_missing``: only valid when the log covers the whole window; a restarted sim's
   log does not).
@@ -28,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit
@@ -37,7 +41,7 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy import Engine, Table, func, select
 
 from fleet.actionlog import ActionLogEntry
-from ledger.models import DivergenceRecord, EffectRecord, EffectState
+from ledger.models import Delivery, DivergenceRecord, EffectRecord, EffectState
 from ledger.outcome import EffectOutcome
 
 EFFECTS = cast(Table, EffectRecord.__table__)
@@ -177,6 +181,7 @@ class ReconcileReport(BaseModel):
     orphans: list[WorldAction]
     duplicates: list[Duplicate]
     missing: list[EffectOutcome]
+    repeated: list[Duplicate] = []  # declared at-least-once repeats: listed, not findings
 
     @property
     def findings(self) -> int:
@@ -192,6 +197,17 @@ class ReconcileReport(BaseModel):
     @property
     def clean(self) -> bool:
         return self.findings == 0
+
+
+def _duplicate_or_repeat(
+    report: ReconcileReport, owners: Sequence[EffectOutcome], observed: int
+) -> Callable[[Duplicate], None]:
+    """Where a world action seen more often than its rows goes: ``repeated`` when every row declares
+    at-least-once delivery and their attempts cover what the world saw, else ``duplicates``."""
+    declared = all(o.delivery == Delivery.AT_LEAST_ONCE.value for o in owners)
+    if declared and observed <= sum(max(1, o.attempts) for o in owners):
+        return report.repeated.append
+    return report.duplicates.append
 
 
 def reconcile(
@@ -302,7 +318,7 @@ def _compare_with_world(
     for op_id, seen in seen_by_op.items():
         if len(seen) > 1:
             outcome = by_op[op_id]
-            report.duplicates.append(
+            _duplicate_or_repeat(report, [outcome], len(seen))(
                 Duplicate(
                     op_ids=[op_id],
                     signature=dict(outcome.action_signature or {}),
@@ -317,7 +333,7 @@ def _compare_with_world(
         if not owners:
             report.orphans.extend(seen)
         elif len(seen) > len(owners):
-            report.duplicates.append(
+            _duplicate_or_repeat(report, owners, len(seen))(
                 Duplicate(
                     op_ids=[o.op_id for o in owners],
                     signature={"world": key[0], "verb": key[1], "path": key[2], "body_digest": key[3]},

@@ -24,7 +24,7 @@ from ledger import (
 )
 from ledger.audit import EffectFilter, InvalidQuery, list_effects, show_effect
 from ledger.migrate import current_revision, head_revision, is_at_head
-from ledger.models import EffectState
+from ledger.models import Delivery, EffectState
 from ledger.reconcile import WorldAction, reconcile, world_actions_from_sim
 from ledger.retention import prune
 from tests.ledger.world import SimulatedCrash, World, WorldEffect
@@ -122,6 +122,47 @@ def test_reconcile_finds_exactly_the_planted_orphans_and_duplicates(ledger: Effe
 
     # Another world's log is never compared with these rows.
     assert reconcile(ledger.engine, world="10.0.0.1:443", actions=[]).clean
+
+
+def test_a_declared_at_least_once_repeat_is_listed_not_a_duplicate_and_a_third_post_is_one(
+    ledger: EffectLedger,
+) -> None:
+    """An incident-channel post whose first attempt's outcome was unknown (it had landed) is posted
+    again, as its kind declares: reconcile lists that repeat and stays clean. More posts than the row's
+    attempts are a duplicate all the same."""
+    message = {"text": "[fleetmend] lead time 240 s"}
+    raw = json.dumps(message).encode()
+    calls = {"n": 0}
+
+    def post(attempt: Attempt) -> dict[str, object]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise TimeoutError("read timeout: the channel took the message but did not answer in time")
+        return {"status": 200}
+
+    def effect() -> CallableEffect:
+        return CallableEffect(
+            post,
+            delivery=Delivery.AT_LEAST_ONCE,
+            signature=lambda a: ActionSignature(
+                world=SIM, verb="POST", path="/sim/v1/notify", body_digest=body_digest(raw)
+            ),
+        )
+
+    with pytest.raises(Exception, match="outcome is unknown"):
+        ledger.perform("wf/notify/lead-time", "notify.post", "channel/lead-time", message, effect())
+    outcome = ledger.perform("wf/notify/lead-time", "notify.post", "channel/lead-time", message, effect())
+    assert outcome.attempts == 2 and outcome.delivery == Delivery.AT_LEAST_ONCE.value
+    posted = [logged(1, "POST", "/sim/v1/notify", message), logged(2, "POST", "/sim/v1/notify", message)]
+
+    report = reconcile(ledger.engine, world=SIM, actions=world_actions_from_sim(SIM, posted))
+    assert report.clean and report.duplicates == []
+    assert [(d.op_ids, d.expected, d.observed) for d in report.repeated] == [(["wf/notify/lead-time"], 1, 2)]
+
+    thrice = [*posted, logged(3, "POST", "/sim/v1/notify", message)]
+    report = reconcile(ledger.engine, world=SIM, actions=world_actions_from_sim(SIM, thrice))
+    assert [(d.op_ids, d.observed) for d in report.duplicates] == [(["wf/notify/lead-time"], 3)]
+    assert report.repeated == [] and not report.clean
 
 
 def test_reconcile_reports_unresolved_divergent_and_missing(ledger: EffectLedger, world: World) -> None:

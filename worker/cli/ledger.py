@@ -328,6 +328,21 @@ def _print_report(report: ReconcileReport) -> None:
                 str(d.observed),
             )
         console.print(table)
+    if report.repeated:
+        table = Table(
+            title="repeated (declared at-least-once, not a finding): posted again after an unknown outcome"
+        )
+        for column in ("op ids", "verb", "path", "rows", "observed"):
+            table.add_column(column, overflow="fold")
+        for d in report.repeated:
+            table.add_row(
+                ", ".join(d.op_ids),
+                d.signature.get("verb", ""),
+                d.signature.get("path", ""),
+                str(d.expected),
+                str(d.observed),
+            )
+        console.print(table)
     compared = (
         f"; {report.world_actions_compared} actions of {report.world} compared"
         if report.world
