@@ -334,6 +334,19 @@ class PlannedScaleDown(Drain):
             on_miss=settling,
         )
         ready = ready_without(obs.snapshot, victim_ids)
+        # patched: a scale-down that counted its cut streams at once replays as it ran.
+        if workflow.patched("count-cuts-once-victims-are-gone"):
+            # A victim's streams end when its engine exits and Envoy reports them a flush (0.2 s) later:
+            # count them once every victim pod is gone, one poll interval after that.
+            pods = set(victim_pods(self._victims))
+            await self.poll(
+                lambda: self.observe_pool(inp.pool, "verify: are the victims' pods gone?", light=True),
+                lambda o: not pods & set(o.pods),
+                interval_s=inp.poll_interval_s,
+                deadline=self.now() + inp.verify_settle_s,
+                summary="verify: the victims' pods to be gone before counting cut streams",
+            )
+            await workflow.sleep(inp.poll_interval_s, summary="verify: Envoy's last access-log flush")
         cut = await self.observe(
             DrainActivities.cut_streams,
             CutStreamsRequest(pool=inp.pool, replicas=victim_pods(self._victims), since=self._drain_since),
