@@ -8,6 +8,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,6 +28,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 async def _cli(env: dict[str, str], *args: str) -> Any:
     result = await asyncio.to_thread(CliRunner().invoke, app, ["schedule", *args], env=env)
     return result
+
+
+async def _listed_when(
+    env: dict[str, str], check: Callable[[list[dict[str, Any]]], bool], what: str, timeout_s: float = 30
+) -> list[dict[str, Any]]:
+    """``schedule list --json`` once it shows ``what``: the list is Temporal's visibility store, which
+    catches up with a pause, an unpause or a deletion a moment after the call returns."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows: list[dict[str, Any]] = json.loads((await _cli(env, "list", "--json")).output)
+        if check(rows):
+            return rows
+        assert time.monotonic() < deadline, f"the schedule list never showed {what}: {rows}"
+        await asyncio.sleep(0.2)
 
 
 def _env(client: Client, task_queue: str) -> dict[str, str]:
@@ -87,7 +102,7 @@ async def test_cli_schedule_fires_runs_lists_and_yields_to_an_open_incident(
         again = await _cli(env, "create", "--pool", POOL.key, "--to", "6", "--cron", "0 3 * * *", "--id", sid)
         assert again.exit_code == 2 and "already exists" in again.output, again.output
 
-        listed = json.loads((await _cli(env, "list", "--json")).output)
+        listed = await _listed_when(env, lambda rows: any(v["id"] == sid for v in rows), "the new schedule")
         mine = next(v for v in listed if v["id"] == sid)
         assert mine["pool"] == POOL.key and mine["to"] == 6 and mine["timezone"] == "Europe/Berlin"
         assert mine["drain_deadline_s"] == 30 and mine["jitter_s"] == 300 and not mine["paused"]
@@ -117,8 +132,11 @@ async def test_cli_schedule_fires_runs_lists_and_yields_to_an_open_incident(
         assert len(await rig.routing_set(POOL)) == 6
         assert (await temporal_client.get_workflow_handle(incident_id).describe()).status is not None
 
-        listed = json.loads((await _cli(env, "list", "--json")).output)
-        assert run.id in next(v for v in listed if v["id"] == sid)["recent_runs"]
+        await _listed_when(
+            env,
+            lambda rows: any(v["id"] == sid and run.id in v["recent_runs"] for v in rows),
+            "the fired run",
+        )
 
         no_note = await _cli(env, "pause", sid, "--note", " ")
         assert no_note.exit_code == 2 and "--note" in no_note.output
@@ -126,12 +144,15 @@ async def test_cli_schedule_fires_runs_lists_and_yields_to_an_open_incident(
         described = json.loads((await _cli(env, "describe", sid, "--json")).output)
         assert described["paused"] and described["note"] == "freeze week"
         assert (await _cli(env, "unpause", sid, "--note", "freeze over")).exit_code == 0
+        await _listed_when(
+            env, lambda rows: any(v["id"] == sid and not v["paused"] for v in rows), "the unpause"
+        )
         table = await _cli(env, "list")
         assert sid[:8] in table.output and "active" in table.output and "0 3 * * *" in table.output, (
             table.output
         )
         assert (await _cli(env, "delete", sid)).exit_code == 0
-        assert sid not in [v["id"] for v in json.loads((await _cli(env, "list", "--json")).output)]
+        await _listed_when(env, lambda rows: sid not in [v["id"] for v in rows], "the deletion")
         missing = await _cli(env, "describe", sid)
         assert missing.exit_code == 2 and "no schedule" in missing.output
         await status_of(run)
