@@ -123,8 +123,11 @@ class RunningServing:
         """The pool's ready, router-labelled endpoints (what a gateway routes to), from the cluster."""
         return [pod for pod, _ in routed_pods(self.layer.kube, POOL)]
 
-    async def wait_serving(self, count: int, timeout_sim_s: float = 120.0) -> list[str]:
-        """Wait until ``count`` replicas are routed (and, with a gateway, in Envoy's routing set)."""
+    async def wait_serving(self, count: int, timeout_sim_s: float = 600.0) -> list[str]:
+        """Wait until ``count`` replicas are routed (and, with a gateway, in Envoy's routing set).
+
+        600 sim seconds: at speed 10 a minute of wall clock, which a clean-clone run under full load
+        needed (120 sim seconds, 12 s of wall clock, ran out once while Envoy came up)."""
 
         def routed() -> bool:
             if len(self.routed()) < count:
