@@ -262,9 +262,7 @@ class EngineServers:
         return (pod.get("status") or {}).get("podIP") if pod is not None else None
 
     def _open(self, key: str, address: str, engine: Engine) -> None:
-        # IPPROTO_TCP so that asyncio turns Nagle off on each connection (it skips sockets of proto 0):
-        # otherwise a token written while the previous one is unacknowledged waits for a delayed ACK.
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((address, self.port))
