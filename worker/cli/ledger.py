@@ -31,6 +31,7 @@ from ledger.migrate import is_at_head
 from ledger.models import EffectState
 from ledger.outcome import EffectOutcome
 from ledger.reconcile import (
+    Duplicate,
     InvalidAuditEvent,
     ReconcileReport,
     WorldAction,
@@ -314,35 +315,14 @@ def _print_report(report: ReconcileReport) -> None:
             table.add_row(str(a.seq), a.verb, a.path, a.body_digest[:16], a.client or "", str(a.status))
         console.print(table)
     if report.duplicates:
-        table = Table(
-            title=f"duplicates: ledger operations whose action {report.world} logged more than once"
-        )
-        for column in ("op ids", "verb", "path", "expected", "observed"):
-            table.add_column(column, overflow="fold")
-        for d in report.duplicates:
-            table.add_row(
-                ", ".join(d.op_ids),
-                d.signature.get("verb", ""),
-                d.signature.get("path", ""),
-                str(d.expected),
-                str(d.observed),
-            )
-        console.print(table)
+        _print_repeats(f"duplicates: ledger operations whose action {report.world} logged more than once",
+                       "expected", report.duplicates)  # fmt: skip
     if report.repeated:
-        table = Table(
-            title="repeated (declared at-least-once, not a finding): posted again after an unknown outcome"
+        _print_repeats(
+            "repeated (declared at-least-once, not a finding): posted again after an unknown outcome",
+            "rows",
+            report.repeated,
         )
-        for column in ("op ids", "verb", "path", "rows", "observed"):
-            table.add_column(column, overflow="fold")
-        for d in report.repeated:
-            table.add_row(
-                ", ".join(d.op_ids),
-                d.signature.get("verb", ""),
-                d.signature.get("path", ""),
-                str(d.expected),
-                str(d.observed),
-            )
-        console.print(table)
     compared = (
         f"; {report.world_actions_compared} actions of {report.world} compared"
         if report.world
@@ -446,3 +426,19 @@ def prune_command(
         count = prune_rows(engine, older_than=timedelta(days=days), dry_run=dry_run)
     verb = "would delete" if dry_run else "deleted"
     console.print(f"{verb} {count} resolved effect(s) older than {days:g} days; unresolved rows are kept")
+
+
+def _print_repeats(title: str, rows_heading: str, found: list[Duplicate]) -> None:
+    """One table of world actions seen more often than their rows: duplicates, or declared repeats."""
+    table = Table(title=title)
+    for column in ("op ids", "verb", "path", rows_heading, "observed"):
+        table.add_column(column, overflow="fold")
+    for d in found:
+        table.add_row(
+            ", ".join(d.op_ids),
+            d.signature.get("verb", ""),
+            d.signature.get("path", ""),
+            str(d.expected),
+            str(d.observed),
+        )
+    console.print(table)
