@@ -66,6 +66,13 @@ async def _running(
         )
 
 
+async def _noted(world: _World, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not world.notes:
+        assert time.monotonic() < deadline, "the operator was never told in the incident channel"
+        await asyncio.sleep(0.05)
+
+
 async def _awaiting(
     handle: WorkflowHandle[SlowRead, ProcedureStatus], timeout_s: float = 60
 ) -> ProcedureStatus:
@@ -104,6 +111,7 @@ async def test_a_read_that_never_answers_asks_an_operator_after_the_patience_and
         assert "503 Service Unavailable" in refusal.error and "(failing for " in refusal.error, refusal
         failing_s = float(refusal.error.rsplit("(failing for ", 1)[1].split(" s)")[0])
         assert failing_s >= 30 - BUDGET.budget_s, refusal.error  # it waited out its patience first
+        await _noted(world)  # the incident channel hears of it just after the phase is entered
         assert len(world.notes) == 1 and "list the pool's pods failed" in world.notes[0], world.notes
         world.slow_calls = 0
         await handle.execute_update(
