@@ -20,6 +20,7 @@ from activities.gateway import Gateway
 from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX
 from gateway.store import GatewayStore
 from kube.allocation import GpuAllocation, gpu_allocation
+from kube.cache import WatchedObjects, watched
 from kube.client import USER_AGENT, KubeApis, kube_apis
 from ledger.effect import EffectContext
 from ledger.store import EffectLedger
@@ -47,20 +48,48 @@ class ActivityDeps:
             log.warning("Kubernetes client not configured at start-up: %s", exc)
         _ = self.gateway, self.http
         try:
-            _ = self.allocation
+            _ = self.allocation, self.nodes, self.deployments, self.replica_sets
         except Exception as exc:
-            log.warning("GPU allocation watch not started: %s", exc)
+            log.warning("Kubernetes watches not started: %s", exc)
 
     @cached_property
     def kube(self) -> KubeApis:
         return kube_apis(self.settings, self.settings.kube_connections)
 
     @property
+    def _cluster(self) -> tuple[str | None, str | None]:
+        s = self.settings
+        return (str(s.kubeconfig) if s.kubeconfig else None, s.kube_context)
+
+    @property
     def allocation(self) -> GpuAllocation:
         """GPUs allocated per node from one pod watch per cluster and process (kube.allocation)."""
-        s = self.settings
-        key = (str(s.kubeconfig) if s.kubeconfig else None, s.kube_context)
-        return gpu_allocation(key, self.kube.core.list_pod_for_all_namespaces)
+        return gpu_allocation(self._cluster, self.kube.core.list_pod_for_all_namespaces)
+
+    @property
+    def nodes(self) -> WatchedObjects:
+        """Every Node, from one watch per cluster and process (kube.cache): a look reads, not lists."""
+        return watched(self._cluster, "nodes", lambda: WatchedObjects("nodes", self.kube.core.list_node))
+
+    @property
+    def deployments(self) -> WatchedObjects:
+        """Every Deployment, from one watch per cluster and process (kube.cache)."""
+        apps = self.kube.apps
+        return watched(
+            self._cluster,
+            "deployments",
+            lambda: WatchedObjects("deployments", apps.list_deployment_for_all_namespaces),
+        )
+
+    @property
+    def replica_sets(self) -> WatchedObjects:
+        """Every ReplicaSet, from one watch per cluster and process (kube.cache)."""
+        apps = self.kube.apps
+        return watched(
+            self._cluster,
+            "replicasets",
+            lambda: WatchedObjects("replicasets", apps.list_replica_set_for_all_namespaces),
+        )
 
     @cached_property
     def gateway(self) -> Gateway:

@@ -7,9 +7,11 @@ pydantic model the workflow hands to the pure policies in ``fleet/``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
+from kubernetes.client.exceptions import ApiException
 from pydantic import BaseModel, Field
 from temporalio import activity
 
@@ -57,6 +59,10 @@ class ObserveRequest(BaseModel):
         description="Only what confirming a loss needs: engines of the focus groups only, no GPU accounting "
         "or scheduling events (the deroute must not wait for a full survey)",
     )
+
+
+class NodeRead(BaseModel):
+    node: NodeInfo | None = Field(description="None: no such node in the cluster")
 
 
 class NodeHealth(BaseModel):
@@ -118,6 +124,11 @@ def node_info(node: kr.Obj, allocated: int) -> NodeInfo:
         gpu_allocatable=int(alloc),
         gpu_allocated=allocated,
     )
+
+
+def _or_list(watched: list[kr.Obj] | None, list_fn: Callable[..., list[kr.Obj]], *args: Any) -> list[kr.Obj]:
+    """What a watch holds, or a list from the API server while that watch is not following it."""
+    return watched if watched is not None else list_fn(*args)
 
 
 def _container_reasons(pod: kr.Obj) -> tuple[str | None, str | None, int]:
@@ -209,7 +220,8 @@ class ObserveActivities:
         if not req.light:
             watched = self.deps.allocation.allocated()
             allocated = watched if watched is not None else allocation_of(kr.list_all_pods(k))
-        nodes = [node_info(n, allocated.get(kr.name(n), 0)) for n in kr.list_nodes(k)]
+        listed = self.deps.nodes.items()  # the worker's node watch; a list only while it is not following
+        nodes = [node_info(n, allocated.get(kr.name(n), 0)) for n in _or_list(listed, kr.list_nodes, k)]
 
         workloads, rs_owner, targets = self._workloads(ns)
 
@@ -394,7 +406,8 @@ class ObserveActivities:
             exprs = tuple(e.get("key", "") for e in sel.get("matchExpressions") or [])
             return dict(sel.get("matchLabels") or {}), exprs
 
-        for d in kr.list_deployments(k, ns):
+        # From the worker's watches (kube.cache); lists only while a watch is not following.
+        for d in _or_list(self.deps.deployments.items(ns), kr.list_deployments, k, ns):
             ml, ex = selector_of(d)
             replicas = d.get("spec", {}).get("replicas")
             out.append(
@@ -412,7 +425,7 @@ class ObserveActivities:
                 st = d.get("status", {})
                 if (st.get("updatedReplicas") or 0) < (replicas or 0):
                     targets["rollout"] = True
-        for rs in kr.list_replica_sets(k, ns):
+        for rs in _or_list(self.deps.replica_sets.items(ns), kr.list_replica_sets, k, ns):
             ml, ex = selector_of(rs)
             out.append(
                 WorkloadSelector(
@@ -492,6 +505,18 @@ class ObserveActivities:
         return {name: read.snapshot for name, read in reads.items() if read.snapshot is not None}
 
     # ------------------------------------------------------------ nodes
+
+    @activity.defn(name="read_node")
+    def read_node(self, node: str) -> NodeRead:
+        """One node as the API server has it now (a GET, not the watch: the fence reads right after the
+        fast path saw the node change, and must not act on a watch that has not caught up)."""
+        try:
+            obj = kr.get_node(self.deps.kube, node)
+        except ApiException as exc:
+            if exc.status == 404:
+                return NodeRead(node=None)
+            raise
+        return NodeRead(node=node_info(obj, 0))
 
     @activity.defn(name="read_node_health")
     def read_node_health(self, node: str) -> NodeHealth:

@@ -28,6 +28,8 @@ class Phase(StrEnum):
     REBUILDING = "rebuilding-warm-floor"
     PLACING = "placing"
     TRIAGING = "triaging"
+    # a lost node's fence at detection (NodeFence), before any incident looks
+    FENCING = "fencing"
     # a failed node's own workflow (NodeQualification), after triage and quarantine
     QUALIFYING = "qualifying"
     AWAITING_REPAIR = "awaiting-repair"

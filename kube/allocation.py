@@ -9,26 +9,18 @@ dict of per-node totals.
 
 The figures may trail the API server by a watch event's latency (milliseconds), as a
 scheduler's do. When the watch is broken (the cache could be stale) ``allocated()`` says
-``None`` and the caller lists instead. A watch whose API server has refused it
-``GIVE_UP_AFTER`` times in a row ends (a cluster that went away costs nothing); the next
-``gpu_allocation`` call starts a new one.
+``None`` and the caller lists instead; a watch that gave up is started again by the next
+``gpu_allocation`` call (``kube.cache.Watched``).
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from fleet.vocabulary import GPU_RESOURCE
-from kube.informer import Informer, object_key
-
-log = logging.getLogger("fleetmend.kube")
-
-GIVE_UP_AFTER = 15  # consecutive failed attempts (back-off capped at 4 s: about a minute unreachable)
-
-Obj = dict[str, Any]
+from kube.cache import Obj, Watched, watched
+from kube.informer import object_key
 
 
 def gpus_of(pod: Obj) -> int:
@@ -56,38 +48,20 @@ def allocation_of(pods: list[Obj]) -> dict[str, int]:
     return out
 
 
-class GpuAllocation:
-    """node -> GPUs allocated, from a pod informer running in its own daemon thread."""
+class GpuAllocation(Watched):
+    """node -> GPUs allocated, from a pod informer running in its own daemon thread (``kube.cache``)."""
 
     def __init__(self, list_pods: Callable[..., Any]) -> None:
-        self._lock = threading.Lock()
+        super().__init__("pods (GPU allocation)", list_pods)
         self._held: dict[str, tuple[str, int]] = {}  # pod key -> (node, GPUs) of pods that hold any
         self._by_node: dict[str, int] = {}
-        self._stop = threading.Event()
-        self._informer = Informer("pods (GPU allocation)", list_pods, self._on_event)
-        self._thread = threading.Thread(target=self._run, name="fleetmend-gpu-allocation", daemon=True)
-        self._thread.start()
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
 
     def allocated(self) -> dict[str, int] | None:
         """A copy of node -> GPUs, or None while the watch is not (or no longer) following the server."""
-        if not self._informer.synced or self._informer.failures or not self.running:
+        if not self.fresh():
             return None
         with self._lock:
             return dict(self._by_node)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._informer.stop()
-
-    def _run(self) -> None:
-        self._informer.run(self._stop, give_up_after=GIVE_UP_AFTER)
-        if not self._stop.is_set():
-            log.warning("GPU allocation watch gave up: the API server refused it %d times", GIVE_UP_AFTER)
-        self._stop.set()
 
     def _on_event(self, kind: str, pod: Obj) -> None:
         key = object_key(pod)
@@ -106,14 +80,6 @@ class GpuAllocation:
                 self._by_node[node] = self._by_node.get(node, 0) + gpus
 
 
-_lock = threading.Lock()
-_running: dict[object, GpuAllocation] = {}
-
-
 def gpu_allocation(key: object, list_pods: Callable[..., Any]) -> GpuAllocation:
     """The process's allocation cache for one cluster (``key`` names it), started if none is running."""
-    with _lock:
-        found = _running.get(key)
-        if found is None or not found.running:
-            found = _running[key] = GpuAllocation(list_pods)
-        return found
+    return watched(key, "gpu-allocation", lambda: GpuAllocation(list_pods))

@@ -316,6 +316,11 @@ class Settings(BaseSettings):
         description="Run the fast path in the worker (watches + Envoy's health view, /health checks of "
         "suspects; one leader per cluster)",
     )
+    fence_at_detection: bool = Field(
+        True,
+        description="When the fast path confirms a node lost, cordon it at once (a NodeFence workflow per node, "
+        "through the ledger) rather than only in each pool's recovery, seconds later",
+    )
     fastpath_lease_namespace: str = Field("default", description="Namespace of the fast path's Lease")
     fastpath_lease_name: str = Field("fleetmend-fastpath", description="Name of the fast path's Lease")
     fastpath_identity: str | None = Field(None, description="Leader-election identity (default host-pid)")

@@ -22,6 +22,7 @@ from activities.readiness import ReadinessActivities
 from activities.smoke import smoke_probe
 from ledger.store import EffectLedger
 from worker.config import Settings
+from workflows.fence import NodeFence
 from workflows.incident import FleetIncident
 from workflows.node_qualification import NodeQualification
 from workflows.readiness_keeper import ReadinessKeeper
@@ -34,6 +35,7 @@ WORKFLOWS: list[type] = [
     FleetIncident,
     ReplicaLossRecovery,
     NodeQualification,
+    NodeFence,
     PlannedScaleDown,
     ReadinessKeeper,
 ]

@@ -576,6 +576,9 @@ class NodeWorkflows:
         for node, why in failed.items():
             info = obs.snapshot.node(node)
             if info is not None and info.unschedulable:
+                proc.decide(
+                    f"{node} already cordoned ({why}): fenced at detection (NodeFence) or by an operator"
+                )
                 continue
             await proc.act(
                 ActActivities.cordon_node,

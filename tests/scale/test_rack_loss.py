@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from temporalio.client import Client, WorkflowExecutionStatus
 
+from fleet.fence import fence_workflow_id
 from fleet.incident import PoolRef, incident_workflow_id
 from fleet.recovery import Phase, ServingObjectives
 from fleet.vocabulary import FaultKind
@@ -163,6 +164,21 @@ async def test_a_lost_rack_opens_one_incident_per_pool_hit_and_each_recovers_or_
             else:
                 outcomes.append(f"{recovery.id}: completed")
         print(f"{rack} lost ({len(hit)} pools):\n  " + "\n  ".join(sorted(outcomes)))
+
+        # The fence at detection: one NodeFence per lost node, each cordoned it (or found it cordoned).
+        fences = await runs(temporal_client, "NodeFence", rig.started_at)
+        assert {fence_workflow_id(n) for n in nodes} <= {wf.id for wf in fences}, sorted(
+            wf.id for wf in fences
+        )
+        cordoned_by_fence = 0
+        for wf in fences:
+            assert wf.status == WorkflowExecutionStatus.COMPLETED, f"{wf.id}: {wf.status}"
+            fence = await status_of(temporal_client.get_workflow_handle(wf.id))
+            assert fence.phase == Phase.DONE, fence
+            cordoned_by_fence += "fenced_after_s" in fence.figures
+        assert cordoned_by_fence >= 1, "every lost node was cordoned by its recovery before its fence ran"
+        listed: Any = await asyncio.to_thread(rig.core.list_node)
+        assert all(n.spec.unschedulable for n in listed.items if n.metadata.name in nodes)
 
         report = await reconcile_with_world(rig, ledger_url)
         # The fast path's leader election renews its Lease: coordination, not an effect on the fleet.

@@ -1,7 +1,7 @@
 """What the fast path needs to know about the managed pools' pods, kept up to date one pod event at a time.
 
 The pods informer hands every change of a pod to ``PodIndex.update``; the other handlers ask
-the index instead of scanning every pod: is a routed pod on this node (a node event), is
+the index instead of scanning every pod: is a routed (or any managed) pod on this node (a node event), is
 this EndpointSlice endpoint's pod routed (a slice event), which pod leads this LeaderWorkerSet
 group (a rank's restart), which pod has this IP (an address Envoy reports failing). Each
 question and each update costs O(1) (a node's set of routed pods aside), whatever the fleet's size.
@@ -48,6 +48,7 @@ class PodIndex:
         self._pods: dict[str, Pod] = {}
         self._routed: set[str] = set()
         self._routed_by_node: dict[str, set[str]] = {}
+        self._by_node: dict[str, set[str]] = {}  # every managed pod (routed, spare, derouted) by node
         self._by_ip: dict[str, str] = {}
         self._leaders: dict[tuple[str, str], str] = {}
 
@@ -67,9 +68,11 @@ class PodIndex:
         return before
 
     def _remember(self, key: str, pod: Pod) -> None:
+        node = (pod.get("spec") or {}).get("nodeName")
+        if node:
+            self._by_node.setdefault(node, set()).add(key)
         if self._is_routed(pod):
             self._routed.add(key)
-            node = (pod.get("spec") or {}).get("nodeName")
             if node:
                 self._routed_by_node.setdefault(node, set()).add(key)
         ip = (pod.get("status") or {}).get("podIP")
@@ -82,10 +85,11 @@ class PodIndex:
     def _forget(self, key: str, pod: Pod) -> None:
         self._routed.discard(key)
         node = (pod.get("spec") or {}).get("nodeName")
-        if node and node in self._routed_by_node:
-            self._routed_by_node[node].discard(key)
-            if not self._routed_by_node[node]:
-                del self._routed_by_node[node]
+        for by_node in (self._routed_by_node, self._by_node):
+            if node and node in by_node:
+                by_node[node].discard(key)
+                if not by_node[node]:
+                    del by_node[node]
         ip = (pod.get("status") or {}).get("podIP")
         if ip and self._by_ip.get(ip) == key:
             del self._by_ip[ip]
@@ -106,6 +110,11 @@ class PodIndex:
         """A routed pod of a managed pool runs on ``node``."""
         with self._lock:
             return bool(self._routed_by_node.get(node))
+
+    def hosts(self, node: str) -> bool:
+        """A pod of a managed pool (routed or not: a spare, a replica already derouted) is on ``node``."""
+        with self._lock:
+            return bool(self._by_node.get(node))
 
     def by_ip(self, ip: str) -> str | None:
         """The pod (``namespace/name``) whose ``status.podIP`` is ``ip``."""

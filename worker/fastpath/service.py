@@ -37,8 +37,10 @@ from typing import Any
 import httpx
 from kubernetes import client as k8s
 from sqlalchemy import Engine
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 
 from fleet.detection import Detection, DetectionPolicy, EntityState, Evidence, EvidenceKind, Verdict, observe
+from fleet.fence import fence_workflow_id
 from fleet.incident import LossReport, PoolRef, Severity, incident_workflow_id
 from fleet.qualification import gpu_problem_conditions
 from fleet.vocabulary import LWS_GROUP_KEY_LABEL, LWS_WORKER_INDEX_LABEL, MODEL_LABEL
@@ -55,6 +57,7 @@ from worker.intake.metrics import WebhookMetrics
 from worker.intake.routing import AlertRouter, RoutedReport
 from worker.intake.rules import RuleAction, load_alert_rules
 from worker.intake.topology import PodNotFound, PoolTopology
+from workflows.fence import NodeFence, NodeFenceInput
 
 log = logging.getLogger("fleetmend.fastpath")
 
@@ -68,6 +71,8 @@ FASTPATH_USER_AGENT = "fleetmend-fastpath/0.1"
 UNMAPPED_RETRY_S = 30.0
 
 Deliver = Callable[[list[RoutedReport]], Awaitable[list[Delivery | None]]]
+# Start the fence of a node confirmed lost: (node, its pools, the evidence, when it was first seen).
+Fence = Callable[[str, list[PoolRef], str, float], Awaitable[None]]
 
 
 def default_identity() -> str:
@@ -83,9 +88,13 @@ class FastPath:
         *,
         identity: str | None = None,
         policy: DetectionPolicy | None = None,
+        fence: Fence | None = None,
     ) -> None:
         self.settings = settings
         self._deliver = deliver
+        self._fence = fence
+        self._fenced: set[str] = set()  # nodes whose fence started in this spell of not-Ready (nodes thread)
+        self._tasks: set[asyncio.Task[None]] = set()  # fences being started
         self._topology = topology
         self.identity = identity or settings.fastpath_identity or default_identity()
         self.policy = policy or DetectionPolicy(
@@ -152,6 +161,7 @@ class FastPath:
         self._states.clear()
         self._checked_at.clear()
         self._unmapped.clear()
+        self._fenced.clear()
         self._check_slots = asyncio.Semaphore(self.settings.fastpath_confirm_concurrency)
         self.index = PodIndex(self._routed)
         core = kube_apis(self.settings).core
@@ -195,7 +205,7 @@ class FastPath:
             halt.set()
             for i in self.informers:
                 i.stop()
-            running = [*tasks, *self._checks.values()]
+            running = [*tasks, *self._checks.values(), *self._tasks]
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
@@ -217,12 +227,13 @@ class FastPath:
 
     def _on_node(self, kind: str, node: dict[str, Any]) -> None:
         name = (node.get("metadata") or {}).get("name") or ""
-        if not self.index.serves_on(name):
-            return  # no routed pod of a managed pool there
         conditions = [c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type")]
         ready = next((c for c in conditions if c["type"] == "Ready"), None)
         status = ready.get("status") if ready else "Unknown"
         at = time.time()
+        self._fence_if_lost(name, kind, status, ready)
+        if not self.index.serves_on(name):
+            return  # no routed pod of a managed pool there
         if kind != "DELETED" and status == "True":
             problems = gpu_problem_conditions({c["type"]: str(c.get("status")) for c in conditions})
             if problems:
@@ -239,6 +250,29 @@ class FastPath:
             return
         detail = "node deleted" if kind == "DELETED" else f"Ready={status}: {(ready or {}).get('reason', '')}"
         self._push(Evidence(entity=f"node:{name}", kind=EvidenceKind.NODE_NOT_READY, at=at, detail=detail))
+
+    def _fence_if_lost(self, name: str, kind: str, status: str | None, ready: dict[str, Any] | None) -> None:
+        """Start the node's fence once per spell of not-Ready, when a managed pool has a pod on it
+        (routed or not: a node whose replicas were already derouted is still no place for a new one)."""
+        if self._fence is None:
+            return
+        if kind != "DELETED" and status == "True":
+            self._fenced.discard(name)
+            return
+        if kind == "DELETED" or name in self._fenced or not self.index.hosts(name):
+            return
+        self._fenced.add(name)
+        loop = self._loop
+        if loop is not None:
+            evidence = f"Ready={status}: {(ready or {}).get('reason', '')}".strip()
+            loop.call_soon_threadsafe(self._spawn_fence, name, evidence, time.time())
+
+    def _spawn_fence(self, node: str, evidence: str, at: float) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._start_fence(node, evidence, at), name=f"fence-{node}"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
         self.index.update(kind, pod)
@@ -549,6 +583,20 @@ class FastPath:
         await self._deliver(routed)
         self.counts["reports_delivered"] += len(routed)
 
+    async def _start_fence(self, node: str, evidence: str, at: float) -> None:
+        """The node's fence at detection (``fleet.fence``), for the pools with a pod on it. If it cannot
+        start, each recovery's own fence step still cordons the node (later): logged, not retried here."""
+        assert self._fence is not None
+        try:
+            groups = await self._topology.groups_on_node(node)
+            pools = sorted({g.pool for g in groups}, key=lambda p: p.key)
+            if pools:
+                await self._fence(node, pools, evidence, at)
+                self.counts["fences_started"] += 1
+        except Exception as err:
+            log.warning("fast path: fence not started", extra={"node": node, "error": str(err)[:300]})
+            self._fenced.discard(node)  # the node's next event tries again
+
     def _gone_pod_pools(
         self, namespace: str, pod: str
     ) -> list[tuple[PoolRef, str | None, str | None, str | None]]:
@@ -579,4 +627,31 @@ def build_fast_path(
         client_factory,
         WebhookMetrics(),
     )
-    return FastPath(settings, intake.deliver, topology, identity=identity)
+    fence = _fence_starter(settings, client_factory) if settings.fence_at_detection else None
+    return FastPath(settings, intake.deliver, topology, identity=identity, fence=fence)
+
+
+def _fence_starter(settings: Settings, client_factory: Callable[[], Awaitable[Any]]) -> Fence:
+    """Start ``NodeFence`` under ``fence/<node>``: a second start while one runs joins it (USE_EXISTING);
+    one that has ended lets a later loss of the node start a new run, which finds it cordoned."""
+
+    async def fence(node: str, pools: list[PoolRef], evidence: str, detected_at: float) -> None:
+        client = await client_factory()
+        await client.start_workflow(
+            NodeFence.run,
+            NodeFenceInput(
+                node=node,
+                pools=pools,
+                evidence=evidence[:500],
+                detected_at=detected_at,
+                timings=settings.recovery_timings,
+                dry_run=settings.dry_run,
+            ),
+            id=fence_workflow_id(node),
+            task_queue=settings.task_queue,
+            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            static_summary=f"Fence {node} at detection (cordon): {evidence[:200]}",
+        )
+
+    return fence

@@ -1,7 +1,8 @@
-"""``kube.allocation``: GPUs allocated per node from one pod watch, against the simulated API server.
+"""``kube.allocation`` and ``kube.cache``: what a look reads from one watch instead of listing, against
+the simulated API server.
 
-It must agree with a list of every pod at all times it answers, follow a pod bound or deleted, and stop
-answering (so a look lists instead) once its watch is broken.
+Each must agree with a list at all times it answers, follow a change, and stop answering (so a look
+lists instead) once its watch is broken.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from kubernetes import client, config
 
 from activities import kube_reads as kr
 from kube.allocation import GpuAllocation, allocation_of
+from kube.cache import WatchedObjects
 from kube.client import KubeApis
 from sim.runner import RunningSim, start_sim
 from sim.scenario import shipped_scenarios
@@ -52,7 +54,7 @@ def test_the_watch_agrees_with_a_list_follows_binds_and_deletes_and_steps_aside_
     world: tuple[RunningSim, KubeApis],
 ) -> None:
     running, k = world
-    cache = GpuAllocation(k.core.list_pod_for_all_namespaces)
+    cache = GpuAllocation(k.core.list_pod_for_all_namespaces).start()
     try:
         listed = allocation_of(kr.list_all_pods(k))
         assert sum(listed.values()) > 0, "the scenario's engines hold GPUs"
@@ -74,3 +76,40 @@ def test_the_watch_agrees_with_a_list_follows_binds_and_deletes_and_steps_aside_
         wait_for(lambda: cache.allocated() is None, 30, "the broken watch to step aside")
     finally:
         cache.stop()
+
+
+def test_watched_nodes_and_deployments_agree_with_lists_follow_a_cordon_and_step_aside_when_broken(
+    world: tuple[RunningSim, KubeApis],
+) -> None:
+    """``kube.cache.WatchedObjects``: what a look reads instead of listing every Node and Deployment."""
+    running, k = world
+    nodes = WatchedObjects("nodes", k.core.list_node).start()
+    deployments = WatchedObjects("deployments", k.apps.list_deployment_for_all_namespaces).start()
+    try:
+
+        def names(objs: list[dict[str, Any]] | None) -> set[str] | None:
+            return None if objs is None else {o["metadata"]["name"] for o in objs}
+
+        listed = {n["metadata"]["name"] for n in kr.list_nodes(k)}
+        assert wait_for(lambda: names(nodes.items()), 10, "the first node list") == listed
+        ns = "inference"
+        in_ns = {d["metadata"]["name"] for d in kr.list_deployments(k, ns)}
+        assert in_ns and wait_for(lambda: names(deployments.items(ns)), 10, "the deployments") == in_ns
+        assert deployments.items("no-such-namespace") == []
+
+        node = sorted(listed)[0]
+        k.core.patch_node(node, {"spec": {"unschedulable": True}})
+
+        def cordoned() -> bool:
+            return any(
+                n["metadata"]["name"] == node and n["spec"].get("unschedulable") for n in nodes.items() or []
+            )
+
+        wait_for(cordoned, 10, "the cordon seen through the watch")
+
+        running.stop()
+        wait_for(lambda: nodes.items() is None, 30, "the broken node watch to step aside")
+        assert not nodes.fresh()
+    finally:
+        nodes.stop()
+        deployments.stop()
