@@ -540,6 +540,14 @@ def sets_unschedulable(patch: Any) -> bool:
     return False
 
 
+def peak_rate(times: list[float], k: int) -> float | None:
+    """Events per second over the fastest ``k`` consecutive events: (k - 1) / their span."""
+    if len(times) < k:
+        return None
+    span = min(times[i + k - 1] - times[i] for i in range(len(times) - k + 1))
+    return round((k - 1) / max(span, 1e-3), 1)
+
+
 def peak_per_second(times: list[float]) -> int:
     """The most events in any 1 s window."""
     best, j = 0, 0
@@ -830,6 +838,8 @@ async def run_fault(world: World, fault: str) -> dict[str, Any]:
     closes = [r.close for r in recoveries if r.close is not None]
     cordoned = cordons(world, first_fault)
     cordon_times = [t for t, _ in cordoned]
+    cordoned_at = {node: t for t, node in cordoned}
+    fenced_after = [cordoned_at[n] - fault_at[n] for n in targets if n in cordoned_at]
 
     actions: Counter[str] = Counter()
     per_worker: Counter[str] = Counter()
@@ -870,7 +880,14 @@ async def run_fault(world: World, fault: str) -> dict[str, Any]:
             if cordon_times
             else None,
             "peak_1s": peak_per_second(cordon_times),
+            # The fastest run of 10 consecutive first cordons: 9 intervals over their span (a rate that a
+            # 1 s window caps at the number of nodes failing in one second).
+            "peak_10": peak_rate(cordon_times, 10),
         },
+        "fault_to_cordoned_s": quantiles(fenced_after),
+        "lost_nodes_not_cordoned": len(targets) - len(fenced_after),
+        "faults_per_s_peak_1s": peak_per_second(sorted(fault_at.values())),
+        "node_fences": sum(1 for r in runs if r.type == "NodeFence"),
         "temporal_actions": {
             "total": total_actions,
             "by_kind": dict(sorted(actions.items())),
@@ -914,7 +931,8 @@ def print_faults(rows: list[dict[str, Any]]) -> None:
     table = Table(title="Faults")
     for col in ("fault", "nodes", "lost", "pools", "out of rotation p50/p99/max s",
                 "incident opened p50/p99/max s", "incidents (dup)", "recoveries done/wait/run/failed",
-                "last ended s", "cordons/s mean/peak", "actions/incident", "incidents/s @500 APS"):  # fmt: skip
+                "last ended s", "fault to cordoned p50/p99 s", "cordons/s mean / peak 1s / peak of 10",
+                "faults/s peak 1s", "actions/incident", "incidents/s @500 APS"):  # fmt: skip
         table.add_column(col, justify="right")
 
     def three(q: dict[str, Any]) -> str:
@@ -932,7 +950,11 @@ def print_faults(rows: list[dict[str, Any]]) -> None:
             f"{r['incidents_opened']} ({r['incidents_duplicated']})",
             f"{rec['completed']}/{rec['waiting']}/{rec['running']}/{rec['failed']}",
             str(r["last_recovery_ended_s"]),
-            f"{r['cordons_per_s']['mean']} / {r['cordons_per_s']['peak_1s']}",
+            "-"
+            if not r.get("fault_to_cordoned_s", {}).get("n")
+            else f"{r['fault_to_cordoned_s']['p50']:.2f} / {r['fault_to_cordoned_s']['p99']:.2f}",
+            f"{r['cordons_per_s']['mean']} / {r['cordons_per_s']['peak_1s']} / {r['cordons_per_s'].get('peak_10')}",
+            str(r.get("faults_per_s_peak_1s", "-")),
             str(r["temporal_actions"]["per_incident"]),
             str(r["temporal_actions"]["incidents_per_s_at"]["500_aps"]),
         )

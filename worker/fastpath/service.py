@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import httpx
@@ -94,7 +94,7 @@ class FastPath:
         self._deliver = deliver
         self._fence = fence
         self._fenced: set[str] = set()  # nodes whose fence started in this spell of not-Ready (nodes thread)
-        self._tasks: set[asyncio.Task[None]] = set()  # fences being started
+        self._tasks: set[asyncio.Task[None]] = set()  # deliveries and fence starts in flight
         self._topology = topology
         self.identity = identity or settings.fastpath_identity or default_identity()
         self.policy = policy or DetectionPolicy(
@@ -268,9 +268,11 @@ class FastPath:
             loop.call_soon_threadsafe(self._spawn_fence, name, evidence, time.time())
 
     def _spawn_fence(self, node: str, evidence: str, at: float) -> None:
-        task = asyncio.get_running_loop().create_task(
-            self._start_fence(node, evidence, at), name=f"fence-{node}"
-        )
+        self._spawn(self._start_fence(node, evidence, at), f"fence-{node}")
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """Run ``work`` beside the detector (a delivery, a fence start); cancelled when leadership ends."""
+        task = asyncio.get_running_loop().create_task(work, name=f"fastpath-{name}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -532,16 +534,22 @@ class FastPath:
             extra={"entity": detection.entity, "reason": detection.reason},
         )
         if detection.loss:
-            try:
-                await self._report(detection)
-            except Exception as err:
-                # Not lost: the alert path still opens the incident; the next evidence retries here.
-                log.warning(
-                    "fast path: delivery failed",
-                    extra={"entity": detection.entity, "error": str(err)[:300]},
-                )
-                current = self._states.get(evidence.entity, state)
-                self._states[evidence.entity] = current.model_copy(update={"reported": False})
+            # Delivered beside the next evidence, not before it: in a burst one slow signal-with-start
+            # must not hold every later loss (the intake bounds the signals in flight).
+            self._spawn(self._report_or_rearm(detection), f"report-{detection.entity}")
+
+    async def _report_or_rearm(self, detection: Detection) -> None:
+        try:
+            await self._report(detection)
+        except Exception as err:
+            # Not lost: the alert path still opens the incident; the next evidence retries here.
+            log.warning(
+                "fast path: delivery failed",
+                extra={"entity": detection.entity, "error": str(err)[:300]},
+            )
+            current = self._states.get(detection.entity)
+            if current is not None:
+                self._states[detection.entity] = current.model_copy(update={"reported": False})
 
     async def _report(self, detection: Detection) -> None:
         kind, _, name = detection.entity.partition(":")
