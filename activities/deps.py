@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 
 import httpx
 from temporalio import activity
@@ -48,7 +48,7 @@ class ActivityDeps:
             log.warning("Kubernetes client not configured at start-up: %s", exc)
         _ = self.gateway, self.http
         try:
-            _ = self.allocation, self.nodes, self.deployments, self.replica_sets
+            _ = self.allocation, self.nodes
         except Exception as exc:
             log.warning("Kubernetes watches not started: %s", exc)
 
@@ -71,24 +71,27 @@ class ActivityDeps:
         """Every Node, from one watch per cluster and process (kube.cache): a look reads, not lists."""
         return watched(self._cluster, "nodes", lambda: WatchedObjects("nodes", self.kube.core.list_node))
 
-    @property
-    def deployments(self) -> WatchedObjects:
-        """Every Deployment, from one watch per cluster and process (kube.cache)."""
+    def deployments(self, namespace: str) -> WatchedObjects:
+        """The namespace's Deployments, from one watch per namespace, cluster and process (kube.cache).
+        Per namespace, as fleetmend's RBAC grants them (deploy/k8s: a Role in each pool's namespace)."""
         apps = self.kube.apps
         return watched(
             self._cluster,
-            "deployments",
-            lambda: WatchedObjects("deployments", apps.list_deployment_for_all_namespaces),
+            f"deployments/{namespace}",
+            lambda: WatchedObjects(
+                f"deployments/{namespace}", partial(apps.list_namespaced_deployment, namespace)
+            ),
         )
 
-    @property
-    def replica_sets(self) -> WatchedObjects:
-        """Every ReplicaSet, from one watch per cluster and process (kube.cache)."""
+    def replica_sets(self, namespace: str) -> WatchedObjects:
+        """The namespace's ReplicaSets, from one watch per namespace, cluster and process (kube.cache)."""
         apps = self.kube.apps
         return watched(
             self._cluster,
-            "replicasets",
-            lambda: WatchedObjects("replicasets", apps.list_replica_set_for_all_namespaces),
+            f"replicasets/{namespace}",
+            lambda: WatchedObjects(
+                f"replicasets/{namespace}", partial(apps.list_namespaced_replica_set, namespace)
+            ),
         )
 
     @cached_property

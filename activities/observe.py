@@ -407,7 +407,7 @@ class ObserveActivities:
             return dict(sel.get("matchLabels") or {}), exprs
 
         # From the worker's watches (kube.cache); lists only while a watch is not following.
-        for d in _or_list(self.deps.deployments.items(ns), kr.list_deployments, k, ns):
+        for d in _or_list(self.deps.deployments(ns).items(ns), kr.list_deployments, k, ns):
             ml, ex = selector_of(d)
             replicas = d.get("spec", {}).get("replicas")
             out.append(
@@ -425,7 +425,7 @@ class ObserveActivities:
                 st = d.get("status", {})
                 if (st.get("updatedReplicas") or 0) < (replicas or 0):
                     targets["rollout"] = True
-        for rs in _or_list(self.deps.replica_sets.items(ns), kr.list_replica_sets, k, ns):
+        for rs in _or_list(self.deps.replica_sets(ns).items(ns), kr.list_replica_sets, k, ns):
             ml, ex = selector_of(rs)
             out.append(
                 WorkloadSelector(

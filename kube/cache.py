@@ -1,8 +1,9 @@
 """Collections a worker reads on every look, kept by one watch each, as a controller's informer cache.
 
 A recovery looks at its pool every few seconds, and each look needs cluster-wide context:
-every Node (placement, the fence), every Deployment and ReplicaSet of the namespace (which
-controller owns a replica, its replicas). Listing them per look costs O(fleet) per look: at 512
+every Node (placement, the fence), every Deployment and ReplicaSet of the pool's namespace
+(which controller owns a replica, its replicas: watched per namespace, as fleetmend's RBAC grants
+them). Listing them per look costs O(fleet) per look: at 512
 nodes a node list is ~0.8 MB of JSON, and a burst of a hundred recoveries spent most of the
 worker's time decoding the same lists (py-spy, fleet-scale burst). ``WatchedObjects`` lists once
 and follows the watch, so its cost grows with changes, not with looks.

@@ -8,6 +8,7 @@ lists instead) once its watch is broken.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import pytest
@@ -84,7 +85,8 @@ def test_watched_nodes_and_deployments_agree_with_lists_follow_a_cordon_and_step
     """``kube.cache.WatchedObjects``: what a look reads instead of listing every Node and Deployment."""
     running, k = world
     nodes = WatchedObjects("nodes", k.core.list_node).start()
-    deployments = WatchedObjects("deployments", k.apps.list_deployment_for_all_namespaces).start()
+    ns = "inference"  # watched per namespace, as the worker's RBAC grants Deployments
+    deployments = WatchedObjects("deployments", partial(k.apps.list_namespaced_deployment, ns)).start()
     try:
 
         def names(objs: list[dict[str, Any]] | None) -> set[str] | None:
@@ -92,7 +94,6 @@ def test_watched_nodes_and_deployments_agree_with_lists_follow_a_cordon_and_step
 
         listed = {n["metadata"]["name"] for n in kr.list_nodes(k)}
         assert wait_for(lambda: names(nodes.items()), 10, "the first node list") == listed
-        ns = "inference"
         in_ns = {d["metadata"]["name"] for d in kr.list_deployments(k, ns)}
         assert in_ns and wait_for(lambda: names(deployments.items(ns)), 10, "the deployments") == in_ns
         assert deployments.items("no-such-namespace") == []
@@ -106,6 +107,16 @@ def test_watched_nodes_and_deployments_agree_with_lists_follow_a_cordon_and_step
             )
 
         wait_for(cordoned, 10, "the cordon seen through the watch")
+        name = sorted(in_ns)[0]
+        k.apps.patch_namespaced_deployment(name, ns, {"metadata": {"labels": {"watched": "yes"}}})
+        wait_for(
+            lambda: any(
+                d["metadata"]["name"] == name and d["metadata"]["labels"].get("watched") == "yes"
+                for d in deployments.items(ns) or []
+            ),
+            10,
+            "the namespaced Deployment watch follows a change",
+        )
 
         running.stop()
         wait_for(lambda: nodes.items() is None, 30, "the broken node watch to step aside")
