@@ -106,6 +106,15 @@ def _equality_terms(selector: str | None) -> dict[str, str] | None:
     return out
 
 
+def _node_term(selector: str | None) -> str | None:
+    """The node of a ``spec.nodeName=<node>`` (or ``==``) term in a field selector, else None."""
+    for term in (selector or "").split(","):
+        name, op, value = term.partition("==") if "==" in term else term.partition("=")
+        if op and not name.endswith("!") and name.strip() == "spec.nodeName" and value.strip():
+            return value.strip()
+    return None
+
+
 def _owner_uids(obj: Obj) -> set[str]:
     return {ref["uid"] for ref in obj.get("metadata", {}).get("ownerReferences") or [] if ref.get("uid")}
 
@@ -128,6 +137,9 @@ class ObjectStore:
         self._sorted: dict[str, list[Key] | None] = dict.fromkeys(RESOURCES)  # keys in order, None: stale
         self._by_label: dict[str, dict[tuple[str, str, str], set[Key]]] = {p: {} for p in RESOURCES}
         self._by_owner: dict[str, dict[str, set[Key]]] = {p: {} for p in RESOURCES}
+        # Pods by spec.nodeName: a kubelet's, the taint manager's or a client's ``spec.nodeName=<node>``
+        # list reads one node's pods, not every pod of a 512-node cluster.
+        self._by_node: dict[str, set[Key]] = {}
         # Objects created or removed, and ownerReferences changed, so far (what garbage collection follows).
         self.created_or_removed = 0
         self.owners_changed = 0
@@ -151,12 +163,21 @@ class ObjectStore:
                 by_owner[uid].discard(key)
                 if not by_owner[uid]:
                     del by_owner[uid]
+        node = obj.get("spec", {}).get("nodeName") if plural == "pods" else None
+        if node:
+            if add:
+                self._by_node.setdefault(node, set()).add(key)
+            elif node in self._by_node:
+                self._by_node[node].discard(key)
+                if not self._by_node[node]:
+                    del self._by_node[node]
 
     def _reindex(self, plural: str, key: Key, old: Obj, new: Obj) -> None:
         old_meta, new_meta = old.get("metadata", {}), new.get("metadata", {})
         owners_changed = old_meta.get("ownerReferences") != new_meta.get("ownerReferences")
         self.owners_changed += owners_changed
-        if owners_changed or old_meta.get("labels") != new_meta.get("labels"):
+        moved = old.get("spec", {}).get("nodeName") != new.get("spec", {}).get("nodeName")
+        if owners_changed or moved or old_meta.get("labels") != new_meta.get("labels"):
             self._index(plural, key, old, add=False)
             self._index(plural, key, new, add=True)
 
@@ -254,10 +275,13 @@ class ObjectStore:
         equality = _equality_terms(label_selector)
         with self._lock:
             objects = self._objects[plural]
-            if equality is not None and namespace is not None:
+            on_node = _node_term(field_selector) if plural == "pods" else None
+            if on_node is not None:
+                keys: Iterable[Key] = sorted(self._by_node.get(on_node, ()))
+            elif equality is not None and namespace is not None:
                 index = self._by_label[plural]
                 sets = [index.get((namespace, k, v), set()) for k, v in equality.items()]
-                keys: Iterable[Key] = sorted(set.intersection(*sorted(sets, key=len)))
+                keys = sorted(set.intersection(*sorted(sets, key=len)))
             else:
                 keys = self._keys_in_order(plural)
             out = []
