@@ -1,10 +1,11 @@
-"""Task priorities: recovery work out-ranks scale-down and readiness work on the shared task queue.
+"""Task priorities: a lost node's fence, then recovery work, out-rank scale-down and readiness work.
 
 All of fleetmend's workflows share one task queue (one worker fleet, one set of
 slots). When the queue backs up — an alert storm, a worker roll, the fleet
 catching up after an outage — Temporal dispatches lower priority keys first
 (1 highest … 5 lowest, 3 when unset), so the replica-loss incident and its
-recovery are never stuck behind a nightly scale-down or readiness sampling.
+recovery are never stuck behind a nightly scale-down or readiness sampling, and a lost node's
+fence (two short activities) is never stuck behind a burst's hundred recoveries.
 
 Priorities are set in one place, by workflow type, instead of at every call
 site: a client interceptor for the starts (webhook, CLI, Schedules) and a
@@ -29,11 +30,13 @@ from temporalio.common import Priority
 
 from fleet.incident import FLEET_INCIDENT_WORKFLOW
 
-RECOVERY = 1  # a replica is lost: capacity and live streams are at stake now
+FENCE = 1  # a node is lost: one cordon keeps the scheduler off it, ahead of every recovery's looks
+RECOVERY = 2  # a replica is lost: capacity and live streams are at stake now
 PLANNED = 4  # a scale-down can wait a few seconds
 BACKGROUND = 5  # readiness sampling runs continuously; a late sample is harmless
 
 PRIORITY_BY_WORKFLOW: dict[str, int] = {
+    "NodeFence": FENCE,
     FLEET_INCIDENT_WORKFLOW: RECOVERY,
     "ReplicaLossRecovery": RECOVERY,
     "PlannedScaleDown": PLANNED,

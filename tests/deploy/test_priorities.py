@@ -9,7 +9,7 @@ from temporalio.client import Client
 from temporalio.common import Priority
 
 from worker.config import load_settings
-from worker.priorities import BACKGROUND, PLANNED, RECOVERY, fairness_key_for, priority_for
+from worker.priorities import BACKGROUND, FENCE, PLANNED, RECOVERY, fairness_key_for, priority_for
 from worker.temporal_client import connect
 
 
@@ -24,7 +24,7 @@ async def test_starts_through_fleetmend_clients_carry_the_priority_of_their_work
     )
     task_queue = f"prio-{uuid.uuid4().hex[:8]}"  # no worker: the starts only queue up
     keys = {}
-    for workflow in ("FleetIncident", "PlannedScaleDown", "ReadinessKeeper", "SomethingElse"):
+    for workflow in ("NodeFence", "FleetIncident", "PlannedScaleDown", "ReadinessKeeper", "SomethingElse"):
         handle = await client.start_workflow(
             workflow, id=f"prio-{uuid.uuid4().hex[:8]}", task_queue=task_queue
         )
@@ -32,12 +32,13 @@ async def test_starts_through_fleetmend_clients_carry_the_priority_of_their_work
         keys[workflow] = described.raw_description.workflow_execution_info.priority.priority_key
         await handle.terminate("priority checked")
     assert keys == {
+        "NodeFence": FENCE,
         "FleetIncident": RECOVERY,
         "PlannedScaleDown": PLANNED,
         "ReadinessKeeper": BACKGROUND,
         "SomethingElse": 0,
     }
-    assert RECOVERY < PLANNED < BACKGROUND  # lower keys are dispatched first
+    assert FENCE < RECOVERY < PLANNED < BACKGROUND  # lower keys are dispatched first
 
 
 def test_a_start_that_names_its_own_priority_keeps_it() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -238,6 +239,10 @@ class PoolTopology:
         self._timeout = request_timeout_s
         self._batch_threshold = batch_threshold
         self._cache: dict[tuple[str, ...], tuple[float, asyncio.Future[Any]]] = {}
+        # A namespace's Services, for as long as an answer is cached: a burst of lost pods in one
+        # namespace asks for them once per TTL, not once per pod (threads: the lookups run in them).
+        self._service_lists: dict[str, tuple[float, list[ServiceFacts]]] = {}
+        self._service_lock = threading.Lock()
 
     @classmethod
     def from_settings(cls, settings: Settings, **kwargs: Any) -> PoolTopology:
@@ -331,13 +336,19 @@ class PoolTopology:
         return self._apis().core
 
     def _services(self, namespaces: Iterable[str]) -> dict[str, list[ServiceFacts]]:
-        return {
-            ns: [
-                ServiceFacts.of(s)
-                for s in self._core().list_namespaced_service(ns, _request_timeout=self._timeout).items
-            ]
-            for ns in sorted(set(namespaces))
-        }
+        return {ns: self._services_of(ns) for ns in sorted(set(namespaces))}
+
+    def _services_of(self, namespace: str) -> list[ServiceFacts]:
+        now = time.monotonic()
+        with self._service_lock:
+            hit = self._service_lists.get(namespace)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        listed = self._core().list_namespaced_service(namespace, _request_timeout=self._timeout).items
+        facts = [ServiceFacts.of(s) for s in listed]
+        with self._service_lock:
+            self._service_lists[namespace] = (time.monotonic() + self._ttl, facts)
+        return facts
 
     def _list_all(self, list_call: Callable[..., Any], what: str, **selectors: str) -> list[dict[str, Any]]:
         """Every item of a cluster-wide list, page by page, as the API's JSON."""
