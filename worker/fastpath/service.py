@@ -601,6 +601,9 @@ class FastPath:
             if pools:
                 await self._fence(node, pools, evidence, at)
                 self.counts["fences_started"] += 1
+                log.info(
+                    "fast path: fence started", extra={"node": node, "after_s": round(time.time() - at, 3)}
+                )
         except Exception as err:
             log.warning("fast path: fence not started", extra={"node": node, "error": str(err)[:300]})
             self._fenced.discard(node)  # the node's next event tries again
