@@ -672,6 +672,50 @@ async def history_actions(client: Client, run: Run) -> tuple[Counter[str], Count
     return actions, by_worker
 
 
+FENCE_TIME_KINDS = (
+    "workflow task queued",
+    "workflow task running",
+    "activity queued",
+    "activity running",
+    "start to close",
+)
+
+
+async def where_time_went(client: Client, run: Run) -> dict[str, float]:
+    """A run's seconds by where they went, from its history: workflow tasks waiting for a worker and
+    being run, activities waiting for a slot and running, and start to close."""
+    spent: defaultdict[str, float] = defaultdict(float)
+    scheduled: dict[int, float] = {}
+    started: dict[int, float] = {}
+    first = last = None
+    async for event in client.get_workflow_handle(run.workflow_id, run_id=run.run_id).fetch_history_events():
+        at = event.event_time.ToDatetime().timestamp()
+        first = at if first is None else first
+        last = at
+        kind = event.event_type
+        if kind in (
+            EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED,
+            EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED,
+        ):
+            scheduled[event.event_id] = at
+        elif kind == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED:
+            ref = event.workflow_task_started_event_attributes.scheduled_event_id
+            spent["workflow task queued"] += at - scheduled.get(ref, at)
+            started[event.event_id] = at
+        elif kind == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
+            ref = event.workflow_task_completed_event_attributes.started_event_id
+            spent["workflow task running"] += at - started.get(ref, at)
+        elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:
+            ref = event.activity_task_started_event_attributes.scheduled_event_id
+            spent["activity queued"] += at - scheduled.get(ref, at)
+            started[event.event_id] = at
+        elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+            ref = event.activity_task_completed_event_attributes.started_event_id
+            spent["activity running"] += at - started.get(ref, at)
+    spent["start to close"] = (last or 0.0) - (first or 0.0)
+    return dict(spent)
+
+
 async def status_of(client: Client, workflow_id: str) -> ProcedureStatus | None:
     with contextlib.suppress(Exception):
         raw = await client.get_workflow_handle(workflow_id).query("status")
@@ -848,6 +892,8 @@ async def run_fault(world: World, fault: str) -> dict[str, Any]:
             a, w = await history_actions(world.client, r)
             actions.update(a)
             per_worker.update({world.worker_name(identity): n for identity, n in w.items()})
+    fences = [r for r in runs if r.type == "NodeFence" and r.start >= first_fault - 1.0]
+    fence_time = [await where_time_went(world.client, r) for r in fences]
     total_actions = sum(actions.values())
     per_incident = total_actions / len(incidents) if incidents else None
     return {
@@ -887,7 +933,9 @@ async def run_fault(world: World, fault: str) -> dict[str, Any]:
         "fault_to_cordoned_s": quantiles(fenced_after),
         "lost_nodes_not_cordoned": len(targets) - len(fenced_after),
         "faults_per_s_peak_1s": peak_per_second(sorted(fault_at.values())),
-        "node_fences": sum(1 for r in runs if r.type == "NodeFence"),
+        "node_fences": len(fences),
+        # Where a fence's time went (seconds, p50 / p99 over the fences), from their histories.
+        "fence_seconds": {k: quantiles([t.get(k, 0.0) for t in fence_time]) for k in FENCE_TIME_KINDS},
         "temporal_actions": {
             "total": total_actions,
             "by_kind": dict(sorted(actions.items())),
@@ -960,6 +1008,9 @@ def print_faults(rows: list[dict[str, Any]]) -> None:
         )
     console.print(table)
     for r in rows:
+        if r.get("fence_seconds"):
+            spent = ", ".join(f"{k} {q['p50']} / {q['p99']}" for k, q in r["fence_seconds"].items() if q["n"])
+            console.print(f"{r['fault']} at {r['nodes']}: a fence's seconds (p50 / p99): {spent}")
         if r["activities_by_worker"]:
             console.print(f"{r['fault']} at {r['nodes']}: activities by worker {r['activities_by_worker']}")
         for w in r["waiting"][:5]:
