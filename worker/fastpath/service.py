@@ -19,6 +19,11 @@ with one report per affected replica group (resolved by the intake's ``PoolTopol
 Alertmanager alert that arrives later names the same groups and is absorbed by
 the open incident. A slow-but-present replica is recorded as not-a-loss
 (logged and counted) and opens nothing.
+
+A node that holds a managed pool's pod and turns not-Ready also gets its fence at once: one
+``NodeFence`` run (``workflows/fence.py``) that cordons it, ahead of any incident's looks.
+Deliveries and fence starts run beside the detector, so a burst's losses never wait on one
+another's signal-with-start.
 """
 
 from __future__ import annotations
