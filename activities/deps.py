@@ -8,8 +8,10 @@ wire the same code to real Postgres, the real Kubernetes client and httpx.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property, partial
+from typing import Any
 
 import httpx
 from temporalio import activity
@@ -72,27 +74,17 @@ class ActivityDeps:
         return watched(self._cluster, "nodes", lambda: WatchedObjects("nodes", self.kube.core.list_node))
 
     def deployments(self, namespace: str) -> WatchedObjects:
-        """The namespace's Deployments, from one watch per namespace, cluster and process (kube.cache).
-        Per namespace, as fleetmend's RBAC grants them (deploy/k8s: a Role in each pool's namespace)."""
-        apps = self.kube.apps
-        return watched(
-            self._cluster,
-            f"deployments/{namespace}",
-            lambda: WatchedObjects(
-                f"deployments/{namespace}", partial(apps.list_namespaced_deployment, namespace)
-            ),
-        )
+        """The namespace's Deployments, from one watch per namespace, cluster and process (kube.cache)."""
+        return self._watched_in(namespace, "deployments", self.kube.apps.list_namespaced_deployment)
 
     def replica_sets(self, namespace: str) -> WatchedObjects:
         """The namespace's ReplicaSets, from one watch per namespace, cluster and process (kube.cache)."""
-        apps = self.kube.apps
-        return watched(
-            self._cluster,
-            f"replicasets/{namespace}",
-            lambda: WatchedObjects(
-                f"replicasets/{namespace}", partial(apps.list_namespaced_replica_set, namespace)
-            ),
-        )
+        return self._watched_in(namespace, "replicasets", self.kube.apps.list_namespaced_replica_set)
+
+    def _watched_in(self, namespace: str, plural: str, list_namespaced: Callable[..., Any]) -> WatchedObjects:
+        """Per namespace, as fleetmend's RBAC grants workloads (deploy/k8s: a Role in each pool's namespace)."""
+        name = f"{plural}/{namespace}"
+        return watched(self._cluster, name, lambda: WatchedObjects(name, partial(list_namespaced, namespace)))
 
     @cached_property
     def gateway(self) -> Gateway:

@@ -681,6 +681,26 @@ FENCE_TIME_KINDS = (
 )
 
 
+# A task's start event (its queue wait ends) and its completion (its run ends): history attributes, label.
+_QUEUED = {
+    EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED: (
+        "workflow_task_started_event_attributes",
+        "workflow task queued",
+    ),
+    EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED: ("activity_task_started_event_attributes", "activity queued"),
+}
+_RAN = {
+    EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED: (
+        "workflow_task_completed_event_attributes",
+        "workflow task running",
+    ),
+    EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED: (
+        "activity_task_completed_event_attributes",
+        "activity running",
+    ),
+}
+
+
 async def where_time_went(client: Client, run: Run) -> dict[str, float]:
     """A run's seconds by where they went, from its history: workflow tasks waiting for a worker and
     being run, activities waiting for a slot and running, and start to close."""
@@ -698,20 +718,13 @@ async def where_time_went(client: Client, run: Run) -> dict[str, float]:
             EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED,
         ):
             scheduled[event.event_id] = at
-        elif kind == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED:
-            ref = event.workflow_task_started_event_attributes.scheduled_event_id
-            spent["workflow task queued"] += at - scheduled.get(ref, at)
+        elif kind in _QUEUED:
+            attributes, label = _QUEUED[kind]
+            spent[label] += at - scheduled.get(getattr(event, attributes).scheduled_event_id, at)
             started[event.event_id] = at
-        elif kind == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
-            ref = event.workflow_task_completed_event_attributes.started_event_id
-            spent["workflow task running"] += at - started.get(ref, at)
-        elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:
-            ref = event.activity_task_started_event_attributes.scheduled_event_id
-            spent["activity queued"] += at - scheduled.get(ref, at)
-            started[event.event_id] = at
-        elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
-            ref = event.activity_task_completed_event_attributes.started_event_id
-            spent["activity running"] += at - started.get(ref, at)
+        elif kind in _RAN:
+            attributes, label = _RAN[kind]
+            spent[label] += at - started.get(getattr(event, attributes).started_event_id, at)
     spent["start to close"] = (last or 0.0) - (first or 0.0)
     return dict(spent)
 
