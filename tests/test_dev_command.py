@@ -106,8 +106,13 @@ def start_dev(config: DevConfig, tag: str, timeout_s: float = 120.0) -> DevRun:
     deadline = time.monotonic() + timeout_s
     while "fleetmend dev is up" not in run.output():
         if proc.poll() is not None or time.monotonic() > deadline:
+            exited = proc.poll()
             stop_dev(run, signal.SIGKILL)
-            pytest.fail(f"fleetmend dev did not come up:\n{run.output()}")
+            log = config.state_dir / "logs" / "fleetmend.log"
+            tail = log.read_text(errors="replace")[-4000:] if log.is_file() else "(no log)"
+            pytest.fail(
+                f"fleetmend dev did not come up (exit {exited}):\n{run.output()}\n--- {log} (tail) ---\n{tail}"
+            )
         time.sleep(0.2)
     return run
 
