@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -32,7 +33,7 @@ GIVE_UP_AFTER = 15  # consecutive failed attempts (back-off capped at 4 s: about
 Obj = dict[str, Any]
 
 
-class Watched:
+class Watched(ABC):
     """An informer in its own daemon thread; subclasses keep what they need from ``_on_event``."""
 
     def __init__(self, name: str, list_fn: Callable[..., Any]) -> None:
@@ -64,8 +65,9 @@ class Watched:
             log.warning("%s watch gave up: the API server refused it %d times", self.name, GIVE_UP_AFTER)
         self._stop.set()
 
+    @abstractmethod
     def _on_event(self, kind: str, obj: Obj) -> None:
-        raise NotImplementedError
+        """Fold one informer event (ADDED / MODIFIED / DELETED) into what the subclass keeps."""
 
 
 class WatchedObjects(Watched):
