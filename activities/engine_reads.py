@@ -56,8 +56,9 @@ def _timeout_s(http: httpx.Client, kind: str) -> str:
     return f"{value:g} s" if isinstance(value, int | float) else "its timeout"
 
 
-def read_engine(http: httpx.Client, health_url: str, metrics_url: str) -> EngineRead:
-    """``GET /health`` then ``GET /metrics`` of one engine, each error classified (module doc)."""
+def read_engine(http: httpx.Client, health_url: str, metrics_url: str | None) -> EngineRead:
+    """``GET /health`` then ``GET /metrics`` of one engine, each error classified (module doc); with no
+    ``metrics_url``, ``/health`` only (whether it serves, not how: the removal breaker's probe)."""
     try:
         h = http.get(health_url)
     except (httpx.ConnectError, httpx.ConnectTimeout):
@@ -71,6 +72,8 @@ def read_engine(http: httpx.Client, health_url: str, metrics_url: str) -> Engine
     except httpx.HTTPError:
         return EngineRead(EngineHealth.UNREACHABLE)
     health = EngineHealth.OK if h.status_code == 200 else EngineHealth.FAILING
+    if metrics_url is None:
+        return EngineRead(health)
     try:
         m = http.get(metrics_url)
     except httpx.TimeoutException:

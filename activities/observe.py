@@ -29,11 +29,12 @@ from fleet.observation import (
     WorkloadSelector,
 )
 from fleet.pool import GroupRole, NodeInfo, PoolSnapshot, ReplicaGroup, Taint, WorkloadKind
-from fleet.qualification import QUALIFICATION_LABEL, GpuHolder, machine_id
+from fleet.qualification import QUALIFICATION_LABEL, GpuHolder, gpu_problem_conditions, machine_id
 from fleet.recovery import IncidentInput
 from fleet.vocabulary import (
     GPU_RESOURCE,
     LWS_GROUP_INDEX_LABEL,
+    LWS_GROUP_KEY_LABEL,
     LWS_NAME_LABEL,
     LWS_WORKER_INDEX_LABEL,
     MODEL_LABEL,
@@ -63,6 +64,19 @@ class ObserveRequest(BaseModel):
 
 class NodeRead(BaseModel):
     node: NodeInfo | None = Field(description="None: no such node in the cluster")
+
+
+class NodeEngines(BaseModel):
+    """Whether a node still serves, from its engines themselves (a direct probe of each: the node's
+    Ready condition says what the API server hears from its kubelet, not whether its engines answer)."""
+
+    node: str
+    engines: int = Field(description="Running GPU pods with a pod IP on the node")
+    answering: int = Field(description="Of them, the engines whose /health answered 200 just now")
+    unread: int = Field(
+        0, description="Of them, the engines not read within the look's time (no answer yet is not death)"
+    )
+    fleet_gpu_nodes: int = Field(description="Nodes in the cluster with GPUs (the removal breaker's base)")
 
 
 class NodeHealth(BaseModel):
@@ -123,6 +137,11 @@ def node_info(node: kr.Obj, allocated: int) -> NodeInfo:
         taints=taints,
         gpu_allocatable=int(alloc),
         gpu_allocated=allocated,
+        gpu_problems=tuple(
+            gpu_problem_conditions(
+                {c["type"]: str(c.get("status")) for c in node.get("status", {}).get("conditions") or []}
+            )
+        ),
     )
 
 
@@ -484,11 +503,11 @@ class ObserveActivities:
         values = {"pod_ip": pod.get("status", {}).get("podIP") or "", "namespace": ns, "pod": kr.name(pod)}
         return s.metrics_url_template.format(**values), s.health_url_template.format(**values)
 
-    def _read_engine(self, ns: str, pod: kr.Obj) -> EngineRead:
+    def _read_engine(self, ns: str, pod: kr.Obj, *, metrics: bool = True) -> EngineRead:
         if not pod.get("status", {}).get("podIP"):
             return EngineRead(EngineHealth.UNREACHABLE)
         metrics_url, health_url = self._urls(ns, pod)
-        return read_engine(self.deps.http, health_url, metrics_url)
+        return read_engine(self.deps.http, health_url, metrics_url if metrics else None)
 
     @activity.defn(name="scrape_engines")
     def scrape_engines(self, req: ScrapeRequest) -> dict[str, EngineSnapshot]:
@@ -517,6 +536,54 @@ class ObserveActivities:
                 return NodeRead(node=None)
             raise
         return NodeRead(node=node_info(obj, 0))
+
+    @activity.defn(name="probe_node_engines")
+    def probe_node_engines(self, node: str) -> NodeEngines:
+        """Probe the engines on ``node`` directly (a suspect's confirmation, ``engine_reads_per_look`` at a
+        time): the removal breaker tells dead capacity from capacity that still serves by this."""
+        k = self.deps.kube
+        pods = [
+            p
+            for p in kr.list_all_pods(k, node)
+            if not pod_terminated(p)
+            and gpus_of(p) > 0
+            and QUALIFICATION_LABEL not in kr.labels(p)
+            and p.get("status", {}).get("podIP")
+        ]
+        # A worker rank of a multi-node group runs no API server: it serves while its group's leader
+        # answers, so the leader (wherever it runs) is read for it. Reading the rank itself would call
+        # every node that holds only worker ranks dead.
+        by_key: dict[str, kr.Obj] = {}
+        for p in pods:
+            by_key[f"{p['metadata']['namespace']}/{kr.name(p)}"] = self._engine_of(k, p)
+        reads = read_all(
+            lambda key: self._read_engine(by_key[key]["metadata"]["namespace"], by_key[key], metrics=False),
+            list(by_key),
+            deadline=look_deadline(),
+            concurrency=self.deps.settings.engine_reads_per_look,
+        )
+        gpu_nodes = _or_list(self.deps.nodes.items(), kr.list_nodes, k)
+        return NodeEngines(
+            node=node,
+            engines=len(by_key),
+            answering=sum(1 for r in reads.values() if r.health is EngineHealth.OK),
+            unread=sum(1 for r in reads.values() if r.health is EngineHealth.UNKNOWN),
+            fleet_gpu_nodes=sum(
+                1 for n in gpu_nodes if int((n.get("status", {}).get("capacity") or {}).get(GPU_RESOURCE, 0))
+            ),
+        )
+
+    @staticmethod
+    def _engine_of(k: Any, pod: kr.Obj) -> kr.Obj:
+        """The pod whose engine answers for ``pod``: itself, or a worker rank's group leader (worker index
+        0 with the same group key; the rank itself when its leader is gone, and so unread as dead)."""
+        labels = kr.labels(pod)
+        if labels.get(LWS_WORKER_INDEX_LABEL, "0") == "0" or LWS_GROUP_KEY_LABEL not in labels:
+            return pod
+        ns = pod["metadata"]["namespace"]
+        selector = f"{LWS_GROUP_KEY_LABEL}={labels[LWS_GROUP_KEY_LABEL]},{LWS_WORKER_INDEX_LABEL}=0"
+        leaders = [p for p in kr.list_pods(k, ns, selector) if not pod_terminated(p)]
+        return leaders[0] if leaders else pod
 
     @activity.defn(name="read_node_health")
     def read_node_health(self, node: str) -> NodeHealth:

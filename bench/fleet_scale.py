@@ -22,7 +22,11 @@ line through fleetmend's processes' total (CPU % per 100 nodes).
 ``POST /sim/v1/faults``, kind ``node-lost``):
 
 * ``node``: one GPU node; ``rack``: the 16 nodes of one rack at once (several pools); ``burst``: 200 nodes
-  (at fewer than 512 nodes, 200 x N / 512) spread evenly over 60 s.
+  (at fewer than 512 nodes, 200 x N / 512) spread evenly over 60 s; ``mass``: the burst's nodes all at
+  once. The burst's faults arrive at most a few per second, so its cordons per second can only follow
+  them; ``mass`` is how fast fleetmend fences when the losses come faster than it cordons (its peak
+  is the fencing capacity). Kubelets report every 2 s, so even at once the nodes turn NotReady spread
+  over about 2 s.
 * fault -> out of Envoy's rotation: the first time Envoy's admin ``/clusters`` (polled every 0.2 s) no
   longer calls a lost node's engine healthy, or no longer lists it — the world's record, not fleetmend's;
 * fault -> incident opened: the pool's ``FleetIncident`` start time in Temporal minus the earliest fault
@@ -43,6 +47,10 @@ line through fleetmend's processes' total (CPU % per 100 nodes).
   (fleetmend's ServiceAccounts in the audit log) from the fault until the last recovery ended;
 * with ``--workers 2``: the activities each worker ran (the ``identity`` of each
   ``ActivityTaskStarted`` event).
+
+With the node fault, a world of the 4-node demo (``gpu-node-loss``, same compression) loses one node
+first, and each size's rotation p99 is printed beside the demo's (``rotation_versus_demo``; skip it with
+``--no-demo-baseline``).
 
 ``--quick``: 64 nodes, one node and one rack, a 10 s idle window, and shorter replacement, verification
 and ramp-back caps (a smoke run of about three minutes; write it elsewhere with ``--out``). The
@@ -86,8 +94,8 @@ from gateway.resources import UPSTREAM_HEADER
 from ledger.migrate import upgrade_head
 from ledger.scratch import PgServer, acquire_server
 from sim.control import FaultRequest
-from sim.scenario import Scenario, scaled_scenario
-from worker.config import CONCURRENCY_SETTINGS, Settings, load_settings
+from sim.scenario import SCENARIO_DIR, Scenario, scaled_scenario
+from worker.config import CONCURRENCY_SETTINGS, Settings, load_settings, settings_environment
 from worker.devstack.envoy import EnvoyProcess
 from worker.devstack.rbac_wiring import component_settings, grant_components
 from worker.devstack.rig import FAST_TIMINGS, compressed_scenario
@@ -98,10 +106,13 @@ from worker.processes import free_port, spawn, terminate
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = (64, 128, 256, 512)
-FAULTS = ("node", "rack", "burst")
+FAULTS = ("node", "rack", "burst", "mass")
 RACK_LABEL = "topology.kubernetes.io/rack"
 BURST_NODES, BURST_S = 200, 60.0
 FLEET_NODES = 512  # the size the burst's 200 nodes are named for
+# The 4-node demo (`fleetmend demo`'s scenario): its one-node loss runs first in any run with the node fault,
+# so the fleet's rotation figure is compared with it on the same machine in the same run.
+DEMO, DEMO_NODES = "gpu-node-loss", 4
 ROTATION_POLL_S = 0.2
 SETTLE_TIMEOUT_S = 300.0  # after the last fault: every recovery ends or waits on an operator by then
 INCIDENT_WAIT_S = 60.0  # after the last fault: a pool without an incident by then has none
@@ -130,8 +141,13 @@ console = Console(width=160)
 
 
 def fleet_scenario(nodes: int, home: Path) -> Scenario:
-    """``fleet-512`` at ``nodes`` nodes, with engine start-up and warm-up compressed to seconds."""
-    path = scenario_file(scaled_scenario("fleet-512", nodes), home)
+    """``fleet-512`` at ``nodes`` nodes (or, at ``DEMO_NODES``, the 4-node demo's own ``gpu-node-loss``),
+    with engine start-up and warm-up compressed to seconds."""
+    path = (
+        SCENARIO_DIR / f"{DEMO}.yaml"
+        if nodes == DEMO_NODES
+        else scenario_file(scaled_scenario("fleet-512", nodes), home)
+    )
     scenario = compressed_scenario(path, startup_s=STARTUP_S, warm_up_s=WARM_UP_S, rollout_at_s=None)
     return scenario.model_copy(
         update={"timings": scenario.timings.model_copy(update={"node_monitor_grace_s": NODE_GRACE_S})}
@@ -251,20 +267,8 @@ def kube_core(kubeconfig: Path) -> Any:
 
 
 def process_env(settings: Settings, **extra: str) -> dict[str, str]:
-    """The environment of a fleetmend process wired like ``settings`` (nested settings as JSON)."""
-    env = dict(os.environ)
-    for name, value in settings.model_dump(mode="json").items():
-        if value is None:
-            continue
-        raw = getattr(settings, name)
-        if hasattr(raw, "get_secret_value"):
-            value = raw.get_secret_value()
-        if isinstance(value, dict | list):
-            value = json.dumps(value)
-        elif isinstance(value, bool):
-            value = str(value).lower()
-        env[f"FLEETMEND_{name.upper()}"] = str(value)
-    return {**env, **extra}
+    """The environment of a fleetmend process wired like ``settings`` (``worker.config.settings_environment``)."""
+    return {**os.environ, **settings_environment(settings), **extra}
 
 
 def wait_port(port: int, proc: Any, what: str, log: Path, timeout_s: float = 60.0) -> None:
@@ -308,10 +312,16 @@ async def wait_leader(kubeconfig: Path, settings: Settings, timeout_s: float = 6
 
 @contextlib.asynccontextmanager
 async def running_world(
-    nodes: int, workers: int, pg: PgServer, home: Path, timings: RecoveryTimings = TIMINGS
+    nodes: int,
+    workers: int,
+    pg: PgServer,
+    home: Path,
+    timings: RecoveryTimings = TIMINGS,
+    **settings_extra: Any,
 ) -> AsyncIterator[World]:
     """A fresh world of ``nodes`` nodes (its own Temporal, ledger database, sim, gateway, workers),
-    yielded once Envoy finds every routed engine healthy and a worker's fast path leads."""
+    yielded once Envoy finds every routed engine healthy and a worker's fast path leads.
+    ``settings_extra``: more fleetmend settings for every process (e.g. ``removal_breaker``)."""
     home.mkdir(parents=True, exist_ok=True)
     scenario = fleet_scenario(nodes, home / "scenario")
     children: list[Any] = []
@@ -340,6 +350,7 @@ async def running_world(
                     "fastpath_enabled": True,
                     "recovery_timings": timings,
                     "serving_objectives": OBJECTIVES,
+                    **settings_extra,
                 },
             )
             # The gateway control plane, as `fleetmend gateway serve` runs in a cluster.
@@ -749,7 +760,7 @@ def fault_nodes(world: World, fault: str) -> list[str]:
     if fault == "rack":
         busiest = max(racks, key=lambda r: (len({e.pool for e in endpoints if e.node in racks[r]}), r))
         return racks[busiest]
-    count = max(1, round(BURST_NODES * world.nodes / FLEET_NODES))
+    count = max(1, round(BURST_NODES * world.nodes / FLEET_NODES))  # burst, mass
     ordered = sorted((n for nodes in racks.values() for n in nodes), key=lambda n: (-load[n], n))
     return ordered[:count]
 
@@ -906,11 +917,25 @@ async def run_fault(world: World, fault: str) -> dict[str, Any]:
             actions.update(a)
             per_worker.update({world.worker_name(identity): n for identity, n in w.items()})
     fences = [r for r in runs if r.type == "NodeFence" and r.start >= first_fault - 1.0]
+    # Fleet events (fleet.fleet_event): which domains were named a common cause, with how many pools.
+    named: list[dict[str, Any]] = []
+    for r in runs:
+        if r.type == "FleetEvent" and r.start >= first_fault - 1.0:
+            event = await status_of(world.client, r.workflow_id)
+            if event is not None and event.figures.get("common_cause"):
+                named.append(
+                    {
+                        "event": r.workflow_id,
+                        "nodes": len(event.figures.get("nodes", [])),
+                        "pools": len(event.figures.get("pools", [])),
+                    }
+                )
     fence_time = [await where_time_went(world.client, r) for r in fences]
     total_actions = sum(actions.values())
     per_incident = total_actions / len(incidents) if incidents else None
     return {
         "fault": fault,
+        "scenario": world.scenario.name,
         "nodes": world.nodes,
         "lost_nodes": len(targets),
         "pools_hit": len(pools),
@@ -947,6 +972,10 @@ async def run_fault(world: World, fault: str) -> dict[str, Any]:
         "lost_nodes_not_cordoned": len(targets) - len(fenced_after),
         "faults_per_s_peak_1s": peak_per_second(sorted(fault_at.values())),
         "node_fences": len(fences),
+        "fleet_events": {
+            "runs": sum(1 for r in runs if r.type == "FleetEvent" and r.start >= first_fault - 1.0),
+            "common_causes": sorted(named, key=lambda e: e["event"])[:40],
+        },
         # Where a fence's time went (seconds, p50 / p99 over the fences), from their histories.
         "fence_seconds": {k: quantiles([t.get(k, 0.0) for t in fence_time]) for k in FENCE_TIME_KINDS},
         "temporal_actions": {
@@ -1024,10 +1053,34 @@ def print_faults(rows: list[dict[str, Any]]) -> None:
         if r.get("fence_seconds"):
             spent = ", ".join(f"{k} {q['p50']} / {q['p99']}" for k, q in r["fence_seconds"].items() if q["n"])
             console.print(f"{r['fault']} at {r['nodes']}: a fence's seconds (p50 / p99): {spent}")
+        for e in r.get("fleet_events", {}).get("common_causes", [])[:5]:
+            console.print(
+                f"{r['fault']} at {r['nodes']}: {e['event']}: {e['nodes']} nodes, {e['pools']} pools"
+            )
         if r["activities_by_worker"]:
             console.print(f"{r['fault']} at {r['nodes']}: activities by worker {r['activities_by_worker']}")
         for w in r["waiting"][:5]:
             console.print(f"  waiting: {w['workflow']} [{w['phase']}] {w['reason'][:140]}")
+
+
+def rotation_versus_demo(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Fault -> out of Envoy's rotation p99 for one node lost at each fleet size, beside the 4-node demo's."""
+    demo = next((r for r in rows if r["fault"] == "node" and r["nodes"] == DEMO_NODES), None)
+    if demo is None or demo["fault_to_out_of_rotation_s"]["p99"] is None:
+        return []
+    base = demo["fault_to_out_of_rotation_s"]["p99"]
+    return [
+        {
+            "nodes": r["nodes"],
+            "p99_s": r["fault_to_out_of_rotation_s"]["p99"],
+            "demo_p99_s": base,
+            "ratio": round(r["fault_to_out_of_rotation_s"]["p99"] / base, 2),
+        }
+        for r in rows
+        if r["fault"] == "node"
+        and r["nodes"] != DEMO_NODES
+        and r["fault_to_out_of_rotation_s"]["p99"] is not None
+    ]
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
@@ -1083,6 +1136,8 @@ async def main(args: argparse.Namespace) -> None:
                     pending.remove((nodes, first))
                 plan.append((nodes, True, first))
             plan += [(n, False, f) for n, f in pending]
+            if "node" in faults and args.demo_baseline:
+                plan.insert(0, (DEMO_NODES, False, "node"))
             for nodes, measure_idle, fault in plan:
                 console.print(f"[bold]{nodes} nodes[/]: {'idle, ' if measure_idle else ''}{fault or ''}")
                 home = Path(tmp) / f"{nodes}-{fault or 'idle'}"
@@ -1104,6 +1159,12 @@ async def main(args: argparse.Namespace) -> None:
     }
     print_idle(idle, slope)
     print_faults(fault_rows)
+    versus_demo = rotation_versus_demo(fault_rows)
+    for row in versus_demo:
+        console.print(
+            f"one node lost, fault -> out of rotation p99: {row['nodes']} nodes {row['p99_s']} s, "
+            f"the 4-node demo {row['demo_p99_s']} s (x{row['ratio']})"
+        )
     out = Path(args.out)
     doc: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {}
     doc["about"] = (__doc__ or "").split("\n\n")[0]
@@ -1134,6 +1195,8 @@ async def main(args: argparse.Namespace) -> None:
             if (f["nodes"], f["fault"]) not in {(r["nodes"], r["fault"]) for r in fault_rows}
         ]
         + fault_rows,
+        # This run's one-node loss at each size against the 4-node demo's, both from this run.
+        "rotation_versus_demo": versus_demo or previous.get("rotation_versus_demo", []),
         "runs": [
             *previous.get("runs", []),
             {
@@ -1160,6 +1223,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fault-sizes", default="", help="node counts to run the faults at (default: the largest)"
     )
     parser.add_argument("--workers", type=int, default=1, help="fleetmend worker processes")
+    parser.add_argument(
+        "--no-demo-baseline",
+        dest="demo_baseline",
+        action="store_false",
+        help="with the node fault, skip the 4-node demo's one-node loss that its figures are compared with",
+    )
     parser.add_argument("--idle-s", type=float, default=30.0, help="idle window per size, seconds")
     parser.add_argument("--quick", action="store_true", help="64 nodes, one node and one rack, 10 s idle")
     parser.add_argument("--out", default=str(REPO / "docs" / "fleet-scale.json"))

@@ -15,8 +15,12 @@ Policy (``DetectionPolicy``):
   controller already waited its grace period);
 * a GPU problem condition on a node serving a managed pool (``GpuXid``, an ECC or
   NVLink condition a node problem detector sets, ``fleet.qualification.gpu_problem_conditions``)
-  is a loss of that node at once: the incident's recovery confirms, replica by replica,
-  which groups on it are lost (an Xid under a pod that still looks healthy included);
+  is a loss of that node at once once the caller has seen an engine there fail its own
+  ``/health`` twice, an interval apart (the fast path checks the node's routed engines first,
+  once per spell of the condition): the incident's recovery confirms, replica by replica, which groups on it are lost.
+  While every engine there answers, the condition is a signal about the node, not a lost
+  replica: nothing is opened (the node's fence asks the removal breaker), so a bad health
+  check on most of the fleet opens no incident;
 * a pod that is gone while it was still routed (force-deleted with the router-only
   label on: nobody derouted it first) is lost at once;
 * a worker rank of a multi-node group whose container restarted is a loss of the

@@ -35,7 +35,9 @@ class FenceDecision(BaseModel):
 
 
 def fence_decision(node: str, info: NodeInfo | None) -> FenceDecision:
-    """Cordon a node that is still not Ready and still schedulable; otherwise say why not."""
+    """Cordon a node that is still not Ready, or Ready with a GPU problem condition, and still
+    schedulable; otherwise say why not. (Whether its engines still serve is the removal breaker's
+    question, ``fleet.breaker``: a GPU condition on a node whose engines answer may be a bad signal.)"""
     if info is None:
         return FenceDecision(
             verdict=FenceVerdict.GONE, reason=f"{node} is no longer in the cluster: nothing to cordon"
@@ -43,6 +45,12 @@ def fence_decision(node: str, info: NodeInfo | None) -> FenceDecision:
     if info.unschedulable:
         return FenceDecision(
             verdict=FenceVerdict.ALREADY_CORDONED, reason=f"{node} is already cordoned: nothing to do"
+        )
+    if info.ready is True and info.gpu_problems:
+        return FenceDecision(
+            verdict=FenceVerdict.CORDON,
+            reason=f"{node} shows {', '.join(info.gpu_problems)}: cordon it so no replacement is placed on "
+            "a failing GPU",
         )
     if info.ready is True:
         return FenceDecision(

@@ -68,8 +68,7 @@ def _pod_loss_evidence(obs: PodObservation, node: NodeInfo | None) -> list[str]:
     if obs.deleting:
         ev.append(f"pod {obs.pod} is terminating")
     if node is not None and node.ready is not True:
-        state = "Unknown (kubelet stopped posting status)" if node.ready is None else "NotReady"
-        ev.append(f"node {node.name} is {state}")
+        ev.append(_node_not_ready(node))
     if obs.waiting_reason in _ENGINE_DEAD_WAITING_REASONS:
         ev.append(f"pod {obs.pod} container is waiting in {obs.waiting_reason}")
     if obs.terminated_reason and not obs.containers_ready:
@@ -85,6 +84,26 @@ def _pod_loss_evidence(obs: PodObservation, node: NodeInfo | None) -> list[str]:
     return ev
 
 
+def _node_not_ready(node: NodeInfo) -> str:
+    state = "Unknown (kubelet stopped posting status)" if node.ready is None else "NotReady"
+    return f"node {node.name} is {state}"
+
+
+def _still_serving_behind_a_silent_node(
+    obs: PodObservation, node: NodeInfo | None, evidence: list[str]
+) -> bool:
+    """A partition, not a loss: the only evidence is the node's NotReady/Unknown (its kubelet silent to
+    the API server) while the pod's engine answers a direct probe (a wedged engine would add its own
+    evidence). Its replica still serves; derouting it on the node's condition alone would remove
+    capacity that works (a top-of-rack switch cut, #30)."""
+    return (
+        node is not None
+        and obs.engine_health is EngineHealth.OK
+        and node.ready is not True
+        and evidence == [_node_not_ready(node)]
+    )
+
+
 def confirm_group(
     group: ReplicaGroup,
     pods: Mapping[str, PodObservation],
@@ -97,10 +116,16 @@ def confirm_group(
     routed = set(routed_pods)
     evidence: list[str] = []
     lost: list[str] = []
+    unreachable: list[str] = []
     for pod in group.pods:
         obs = pods.get(pod, PodObservation(pod=pod, exists=False))
         node = node_map.get(obs.node) if obs.node else None
         pod_ev = _pod_loss_evidence(obs, node)
+        if pod_ev and _still_serving_behind_a_silent_node(obs, node, pod_ev):
+            unreachable.append(
+                f"node {obs.node} unreachable from the API, still serving ({pod}'s engine answers)"
+            )
+            continue
         if pod_ev:
             lost.append(pod)
             evidence += pod_ev
@@ -126,11 +151,21 @@ def confirm_group(
             dead_but_routed=dead_routed,
             evidence=tuple(evidence),
         )
-    notes = []
-    gated = [p for p in group.pods if p in pods and not pods[p].pod_ready and pods[p].containers_ready]
+    notes = list(dict.fromkeys(unreachable))
+    gated = [
+        p
+        for p in group.pods
+        if p in pods and not pods[p].pod_ready and pods[p].containers_ready and not unreachable
+    ]
     if gated:
         notes.append(f"{', '.join(gated)} held not-ready by the serving-ready gate (saturated, not dead)")
     probed = [p for p in group.pods if p in pods and pods[p].engine_health is EngineHealth.OK]
+    if unreachable:
+        reason = (
+            f"{group.id}: {'; '.join(notes)}: a node cut off from the API server, not a replica loss "
+            "(its engines keep serving through the gateway; nothing is derouted on the node's condition alone)"
+        )
+        return GroupVerdict(group_id=group.id, verdict=Verdict.PRESENT, reason=reason, evidence=tuple(notes))
     reason = (
         f"all {len(group.pods)} pod(s) of {group.id} exist and are Running on Ready nodes"
         + (", engine answers" if probed else "")

@@ -53,6 +53,9 @@ class NodeInfo(BaseModel):
     gpu_allocated: int = Field(
         default=0, ge=0, description="GPUs requested by the node's non-terminated pods"
     )
+    gpu_problems: tuple[str, ...] = Field(
+        default=(), description="GPU problem conditions that are True (GpuXid...; fleet.qualification)"
+    )
 
     @property
     def free_gpus(self) -> int:

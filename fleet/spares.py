@@ -5,9 +5,11 @@ registered - and serves the same model **and the same revision** as the group
 it replaces. Another revision is never a substitute: promoting it would turn a
 capacity incident into a silent rollout (or rollback).
 
-``pick_spares(snapshot, lost_group_ids)`` matches each lost group to at most one
-spare and says, for every spare it did not take, why. Spares on nodes that are
-lost, NotReady, cordoned or quarantined are not warm capacity. Among eligible
+``pick_spares(snapshot, lost_group_ids)`` matches each lost serving group to at most one
+spare and says, for every spare it did not take, why. A spare that is itself among the
+lost groups (its engine stopped answering with the serving ones, often before its node
+turns NotReady) and spares on nodes that are lost, NotReady, cordoned or quarantined are
+not warm capacity. Among eligible
 spares it prefers one outside the lost group's failure domain (a correlated
 fault may take the neighbour next), then the lowest id (deterministic).
 """
@@ -65,17 +67,24 @@ def pick_spares(
     lost_group_ids: Iterable[str],
     excluded_nodes: Iterable[str] | None = None,
     domain_label: str = NVLINK_DOMAIN_LABEL,
+    lost_spares: Iterable[str] = (),
 ) -> SparePick:
-    """``excluded_nodes``: nodes whose spares are not warm capacity (the nodes that failed,
-    ``fleet.loss.failed_nodes``); None = every node of the lost groups, for a caller that does
-    not know which of them failed."""
+    """``lost_group_ids``: the lost serving groups to match (a promoted spare that was serving is one,
+    whatever its role label). ``lost_spares``: spares lost with them (never promoted).
+    ``excluded_nodes``: nodes whose spares are not warm capacity (the nodes that failed,
+    ``fleet.loss.failed_nodes``); None = every node of the lost groups, for a caller that does not
+    know which of them failed."""
     lost = [snapshot.group(gid) for gid in dict.fromkeys(lost_group_ids)]
     excluded = set(excluded_nodes) if excluded_nodes is not None else {n for g in lost for n in g.nodes}
     lost_ids = {g.id for g in lost}
+    gone = set(lost_spares)
     rejected: dict[str, str] = {}
     eligible: list[ReplicaGroup] = []
     for spare in snapshot.spares:
         if spare.id in lost_ids:
+            continue
+        if spare.id in gone:
+            rejected[spare.id] = "lost itself (its engine stopped answering with the loss)"
             continue
         problem = _spare_problem(spare, snapshot, excluded)
         if problem:

@@ -76,6 +76,7 @@ class FaultKind(StrEnum):
     NVLINK_ERROR = "nvlink-error"
     THERMAL = "thermal"
     BAD_ROLLOUT = "bad-rollout"
+    FALSE_GPU_CONDITION = "false-gpu-condition"  # a health check's wrong verdict: the GPUs are fine
 
 
 # Pod-deletion-cost fleetmend sets on a pod right before scaling its workload down

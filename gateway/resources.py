@@ -22,6 +22,7 @@ ROUTE_TYPE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
 LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
 # A retry goes to a host the request has not tried yet (Envoy's previous_hosts retry host predicate).
 PREVIOUS_HOSTS_PREDICATE = "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 # Response header naming the engine that served the request (Envoy fills it in).
 UPSTREAM_HEADER = "x-fleetmend-upstream"
 # Ramp weights are floats; Envoy's load_balancing_weight is an integer >= 1.
@@ -67,6 +68,11 @@ class DataPlaneSettings(BaseModel):
     max_ejection_percent: int = Field(default=50, ge=0, le=100)
     connect_timeout_s: float = Field(default=1.0, gt=0)
     retry_after_s: int = Field(default=2, ge=0, description="Retry-After on a shed request")
+    # Envoy closes an idle connection to an engine before the engine would: vLLM's API server (uvicorn)
+    # closes one after VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default, and a request Envoy sends on a
+    # connection the engine is closing at that moment is reset before any response (503 UC). Envoy's
+    # default is an hour. Keep it below the engines' keep-alive.
+    upstream_idle_timeout_s: float = Field(default=4.0, gt=0)
     # Envoy's own time-based ramp for a new host (the peer baseline for step 9); off by default
     # because fleetmend's ramp sets measured-rate weights instead.
     slow_start_window_s: float | None = Field(default=None, gt=0)
@@ -109,6 +115,13 @@ def cluster(snapshot: PoolSnapshot, dp: DataPlaneSettings) -> dict[str, object]:
         "type": "EDS",
         "eds_cluster_config": {"eds_config": {"ads": {}, "resource_api_version": "V3"}},
         "connect_timeout": duration(dp.connect_timeout_s),
+        "typed_extension_protocol_options": {
+            HTTP_PROTOCOL_OPTIONS: {
+                "@type": f"type.googleapis.com/{HTTP_PROTOCOL_OPTIONS}",
+                "common_http_protocol_options": {"idle_timeout": duration(dp.upstream_idle_timeout_s)},
+                "explicit_http_config": {"http_protocol_options": {}},
+            }
+        },
         "lb_policy": "ROUND_ROBIN",
         # A host fleetmend removed leaves at once, even while its health checks still pass.
         "ignore_health_on_host_removal": True,

@@ -57,17 +57,20 @@ async def run_forever(
     server, bound = await serve(plane, host, port)
     if started is not None:
         started(bound)
-    refresher = asyncio.create_task(plane.run_refresh())
+    tasks = [asyncio.create_task(plane.run_refresh()), asyncio.create_task(plane.run_heartbeat())]
     try:
         if stop is None:
             await server.wait_for_termination()
         else:
             await stop.wait()
     finally:
-        refresher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await refresher
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await server.stop(grace=0.5)
+        await plane.close_streams()
 
 
 @dataclass

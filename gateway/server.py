@@ -25,14 +25,20 @@ import math
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import grpc
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.upstreams.http.v3 import (  # noqa: F401  (registers the type a cluster's Any names)
+    http_protocol_options_pb2,
+)
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import any_pb2, descriptor_pb2, descriptor_pool, json_format
@@ -272,6 +278,13 @@ class ControlPlane:
         policy_check_s: float = 2.0,
     ) -> None:
         self._read_hosts = read_hosts
+        # Open streams per Envoy node id: an Envoy that reconnects opens its new stream before the old
+        # one closes, and only the last one to close makes it disconnected.
+        self.envoys: Counter[str] = Counter()
+        # Every write about an Envoy's connection (ACK, NACK, heartbeat, disconnect) goes through one
+        # thread, in the order the streams made them: an ACK still being written when its stream
+        # closes can no longer land after the disconnect and leave a gone Envoy "connected".
+        self._envoy_writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xds-envoys")
         self.store = store
         self.data_plane = data_plane or DataPlaneSettings()
         self.refresh_s = refresh_s
@@ -420,6 +433,26 @@ class ControlPlane:
             # Its connection closes within one listening timeout: gone before the plane's store is.
             await asyncio.to_thread(listener.join, 5.0)
 
+    async def _in_order(self, write: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._envoy_writes, partial(write, *args, **kwargs))
+
+    async def run_heartbeat(self) -> None:
+        """Re-mark the Envoys streaming from this control plane as connected every third of
+        ``store.liveness_s``: should this process die without closing their rows, they lapse."""
+        while True:
+            await asyncio.sleep(self.store.liveness_s / 3)
+            try:
+                await self._in_order(self.store.mark, list(self.envoys), connected=True)
+            except Exception as err:  # Postgres away: the next beat tries again, the rows lapse meanwhile
+                log.warning("xds heartbeat failed (%s): retrying in %.0f s", err, self.store.liveness_s / 3)
+
+    async def close_streams(self) -> None:
+        """Shutting down: every Envoy streaming from here is no longer connected (it will reconnect
+        to another control plane, whose ACKs mark it connected again)."""
+        gone, self.envoys = list(self.envoys), Counter()
+        with contextlib.suppress(Exception):
+            await self._in_order(self.store.mark, gone, connected=False)
+
     async def _wait_for_change(self, seen: Snapshot | None) -> Snapshot:
         async with self._changed:
             await self._changed.wait_for(lambda: self.snapshot is not None and self.snapshot is not seen)
@@ -454,6 +487,7 @@ class ControlPlane:
             stream.node_id = req.node.id
             admin = req.node.metadata.fields.get("admin_url")
             stream.admin_url = admin.string_value if admin is not None else None
+            self.envoys[stream.node_id] += 1
             log.info("envoy %s connected (admin %s)", stream.node_id, stream.admin_url or "unknown")
         state = stream.types.setdefault(req.type_url, _TypeState())
         if req.response_nonce:
@@ -465,12 +499,12 @@ class ControlPlane:
                         "envoy %s refused %s version %s: %s",
                         stream.node_id, req.type_url, state.sent_version, req.error_detail.message,
                     )  # fmt: skip
-                    await asyncio.to_thread(
+                    await self._in_order(
                         self.store.record_answer, stream.node_id, req.type_url,
                         nacked=state.sent_version, error=req.error_detail.message, admin_url=stream.admin_url,
                     )  # fmt: skip
                 else:
-                    await asyncio.to_thread(
+                    await self._in_order(
                         self.store.record_answer, stream.node_id, req.type_url, acked=req.version_info,
                         admin_url=stream.admin_url,
                     )  # fmt: skip
@@ -522,9 +556,12 @@ class ControlPlane:
             for wait in waits:
                 wait.cancel()
             if stream.node_id is not None:
-                log.info("envoy %s disconnected", stream.node_id)
-                with contextlib.suppress(Exception):
-                    await asyncio.to_thread(self.store.mark_connected, stream.node_id, False)
+                self.envoys[stream.node_id] -= 1
+                if self.envoys[stream.node_id] <= 0:
+                    del self.envoys[stream.node_id]
+                    log.info("envoy %s disconnected", stream.node_id)
+                    with contextlib.suppress(Exception):
+                        await self._in_order(self.store.mark, [stream.node_id], connected=False)
 
 
 class _AccessLogs(als_pb2_grpc.AccessLogServiceServicer):

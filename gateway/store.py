@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from pydantic import ValidationError
-from sqlalchemy import Engine, delete, func, select, text, update
+from sqlalchemy import ColumnElement, Engine, and_, delete, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 
 from fleet.gateway import GatewayPolicy, JournalEntry
@@ -25,6 +25,13 @@ log = logging.getLogger("fleetmend.xds")
 
 # Postgres channel a policy write notifies (payload: the pool), delivered when its transaction commits.
 POLICY_CHANNEL = "fleetmend_gateway_policy"
+
+# An Envoy counts as connected while the control plane holding its stream re-marks its rows: every
+# ``ENVOY_LIVENESS_S / 3`` (``ControlPlane.run_heartbeat``). A row nobody re-marked for
+# ``ENVOY_LIVENESS_S`` belonged to a control plane that died without closing it (kill -9, a lost
+# node): that Envoy is not connected, and neither waiting for its ACK nor reading its admin makes
+# sense. Without it one crash left a row "connected" forever, and every policy then waited on it.
+ENVOY_LIVENESS_S = 30.0
 
 
 def version_string(revision: int, digest: str) -> str:
@@ -62,8 +69,9 @@ class EnvoyAnswer:
 
 
 class GatewayStore:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, liveness_s: float = ENVOY_LIVENESS_S) -> None:
         self.engine = engine
+        self.liveness_s = liveness_s
         # The ledger's engine autocommits each statement; a policy write is read-then-write, so it
         # runs in a real transaction (the row lock serializes two writers of one pool).
         self._transactional = engine.execution_options(isolation_level="READ COMMITTED")
@@ -162,13 +170,22 @@ class GatewayStore:
         with self.engine.begin() as conn:
             conn.execute(stmt.on_conflict_do_update(index_elements=["node_id", "type_url"], set_=values))
 
-    def mark_connected(self, node_id: str, connected: bool) -> None:
+    def mark(self, node_ids: Collection[str], *, connected: bool) -> None:
+        """These Envoys' streams are open (``connected``: a control plane's heartbeat re-marks its own
+        every third of ``ENVOY_LIVENESS_S``) or closed (a control plane shutting down closes all of its own)."""
+        if not node_ids:
+            return
         with self.engine.begin() as conn:
             conn.execute(
                 update(gateway_acks_table)
-                .where(gateway_acks_table.c.node_id == node_id)
+                .where(gateway_acks_table.c.node_id.in_(list(node_ids)))
                 .values(connected=connected, updated_at=text("now()"))
             )
+
+    def _live(self) -> ColumnElement[bool]:
+        """Connected, and re-marked by a living control plane within ``ENVOY_LIVENESS_S``."""
+        t = gateway_acks_table
+        return and_(t.c.connected.is_(True), t.c.updated_at > func.now() - timedelta(seconds=self.liveness_s))
 
     def admin_urls(self) -> list[str]:
         """The admin URLs the Envoys connected to the control plane announced (their bootstrap's node
@@ -176,13 +193,13 @@ class GatewayStore:
         t = gateway_acks_table
         with self.engine.connect() as conn:
             rows = conn.execute(
-                select(t.c.admin_url).where(t.c.connected.is_(True), t.c.admin_url.is_not(None)).distinct()
+                select(t.c.admin_url).where(self._live(), t.c.admin_url.is_not(None)).distinct()
             ).all()
         return sorted({str(r.admin_url).rstrip("/") for r in rows if r.admin_url})
 
     def answers(self) -> list[EnvoyAnswer]:
         with self.engine.connect() as conn:
-            rows = conn.execute(select(gateway_acks_table)).all()
+            rows = conn.execute(select(gateway_acks_table, self._live().label("live"))).all()
         return [
             EnvoyAnswer(
                 r.node_id,
@@ -190,7 +207,7 @@ class GatewayStore:
                 r.acked_version,
                 r.nacked_version,
                 r.error,
-                bool(r.connected),
+                bool(r.live),
                 r.updated_at,
                 r.admin_url,
             )

@@ -2,9 +2,16 @@
 
 A pool is a Service. Its hosts are the EndpointSlice endpoints that are ready (and serving, by
 default), whose pods carry the router-only label (``fleet.vocabulary.ROUTER_LABEL``): removing
-that label is how fleetmend deroutes a pod without orphaning it from its workload. Read with three
-cluster-wide watches (Services, EndpointSlices, labelled Pods: ``RoutingWatch``), not a request per
-pool and not a poll.
+that label is how fleetmend deroutes a pod without orphaning it from its workload.
+
+One exception: an endpoint that is not ready only because its node went silent (Ready=Unknown:
+the kubelet stopped posting status, and the node controller marked its pods not ready) stays a
+host while it is not terminating. A top-of-rack switch cut silences kubelets whose engines still
+serve; Envoy's own active health check (every 0.5 s) decides whether such a host gets requests,
+so a dead machine still leaves rotation within a second, while a cut-off one keeps serving (#30).
+
+Read with four cluster-wide watches (Services, EndpointSlices, labelled Pods, Nodes:
+``RoutingWatch``), not a request per pool and not a poll.
 
 The routing set is kept per pool and rebuilt on change: a watch event marks only the pools it can
 touch (a Service its own pool, an EndpointSlice the pool its ``kubernetes.io/service-name`` label
@@ -58,9 +65,14 @@ def slice_pods(eps: Obj) -> set[PodKey]:
 
 
 def pool_hosts(
-    slices: Iterable[Obj], routed: Container[PodKey], *, require_serving: bool = True
+    slices: Iterable[Obj],
+    routed: Container[PodKey],
+    *,
+    require_serving: bool = True,
+    silent_nodes: Container[str] = frozenset(),
 ) -> tuple[RoutedHost, ...]:
-    """Pure: one pool's routed hosts, from its EndpointSlices and the set of routed pods."""
+    """Pure: one pool's routed hosts, from its EndpointSlices and the set of routed pods
+    (``silent_nodes``: nodes whose kubelet stopped posting status; module doc)."""
     hosts: dict[str, RoutedHost] = {}
     for eps in slices:
         namespace = eps["metadata"]["namespace"]
@@ -69,7 +81,10 @@ def pool_hosts(
             continue
         for ep in eps.get("endpoints") or []:
             cond = ep.get("conditions") or {}
-            if cond.get("ready") is False or (require_serving and cond.get("serving") is False):
+            cut_off = ep.get("nodeName") in silent_nodes and cond.get("terminating") is not True
+            if not cut_off and (
+                cond.get("ready") is False or (require_serving and cond.get("serving") is False)
+            ):
                 continue
             ref = ep.get("targetRef") or {}
             pod = ref.get("name")
@@ -135,6 +150,7 @@ class RoutingIndex:
         self._pool_slices: dict[str, dict[str, Obj]] = defaultdict(dict)
         self._pod_slices: dict[PodKey, set[str]] = defaultdict(set)  # pod -> keys of slices pointing at it
         self._routed: set[PodKey] = set()
+        self._silent: set[str] = set()  # nodes whose Ready is Unknown (kubelet silent)
         self._hosts: dict[str, tuple[RoutedHost, ...]] = {}
         self._view: dict[str, tuple[RoutedHost, ...]] = {}
         self._dirty: set[str] = set()
@@ -142,10 +158,42 @@ class RoutingIndex:
 
     # ----------------------------------------------------------- watch events (informer threads)
     def on_event(self, resource: str, kind: str, obj: Obj) -> None:
-        """Apply one watch event (``resource``: services, endpointslices or pods)."""
-        {"services": self._on_service, "endpointslices": self._on_slice, "pods": self._on_pod}[resource](
-            kind, obj
+        """Apply one watch event (``resource``: services, endpointslices, pods or nodes)."""
+        {
+            "services": self._on_service,
+            "endpointslices": self._on_slice,
+            "pods": self._on_pod,
+            "nodes": self._on_node,
+        }[resource](kind, obj)
+
+    def _on_node(self, kind: str, obj: Obj) -> None:
+        name = str((obj.get("metadata") or {}).get("name") or "")
+        ready = next(
+            (
+                c.get("status")
+                for c in (obj.get("status") or {}).get("conditions") or []
+                if c.get("type") == "Ready"
+            ),
+            None,
         )
+        with self._lock:
+            self.generation += 1
+            silent = kind != "DELETED" and ready == "Unknown"
+            if silent == (name in self._silent):
+                return  # only whether the kubelet went silent matters here
+            if silent:
+                self._silent.add(name)
+            else:
+                self._silent.discard(name)
+            # The pools with an endpoint on that node (a node's change is rare: a scan of the slices).
+            touched = {
+                pool
+                for key, eps in self._slices.items()
+                if any(ep.get("nodeName") == name for ep in eps.get("endpoints") or [])
+                and (pool := self._slice_pool.get(key)) is not None
+            }
+            woke = self._mark(touched)
+        self._notify(woke)
 
     def _on_service(self, kind: str, obj: Obj) -> None:
         meta = obj.get("metadata") or {}
@@ -248,6 +296,7 @@ class RoutingIndex:
                         self._pool_slices.get(pool, {}).values(),
                         self._routed,
                         require_serving=self.require_serving,
+                        silent_nodes=self._silent,
                     )
                 else:
                     self._hosts.pop(pool, None)
@@ -258,9 +307,9 @@ class RoutingIndex:
 
 
 class RoutingWatch(RoutingIndex):
-    """The routing index fed by three informers (list + watch: Services, EndpointSlices and
-    router-labelled Pods), one watch per resource type whatever the number of pools; reading it
-    costs the API server nothing."""
+    """The routing index fed by four informers (list + watch: Services, EndpointSlices,
+    router-labelled Pods and Nodes), one watch per resource type whatever the number of pools;
+    reading it costs the API server nothing."""
 
     def __init__(
         self,
@@ -289,6 +338,7 @@ class RoutingWatch(RoutingIndex):
                 self._on_pod,
                 label_selector=f"{router_label}={router_label_value}",
             ),
+            Informer("nodes", kube.core.list_node, self._on_node),
         ]
         self._threads: list[threading.Thread] = []
 

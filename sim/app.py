@@ -185,12 +185,13 @@ def build_app(world: SimWorld, *, serving: bool = True, api_server: KubeApiServe
         return body
 
     @app.post("/sim/v1/nodes/{node}/lose", status_code=202)
-    async def lose(node: str) -> dict[str, str]:
+    async def lose(node: str, partition: bool = False) -> dict[str, str]:
+        """The node is lost; ``?partition=true``: to the API server only (its engines keep serving)."""
         try:
-            world.lose_node(node)
+            world.lose_node(node, partition=partition)
         except KeyError as exc:
             raise HTTPException(404, f"no node named {node!r}; list nodes with GET /api/v1/nodes") from exc
-        return {"node": node, "state": "lost"}
+        return {"node": node, "state": "partitioned" if partition else "lost"}
 
     @app.post("/sim/v1/nodes/{node}/restore", status_code=202)
     async def restore(node: str) -> dict[str, str]:

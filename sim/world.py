@@ -250,15 +250,19 @@ class SimWorld:
             return None
 
     def is_node_lost(self, name: str) -> bool:
-        return self.control.is_node_lost(name)
+        """The machine is down: its engines stop answering (a partitioned node's keep serving)."""
+        return self.control.is_machine_down(name)
 
     # -------------------------------------------------------------- acting
-    def lose_node(self, name: str) -> None:
-        """The node's kubelet stops reporting (power loss, fabric partition, kernel panic)."""
-        self.control.lose_node(name)
+    def lose_node(self, name: str, *, partition: bool = False) -> None:
+        """The node's kubelet stops reporting (power loss, kernel panic). ``partition``: only the API
+        server loses it (a top-of-rack switch partition): the kubelet is silent, the engines still serve
+        through the gateway."""
+        self.control.lose_node(name, partition=partition)
         self.kick()
-        for listener in list(self.node_loss_listeners):
-            listener(name)
+        if not partition:
+            for listener in list(self.node_loss_listeners):
+                listener(name)
 
     def restore_node(self, name: str) -> None:
         self.control.restore_node(name)

@@ -55,10 +55,13 @@ from fleet.recovery import (
     ServingObjectives,
 )
 from ledger.reconcile import ReconcileReport, reconcile
-from worker.config import Settings
+from worker.config import Settings, settings_environment
 from worker.devstack.rbac_wiring import grant_components
 from worker.devstack.rig import FAST_TIMINGS, FleetRig, compressed_scenario, fleet_rig
 from worker.devstack.sim_wiring import SIM_JIRA_TOKEN
+from worker.temporal_client import (
+    execute_update as execute_update,  # operator answers, re-sent while not ready
+)
 from worker.webhook.app import ALERTMANAGER_PATH
 from worker.worker import activity_threads, build_worker
 
@@ -67,6 +70,8 @@ POOL = PoolRef(namespace="inference", service="llama")
 RANK_POOL = PoolRef(namespace="inference", service="llama-405b")  # the rank-lost world's LWS pool
 # ~400 tokens/s per replica in the compressed scenarios: about 15 requests/s of 8-32 tokens.
 GROUP_CAPACITY_RPS = 15.0
+# The node-monitor grace of a test that only needs a lost node to turn NotReady (not Kubernetes' 50 s).
+SHORT_NODE_GRACE_S = 6.0
 
 # The compressed world's timings (shared with the demo), with what the tests need besides: a reported pod
 # that is in no group is looked for 30 s, not 120; a killed worker's activity is retried after its call
@@ -77,6 +82,21 @@ FAST = FAST_TIMINGS.model_copy(
         "retry": RetryBudget(attempts=8, budget_s=90, call_timeout_s=10, max_interval_s=2),
     }
 )
+
+# A world with fleetmend's fast path (``rig.fast_path()``): its Lease where the shipped Role grants it,
+# and timings short enough for a test.
+FAST_PATH_SETTINGS: dict[str, Any] = {
+    "recovery_timings": FAST,
+    "serving_objectives": ServingObjectives(group_capacity_rps=GROUP_CAPACITY_RPS),
+    "fastpath_lease_namespace": "fleetmend",  # where the shipped Role grants the Lease (deploy/k8s)
+    # This 2-core machine runs the sim, the worker and the test in one process under 52 req/s: a
+    # /health answer can take over the 1 s default, which would count as a failed check.
+    "fastpath_health_timeout_s": 3.0,
+    "fastpath_lease_duration_s": 3.0,
+    "fastpath_renew_deadline_s": 2.0,
+    "fastpath_retry_period_s": 0.5,
+    "fastpath_watch_timeout_s": 5,
+}
 
 
 def component_kubeconfig(admin_kubeconfig: Path, component: str) -> Path:
@@ -156,6 +176,15 @@ async def wait_for_phase(
     )
 
 
+async def ui_details(handle: WorkflowHandle[Any, Any]) -> str:
+    """What the Temporal UI shows as the workflow's current details: its built-in
+    ``__temporal_workflow_metadata`` query, the one the UI itself sends."""
+    from temporalio.api.sdk.v1 import WorkflowMetadata
+
+    meta = await handle.query("__temporal_workflow_metadata", result_type=WorkflowMetadata)
+    return str(meta.current_details)
+
+
 async def finish(handle: WorkflowHandle[Any, Any], timeout_s: float = 150) -> ProcedureStatus:
     """The procedure's final status (its result), failing the test with its decisions if it did not end."""
     try:
@@ -171,6 +200,28 @@ async def finish(handle: WorkflowHandle[Any, Any], timeout_s: float = 150) -> Pr
         raise AssertionError(
             f"{handle.id} did not complete: {exc!r}\n{decisions(status)}\npending: {pending}"
         ) from exc
+
+
+async def node_ready(rig: FleetRig, node: str) -> str | None:
+    """The node's Ready condition status ("True", "False", "Unknown") as the API server has it now."""
+    obj = await asyncio.to_thread(rig.core.read_node, node)
+    return next((c.status for c in obj.status.conditions or [] if c.type == "Ready"), None)
+
+
+async def until_node_ready(rig: FleetRig, node: str, ready: bool, timeout_s: float = 60) -> None:
+    """Until the node's Ready condition is True (``ready``) or not True (the node monitor's verdict)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (await node_ready(rig, node) == "True") == ready:
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(
+        f"{node} Ready={await node_ready(rig, node)} after {timeout_s} s (wanted ready={ready})"
+    )
+
+
+async def node_cordoned(rig: FleetRig, node: str) -> bool:
+    return bool((await asyncio.to_thread(rig.core.read_node, node)).spec.unschedulable)
 
 
 def decisions(status: ProcedureStatus) -> str:
@@ -237,14 +288,7 @@ def effect_states(database_url: str, op_id_like: str) -> list[str]:
 
 def worker_env(rig: FleetRig) -> dict[str, str]:
     """The environment of a ``fleetmend worker`` process wired like the rig's settings."""
-    env = dict(os.environ)
-    for name, value in rig.settings.model_dump().items():
-        if value is None or isinstance(value, dict):
-            continue
-        raw = value.get_secret_value() if hasattr(value, "get_secret_value") else value
-        env[f"FLEETMEND_{name.upper()}"] = str(raw) if not isinstance(raw, bool) else str(raw).lower()
-    env["FLEETMEND_WORKER_METRICS_PORT"] = "0"
-    return env
+    return {**os.environ, **settings_environment(rig.settings), "FLEETMEND_WORKER_METRICS_PORT": "0"}
 
 
 def start_worker_process(
@@ -289,14 +333,22 @@ async def rank_pool(
 
 @contextlib.asynccontextmanager
 async def gpu_pool(
-    client: Client, task_queue: str, ledger_url: str, *, routed: int = 5, **overrides: Any
+    client: Client,
+    task_queue: str,
+    ledger_url: str,
+    *,
+    routed: int = 5,
+    node_grace_s: float | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[FleetRig]:
     """The compressed gpu-node-loss world (5 serving TP=4 groups + 1 warm spare on 4 nodes) with a
-    worker, once ``routed`` groups are in the routing set (0: at once). ``overrides`` go to
-    ``fleet_rig`` (settings, ``run_worker``, ``in_process_sim``)."""
+    worker, once ``routed`` groups are in the routing set (0: at once). ``node_grace_s``: how long a
+    lost node stays Ready (default Kubernetes' 50 s; a test about what happens once it is NotReady
+    need not wait that out). ``overrides`` go to ``fleet_rig`` (settings, ``run_worker``,
+    ``in_process_sim``)."""
     async with fleet_rig(
         client,
-        scenario=compressed_scenario("gpu-node-loss"),
+        scenario=compressed_scenario("gpu-node-loss", node_monitor_grace_s=node_grace_s),
         database_url=ledger_url,
         task_queue=task_queue,
         **overrides,
@@ -304,6 +356,45 @@ async def gpu_pool(
         if routed:
             await rig.pool_ready(POOL, routed)
         yield rig
+
+
+async def routed(
+    rig: FleetRig,
+    where: Callable[[list[str]], bool],
+    what: str,
+    pool: PoolRef = POOL,
+    *,
+    timeout_s: float = 30,
+) -> list[str]:
+    """Envoy's routing set of ``pool`` once ``where`` holds of it (``what`` names the expectation).
+
+    Read as a condition, never once: four worlds share the suite's two cores, and a world starved for
+    a second answers its engines' /health late, so Envoy's active health checks fail every host for
+    that moment and a single read can find nothing routed. A real deroute stays; this waits it out.
+    """
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        pods = await rig.routing_set(pool)
+        if where(pods):
+            return pods
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(
+                f"Envoy's routing set of {pool.key} never held {what} in {timeout_s:g} s: {pods}"
+            )
+        await asyncio.sleep(0.2)
+
+
+async def posted(rig: FleetRig, *words: str, timeout_s: float = 30) -> list[str]:
+    """The incident channel's posts, once one of them holds every one of ``words``. A procedure enters
+    its phase before its post goes out: wait for the post, never for a fixed time."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        notes = [str(m["text"]) for m in await rig.notifications()]
+        if any(all(w in t for w in words) for t in notes):
+            return notes
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"no post saying {words} within {timeout_s:g} s: {notes}")
+        await asyncio.sleep(0.2)
 
 
 async def load_reaches(

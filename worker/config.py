@@ -7,6 +7,7 @@ effective values with secrets masked.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -17,6 +18,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from fleet.breaker import BreakerLimits
 from fleet.qualification import QualificationSpec
 from fleet.recovery import RecoveryTimings, ServingObjectives
 from fleet.vocabulary import ROUTER_LABEL, ROUTER_LABEL_VALUE
@@ -321,6 +323,13 @@ class Settings(BaseSettings):
         description="When the fast path confirms a node lost, cordon it at once (a NodeFence workflow per node, "
         "through the ledger) rather than only in each pool's recovery, seconds later",
     )
+    fleet_event_topology_labels: list[str] = Field(
+        default_factory=lambda: ["topology.kubernetes.io/rack", "topology.kubernetes.io/zone"],
+        description="Node labels whose values are failure domains, narrowest first: a node lost at "
+        "detection joins the FleetEvent of each (fleet.fleet_event); two or more nodes in two or more "
+        "pools within the correlation window are named once as a common cause (by the narrowest domain "
+        "that holds them all)",
+    )
     fastpath_lease_namespace: str = Field("default", description="Namespace of the fast path's Lease")
     fastpath_lease_name: str = Field("fleetmend-fastpath", description="Name of the fast path's Lease")
     fastpath_identity: str | None = Field(None, description="Leader-election identity (default host-pid)")
@@ -368,6 +377,12 @@ class Settings(BaseSettings):
 
     # Procedure policy: what the worker's incidents use unless a start names its own.
     dry_run: bool = Field(False, description="Compute and record every effect as planned; perform none")
+    removal_breaker: BreakerLimits = Field(
+        default_factory=BreakerLimits,
+        description="The removal breaker's budget for removing capacity that still serves (fleet.breaker): "
+        "per window_s, at most max(min_nodes, fleet_share of the GPU nodes), never above max_nodes; dead "
+        "capacity is never limited",
+    )
     recovery_timings: RecoveryTimings = Field(
         default_factory=RecoveryTimings,
         description="Procedure waits as JSON (see fleet.recovery.RecoveryTimings)",
@@ -415,6 +430,24 @@ class Settings(BaseSettings):
 
     def database_url_value(self) -> str | None:
         return self.database_url.get_secret_value() if self.database_url else None
+
+
+def settings_environment(settings: Settings) -> dict[str, str]:
+    """``settings`` as the ``FLEETMEND_*`` environment another fleetmend process reads back into the same
+    Settings (nested models and lists as JSON, booleans lower-case, secrets revealed)."""
+    env: dict[str, str] = {}
+    for name, value in settings.model_dump(mode="json").items():
+        if value is None:
+            continue
+        raw = getattr(settings, name)
+        if hasattr(raw, "get_secret_value"):
+            value = raw.get_secret_value()
+        if isinstance(value, dict | list):
+            value = json.dumps(value)
+        elif isinstance(value, bool):
+            value = str(value).lower()
+        env[f"FLEETMEND_{name.upper()}"] = str(value)
+    return env
 
 
 def load_settings(**overrides: Any) -> Settings:

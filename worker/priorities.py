@@ -37,7 +37,9 @@ BACKGROUND = 5  # readiness sampling runs continuously; a late sample is harmles
 
 PRIORITY_BY_WORKFLOW: dict[str, int] = {
     "NodeFence": FENCE,
+    "RemovalBreaker": FENCE,  # a fence waits on its answer
     FLEET_INCIDENT_WORKFLOW: RECOVERY,
+    "FleetEvent": RECOVERY,
     "ReplicaLossRecovery": RECOVERY,
     "PlannedScaleDown": PLANNED,
     "ReadinessKeeper": BACKGROUND,

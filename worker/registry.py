@@ -13,7 +13,7 @@ from typing import Any
 from activities.act import ActActivities
 from activities.audit import AuditActivities
 from activities.config import ActivityConfig
-from activities.coordination import incident_on_pool
+from activities.coordination import ask_breaker, incident_on_pool
 from activities.deps import ActivityDeps
 from activities.drain import DrainActivities
 from activities.observe import ObserveActivities
@@ -22,7 +22,9 @@ from activities.readiness import ReadinessActivities
 from activities.smoke import smoke_probe
 from ledger.store import EffectLedger
 from worker.config import Settings
+from workflows.breaker import RemovalBreaker
 from workflows.fence import NodeFence
+from workflows.fleet_event import FleetEvent
 from workflows.incident import FleetIncident
 from workflows.node_qualification import NodeQualification
 from workflows.readiness_keeper import ReadinessKeeper
@@ -36,6 +38,8 @@ WORKFLOWS: list[type] = [
     ReplicaLossRecovery,
     NodeQualification,
     NodeFence,
+    FleetEvent,
+    RemovalBreaker,
     PlannedScaleDown,
     ReadinessKeeper,
 ]
@@ -78,4 +82,5 @@ def build_activities(settings: Settings, database_url: str | None = None) -> lis
         *_methods(ReadinessActivities(deps)),
         *_methods(DrainActivities(deps)),
         incident_on_pool,
+        ask_breaker,
     ]

@@ -21,16 +21,18 @@ line naming the setting, not with a handshake error deep in the SDK.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.envconfig import ClientConfigProfile
 from temporalio.runtime import Runtime
-from temporalio.service import TLSConfig
+from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 
 from worker.config import Settings
 from worker.priorities import ClientPriorities
@@ -315,3 +317,38 @@ async def connect(
         rpc_metadata=conn.rpc_metadata,
         interceptors=[ClientPriorities()],
     )
+
+
+# An Update the server turned away because the workflow task meant to carry it failed.
+UPDATE_NOT_READY = "unexpected workflow task failure"
+
+
+async def execute_update(
+    handle: WorkflowHandle[Any, Any],
+    update: Any,
+    arg: Any,
+    *,
+    tries: int = 5,
+    pause_s: float = 1.0,
+    **kw: Any,
+) -> Any:
+    """Send an Update (an operator's answer, a reset) and wait for its result, sending it again while
+    the server says the workflow is not ready for it.
+
+    The server refuses an Update with FAILED_PRECONDITION ("... due to unexpected workflow task
+    failure", a WorkflowNotReadyFailure) when the workflow task that was to carry it failed: its worker
+    was too slow to answer before the task timed out, or restarted. Since Temporal 1.27 the client's
+    own retries stop at that answer (temporalio/temporal#7296), so that a workflow whose tasks keep
+    failing answers at once. The Update was never accepted, so sending it again cannot apply it twice;
+    a worker that was only slow carries the next one. After ``tries`` the error goes to the caller.
+    ``kw`` goes to ``execute_update`` (``result_type``, ``id``).
+    """
+    for attempt in range(1, tries + 1):
+        try:
+            return await handle.execute_update(update, arg, **kw)
+        except RPCError as err:
+            not_ready = err.status == RPCStatusCode.FAILED_PRECONDITION and UPDATE_NOT_READY in err.message
+            if not not_ready or attempt == tries:
+                raise
+            await asyncio.sleep(pause_s * attempt)
+    raise AssertionError("unreachable")

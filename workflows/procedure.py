@@ -37,6 +37,8 @@ through this toolkit:
   whatever its length (a day, a weekend), adds at most ``OPERATOR_WAIT_EVENTS_MAX`` history
   events: its reminders back off (x2 up to ``REMINDER_INTERVAL_CAP_S``) and stop after
   ``REMINDERS_MAX``; the wait itself is one timer, never a poll.
+* ``await_release(what, released)`` - held in ``awaiting-operator`` on a decision made elsewhere (the
+  removal breaker's reset), with the same bounded reminders.
 * ``notify(topic, text)`` - the incident channel, through the ledger.
 * ``enter(phase)`` / ``decide`` / ``figure`` - step boundaries and the record an SRE
   reads afterwards; ``status`` query; ``pause`` / ``resume`` / ``abort`` Updates.
@@ -807,6 +809,31 @@ class Procedure(Record):
         assert approval is not None
         await self.enter(previous, f"approved: {what}")
         return approval
+
+    async def await_release(self, what: str, released: Callable[[], bool], *, quiet: bool = False) -> None:
+        """Hold in ``awaiting-operator`` until ``released()`` (a decision made elsewhere: the removal
+        breaker's reset), saying so in the status, the UI and the channel; back to the previous phase.
+        ``quiet``: the one who holds it tells the channel, once for every holder (the breaker's trip post),
+        so this procedure posts nothing: a storm of held fences is one message, not hundreds.
+        Raises ``Aborted`` when an operator aborts instead."""
+        status = self._status
+        previous = status.phase
+        status.awaiting = what
+        await self.enter(Phase.AWAITING_OPERATOR, f"**Held**: {what}")
+        if not quiet:
+            await self.notify(
+                f"held-{len(status.decisions)}", f"[fleetmend] {status.pool.key}: held — {what}"
+            )
+        try:
+            if quiet:
+                await workflow.wait_condition(lambda: released() or self._abort is not None)
+                if self._abort is not None:
+                    raise Aborted()
+            else:
+                await self._wait_for_operator(released, what)
+        finally:
+            status.awaiting = None
+        await self.enter(previous, f"released: {what}")
 
     async def _wait_for_operator(
         self, answered: Callable[[], bool], what: str, timeout_s: float | None = None

@@ -46,7 +46,9 @@ async def promote_warm_capacity(
     obs = with_lost(obs, lost)
     # Spares on a node that failed are not warm capacity; a node that only hosted a crashed pod is fine.
     failed = sorted(failed_nodes(lost, obs.snapshot, state.reports))
-    pick = pick_spares(obs.snapshot, [g.id for g in lost if g.role is GroupRole.SERVING], failed)
+    serving = [g.id for g in lost if g.role is GroupRole.SERVING]
+    spares = [g.id for g in lost if g.role is not GroupRole.SERVING]
+    pick = pick_spares(obs.snapshot, serving, failed, lost_spares=spares)
     proc.decide(pick.reason, {"promotions": pick.promotions, "rejected": pick.rejected})
     promoted: list[ReplicaGroup] = []
     for lost_id, spare_id in pick.promotions.items():

@@ -114,6 +114,8 @@ class ControlPlane:
         self.rng = random.Random(seed)
         self.lock = threading.RLock()
         self.lost_nodes: dict[str, float] = {}
+        # Lost to the API server only (a top-of-rack partition): the kubelet is silent, the machine runs.
+        self.partitioned_nodes: set[str] = set()
         # Node lifecycle: (resourceVersion, lost at, unreachable) each node was last written from.
         self.node_sync: dict[str, tuple[Any, ...]] = {}
         self.gc_inputs: tuple[int, ...] | None = None  # what garbage collection last ran on
@@ -206,17 +208,25 @@ class ControlPlane:
 
     # -------------------------------------------------------------- nodes
     def is_node_lost(self, name: str) -> bool:
+        """The kubelet no longer reports (the machine is down, or cut off from the API server)."""
         return name in self.lost_nodes
 
-    def lose_node(self, name: str) -> None:
+    def is_machine_down(self, name: str) -> bool:
+        """The machine itself is gone (its engines with it), not merely cut off from the API server."""
+        return name in self.lost_nodes and name not in self.partitioned_nodes
+
+    def lose_node(self, name: str, *, partition: bool = False) -> None:
         if self.store.find("nodes", "", name) is None:
             raise KeyError(f"no node named {name!r}")
         with self.lock:
             self.lost_nodes.setdefault(name, self.now())
+            if partition:
+                self.partitioned_nodes.add(name)
 
     def restore_node(self, name: str) -> None:
         with self.lock:
             self.lost_nodes.pop(name, None)
+            self.partitioned_nodes.discard(name)
 
     # -------------------------------------------------------------- pods
     def admit_pod(self, pod: Obj) -> Obj:

@@ -22,6 +22,9 @@
 |                 |               | run at ``factor`` (default 0.5) until cleared                            |
 | bad-rollout     | ns/workload   | the workload's template moves to a revision whose pods crash on start  |
 |                 |               | (CrashLoopBackOff, restartCount climbing)                                |
+| false-gpu-      | node          | a bad health check: the node problem detector sets ``condition``        |
+|  condition      |  (condition)  | (default GpuXid) True while every GPU, DCGM series and engine is fine   |
+|                 |               | (NVSentinel #1663: a check that flagged every node of a type)           |
 
 ``params.clear: true`` undoes slow-replica, slow-metrics, wedged-engine (by restart), thermal and
 repairs a node's broken GPUs (what a GPU reset or RMA would do). A repair with
@@ -53,7 +56,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-NODE_FAULTS = frozenset({FaultKind.NODE_LOST, FaultKind.GPU_XID, FaultKind.NVLINK_ERROR, FaultKind.THERMAL})
+NODE_FAULTS = frozenset(
+    {
+        FaultKind.NODE_LOST,
+        FaultKind.GPU_XID,
+        FaultKind.NVLINK_ERROR,
+        FaultKind.THERMAL,
+        FaultKind.FALSE_GPU_CONDITION,
+    }
+)
 POD_FAULTS = frozenset(
     {
         FaultKind.POD_OOMKILLED,
@@ -119,6 +130,12 @@ class FaultInjector:
             _param_float(params, "factor", 0.3, 0.01, 1.0)
         if fault.kind == FaultKind.SLOW_METRICS:
             _param_float(params, "delay_s", 5.0, 0.0, 600.0)
+        if fault.kind == FaultKind.FALSE_GPU_CONDITION:
+            condition = params.get("condition", "GpuXid")
+            if not isinstance(condition, str) or not condition.isidentifier():
+                raise FaultError(
+                    422, f"params.condition must be a node condition type such as GpuXid (got {condition!r})"
+                )
 
     def _node(self, name: str) -> dict[str, Any]:
         node = self.layer.kube.node(name)
@@ -193,6 +210,10 @@ class FaultInjector:
             engine.wedged = not clear
         elif kind == FaultKind.BAD_ROLLOUT:
             self._bad_rollout(fault.target, params)
+        elif kind == FaultKind.FALSE_GPU_CONDITION:
+            condition = str(params.get("condition", "GpuXid"))
+            message = "health check reports Xid 48 (double-bit ECC) on GPU 0" if not clear else "cleared"
+            self._problem_condition(fault.target, condition, not clear, "XidError", message)
 
     def _victims(self, node: str, gpu: int | None) -> list[str]:
         """Serving replicas (engine keys) using ``gpu`` on ``node`` (all GPUs when None)."""

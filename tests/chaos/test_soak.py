@@ -34,6 +34,7 @@ from ledger.scratch import PgServer, start_embedded_server
 from tests.support import (
     FAST,
     decisions,
+    execute_update,
     finish,
     incident_config,
     reconcile_with_world,
@@ -226,8 +227,8 @@ async def _on_call(child: WorkflowHandle[Any, Any]) -> None:
             status = await status_of(child)
             if status.phase == Phase.AWAITING_OPERATOR and status.refusal is None and status.awaiting:
                 if status.awaiting.startswith("approve force-delete"):
-                    await child.execute_update(
-                        "approve", OperatorAction(operator="on-call", reason="node is dead")
+                    await execute_update(
+                        child, "approve", OperatorAction(operator="on-call", reason="node is dead")
                     )
         except Exception:  # Temporal or the worker restarting, or the approval raced the next phase
             pass
@@ -271,7 +272,7 @@ async def test_ten_incidents_on_one_pool_with_crashes_restarts_and_a_refusal(sta
                     decisions(waiting)
                 )
                 await rig.refuse()
-                await child.execute_update("retry", OperatorAction(operator="sre", reason="RBAC restored"))
+                await execute_update(child, "retry", OperatorAction(operator="sre", reason="RBAC restored"))
             elif day.twist == "scale-down":
                 # The weekly scale-down fires while the pool recovers: it yields, then plans (dry-run).
                 scale_down = await stack.client.start_workflow(

@@ -25,9 +25,9 @@ from tests.demo.support import (
     DEMO_TIMEOUT_S,
     FLEETMEND,
     KEPT,
-    PORT_TAKEN,
     DemoProcess,
     demo_env,
+    port_was_taken,
 )
 from worker.devstack.scenarios import DEFAULT_SCENARIO
 
@@ -88,7 +88,7 @@ def _stop(run: DemoProcess) -> None:
 def keep_running_demo(scenario: str, output_dir: Path) -> Iterator[DemoProcess]:
     """``fleetmend demo --scenario NAME --keep-running --report F``: yields once the report is written."""
     run = _start_kept_demo(scenario, output_dir)
-    if not run.report and PORT_TAKEN in run.output():
+    if not run.report and port_was_taken(run.output()):
         _stop(run)
         run = _start_kept_demo(scenario, output_dir)
     try:

@@ -55,8 +55,13 @@ def demo_env(state_dir: Path) -> tuple[dict[str, str], dict[str, int]]:
 
 # A free port is free when it is picked, not necessarily when the demo binds it a few seconds later (other
 # test sessions share this machine, and outgoing connections take ephemeral ports): the demo then stops at
-# once, before any fault, with "address already in use"; it is started again on new ports, once.
-PORT_TAKEN = "already in use"
+# once, before any fault, with "address already in use" (or, from the simulator, "cannot listen on
+# 127.0.0.1:N"); it is started again on new ports, once.
+PORT_TAKEN = ("already in use", "cannot listen on")
+
+
+def port_was_taken(output: str) -> bool:
+    return any(taken in output for taken in PORT_TAKEN)
 
 
 def run_demo_cli(
@@ -75,7 +80,7 @@ def run_demo_cli(
         )
         output = done.stdout + done.stderr
         (workdir / f"{scenario}.out").write_text(output)
-        if report.exists() or PORT_TAKEN not in output or attempt:
+        if report.exists() or not port_was_taken(output) or attempt:
             break
     return done.returncode, output, json.loads(report.read_text()) if report.exists() else {}
 

@@ -36,6 +36,7 @@ from tests.support import (
     FAST,
     POOL,
     decisions,
+    execute_update,
     finish,
     fleetmend_actions,
     incident_config,
@@ -236,8 +237,8 @@ async def test_a_real_recovery_survives_a_worker_roll_on_its_version_and_the_inc
             assert await current_version(client, v2) == f"{deployment}.v2"
 
             # The operator answers the recovery that started before the roll: it finishes on v1.
-            await recovery.execute_update(
-                "approve", OperatorAction(operator="alice", reason="pod wedged, delete it")
+            await execute_update(
+                recovery, "approve", OperatorAction(operator="alice", reason="pod wedged, delete it")
             )
             status = await finish(recovery)
             assert status.phase == Phase.DONE, decisions(status)
@@ -331,8 +332,8 @@ async def test_a_long_incident_continues_as_new_and_carries_its_state(short_hist
 
         # The failed recovery still waits for the operator in the new run: resolve is accepted there.
         await until(awaiting, "still awaiting the operator after continue-as-new")
-        resolved = await latest.execute_update(
-            FleetIncident.resolve, OperatorAction(operator="sre", reason="node replaced by hand")
+        resolved = await execute_update(
+            latest, FleetIncident.resolve, OperatorAction(operator="sre", reason="node replaced by hand")
         )
         assert resolved.awaiting is None
         final = await client.get_workflow_handle(incident.id, result_type=ProcedureStatus).result()

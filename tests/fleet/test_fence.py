@@ -15,6 +15,12 @@ from fleet.pool import NodeInfo
         (NodeInfo(name="n1", ready=False), FenceVerdict.CORDON, "Ready=False"),
         (NodeInfo(name="n1", ready=None, unschedulable=True), FenceVerdict.ALREADY_CORDONED, "already"),
         (NodeInfo(name="n1", ready=True), FenceVerdict.READY_AGAIN, "Ready again"),
+        (NodeInfo(name="n1", ready=True, gpu_problems=("GpuXid",)), FenceVerdict.CORDON, "shows GpuXid"),
+        (
+            NodeInfo(name="n1", ready=True, gpu_problems=("GpuXid",), unschedulable=True),
+            FenceVerdict.ALREADY_CORDONED,
+            "already",
+        ),
         (None, FenceVerdict.GONE, "no longer in the cluster"),
     ],
 )

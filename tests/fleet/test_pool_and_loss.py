@@ -49,6 +49,25 @@ def test_dead_node_loses_the_group_and_lists_dead_but_routed_endpoints() -> None
     assert "node n1 is Unknown" in verdict.reason
 
 
+def test_a_silent_node_whose_engine_answers_is_a_partition_not_a_loss() -> None:
+    """A top-of-rack switch cut: the kubelet cannot reach the API server (Ready=Unknown, the node
+    controller marks the pod not ready), the engine still answers. Nothing is lost: the replica
+    serves, and the verdict says so instead of derouting it on the node's condition alone."""
+    g = group("g1", ("n1",))
+    obs = {"g1-0": healthy("g1-0", "n1").model_copy(update={"pod_ready": False})}
+    verdict = confirm_group(g, obs, [node("n1", ready=None)], routed_pods={"g1-0"})
+    assert verdict.verdict is Verdict.PRESENT, verdict.reason
+    assert "node n1 unreachable from the API, still serving" in verdict.reason
+    assert verdict.dead_but_routed == ()
+    # The same node, but the engine does not answer (or is wedged): lost, as before.
+    for update in ({"engine_health": EngineHealth.UNREACHABLE}, {"engine_progressing": False}):
+        silent = {"g1-0": obs["g1-0"].model_copy(update=update)}
+        assert confirm_group(g, silent, [node("n1", ready=None)], routed_pods={"g1-0"}).lost
+    # A terminating pod on a silent node is lost whatever its engine says.
+    going = {"g1-0": obs["g1-0"].model_copy(update={"deleting": True})}
+    assert confirm_group(g, going, [node("n1", ready=None)]).lost
+
+
 def test_one_lost_rank_loses_the_whole_multi_node_group() -> None:
     g = group("lws-0", ("n1", "n2"), pods=2, gpus_per_pod=8)
     obs = {

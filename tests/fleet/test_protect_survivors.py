@@ -291,6 +291,23 @@ def test_spares_on_bad_nodes_are_not_warm_capacity() -> None:
     }
 
 
+def test_a_spare_lost_with_the_serving_group_is_never_promoted() -> None:
+    """Engines on a lost node stop answering seconds before the node turns NotReady: the spare beside
+    the lost group is reported lost with it while its pod and node still look Ready. Promoting it would
+    route to a dead engine and leave the pool a replica short (found by bench/fleet_scale.py on the
+    4-node demo: the spare on the lost node was promoted, verification then saw 4 of 5)."""
+    snap = snapshot(
+        [group("g1", ("n1",)), group("s-beside", ("n1",), role=GroupRole.SPARE), group("s-far", ("n2",), role=GroupRole.SPARE)],
+        [node("n1"), node("n2")],
+    )  # fmt: skip
+    pick = pick_spares(snap, ["g1"], excluded_nodes=[], lost_spares=["s-beside"])
+    assert pick.promotions == {"g1": "s-far"}
+    assert pick.rejected == {"s-beside": "lost itself (its engine stopped answering with the loss)"}
+    alone = snapshot([group("g1", ("n1",)), group("s-beside", ("n1",), role=GroupRole.SPARE)], [node("n1")])
+    pick = pick_spares(alone, ["g1"], excluded_nodes=[], lost_spares=["s-beside"])
+    assert pick.promotions == {} and pick.unmatched == ("g1",)
+
+
 def test_two_lost_groups_get_two_different_spares() -> None:
     snap = _spare_pool()
     pick = pick_spares(snap, ["g1", "g2"])

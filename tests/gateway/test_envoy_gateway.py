@@ -124,7 +124,10 @@ class Gateway:
             tmp / "envoy",
         ).start()
         self.store = GatewayStore(make_engine(self.url, pool_size=2))
-        self.adapter = EnvoyGateway(self.store)  # admin URL as Envoy announced it
+        # Admin URL as Envoy announced it. The ACK wait is a condition with a generous bound: after
+        # restart_plane Envoy reconnects to the new control plane on its own xDS backoff, which on this
+        # 2-core machine under the whole suite took over the 5 s production default once.
+        self.adapter = EnvoyGateway(self.store, apply_timeout_s=30.0)
 
     def restart_plane(self, data_plane: DataPlaneSettings | None = None) -> None:
         self.plane.stop()
@@ -201,6 +204,9 @@ def test_weights_are_envoy_endpoint_weights_and_steer_traffic(gw: Gateway) -> No
     assert gw.adapter.applied(POOL, GatewayPolicy(weights={"llama-0": 3.0, "llama-1": 1.0})) is not None
     dump = json.dumps(config_dump(gw))
     assert '"load_balancing_weight": 300' in dump and '"load_balancing_weight": 100' in dump
+    # Envoy drops an idle engine connection before the engine's own 5 s keep-alive would (no 503 UC
+    # from a request sent on a connection the engine is closing).
+    assert '"idle_timeout": "4s"' in dump, dump[:2000]
     seen = served_by(gw, 40)
     assert weighted(seen, "llama-0", 0.75), seen  # round robin, weighted 3:1
 

@@ -90,6 +90,38 @@ def test_an_event_in_one_pool_recomputes_only_that_pool() -> None:
     assert index.recomputed_pools == 5
 
 
+def node(name: str, ready: str) -> Obj:
+    return {"metadata": {"name": name}, "status": {"conditions": [{"type": "Ready", "status": ready}]}}
+
+
+def test_an_endpoint_made_not_ready_by_a_silent_kubelet_stays_a_host_until_it_terminates() -> None:
+    """A partition: the node's kubelet stops posting status (Ready=Unknown) and the node controller
+    marks its pods not ready, while the engines still serve. The host stays (Envoy's health check
+    decides); a not-ready endpoint on a node that is Ready (its own readiness probe failing), or one
+    that is terminating, does not."""
+    index = fleet(pools=2)
+    index()
+    index.on_event("nodes", "MODIFIED", node("node-pool1-0", "True"))
+    assert not index.dirty  # a Ready node changes nothing
+    index.on_event("endpointslices", "MODIFIED", endpoint_slice("pool1", {"pool1-0": False, "pool1-1": True}))
+    assert [h.pod for h in index()[f"{NS}/pool1"]] == ["pool1-1"]  # its own probe failed: out
+
+    index.on_event("nodes", "MODIFIED", node("node-pool1-0", "Unknown"))
+    assert index.dirty == {f"{NS}/pool1"}  # only the pool with an endpoint on that node
+    assert [h.pod for h in index()[f"{NS}/pool1"]] == ["pool1-0", "pool1-1"]
+
+    going = endpoint_slice("pool1", {"pool1-0": False, "pool1-1": True})
+    going["endpoints"][0]["conditions"]["terminating"] = True
+    index.on_event("endpointslices", "MODIFIED", going)
+    assert [h.pod for h in index()[f"{NS}/pool1"]] == ["pool1-1"]  # evicted: out, silent node or not
+
+    index.on_event("endpointslices", "MODIFIED", endpoint_slice("pool1", {"pool1-0": False, "pool1-1": True}))
+    index.on_event(
+        "nodes", "MODIFIED", node("node-pool1-0", "True")
+    )  # the partition healed, probe still failing
+    assert [h.pod for h in index()[f"{NS}/pool1"]] == ["pool1-1"]
+
+
 def test_an_unchanged_world_rebuilds_nothing() -> None:
     index = fleet()
     first = index()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from sqlalchemy import text, update
+
 from gateway.store import GatewayStore
+from ledger.models import gateway_acks_table
 from ledger.store import make_engine
 
 
@@ -42,3 +45,27 @@ def test_since_selects_requests_that_ended_after_it_a_stream_in_flight_at_the_ma
     assert got["in-flight-then-cut"].ended_at == 120.0
     assert len(store.requests("inference/llama")) == 3
     assert store.requests("inference/llama", replica="llama-b") == []
+
+
+def test_an_envoy_whose_control_plane_died_without_closing_its_row_lapses_and_a_heartbeat_keeps_one(
+    ledger_url: str,
+) -> None:
+    """A control plane killed -9 never marks its Envoys disconnected: their rows lapse after
+    ``liveness_s`` unless a living control plane re-marks them, so nothing waits on a dead Envoy."""
+    engine = make_engine(ledger_url)
+    store = GatewayStore(engine, liveness_s=30.0)
+    for node, admin in (("envoy-dead", "http://127.0.0.1:1"), ("envoy-live", "http://127.0.0.1:2")):
+        store.record_answer(node, "clusters", acked="p1.a", admin_url=admin)
+    assert store.admin_urls() == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    # Both rows last re-marked a minute ago: the dead one's control plane is gone; the live one's beats.
+    with engine.begin() as conn:
+        conn.execute(update(gateway_acks_table).values(updated_at=text("now() - interval '60 seconds'")))
+    store.mark(["envoy-live"], connected=True)
+    assert store.admin_urls() == ["http://127.0.0.1:2"]
+    assert {a.node_id: a.connected for a in store.answers()} == {"envoy-dead": False, "envoy-live": True}
+    # A control plane that shuts down closes its own Envoys' rows at once.
+    store.mark(["envoy-live"], connected=False)
+    assert store.admin_urls() == []
+    # An answer from a reconnected Envoy makes it connected again.
+    store.record_answer("envoy-dead", "clusters", acked="p2.b")
+    assert store.admin_urls() == ["http://127.0.0.1:1"]

@@ -35,8 +35,10 @@ from tests.support import (
     gpu_pool,
     incident_config,
     node_report,
+    posted,
     reconcile_with_world,
     run_cli,
+    ui_details,
     wait_for_child,
     wait_for_phase,
 )
@@ -94,6 +96,9 @@ async def test_an_envoy_nack_of_a_steps_change_stops_and_asks_and_retry_after_th
         assert "Envoy refused the config" in refusal.error and "Cluster" in refusal.error, refusal
         assert "put the previous policy back" in refusal.error, refusal
         assert waiting.awaiting and "Envoy refused" in waiting.awaiting and "retry" in waiting.awaiting
+        # The Temporal UI's current details say the same (what the UI's own query reads).
+        shown = await ui_details(child)
+        assert "**Refused:**" in shown and "Envoy refused the config" in shown and "`retry`" in shown, shown
         phases = [p.name for p in waiting.phases]
         assert phases[-1] == Phase.AWAITING_OPERATOR and phases[-2] in GATEWAY_STEPS, phases
         # The deroute before it went through; the refused change is not left stored; nothing after it ran.
@@ -102,8 +107,7 @@ async def test_an_envoy_nack_of_a_steps_change_stops_and_asks_and_retry_after_th
         assert await rig.gateway_policy(POOL) == before
         assert Phase.PROMOTING not in phases
         assert not any(a["path"].endswith("/scale") for a in await fleetmend_actions(rig))
-        notes = [m["text"] for m in await rig.notifications()]
-        assert any("Envoy refused" in t and "waits for an operator" in t for t in notes), notes
+        await posted(rig, "Envoy refused", "waits for an operator")
         env = cli_env(temporal_client, task_queue)
         listed = await run_cli(env, "status", "--json")
         assert listed.exit_code == 0, listed.output

@@ -20,6 +20,7 @@ from tests.support import (
     load_reaches,
     node_report,
     reconcile_with_world,
+    routed,
     wait_for_child,
     wait_for_phase,
 )
@@ -50,7 +51,7 @@ async def test_envoy_killed_mid_recovery_comes_back_with_the_current_state_and_t
             if set(await rig.routing_set(POOL)) >= routed_before:
                 break
             await asyncio.sleep(0.1)
-        assert set(await rig.routing_set(POOL)) >= routed_before
+        await routed(rig, lambda pods: set(pods) >= routed_before, f"every one of {sorted(routed_before)}")
         stored = await asyncio.to_thread(rig.gateway_adapter.policy, POOL)
         assert (
             await asyncio.to_thread(rig.gateway_adapter.applied, POOL, stored) is not None

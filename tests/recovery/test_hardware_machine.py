@@ -64,14 +64,17 @@ async def test_a_node_recreated_for_the_same_machine_stays_quarantined_until_it_
         await rig.start_load(rate=20, duration_s=200, seed=9)
         await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0)
         report = LossReport(pool=POOL, fingerprint="fp-same-machine", alert_name="FleetmendGpuXid", node=node)
+        # The repair watch must still be watching when the node object comes back: a watch of 60 s
+        # ran out once on a CI machine running four test processes on two cores (the repair ends it).
+        timings = HARDWARE_TIMINGS.model_copy(update={"repair_wait_s": 240})
         child = await wait_for_child(
-            temporal_client, await rig.report_loss(report, incident_config(timings=HARDWARE_TIMINGS))
+            temporal_client, await rig.report_loss(report, incident_config(timings=timings))
         )
         qualification = await node_workflow(temporal_client, child, node)
         await _said(qualification, "failed qualification")
         # The machine reboots and its kubelet registers a new Node object: same name, same providerID.
         uid = await _recreate(rig, node, machine)
-        await _said(qualification, "still quarantined, cordoned and tainted again")
+        await _said(qualification, "still quarantined, cordoned and tainted again", timeout_s=180)
         obj = await asyncio.to_thread(core.read_node, node)
         assert obj.metadata.uid == uid and obj.spec.unschedulable
         assert QUARANTINE_TAINT_KEY in {t.key for t in obj.spec.taints or []}

@@ -5,12 +5,21 @@ the remediation loop cap. Real Temporal, real Postgres, the simulated fleet and 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from kubernetes import client as kc
 from sqlalchemy import create_engine, text
-from temporalio.client import Client
+from temporalio.client import Client, WithStartWorkflowOperation
+from temporalio.common import WorkflowIDConflictPolicy
 
+from fleet.breaker import (
+    BreakerDecision,
+    BreakerInput,
+    BreakerStatus,
+    RemovalRequest,
+    breaker_workflow_id,
+)
 from fleet.incident import LossReport
 from fleet.recovery import Phase
 from fleet.vocabulary import (
@@ -57,13 +66,44 @@ async def _follow_up_repairs(rig: FleetRig, node: str, seen_failure: asyncio.Eve
     await rig.inject(FaultKind.GPU_XID, node, clear=True)
 
 
+async def _trip_the_removal_breaker(client: Client, task_queue: str) -> None:
+    """A bad signal elsewhere in the fleet: two serving nodes asked to be cordoned in a 4-node fleet (cap 1)."""
+    for node in ("elsewhere-1", "elsewhere-2"):
+        start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
+            "RemovalBreaker",
+            BreakerInput(),
+            id=breaker_workflow_id(task_queue),
+            task_queue=task_queue,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        )
+        ask = RemovalRequest(
+            node=node,
+            action="cordon",
+            signal="GpuXid=True (a bad health check)",
+            requester=f"test/{node}",
+            engines=2,
+            answering=2,
+            fleet_gpu_nodes=4,
+        )
+        await client.execute_update_with_start_workflow(
+            "ask", ask, start_workflow_operation=start, result_type=BreakerDecision
+        )
+    status = await client.get_workflow_handle(breaker_workflow_id(task_queue)).query(
+        "status", result_type=BreakerStatus
+    )
+    assert status.tripped, status
+
+
 async def test_an_xid_79_under_load_is_quarantined_fails_qualification_then_returns_after_the_repair(
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
+    """All of it while the removal breaker is tripped by a bad signal elsewhere: a real loss is handled
+    at full speed, and a node's return after it passes qualification never asks the breaker."""
     async with fleet_rig(
         temporal_client, scenario=hardware_scenario(), database_url=ledger_url, task_queue=task_queue
     ) as rig:
         leader = sorted(await rig.pool_ready(POOL, 5))[0]
+        await _trip_the_removal_breaker(temporal_client, task_queue)
         core = rig.core
         pod = await asyncio.to_thread(core.read_namespaced_pod, leader, POOL.namespace)
         node = str(pod.spec.node_name)
@@ -113,6 +153,11 @@ async def test_an_xid_79_under_load_is_quarantined_fails_qualification_then_retu
         assert not obj.spec.unschedulable
         assert QUARANTINE_TAINT_KEY not in {t.key for t in obj.spec.taints or []}
         assert QUARANTINE_LABEL not in (obj.metadata.labels or {})
+        # Returned although the breaker is still tripped: returning capacity never asks it.
+        breaker = await temporal_client.get_workflow_handle(breaker_workflow_id(task_queue)).query(
+            "status", result_type=BreakerStatus
+        )
+        assert breaker.tripped and node not in {h.request.node for h in breaker.held}, breaker
         # The Jobs ran on that node only and were deleted afterwards.
         jobs = kc.BatchV1Api(core.api_client)
         assert (await asyncio.to_thread(jobs.list_namespaced_job, "fleetmend")).items == []

@@ -13,7 +13,15 @@ from fleet.incident import LossReport
 from fleet.recovery import OperatorAction, Phase
 from fleet.vocabulary import QUARANTINE_TAINT_KEY, FaultKind
 from tests.recovery.support import HARDWARE_TIMINGS, hardware_scenario, node_workflow, procedure_rows
-from tests.support import POOL, decisions, finish, incident_config, wait_for_child, wait_for_phase
+from tests.support import (
+    POOL,
+    decisions,
+    execute_update,
+    finish,
+    incident_config,
+    wait_for_child,
+    wait_for_phase,
+)
 from worker.devstack.rig import fleet_rig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -43,7 +51,8 @@ async def test_a_refused_qualification_job_stops_and_asks_and_the_node_stays_out
         recovery = await finish(child, timeout_s=180)
         assert recovery.phase == Phase.DONE, decisions(recovery)
         assert recovery.verification is not None and recovery.verification.passed, decisions(recovery)
-        await qualification.execute_update(
+        await execute_update(
+            qualification,
             "skip",
             OperatorAction(operator="on-call", reason="no jobs/create in this cluster yet; qualify by hand"),
         )

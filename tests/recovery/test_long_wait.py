@@ -29,6 +29,7 @@ from tests.support import (
     FAST,
     POOL,
     decisions,
+    execute_update,
     finish,
     fleetmend_actions,
     incident_config,
@@ -122,8 +123,10 @@ async def test_a_day_waiting_for_an_operator_adds_a_bounded_history_and_the_reco
         # Still nothing done to the pod while nobody answered.
         assert not [a for a in await fleetmend_actions(rig) if f"/pods/{pod}" in a["path"]]
 
-        await recovery.execute_update(
-            "approve", OperatorAction(operator="alice", reason="back after a day: pod wedged, delete it")
+        await execute_update(
+            recovery,
+            "approve",
+            OperatorAction(operator="alice", reason="back after a day: pod wedged, delete it"),
         )
         done = await finish(recovery)
         assert done.phase == Phase.DONE, decisions(done)

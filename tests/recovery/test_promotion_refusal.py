@@ -1,4 +1,4 @@
-"""Step 5 refused: the API server's admission refuses (422) the patch that routes to the warm spare.
+"""Step 5 refused: the API server refuses (422 from admission, 403 from RBAC) the patch that routes to the warm spare.
 
 Every other refused-patch test is hit at the deroute; here the deroute goes through and only the
 promotion's call is refused (the rule matches the spare's pods *and* a body carrying the router
@@ -28,8 +28,10 @@ from tests.support import (
     gpu_pool,
     incident_config,
     node_report,
+    posted,
     reconcile_with_world,
     run_cli,
+    ui_details,
     wait_for_child,
     wait_for_phase,
 )
@@ -39,8 +41,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 SPARE_PODS = "/pods/llama-spare-"  # the gpu-node-loss world's warm spare Deployment is llama-spare
 
 
+@pytest.mark.parametrize(
+    ("code", "said"),
+    [
+        ("422", ("is invalid", "admission policy")),  # a validating admission policy
+        ("403", ("forbidden", "cannot patch")),  # RBAC, or a webhook that denies
+    ],
+)
 async def test_a_refused_promotion_stops_and_asks_and_retry_after_the_fix_completes(
-    temporal_client: Client, task_queue: str, ledger_url: str
+    temporal_client: Client, task_queue: str, ledger_url: str, code: str, said: tuple[str, str]
 ) -> None:
     async with gpu_pool(temporal_client, task_queue, ledger_url) as rig:
         # An admission policy refuses adding the router label to the spare: the promotion, nothing else.
@@ -49,7 +58,7 @@ async def test_a_refused_promotion_stops_and_asks_and_retry_after_the_fix_comple
                 "verbs": ["PATCH"],
                 "path_contains": SPARE_PODS,
                 "body_contains": f'"{ROUTER_LABEL}"',
-                "error": "422",
+                "error": code,
             }
         )
         await rig.inject(FaultKind.NODE_LOST, "gpu-node-0")
@@ -63,8 +72,11 @@ async def test_a_refused_promotion_stops_and_asks_and_retry_after_the_fix_comple
         refusal = waiting.refusal
         assert refusal is not None, decisions(waiting)
         assert refusal.what.startswith("promote spare") and "llama-spare-" in refusal.what, refusal
-        assert "is invalid" in refusal.error and "admission policy" in refusal.error, refusal
+        assert said[0] in refusal.error.lower() and said[1] in refusal.error, refusal
         assert waiting.awaiting and "promote spare" in waiting.awaiting and "retry" in waiting.awaiting
+        # The Temporal UI's current details say the same (what the UI's own query reads).
+        shown = await ui_details(child)
+        assert "**Refused:** promote spare" in shown and said[1] in shown and "`retry`" in shown, shown
         # The steps before it ran (the lost replicas are out of routing); nothing after it did.
         assert [p.name for p in waiting.phases][-2:] == [Phase.PROMOTING, Phase.AWAITING_OPERATOR], (
             waiting.phases
@@ -74,14 +86,13 @@ async def test_a_refused_promotion_stops_and_asks_and_retry_after_the_fix_comple
         assert any(a["verb"] == "PATCH" and "/pods/" in a["path"] and a["status"] < 300 for a in acted), acted
         assert not any("llama-spare" in a["path"] and a["path"].endswith("/scale") for a in acted), acted
         # The incident channel and `fleetmend status` say the same.
-        notes = [m["text"] for m in await rig.notifications()]
-        assert any("promote spare" in t and "waits for an operator" in t for t in notes), notes
+        await posted(rig, "promote spare", "waits for an operator")
         env = cli_env(temporal_client, task_queue)
         listed = await run_cli(env, "status", "--json")
         assert listed.exit_code == 0, listed.output
         [row] = [r for r in json.loads(listed.output) if r["workflow_id"] == child.id]
         assert row["phase"] == Phase.AWAITING_OPERATOR.value, row
-        assert "promote spare" in row["awaiting"] and "admission policy" in row["awaiting"], row
+        assert "promote spare" in row["awaiting"] and said[1] in row["awaiting"], row
 
         await rig.refuse()  # the admission policy fixed
         retried = await run_cli(env, "retry", child.id, "--operator", "alice", "--reason", "policy fixed")

@@ -19,6 +19,7 @@ from tests.support import (
     POOL,
     RANK_POOL,
     decisions,
+    execute_update,
     finish,
     fleetmend_actions,
     gpu_pool,
@@ -28,6 +29,7 @@ from tests.support import (
     pod_report,
     rank_pool,
     reconcile_with_world,
+    routed,
     wait_for_child,
     wait_for_phase,
 )
@@ -57,9 +59,8 @@ async def test_gpu_node_lost_under_load_alert_storm_one_recovery(
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
     async with gpu_pool(temporal_client, task_queue, ledger_url) as rig:
-        before = await _serving_pods(rig)
-        assert len(before) == 5
-        load = await rig.start_load(rate=52, duration_s=120, seed=3)
+        before = await routed(rig, lambda pods: len(pods) == 5, "5 replicas")
+        load = await rig.start_load(rate=60, duration_s=120, seed=3)
         await load_reaches(rig)
         fault = await rig.inject(FaultKind.NODE_LOST, "gpu-node-0")
         assert fault["accepted"]
@@ -78,19 +79,20 @@ async def test_gpu_node_lost_under_load_alert_storm_one_recovery(
         assert status.verification is not None and status.verification.passed, text_
         # Dead endpoints were seen out of Envoy's rotation (how fast: bench/gateway_ejection.py).
         assert status.figures["deroute_seconds"] is not None, text_
-        after = set(await _serving_pods(rig))
+        # Envoy's view, once its health checks pass (a CPU-starved world can fail them all for a second).
+        after = set(await rig.pool_ready(POOL, 5, timeout_s=30))
         lost = set(before) - after
         assert len(lost) == 2, (before, after)  # both replicas of the lost node are out of routing
-        # The survivors were short of capacity (a gap) until the spare was promoted; their queues absorbed
-        # what they could of it within the wait budget, so at most the gap was refused (lowest tier
-        # first), the refused share followed capacity back to zero, and admission was lifted after the
-        # warm floor was restored.
+        # The survivors were short of capacity (a gap): 60 req/s against 3 x 15 at 90 % = 40.5, and still
+        # against 54 once the spare is promoted, until the replacement is warm. Their queues absorbed what
+        # they could of it within the wait budget, so at most the gap was refused (lowest tier first), and
+        # admission was lifted only after the warm floor was restored and verified. (How the refused share
+        # follows capacity as it returns: tests/recovery/test_queue_absorption.py.)
         levels = status.figures["shed_levels"]
-        assert levels[0]["gap"] > 0 and levels[0]["refused"] <= levels[0]["gap"], levels
+        assert levels[0]["gap"] > 0 and levels[0]["refused"] <= levels[0]["gap"], (levels, text_)
         assert "the queues hold" in text_ and "within the 2 s wait budget" in text_, text_
         assert all(lv["refused"] <= lv["gap"] + 1e-3 for lv in levels), levels
         assert status.figures["shed_tiers"][:1] in ([], [Tier.SHEDDABLE.value]), text_
-        assert levels[-2]["refused"] == 0, levels  # nothing refused before the lift
         assert levels[-1] == {"at": levels[-1]["at"], "gap": 0.0, "refused": 0.0}
         # Every change of the shed level is a decision in the incident record.
         assert text_.count("of arrivals cannot be carried") == len(levels) - 1, text_
@@ -99,7 +101,7 @@ async def test_gpu_node_lost_under_load_alert_storm_one_recovery(
         # A warm spare was promoted; the new spare and the replacement are placed and routed.
         assert status.figures["promoted"], text_
         assert status.figures["lead_time_announced_seconds"] is not None  # one lost group had no spare
-        assert len(await _serving_pods(rig)) == 5
+        assert len(after) == 5, after
         # The failed node is quarantined: cordoned, tainted, labelled.
         assert "quarantine gpu-node-0" in text_ or "cordoned gpu-node-0" in text_
         assert status.figures["fault_class"] == "unknown"  # a silent node: no telemetry to classify
@@ -159,7 +161,7 @@ async def test_slow_replica_is_not_a_loss_and_nothing_is_mutated(
         assert status.phase == Phase.NOT_A_LOSS, decisions(status)
         assert "slow-but-present" in decisions(status)
         assert await fleetmend_actions(rig) == []
-        assert pod in await _serving_pods(rig)
+        await routed(rig, lambda pods: pod in pods, f"{pod} still routed")
 
 
 async def test_router_label_is_a_selector_so_force_delete_needs_approval(
@@ -186,8 +188,8 @@ async def test_router_label_is_a_selector_so_force_delete_needs_approval(
             a for a in await fleetmend_actions(rig) if a["verb"] == "PATCH" and f"/pods/{pod}" in a["path"]
         ]
         # An approval with nothing awaited is rejected by the validator; this one is accepted.
-        await child.execute_update(
-            "approve", OperatorAction(operator="alice", reason="pod wedged, delete it")
+        await execute_update(
+            child, "approve", OperatorAction(operator="alice", reason="pod wedged, delete it")
         )
         status = await finish(child)
         deletes = [
@@ -231,7 +233,7 @@ async def test_no_warm_spare_posts_lead_time_and_keeps_shedding_until_capacity_r
         phases = [p.name for p in status.phases]
         assert phases.index(Phase.RAMPING) < phases.index(Phase.ROLLING_BACK)
         assert status.figures.get("shedding_lifted") is True
-        assert len(await _serving_pods(rig)) == 6
+        await routed(rig, lambda pods: len(pods) == 6, "6 replicas")
 
 
 async def test_one_rank_lost_takes_the_whole_multi_node_group(
@@ -255,7 +257,7 @@ async def test_one_rank_lost_takes_the_whole_multi_node_group(
         assert worker_pod in text_ or "ranks lost, so the whole group is lost" in text_, text_
         assert status.figures["groups_lost"] == 1
         # The group came back whole (the LeaderWorkerSet recreated it) and was ramped back in.
-        assert sorted(await rig.routing_set(pool)) == sorted(leaders)
+        await routed(rig, lambda pods: sorted(pods) == sorted(leaders), f"the leaders {leaders}", pool)
         report_ = await reconcile_with_world(rig, ledger_url)
         assert report_.duplicates == [] and report_.orphans == []
 
@@ -278,7 +280,7 @@ async def test_fragmented_cluster_is_reported_not_left_pending(
         assert "no admissible group for shape" in text_, text_
         assert waiting.figures.get("fragmentation"), waiting.figures
         assert any("no admissible group" in m["text"] for m in await rig.notifications())
-        await child.execute_update("abort", OperatorAction(operator="bob", reason="adding a node tomorrow"))
+        await execute_update(child, "abort", OperatorAction(operator="bob", reason="adding a node tomorrow"))
         status = await finish(child)
         assert status.phase == Phase.ABORTED
 
@@ -384,6 +386,6 @@ async def test_an_oom_killed_leader_in_a_leaderworkerset_pool_is_recovered_as_it
         assert "every replacement is scheduled" in text_, text_
         assert "replacements still Pending" not in text_, text_
         assert "ramp complete" in text_ and "ramp window over" not in text_, text_
-        assert sorted(await rig.routing_set(pool)) == sorted(leaders)
+        await routed(rig, lambda pods: sorted(pods) == sorted(leaders), f"the leaders {leaders}", pool)
         report_ = await reconcile_with_world(rig, ledger_url)
         assert report_.duplicates == [] and report_.orphans == [], report_

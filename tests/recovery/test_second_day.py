@@ -20,11 +20,13 @@ from tests.support import (
     POOL,
     cli_env,
     decisions,
+    execute_update,
     finish,
     fleetmend_actions,
     gpu_pool,
     incident_config,
     node_report,
+    posted,
     reconcile_with_world,
     run_cli,
     wait_for_child,
@@ -143,8 +145,7 @@ async def test_a_refused_deroute_stops_and_asks_and_retry_after_the_fix_complete
             a for a in await fleetmend_actions(rig) if a["verb"] != "PATCH" and "/notify" not in a["path"]
         ]
         assert acted == [], acted
-        notes = [m["text"] for m in await rig.notifications()]
-        assert any("cannot patch" in t and "waits for an operator" in t for t in notes), notes
+        await posted(rig, "cannot patch", "waits for an operator")
         # approve is not the answer to a refusal: the validator says so and nothing changes.
         env = cli_env(temporal_client, task_queue)
         rejected = await run_cli(env, "approve", child.id, "--operator", "alice")
@@ -181,7 +182,7 @@ async def test_a_persistent_429_ends_in_an_operator_escalation_within_the_budget
         scaled = [a for a in await rig.actions() if a["path"].endswith("/scale") and a["status"] < 300]
         assert scaled == []  # refused by the API: nothing was scaled
         await rig.refuse()
-        await child.execute_update("retry", OperatorAction(operator="bob", reason="API server recovered"))
+        await execute_update(child, "retry", OperatorAction(operator="bob", reason="API server recovered"))
         status = await finish(child)
         assert status.phase == Phase.DONE, decisions(status)
         report = await reconcile_with_world(rig, ledger_url)
@@ -202,13 +203,13 @@ async def test_an_update_in_the_recoverys_first_task_is_accepted(
         handle = await temporal_client.start_workflow(
             "ReplicaLossRecovery", inp, id=f"first-task-{task_queue}", task_queue=rig.settings.task_queue
         )
-        paused = await handle.execute_update(
-            "pause", OperatorAction(operator="carol", reason="hold on"), result_type=ProcedureStatus
+        paused = await execute_update(
+            handle, "pause", OperatorAction(operator="carol", reason="hold on"), result_type=ProcedureStatus
         )
         assert paused.paused
         assert "paused by carol: hold on" in decisions(paused)
-        resumed = await handle.execute_update(
-            "resume", OperatorAction(operator="carol", reason="go on"), result_type=ProcedureStatus
+        resumed = await execute_update(
+            handle, "resume", OperatorAction(operator="carol", reason="go on"), result_type=ProcedureStatus
         )
         assert not resumed.paused
         status = await finish(handle)

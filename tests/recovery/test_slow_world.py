@@ -16,6 +16,7 @@ from tests.support import (
     FAST,
     POOL,
     decisions,
+    execute_update,
     finish,
     gpu_pool,
     incident_config,
@@ -108,6 +109,6 @@ async def test_scrapes_that_never_answer_ask_an_operator_with_the_reason_then_re
         assert "GET /metrics answered nothing within" in refusal.error, refusal.error
         assert asking.awaiting is not None and "read the survivors' load failed" in asking.awaiting
         await _slow_scrapes(rig, survivors, clear=True)
-        await child.execute_update("retry", OperatorAction(operator="bob", reason="engines answer again"))
+        await execute_update(child, "retry", OperatorAction(operator="bob", reason="engines answer again"))
         status = await finish(child)
         assert status.phase == Phase.DONE, decisions(status)

@@ -6,8 +6,9 @@ a multi-node LeaderWorkerSet, warm spares, 8 nodes free), served by the simulato
 behind a real Envoy; fleetmend's worker and its fast path (Envoy's health view, the Kubernetes watches)
 run against it. The 16 nodes of the rack holding the most pools' routed replicas die at once. What an
 SRE checks afterwards: each pool hit has its incident (one, not two), each incident's recovery completed
-or is in ``awaiting-operator`` with the reason, nothing failed, and the ledger matches the world's own
-record of fleetmend's requests. ``bench/fleet_scale.py`` measures the same loss (and a node, and a burst
+or is in ``awaiting-operator`` with the reason, nothing failed, one fleet event names the rack with every
+pool hit and posts once to the incident channel, and the ledger matches the world's own record of
+fleetmend's requests. ``bench/fleet_scale.py`` measures the same loss (and a node, and a burst
 of 200 nodes) for time and cost; this test asserts behaviour only.
 """
 
@@ -24,11 +25,12 @@ import pytest
 from temporalio.client import Client, WorkflowExecutionStatus
 
 from fleet.fence import fence_workflow_id
+from fleet.fleet_event import fleet_event_workflow_id
 from fleet.incident import PoolRef, incident_workflow_id
 from fleet.recovery import Phase, ServingObjectives
 from fleet.vocabulary import FaultKind
 from sim.scenario import Scenario, scaled_scenario
-from tests.support import FAST, GROUP_CAPACITY_RPS, reconcile_with_world, status_of
+from tests.support import FAST, GROUP_CAPACITY_RPS, decisions, finish, reconcile_with_world, status_of
 from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
 from worker.devstack.sim_process import scenario_file
 
@@ -179,6 +181,22 @@ async def test_a_lost_rack_opens_one_incident_per_pool_hit_and_each_recovers_or_
         assert cordoned_by_fence >= 1, "every lost node was cordoned by its recovery before its fence ran"
         listed: Any = await asyncio.to_thread(rig.core.list_node)
         assert all(n.spec.unschedulable for n in listed.items if n.metadata.name in nodes)
+
+        # One fleet event names the rack as the common cause, with every pool hit, and posts once.
+        events = {wf.id: wf for wf in await runs(temporal_client, "FleetEvent", rig.started_at)}
+        event_id = fleet_event_workflow_id(RACK_LABEL, rack)
+        assert event_id in events, sorted(events)
+        assert (
+            Counter(wf.id for wf in await runs(temporal_client, "FleetEvent", rig.started_at))[event_id] == 1
+        )
+        event = await finish(temporal_client.get_workflow_handle(event_id), 30)
+        assert event.figures["common_cause"] is True, decisions(event)
+        assert sorted(event.figures["nodes"]) == sorted(nodes), event.figures
+        assert {p.key for p in hit} <= set(event.figures["pools"]), event.figures
+        assert set(event.figures["incidents"]) >= {incident_workflow_id(p) for p in hit}
+        posts = [m for m in await rig.notifications() if f"FLEET EVENT {RACK_LABEL}={rack}" in m["text"]]
+        assert len(posts) == 1, posts
+        assert all(p.key in posts[0]["text"] for p in hit), posts[0]["text"]
 
         report = await reconcile_with_world(rig, ledger_url)
         # The fast path's leader election renews its Lease: coordination, not an effect on the fleet.

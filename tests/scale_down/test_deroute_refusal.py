@@ -26,8 +26,11 @@ from tests.support import (
     decisions,
     effect_states,
     finish,
+    posted,
     reconcile_with_world,
+    routed,
     run_cli,
+    ui_details,
     wait_for_phase,
 )
 from worker.devstack.rig import fleet_rig
@@ -63,6 +66,11 @@ async def test_a_refused_deroute_stops_the_scale_down_and_retry_after_the_fix_co
         assert victim in refusal.what, refusal
         assert "forbidden" in refusal.error.lower() and "cannot patch" in refusal.error, refusal
         assert waiting.awaiting and "retry" in waiting.awaiting and "cannot patch" in waiting.awaiting
+        # The Temporal UI's current details say the same (what the UI's own query reads).
+        shown = await ui_details(handle)
+        assert "**Refused:** stop new requests" in shown and "cannot patch" in shown and "`retry`" in shown, (
+            shown
+        )
         assert [p.name for p in waiting.phases][-2:] == [Phase.MARKING_NOT_READY, Phase.AWAITING_OPERATOR]
         # The steps before it ran (the claim), none after it did: the victim still has its label, no drain
         # began, nothing was scaled or deleted.
@@ -75,8 +83,7 @@ async def test_a_refused_deroute_stops_the_scale_down_and_retry_after_the_fix_co
             if "fleetmend-worker" in a["client"] and (a["path"].endswith("/scale") or a["verb"] == "DELETE")
         ]
         assert removed == [], removed
-        notes = [m["text"] for m in await rig.notifications()]
-        assert any("cannot patch" in t and "waits for an operator" in t for t in notes), notes
+        await posted(rig, "cannot patch", "waits for an operator")
         env = cli_env(temporal_client, task_queue)
         listed = await run_cli(env, "status", "--json")
         assert listed.exit_code == 0, listed.output
@@ -89,7 +96,7 @@ async def test_a_refused_deroute_stops_the_scale_down_and_retry_after_the_fix_co
         status = await finish(handle)
         assert status.phase == Phase.DONE, decisions(status)
         assert status.verification is not None and status.verification.passed, decisions(status)
-        assert len(await rig.routing_set(POOL)) == 7 and victim not in await rig.routing_set(POOL)
+        await routed(rig, lambda pods: len(pods) == 7 and victim not in pods, f"7 replicas, not {victim}")
         states = effect_states(ledger_url, f"{PROCEDURE_OPERATION_PREFIX}{handle.id}@%/stop-routing%")
         assert sorted(set(states)) == ["applied", "failed"], states  # the refusal, then the retry
         report = await reconcile_with_world(rig, ledger_url)

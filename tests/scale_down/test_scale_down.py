@@ -29,9 +29,11 @@ from tests.support import (
     POOL,
     cli_env,
     decisions,
+    execute_update,
     finish,
     load_reaches,
     reconcile_with_world,
+    routed,
     run_cli,
     status_of,
     wait_for_phase,
@@ -166,7 +168,7 @@ async def test_drain_past_deadline_waits_for_the_operator_extend_then_accept_cut
         # Nothing to extend or cut before the deadline.
         await wait_for_phase(handle, Phase.DRAINING, 30)
         with pytest.raises(WorkflowUpdateFailedError):
-            await handle.execute_update("accept_cut", OperatorAction(operator="sre", reason="too early"))
+            await execute_update(handle, "accept_cut", OperatorAction(operator="sre", reason="too early"))
 
         status = await wait_for_phase(handle, Phase.AWAITING_OPERATOR, 30)
         assert status.awaiting and "in flight" in status.awaiting, status.awaiting
@@ -192,7 +194,7 @@ async def test_drain_past_deadline_waits_for_the_operator_extend_then_accept_cut
         await asyncio.sleep(0.5)
         # A cut needs a reason, and only at the deadline.
         with pytest.raises(WorkflowUpdateFailedError):
-            await handle.execute_update("accept_cut", OperatorAction(operator="sre", reason="x"))
+            await execute_update(handle, "accept_cut", OperatorAction(operator="sre", reason="x"))
         status = await wait_for_phase(handle, Phase.AWAITING_OPERATOR, 20)
         assert time.monotonic() - t1 >= 2.5, "extend must wait the extra time"
         assert "drain extended by 3 s by" in decisions(status)
@@ -214,7 +216,7 @@ async def test_drain_past_deadline_waits_for_the_operator_extend_then_accept_cut
         assert status.verification is not None and status.verification.passed
         no_cut = next(c for c in status.verification.checks if c.name == "no cut stream")
         assert no_cut.observed == cut and "operator accepted" in str(no_cut.expected)
-        assert len(await rig.routing_set(POOL)) == 7
+        await routed(rig, lambda pods: len(pods) == 7, "7 replicas")
         # The history (timeouts, Updates, extensions) replays deterministically: what a worker restart relies on.
         replayer = Replayer(workflows=[PlannedScaleDown], data_converter=pydantic_data_converter)
         await replayer.replay_workflow(await handle.fetch_history())
@@ -262,24 +264,24 @@ async def test_dry_run_plans_everything_and_touches_nothing_and_operators_steer_
         assert status.figures.get("effects_planned", 0) >= 4, status.figures
         assert not status.figures.get("effects_applied"), status.figures
         assert [a for a in await rig.actions() if "fleetmend-worker" in a["client"]] == []
-        assert len(await rig.routing_set(POOL)) == 8
+        await routed(rig, lambda pods: len(pods) == 8, "all 8 replicas")
 
         # pause / abort: validated, recorded, honoured at the next step boundary; nothing removed.
         handle = await start_scale_down(
             temporal_client, rig, scale_down_input(target_groups=7), f"sd-{uuid.uuid4().hex[:8]}"
         )
-        await handle.execute_update("pause", OperatorAction(operator="sre", reason="hold on"))
+        await execute_update(handle, "pause", OperatorAction(operator="sre", reason="hold on"))
         with pytest.raises(WorkflowUpdateFailedError):
-            await handle.execute_update("pause", OperatorAction(operator="sre", reason="again"))
+            await execute_update(handle, "pause", OperatorAction(operator="sre", reason="again"))
         with pytest.raises(WorkflowUpdateFailedError):
-            await handle.execute_update("abort", OperatorAction(operator="sre", reason=""))
-        await handle.execute_update("abort", OperatorAction(operator="sre", reason="change freeze"))
+            await execute_update(handle, "abort", OperatorAction(operator="sre", reason=""))
+        await execute_update(handle, "abort", OperatorAction(operator="sre", reason="change freeze"))
         status = await finish(handle)
         assert status.phase == Phase.ABORTED, decisions(status)
         assert "abort requested by sre: change freeze" in decisions(status)
         with pytest.raises(RPCError, match="already completed"):
-            await handle.execute_update("resume", OperatorAction(operator="sre", reason="too late"))
-        assert len(await rig.routing_set(POOL)) == 8
+            await execute_update(handle, "resume", OperatorAction(operator="sre", reason="too late"))
+        await routed(rig, lambda pods: len(pods) == 8, "all 8 replicas")
 
         # The capacity guard: the remaining groups could not carry today's demand -> stop and ask, with the
         # reason; nobody approves in time -> the scale-down ends having removed nothing.
@@ -292,7 +294,7 @@ async def test_dry_run_plans_everything_and_touches_nothing_and_operators_steer_
         assert "tokens/s < demand" in asking.awaiting
         status = await finish(handle)
         assert status.phase == Phase.ABORTED and "nothing was removed" in decisions(status), decisions(status)
-        assert len(await rig.routing_set(POOL)) == 8
+        await routed(rig, lambda pods: len(pods) == 8, "all 8 replicas")
 
 
 async def test_a_refused_scale_stops_the_terminate_step_and_retry_after_the_fix_completes(
@@ -320,15 +322,15 @@ async def test_a_refused_scale_stops_the_terminate_step_and_retry_after_the_fix_
         }
         assert set(victims) <= pods, (victims, pods)  # a Deployment's group id is its pod's name
         with pytest.raises(WorkflowUpdateFailedError) as no_reason:
-            await handle.execute_update("skip", OperatorAction(operator="sre", reason=""))
+            await execute_update(handle, "skip", OperatorAction(operator="sre", reason=""))
         assert "needs a reason" in str(no_reason.value.cause)
         await rig.refuse()
-        await handle.execute_update("retry", OperatorAction(operator="sre", reason="policy exempted"))
+        await execute_update(handle, "retry", OperatorAction(operator="sre", reason="policy exempted"))
         status = await finish(handle)
         assert status.phase == Phase.DONE, decisions(status)
         assert status.verification is not None and status.verification.passed, decisions(status)
         assert status.figures["cut_streams"] == 0
-        assert len(await rig.routing_set(POOL)) == 7
+        await routed(rig, lambda pods: len(pods) == 7, "7 replicas")
         report = await reconcile_with_world(rig, ledger_url)
         assert report.duplicates == [] and report.orphans == [], report
         users = await rig.load_report(load)

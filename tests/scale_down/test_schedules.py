@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from fleet.incident import LossReport, incident_workflow_id
 from fleet.recovery import IncidentInput, Phase, RecoveryTimings
 from tests.scale_down.support import vllm_default_scenario
-from tests.support import POOL, decisions, finish, status_of, wait_for_phase
+from tests.support import POOL, decisions, finish, routed, status_of, wait_for_phase
 from worker.cli.app import app
 from worker.devstack.rig import FleetRig, fleet_rig
 
@@ -129,7 +129,7 @@ async def test_cli_schedule_fires_runs_lists_and_yields_to_an_open_incident(
         text = decisions(status)
         assert status.phase == Phase.DONE, text
         assert "incident over" in text and status.figures["requested_by"] == f"schedule {sid}"
-        assert len(await rig.routing_set(POOL)) == 6
+        await routed(rig, lambda pods: len(pods) == 6, "6 replicas")
         assert (await temporal_client.get_workflow_handle(incident_id).describe()).status is not None
 
         await _listed_when(

@@ -21,6 +21,7 @@ from tests.support import (
     finish,
     load_reaches,
     reconcile_with_world,
+    routed,
     start_worker_process,
     status_of,
     stop_processes,
@@ -70,7 +71,7 @@ async def test_worker_killed_mid_drain_resumes_with_no_duplicate_action(
             assert "drained" in text
             victims = status.figures["victims"]
             assert await rig.cut_streams(POOL, victims) == 0
-            assert len(await rig.routing_set(POOL)) == 6
+            await routed(rig, lambda pods: len(pods) == 6, "6 replicas")
 
             # 0 duplicate actions: the world's own log against the ledger, and by hand.
             report = await reconcile_with_world(rig, ledger_url)

@@ -102,9 +102,15 @@ class RunningServing:
         await self.world.clock.sleep(sim_seconds)
 
     async def wait_for(
-        self, check: Callable[[], object], timeout_sim_s: float, what: str, poll_sim_s: float = 0.25
+        self,
+        check: Callable[[], object],
+        timeout_sim_s: float,
+        what: str,
+        poll_sim_s: float = 0.25,
+        seen: Callable[[], str] | None = None,
     ) -> None:
-        """Poll ``check`` (a plain or async callable) until it returns something truthy."""
+        """Poll ``check`` (a plain or async callable) until it returns something truthy; on a time-out
+        the error says what ``seen`` last saw."""
         deadline = self.world.clock.now() + timeout_sim_s
         while True:
             result = check()
@@ -113,7 +119,10 @@ class RunningServing:
             if result:
                 return
             if self.world.clock.now() > deadline:
-                raise AssertionError(f"timed out after {timeout_sim_s:g} sim seconds waiting for {what}")
+                last = f": {seen()}" if seen is not None else ""
+                raise AssertionError(
+                    f"timed out after {timeout_sim_s:g} sim seconds waiting for {what}{last}"
+                )
             await asyncio.sleep(max(0.005, self.world.clock.real_seconds(poll_sim_s)))
 
     def serving_pods(self) -> list[str]:
@@ -139,7 +148,24 @@ class RunningServing:
             except httpx.ConnectError:  # Envoy's admin is not listening yet: not routed yet
                 return False
 
-        await self.wait_for(routed, timeout_sim_s, f"{count} routed replicas")
+        def seen() -> str:
+            envoy: object = None
+            if self.gateway is not None:  # every host of the pool's cluster with its health flags
+                try:
+                    clusters = httpx.get(
+                        f"{self.gateway.admin_url}/clusters", params={"format": "json"}
+                    ).json()
+                    envoy = [
+                        (h.get("address"), h.get("health_status"))
+                        for c in clusters.get("cluster_statuses", [])
+                        if c.get("name") == POOL_REF.key
+                        for h in c.get("host_statuses", [])
+                    ]
+                except httpx.HTTPError as err:
+                    envoy = f"admin unreachable ({err})"
+            return f"routed in the cluster {self.routed()}, in Envoy {envoy}, engines {self.serving_pods()}"
+
+        await self.wait_for(routed, timeout_sim_s, f"{count} routed replicas", seen=seen)
         return self.serving_pods()
 
     async def set_policy(self, policy: GatewayPolicy) -> None:

@@ -104,7 +104,10 @@ async def test_scenario_traffic_starts_once_a_gateway_is_set_and_waits_for_the_p
         await sim.wait_serving(2)
         await sim.wait_for(lambda: len(run.results) >= 10, 60, "background requests")
         report = run.report()
-        assert report.goodput + report.shed >= 10 and report.terminal_errors == 0
+        # Served (in time, or late: at 20x a second the host's CPU is starved is 20 sim seconds) or shed
+        # with an answer; none cut.
+        assert report.goodput + report.late + report.shed >= 10, report
+        assert report.terminal_errors == 0 and report.truncated_streams == 0, report
         assert sim.adapter is not None
         await sim.wait_for(
             lambda: len(sim.adapter.request_outcomes(POOL_REF)) >= 10,  # type: ignore[union-attr]

@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from worker import jsonlog
+from worker.cli.common import connects_itself
 from worker.config import Settings, load_settings
 from worker.intake.rules import AlertRulesError, load_alert_rules
 from worker.webhook.app import ALERTMANAGER_PATH, WebhookConfigError, create_app, serve
@@ -64,6 +65,7 @@ def webhook(
             console.print(f"{api}: {state}")
         return
     jsonlog.configure(log_level)
+    connects_itself()  # its Temporal client: leave once uvicorn has shut down (worker.cli.common.leave)
     serve(settings)
 
 

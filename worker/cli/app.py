@@ -15,6 +15,7 @@ from rich.table import Table
 
 from worker.cli import (
     alert,
+    breaker,
     common,
     demo,
     dev,
@@ -68,6 +69,7 @@ def _root(ctx: typer.Context) -> None:
 app.add_typer(ledger.app, name="ledger", help="Audit and reconcile the effect ledger.")
 app.add_typer(model.app, name="model", help="Capacity what-if models (ramp-back planning).")
 app.add_typer(gateway.app, name="gateway", help="The Envoy gateway's control plane and bootstrap.")
+app.add_typer(breaker.app, name="breaker", help="The fleet's removal breaker: status, reset.")
 dev.register(app)
 demo.register(app)
 operate.register(app)

@@ -52,6 +52,13 @@ def connected() -> bool:
     return _connected
 
 
+def connects_itself() -> None:
+    """This command makes its Temporal client by itself (``fleetmend worker``): it leaves like a command
+    that made one through ``temporal_client`` (``leave``), once its own shutdown is done."""
+    global _connected
+    _connected = True
+
+
 def leave(code: int) -> NoReturn:
     """End the process now with ``code``, output flushed.
 

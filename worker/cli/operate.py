@@ -1,7 +1,8 @@
 """The operator's commands: ``fleetmend status`` and ``fleetmend approve|pause|resume|abort|retry|skip|resolve
 WORKFLOW_ID``.
 
-``status`` lists the open incidents, recoveries and scale-downs from Temporal
+``status`` lists the open incidents, recoveries, scale-downs, node fences, node
+qualifications (each of them can wait on an operator) and fleet events from Temporal
 visibility (the ``FleetmendKind`` search attribute) and asks each its
 ``status`` query; the steering commands send the procedure's validated
 Updates. A rejected Update (nothing to approve, already paused, no reason for
@@ -25,11 +26,20 @@ from temporalio.service import RPCError, RPCStatusCode
 from fleet.recovery import OperatorAction, ProcedureStatus
 from worker.cli.common import fail, temporal_client
 from worker.config import Settings, load_settings
+from worker.temporal_client import execute_update
 
 console = Console()
 
+PROCEDURE_KINDS = (
+    "incident",
+    "replica-loss",
+    "scale-down",
+    "node-fence",
+    "node-qualification",
+    "fleet-event",
+)
 OPEN_PROCEDURES = (
-    'FleetmendKind IN ("incident", "replica-loss", "scale-down") AND ExecutionStatus = "Running"'
+    "FleetmendKind IN (" + ", ".join(f'"{k}"' for k in PROCEDURE_KINDS) + ') AND ExecutionStatus = "Running"'
 )
 # Figures worth a glance in the table (the full set is in --json).
 KEY_FIGURES = (
@@ -134,7 +144,7 @@ async def send_update(
     client = await temporal_client(settings)
     handle = client.get_workflow_handle(workflow_id)
     try:
-        return await handle.execute_update(update, action, result_type=ProcedureStatus)
+        return await execute_update(handle, update, action, result_type=ProcedureStatus)
     except WorkflowUpdateFailedError as err:
         cause = err.cause
         message = getattr(cause, "message", None) or str(cause or err)

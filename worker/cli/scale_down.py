@@ -26,6 +26,7 @@ from fleet.scale_down import ScaleDownInput
 from worker.cli.common import fail, with_client
 from worker.config import load_settings
 from worker.schedules import ScheduleError, parse_duration, parse_pool
+from worker.temporal_client import execute_update
 
 app = typer.Typer(no_args_is_help=True)
 console = Console()
@@ -101,7 +102,7 @@ def _answer(workflow_id: str, update: str, action: OperatorAction) -> ProcedureS
     async def go(client: Client) -> ProcedureStatus:
         handle = client.get_workflow_handle(workflow_id)
         try:
-            return await handle.execute_update(update, action, result_type=ProcedureStatus)
+            return await execute_update(handle, update, action, result_type=ProcedureStatus)
         except WorkflowUpdateFailedError as err:
             raise ScaleDownCliError(f"{update} refused: {err.cause or err}") from None
         except RPCError as err:

@@ -8,7 +8,7 @@ import signal
 import typer
 
 from worker import jsonlog
-from worker.cli.common import UNAVAILABLE, fail
+from worker.cli.common import UNAVAILABLE, connects_itself, fail
 from worker.config import Settings, load_settings
 from worker.processes import StackError
 from worker.startup_checks import StartupCheckError
@@ -31,6 +31,10 @@ def worker(
     Checks at start-up that Temporal answers, the namespace exists, fleetmend's
     search attributes are registered and the ledger schema is at head."""
     jsonlog.configure(log_level)
+    # Its graceful shutdown (in-flight activities finish, the fast path lets go of its Lease) is done when
+    # ``run_worker`` returns; the process then leaves at once, before the Temporal core's native threads
+    # can race the interpreter's teardown (a "PyGILState_Release" abort, exit status -6).
+    connects_itself()
     settings = load_settings()
     database_url = settings.database_url_value()
     try:

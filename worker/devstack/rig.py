@@ -406,6 +406,7 @@ def compressed_scenario(
     warm_up_s: float = 15.0,
     warm_rate_tokens_per_s: float | None = 400.0,
     rollout_at_s: float | None = 5.0,
+    node_monitor_grace_s: float | None = None,
 ) -> Any:
     """A shipped scenario with its slow parts shortened, so a whole recovery runs in tens of seconds.
 
@@ -414,6 +415,8 @@ def compressed_scenario(
     world's seconds are the same seconds. Image pull + weight load + init take
     ``startup_s`` in total, the prefix cache warms in ``warm_up_s``, and the
     per-replica rate is lowered so a loaded demo fleet fits a 2-core machine.
+    ``node_monitor_grace_s`` shortens how long a silent kubelet's node stays Ready (None keeps
+    Kubernetes' 50 s, for the procedures that must act before the node turns NotReady).
     """
     from sim.scenario import SCENARIO_DIR, load_scenario
 
@@ -442,4 +445,9 @@ def compressed_scenario(
         if w.rollout is not None and rollout_at_s is not None:
             w = w.model_copy(update={"rollout": w.rollout.model_copy(update={"at_s": rollout_at_s})})
         workloads.append(w)
-    return scenario.model_copy(update={"models": models, "workloads": workloads})
+    changes: dict[str, Any] = {"models": models, "workloads": workloads}
+    if node_monitor_grace_s is not None:
+        changes["timings"] = scenario.timings.model_copy(
+            update={"node_monitor_grace_s": node_monitor_grace_s}
+        )
+    return scenario.model_copy(update=changes)

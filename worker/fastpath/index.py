@@ -111,6 +111,11 @@ class PodIndex:
         with self._lock:
             return bool(self._routed_by_node.get(node))
 
+    def routed_on(self, node: str) -> list[Pod]:
+        """The routed pods of managed pools on ``node``."""
+        with self._lock:
+            return [self._pods[k] for k in sorted(self._routed_by_node.get(node, ())) if k in self._pods]
+
     def hosts(self, node: str) -> bool:
         """A pod of a managed pool (routed or not: a spare, a replica already derouted) is on ``node``."""
         with self._lock:

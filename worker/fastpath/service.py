@@ -46,6 +46,7 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 
 from fleet.detection import Detection, DetectionPolicy, EntityState, Evidence, EvidenceKind, Verdict, observe
 from fleet.fence import fence_workflow_id
+from fleet.fleet_event import NodeLoss, fleet_event_workflow_id
 from fleet.incident import LossReport, PoolRef, Severity, incident_workflow_id
 from fleet.qualification import gpu_problem_conditions
 from fleet.vocabulary import LWS_GROUP_KEY_LABEL, LWS_WORKER_INDEX_LABEL, MODEL_LABEL
@@ -63,6 +64,7 @@ from worker.intake.routing import AlertRouter, RoutedReport
 from worker.intake.rules import RuleAction, load_alert_rules
 from worker.intake.topology import PodNotFound, PoolTopology
 from workflows.fence import NodeFence, NodeFenceInput
+from workflows.fleet_event import FleetEvent, FleetEventInput
 
 log = logging.getLogger("fleetmend.fastpath")
 
@@ -77,7 +79,8 @@ UNMAPPED_RETRY_S = 30.0
 
 Deliver = Callable[[list[RoutedReport]], Awaitable[list[Delivery | None]]]
 # Start the fence of a node confirmed lost: (node, its pools, the evidence, when it was first seen).
-Fence = Callable[[str, list[PoolRef], str, float], Awaitable[None]]
+# (node, its managed pools, evidence, detected at, its topology domains: label -> value)
+Fence = Callable[[str, list[PoolRef], str, float, dict[str, str]], Awaitable[None]]
 
 
 def default_identity() -> str:
@@ -129,6 +132,8 @@ class FastPath:
         self._http: httpx.AsyncClient | None = None
         self._checks: dict[str, asyncio.Task[None]] = {}  # suspects being checked directly, by entity
         self._checked_at: dict[str, float] = {}  # when each entity's last direct check round ended
+        # The GPU problem conditions last checked per node (nodes informer thread): one check per spell.
+        self._gpu_checked: dict[str, tuple[str, ...]] = {}
         self._check_slots: asyncio.Semaphore | None = None  # made on the loop that leads
         self._unmapped: dict[tuple[str, str, int], tuple[HostHealth, bool, float]] = {}
         self._store_engine: Engine | None = None
@@ -167,6 +172,7 @@ class FastPath:
         self._checked_at.clear()
         self._unmapped.clear()
         self._fenced.clear()
+        self._gpu_checked.clear()
         self._check_slots = asyncio.Semaphore(self.settings.fastpath_confirm_concurrency)
         self.index = PodIndex(self._routed)
         core = kube_apis(self.settings).core
@@ -203,6 +209,7 @@ class FastPath:
         tasks = [
             asyncio.create_task(self._consume(), name="fastpath-detect"),
             asyncio.create_task(self._read_gateway(lost, pods), name="fastpath-gateway"),
+            asyncio.create_task(self._say_when_watching(), name="fastpath-synced"),
         ]
         try:
             await lost.wait()
@@ -221,6 +228,13 @@ class FastPath:
 
     # -- informer handlers (informer threads) -------------------------------------------------
 
+    async def _say_when_watching(self) -> None:
+        """Log once every informer holds its first snapshot: from then on no loss goes unseen (a
+        leader that just took over says when it is actually watching)."""
+        while not all(i.synced for i in self.informers):
+            await asyncio.sleep(0.1)
+        log.info("fast path: watching", extra={"identity": self.identity})
+
     def _push(self, evidence: Evidence) -> None:
         loop, queue = self._loop, self._queue
         if loop is not None and queue is not None:
@@ -236,44 +250,117 @@ class FastPath:
         ready = next((c for c in conditions if c["type"] == "Ready"), None)
         status = ready.get("status") if ready else "Unknown"
         at = time.time()
-        self._fence_if_lost(name, kind, status, ready)
+        labels = (node.get("metadata") or {}).get("labels") or {}
+        problems = gpu_problem_conditions({c["type"]: str(c.get("status")) for c in conditions})
+        self._fence_if_lost(name, kind, status, ready, labels, problems, conditions)
         if not self.index.serves_on(name):
             return  # no routed pod of a managed pool there
         if kind != "DELETED" and status == "True":
-            problems = gpu_problem_conditions({c["type"]: str(c.get("status")) for c in conditions})
             if problems:
-                detail = "; ".join(
-                    f"{c['type']}=True: {c.get('reason', '')} {c.get('message', '')}".strip()
-                    for c in conditions
-                    if c["type"] in problems
-                )
-                self._push(
-                    Evidence(entity=f"node:{name}", kind=EvidenceKind.NODE_GPU_FAULT, at=at, detail=detail)
-                )
+                if self._gpu_checked.get(name) == tuple(problems):
+                    return  # this spell of the condition was checked already
+                self._gpu_checked[name] = tuple(problems)
+                detail = condition_words(conditions, problems)
+                loop = self._loop
+                if loop is not None:
+                    loop.call_soon_threadsafe(self._spawn_gpu_check, name, detail, at)
                 return
+            self._gpu_checked.pop(name, None)
             self._push(Evidence(entity=f"node:{name}", kind=EvidenceKind.NODE_READY, at=at))
             return
         detail = "node deleted" if kind == "DELETED" else f"Ready={status}: {(ready or {}).get('reason', '')}"
         self._push(Evidence(entity=f"node:{name}", kind=EvidenceKind.NODE_NOT_READY, at=at, detail=detail))
 
-    def _fence_if_lost(self, name: str, kind: str, status: str | None, ready: dict[str, Any] | None) -> None:
-        """Start the node's fence once per spell of not-Ready, when a managed pool has a pod on it
-        (routed or not: a node whose replicas were already derouted is still no place for a new one)."""
+    def _fence_if_lost(
+        self,
+        name: str,
+        kind: str,
+        status: str | None,
+        ready: dict[str, Any] | None,
+        labels: dict[str, str],
+        problems: list[str],
+        conditions: list[dict[str, Any]],
+    ) -> None:
+        """Start the node's fence once per spell of not-Ready or of a GPU problem condition, when a
+        managed pool has a pod on it (routed or not: a node whose replicas were already derouted is
+        still no place for a new one).
+
+        Only a not-Ready node joins its failure domains' fleet events: a GPU condition on a Ready node
+        is a signal about the node, not a loss, and a wrong one on many nodes at once (a bad health
+        check) is what the removal breaker holds, not a rack's common cause."""
         if self._fence is None:
             return
-        if kind != "DELETED" and status == "True":
+        if kind != "DELETED" and status == "True" and not problems:
             self._fenced.discard(name)
             return
         if kind == "DELETED" or name in self._fenced or not self.index.hosts(name):
             return
         self._fenced.add(name)
         loop = self._loop
-        if loop is not None:
+        if loop is None:
+            return
+        if status == "True":
+            evidence = condition_words(conditions, problems)
+            domains: dict[str, str] = {}
+        else:
             evidence = f"Ready={status}: {(ready or {}).get('reason', '')}".strip()
-            loop.call_soon_threadsafe(self._spawn_fence, name, evidence, time.time())
+            domains = {
+                label: str(value)
+                for label in self.settings.fleet_event_topology_labels
+                if (value := labels.get(label))
+            }
+        loop.call_soon_threadsafe(self._spawn_fence, name, evidence, time.time(), domains)
 
-    def _spawn_fence(self, node: str, evidence: str, at: float) -> None:
-        self._spawn(self._start_fence(node, evidence, at), f"fence-{node}")
+    def _spawn_gpu_check(self, node: str, detail: str, at: float) -> None:
+        self._spawn(self._check_gpu_fault(node, detail, at), f"gpu-{node}")
+
+    async def _check_gpu_fault(self, node: str, detail: str, at: float) -> None:
+        """A GPU problem condition on a Ready node is a loss of the node only if an engine there fails
+        its own ``/health`` twice, an interval apart (one slow answer under load is no death). A
+        condition on a node whose engines all answer is a signal about the node (its fence asks the
+        removal breaker), not a lost replica: a bad health check on most of the fleet opens no
+        incident at all. Without a way to probe (not leading), it is a loss at once and the recovery
+        confirms it."""
+        evidence = Evidence(entity=f"node:{node}", kind=EvidenceKind.NODE_GPU_FAULT, at=at, detail=detail)
+        pods = self.index.routed_on(node)
+        slots = self._check_slots
+        if self._http is None or slots is None or not pods:
+            self._queue_put(evidence)
+            return
+
+        async def probe(pod: dict[str, Any]) -> Evidence:
+            async with slots:
+                return await self._probe(pod)
+
+        checks = await asyncio.gather(*(probe(p) for p in pods))
+        self.counts["health_checks"] += len(checks)
+        failed = [c for c in checks if c.kind is EvidenceKind.HEALTH_FAILED]
+        if failed:  # as for any suspect, a failure counts once confirmed: look again an interval later
+            await asyncio.sleep(self.settings.fastpath_health_interval_s)
+            again = {c.entity.partition(":")[2] for c in failed}
+            second = await asyncio.gather(
+                *(probe(p) for p in pods if f"{p['metadata']['namespace']}/{p['metadata']['name']}" in again)
+            )
+            self.counts["health_checks"] += len(second)
+            failed = [c for c in second if c.kind is EvidenceKind.HEALTH_FAILED]
+            checks = [*checks, *second]
+        if failed:
+            named = ", ".join(f"{c.entity.partition(':')[2]} ({c.detail})" for c in failed)
+            self._queue_put(evidence.model_copy(update={"detail": f"{detail}; failing /health: {named}"}))
+            return
+        detection = Detection(
+            entity=evidence.entity,
+            verdict=Verdict.NOT_A_LOSS,
+            reason=f"{evidence.entity}: {detail}, but all {len(pods)} engine(s) there answer /health: "
+            "a signal about the node, not a lost replica (its fence asks the removal breaker)",
+            evidence=(evidence, *checks),
+        )
+        self.detections.append(detection)
+        self.counts[detection.verdict.value] += 1
+        log.info("fast path: not-a-loss", extra={"entity": detection.entity, "reason": detection.reason})
+
+    def _spawn_fence(self, node: str, evidence: str, at: float, domains: dict[str, str]) -> None:
+        self._spawn(self._start_fence(node, evidence, at, domains), f"fence-{node}")
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
         """Run ``work`` beside the detector (a delivery, a fence start); cancelled when leadership ends."""
@@ -596,7 +683,7 @@ class FastPath:
         await self._deliver(routed)
         self.counts["reports_delivered"] += len(routed)
 
-    async def _start_fence(self, node: str, evidence: str, at: float) -> None:
+    async def _start_fence(self, node: str, evidence: str, at: float, domains: dict[str, str]) -> None:
         """The node's fence at detection (``fleet.fence``), for the pools with a pod on it. If it cannot
         start, each recovery's own fence step still cordons the node (later): logged, not retried here."""
         assert self._fence is not None
@@ -604,7 +691,7 @@ class FastPath:
             groups = await self._topology.groups_on_node(node)
             pools = sorted({g.pool for g in groups}, key=lambda p: p.key)
             if pools:
-                await self._fence(node, pools, evidence, at)
+                await self._fence(node, pools, evidence, at, domains)
                 self.counts["fences_started"] += 1
                 log.info(
                     "fast path: fence started", extra={"node": node, "after_s": round(time.time() - at, 3)}
@@ -632,6 +719,15 @@ class FastPath:
         return out
 
 
+def condition_words(conditions: list[dict[str, Any]], problems: list[str]) -> str:
+    """The GPU problem conditions in their own words: ``GpuXid=True: XidError Xid 79 on GPU 0 ...``."""
+    return "; ".join(
+        f"{c['type']}=True: {c.get('reason', '')} {c.get('message', '')}".strip()
+        for c in conditions
+        if c["type"] in problems
+    )
+
+
 def build_fast_path(
     settings: Settings, client_factory: Callable[[], Awaitable[Any]], *, identity: str | None = None
 ) -> FastPath:
@@ -643,15 +739,17 @@ def build_fast_path(
         client_factory,
         WebhookMetrics(),
     )
-    fence = _fence_starter(settings, client_factory) if settings.fence_at_detection else None
+    fence = fence_starter(settings, client_factory) if settings.fence_at_detection else None
     return FastPath(settings, intake.deliver, topology, identity=identity, fence=fence)
 
 
-def _fence_starter(settings: Settings, client_factory: Callable[[], Awaitable[Any]]) -> Fence:
+def fence_starter(settings: Settings, client_factory: Callable[[], Awaitable[Any]]) -> Fence:
     """Start ``NodeFence`` under ``fence/<node>``: a second start while one runs joins it (USE_EXISTING);
     one that has ended lets a later loss of the node start a new run, which finds it cordoned."""
 
-    async def fence(node: str, pools: list[PoolRef], evidence: str, detected_at: float) -> None:
+    async def fence(
+        node: str, pools: list[PoolRef], evidence: str, detected_at: float, domains: dict[str, str]
+    ) -> None:
         client = await client_factory()
         await client.start_workflow(
             NodeFence.run,
@@ -661,6 +759,7 @@ def _fence_starter(settings: Settings, client_factory: Callable[[], Awaitable[An
                 evidence=evidence[:500],
                 detected_at=detected_at,
                 timings=settings.recovery_timings,
+                breaker=settings.removal_breaker,
                 dry_run=settings.dry_run,
             ),
             id=fence_workflow_id(node),
@@ -669,5 +768,29 @@ def _fence_starter(settings: Settings, client_factory: Callable[[], Awaitable[An
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
             static_summary=f"Fence {node} at detection (cordon): {evidence[:200]}",
         )
+        # The node joins the fleet event of each of its failure domains (fleet.fleet_event).
+        loss = NodeLoss(node=node, pools=pools, evidence=evidence[:500], at=detected_at, domains=domains)
+        order = settings.fleet_event_topology_labels  # narrowest first
+        for i, label in enumerate(order):
+            if label not in domains:
+                continue
+            value = domains[label]
+            await client.start_workflow(
+                FleetEvent.run,
+                FleetEventInput(
+                    label=label,
+                    value=value,
+                    narrower=order[:i],
+                    first_pool=pools[0],
+                    timings=settings.recovery_timings,
+                    dry_run=settings.dry_run,
+                ),
+                id=fleet_event_workflow_id(label, value),
+                task_queue=settings.task_queue,
+                id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+                start_signal="node_lost",
+                start_signal_args=[loss],
+                static_summary=f"Fleet event: node losses in {label}={value}",
+            )
 
     return fence
