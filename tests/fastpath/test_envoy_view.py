@@ -3,7 +3,9 @@
 A real Envoy configured by fleetmend's control plane health-checks every engine; the fast path
 reads its admin API (a few figures per cluster each interval, the hosts only when they moved).
 While every engine answers, the fast path sends no engine a single ``/health`` request (the
-engines' own request accounting says so) and reads no host list. When a GPU node dies, its
+engines' own request accounting says so) and reads a host list no more often than Envoy itself
+recorded a failed check (its own counters: on a loaded machine a check can time out once without
+failing the host, and that reading moves). When a GPU node dies, its
 engines stop answering while Kubernetes still calls their pods Ready (the node-monitor grace has
 not passed): Envoy fails them, the fast path takes them as suspects, confirms each with its own
 ``/health`` check and reports the loss.
@@ -21,8 +23,10 @@ from temporalio.client import Client
 
 from fleet.detection import EvidenceKind
 from fleet.vocabulary import FaultKind
+from gateway.store import envoy_admin_urls
 from tests.support import POOL, gpu_pool
 from worker.devstack.rig import FleetRig
+from worker.fastpath.envoy import FIGURES, STATS_FILTER, cluster_figures
 from worker.fastpath.service import FASTPATH_USER_AGENT, FastPath
 from worker.intake.intake import Delivery
 from worker.intake.routing import RoutedReport
@@ -39,6 +43,19 @@ async def _until(check: Callable[[], bool], what: str, timeout_s: float = 30) ->
     while not check():
         assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
         await asyncio.sleep(0.05)
+
+
+async def _envoy_failed_checks(rig: FleetRig) -> int:
+    """Failed active health checks every connected Envoy counted, over all clusters (its own /stats)."""
+    failed = [FIGURES.index("health_check.failure"), FIGURES.index("health_check.network_failure")]
+    admins = await asyncio.to_thread(envoy_admin_urls, (), rig.gateway_adapter.store)
+    assert admins, "no Envoy is connected to the control plane"
+    total = 0
+    for admin in admins:
+        r = await rig.http.get(f"{admin}/stats", params={"format": "json", "filter": STATS_FILTER})
+        r.raise_for_status()
+        total += sum(f[i] for f in cluster_figures(r.json()).values() for i in failed)
+    return total
 
 
 def _fastpath_health_requests(rig: FleetRig) -> int:
@@ -76,13 +93,24 @@ async def test_a_healthy_fleet_costs_no_engine_a_request_and_a_dead_node_is_foun
             )
             view = fast.gateway
             assert view is not None
+            failed_before = await _envoy_failed_checks(rig)
+            # A reading begun after that count: a check that failed before it is read by now.
+            after = fast.counts["gateway_readings"] + 2
+            await _until(lambda: fast.counts["gateway_readings"] >= after, "two more readings")
             readings, host_reads = fast.counts["gateway_readings"], view.clusters_reads
+            stats_reads = view.stats_reads
             await _until(
                 lambda: fast.counts["gateway_readings"] >= readings + QUIET_READINGS,
                 f"{QUIET_READINGS} more readings of Envoy's view",
             )
-            # Quiet: figures read every interval, the host list not once, no engine asked anything.
-            assert view.stats_reads >= QUIET_READINGS and view.clusters_reads == host_reads
+            failed_in_window = await _envoy_failed_checks(rig) - failed_before
+            # Quiet: figures read every interval; the host list only where Envoy recorded a failed
+            # check (none on an idle machine); no engine asked anything.
+            assert view.stats_reads - stats_reads >= QUIET_READINGS
+            assert view.clusters_reads - host_reads <= failed_in_window, (
+                f"{view.clusters_reads - host_reads} host-list reads over {QUIET_READINGS} readings, "
+                f"Envoy recorded {failed_in_window} failed checks"
+            )
             assert _fastpath_health_requests(rig) == 0
 
             pods = {
