@@ -28,7 +28,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.fence import FenceVerdict, fence_decision
     from fleet.incident import PoolRef
     from fleet.recovery import Phase, ProcedureStatus, RecoveryTimings
-    from workflows.procedure import Aborted, Procedure
+    from workflows.procedure import Aborted, Procedure, opening
 
 
 class NodeFenceInput(BaseModel):
@@ -48,15 +48,8 @@ class NodeFence(Procedure):
     @workflow.init
     def __init__(self, inp: NodeFenceInput) -> None:
         figures = {"node": inp.node, "pools": [p.key for p in inp.pools]}
-        status = ProcedureStatus(
-            workflow=workflow.info().workflow_id, pool=inp.pools[0], phase=Phase.FENCING, figures=figures
-        )
-        status.dry_run = inp.dry_run
         super().__init__(
-            status,
-            budget=inp.timings.retry,
-            dry_run=inp.dry_run,
-            operator_wait_s=inp.timings.approval_timeout_s,
+            **opening(inp.pools[0], Phase.FENCING, inp.timings, dry_run=inp.dry_run, figures=figures)
         )
         self._released = False
 

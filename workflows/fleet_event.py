@@ -10,6 +10,8 @@ less closes quietly. Losses that arrive after it decided start the domain's next
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, Field
 from temporalio import workflow
 
@@ -17,7 +19,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.fleet_event import NodeLoss, common_cause
     from fleet.incident import PoolRef, incident_workflow_id
     from fleet.recovery import Phase, ProcedureStatus, RecoveryTimings
-    from workflows.procedure import Aborted, Procedure
+    from workflows.procedure import Aborted, Procedure, opening
 
 
 class FleetEventInput(BaseModel):
@@ -39,18 +41,9 @@ class FleetEvent(Procedure):
 
     @workflow.init
     def __init__(self, inp: FleetEventInput) -> None:
-        status = ProcedureStatus(
-            workflow=workflow.info().workflow_id,
-            pool=inp.first_pool,
-            phase=Phase.CORRELATING,
-            figures={"domain": f"{inp.label}={inp.value}"},
-        )
-        status.dry_run = inp.dry_run
+        figures: dict[str, Any] = {"domain": f"{inp.label}={inp.value}"}
         super().__init__(
-            status,
-            budget=inp.timings.retry,
-            dry_run=inp.dry_run,
-            operator_wait_s=inp.timings.approval_timeout_s,
+            **opening(inp.first_pool, Phase.CORRELATING, inp.timings, dry_run=inp.dry_run, figures=figures)
         )
         self._losses: list[NodeLoss] = []
 

@@ -53,7 +53,7 @@ import asyncio
 import math
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypedDict, TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeUpdate
@@ -73,6 +73,7 @@ with workflow.unsafe.imports_passed_through():
         Phase,
         PhaseSpan,
         ProcedureStatus,
+        RecoveryTimings,
         Refusal,
         RetryBudget,
     )
@@ -376,8 +377,31 @@ class Record(Watch):
             figures["effects_deduplicated"] = figures.get("effects_deduplicated", 0) + 1
 
 
+class Opening(TypedDict):
+    """What ``Procedure.__init__`` takes (``super().__init__(**opening(...))``)."""
+
+    status: ProcedureStatus
+    budget: RetryBudget
+    dry_run: bool
+    operator_wait_s: float
+
+
+def opening(
+    pool: PoolRef, phase: Phase, timings: RecoveryTimings, *, dry_run: bool, figures: dict[str, Any]
+) -> Opening:
+    """The opening of a procedure that runs on recovery timings (replica loss, node fence, fleet
+    event): its status record in ``phase``, the activity budget and the operator wait."""
+    status = ProcedureStatus(
+        workflow=workflow.info().workflow_id, pool=pool, phase=phase, dry_run=dry_run, figures=figures
+    )
+    return Opening(
+        status=status, budget=timings.retry, dry_run=dry_run, operator_wait_s=timings.approval_timeout_s
+    )
+
+
 class Procedure(Record):
-    """The toolkit; a subclass's ``@workflow.init`` builds its state and calls ``super().__init__``."""
+    """The toolkit; a subclass's ``@workflow.init`` builds its state and calls ``super().__init__``
+    (``opening(...)`` builds its arguments for the procedures on recovery timings)."""
 
     def __init__(
         self, status: ProcedureStatus, *, budget: RetryBudget, dry_run: bool, operator_wait_s: float

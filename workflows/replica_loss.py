@@ -23,6 +23,7 @@ is one model, ``fleet.recovery_state.RecoveryState``. An operator wait adds at m
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from temporalio import workflow
 
@@ -62,7 +63,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.verification import verify_recovery
     from workflows.admission import AdmissionKeeper
     from workflows.node_qualification import NodeTriaged, NodeWorkflows
-    from workflows.procedure import Aborted, Procedure
+    from workflows.procedure import Aborted, Procedure, opening
     from workflows.ramp import promote_warm_capacity, ramp_back
     from workflows.rebuild import await_retired
 
@@ -72,15 +73,9 @@ class ReplicaLossRecovery(Procedure):
     @workflow.init
     def __init__(self, inp: RecoveryInput) -> None:
         # State exists before the first task: an Update sent right after the start is accepted.
-        status = ProcedureStatus(
-            workflow=workflow.info().workflow_id, pool=inp.pool, phase=Phase.CONFIRMING, dry_run=inp.dry_run
-        )
-        status.figures.update({"cause_hint": inp.cause.value, "dry_run": inp.dry_run})
+        figures: dict[str, Any] = {"cause_hint": inp.cause.value, "dry_run": inp.dry_run}
         super().__init__(
-            status,
-            budget=inp.timings.retry,
-            dry_run=inp.dry_run,
-            operator_wait_s=inp.timings.approval_timeout_s,
+            **opening(inp.pool, Phase.CONFIRMING, inp.timings, dry_run=inp.dry_run, figures=figures)
         )
         self._inp = inp
         self.state = RecoveryState(reports=list(inp.reports), started_at=workflow.now().timestamp())
