@@ -148,9 +148,8 @@ def fleet_scenario(nodes: int, home: Path) -> Scenario:
         if nodes == DEMO_NODES
         else scenario_file(scaled_scenario("fleet-512", nodes), home)
     )
-    scenario = compressed_scenario(path, startup_s=STARTUP_S, warm_up_s=WARM_UP_S, rollout_at_s=None)
-    return scenario.model_copy(
-        update={"timings": scenario.timings.model_copy(update={"node_monitor_grace_s": NODE_GRACE_S})}
+    return compressed_scenario(
+        path, startup_s=STARTUP_S, warm_up_s=WARM_UP_S, rollout_at_s=None, node_monitor_grace_s=NODE_GRACE_S
     )
 
 

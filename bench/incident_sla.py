@@ -62,10 +62,7 @@ def ready_endpoints(kubeconfig: Path) -> int:
 
 
 async def one_round(temporal: Client, grace_s: float, index: int) -> tuple[float, float]:
-    scenario = compressed_scenario("gpu-node-loss")
-    scenario = scenario.model_copy(
-        update={"timings": scenario.timings.model_copy(update={"node_monitor_grace_s": grace_s})}
-    )
+    scenario = compressed_scenario("gpu-node-loss", node_monitor_grace_s=grace_s)
     sim = await asyncio.to_thread(start_sim, scenario, 1.0)
     try:
         import httpx

@@ -27,10 +27,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import uvicorn
@@ -127,6 +127,36 @@ def pod_report(
     return LossReport(pool=pool, fingerprint=fingerprint, alert_name=alert, pod=pod, **kw)
 
 
+T = TypeVar("T")
+
+
+async def until(
+    read: Callable[[], Awaitable[T]],
+    holds: Callable[[T], bool],
+    failure: Callable[[T | None], str],
+    *,
+    timeout_s: float,
+    interval_s: float = 0.2,
+    unavailable: tuple[type[BaseException], ...] = (),
+) -> T:
+    """``read()`` until ``holds`` of what it read, and that reading; after ``timeout_s`` an
+    AssertionError saying ``failure(last reading)``. ``unavailable``: errors that mean "ask again"
+    (no worker to answer a query right now, in the crash tests). Every wait of the suite's helpers."""
+    deadline = time.monotonic() + timeout_s
+    last: T | None = None
+    while True:
+        try:
+            last = await read()
+        except unavailable:
+            pass
+        else:
+            if holds(last):
+                return last
+        if time.monotonic() > deadline:
+            raise AssertionError(failure(last))
+        await asyncio.sleep(interval_s)
+
+
 async def status_of(handle: WorkflowHandle[Any, Any]) -> ProcedureStatus:
     return await handle.query("status", result_type=ProcedureStatus)
 
@@ -135,22 +165,24 @@ async def wait_for_child(
     client: Client, incident: WorkflowHandle[Any, Any], timeout_s: float = 30, *, after: int = 0
 ) -> WorkflowHandle[Any, Any]:
     """The incident's newest recovery once it exists (``after``: how many children it had before)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            status = await status_of(incident)
-        except RPCError:
-            await asyncio.sleep(0.3)  # no worker right now: ask again
-            continue
-        if len(status.children) > after:
-            handle = client.get_workflow_handle(status.children[-1])
-            try:
-                await handle.describe()  # the incident names its child just before starting it
-                return handle
-            except RPCError:
-                pass
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"no recovery started within {timeout_s} s")
+
+    async def newest() -> WorkflowHandle[Any, Any] | None:
+        children = (await status_of(incident)).children
+        if len(children) <= after:
+            return None
+        handle = client.get_workflow_handle(children[-1])
+        await handle.describe()  # the incident names its child just before starting it
+        return handle
+
+    found = await until(
+        newest,
+        lambda h: h is not None,
+        lambda _: f"no recovery started within {timeout_s} s",
+        timeout_s=timeout_s,
+        unavailable=(RPCError,),
+    )
+    assert found is not None
+    return found
 
 
 async def wait_for_phase(
@@ -159,20 +191,20 @@ async def wait_for_phase(
     """The procedure's status once it is in ``phase`` (or in any of several: a short phase a poll
     may miss on a loaded machine is best awaited together with the ones that follow it)."""
     wanted = {phase} if isinstance(phase, Phase) else set(phase)
-    deadline = time.monotonic() + timeout_s
-    status: ProcedureStatus | None = None
-    while time.monotonic() < deadline:
-        try:
-            status = await status_of(handle)
-        except RPCError:  # no worker right now (the crash tests): ask again
-            await asyncio.sleep(0.3)
-            continue
-        if status.phase in wanted:
-            return status
-        await asyncio.sleep(0.2)
-    now = status.phase.value if status else "unknown"
-    raise AssertionError(
-        f"phase {' or '.join(sorted(p.value for p in wanted))} not reached within {timeout_s} s (now {now})\n{decisions(status) if status else ''}"
+
+    def failure(status: ProcedureStatus | None) -> str:
+        now = status.phase.value if status else "unknown"
+        return (
+            f"phase {' or '.join(sorted(p.value for p in wanted))} not reached within {timeout_s} s "
+            f"(now {now})\n{decisions(status) if status else ''}"
+        )
+
+    return await until(
+        lambda: status_of(handle),
+        lambda status: status.phase in wanted,
+        failure,
+        timeout_s=timeout_s,
+        unavailable=(RPCError,),
     )
 
 
@@ -210,13 +242,11 @@ async def node_ready(rig: FleetRig, node: str) -> str | None:
 
 async def until_node_ready(rig: FleetRig, node: str, ready: bool, timeout_s: float = 60) -> None:
     """Until the node's Ready condition is True (``ready``) or not True (the node monitor's verdict)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if (await node_ready(rig, node) == "True") == ready:
-            return
-        await asyncio.sleep(0.2)
-    raise AssertionError(
-        f"{node} Ready={await node_ready(rig, node)} after {timeout_s} s (wanted ready={ready})"
+    await until(
+        lambda: node_ready(rig, node),
+        lambda status: (status == "True") == ready,
+        lambda status: f"{node} Ready={status} after {timeout_s} s (wanted ready={ready})",
+        timeout_s=timeout_s,
     )
 
 
@@ -372,29 +402,27 @@ async def routed(
     a second answers its engines' /health late, so Envoy's active health checks fail every host for
     that moment and a single read can find nothing routed. A real deroute stays; this waits it out.
     """
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        pods = await rig.routing_set(pool)
-        if where(pods):
-            return pods
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(
-                f"Envoy's routing set of {pool.key} never held {what} in {timeout_s:g} s: {pods}"
-            )
-        await asyncio.sleep(0.2)
+    return await until(
+        lambda: rig.routing_set(pool),
+        where,
+        lambda pods: f"Envoy's routing set of {pool.key} never held {what} in {timeout_s:g} s: {pods}",
+        timeout_s=timeout_s,
+    )
 
 
 async def posted(rig: FleetRig, *words: str, timeout_s: float = 30) -> list[str]:
     """The incident channel's posts, once one of them holds every one of ``words``. A procedure enters
     its phase before its post goes out: wait for the post, never for a fixed time."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        notes = [str(m["text"]) for m in await rig.notifications()]
-        if any(all(w in t for w in words) for t in notes):
-            return notes
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"no post saying {words} within {timeout_s:g} s: {notes}")
-        await asyncio.sleep(0.2)
+
+    async def notes() -> list[str]:
+        return [str(m["text"]) for m in await rig.notifications()]
+
+    return await until(
+        notes,
+        lambda texts: any(all(w in t for w in words) for t in texts),
+        lambda texts: f"no post saying {words} within {timeout_s:g} s: {texts}",
+        timeout_s=timeout_s,
+    )
 
 
 async def load_reaches(

@@ -56,11 +56,11 @@ SETTLE_S = 150.0
 
 def rack_world(directory: Path) -> Scenario:
     """``fleet-512`` at 64 nodes, engines starting and warming in seconds, nodes NotReady after 5 s."""
-    scenario = compressed_scenario(
-        scenario_file(scaled_scenario("fleet-512", NODES), directory), startup_s=4.0, warm_up_s=8.0
-    )
-    return scenario.model_copy(
-        update={"timings": scenario.timings.model_copy(update={"node_monitor_grace_s": 5.0})}
+    return compressed_scenario(
+        scenario_file(scaled_scenario("fleet-512", NODES), directory),
+        startup_s=4.0,
+        warm_up_s=8.0,
+        node_monitor_grace_s=5.0,
     )
 
 

@@ -111,11 +111,13 @@ def demo_settings(base: Settings, scenario: DemoScenario) -> Settings:
     shutil.rmtree(state, ignore_errors=True)  # a new world per run: no history from earlier runs
     state.mkdir(parents=True)
     if scenario.compressed:
-        sim = compressed_scenario(scenario.sim_scenario, startup_s=STARTUP_S, warm_up_s=WARM_UP_S)
-        # Kubernetes notices a dead kubelet after the node-monitor grace period (40 s by default);
+        # Kubernetes notices a dead kubelet after the node-monitor grace period (50 s by default);
         # compressed like the rest of the scenario, so the alert path takes seconds.
-        sim = sim.model_copy(
-            update={"timings": sim.timings.model_copy(update={"node_monitor_grace_s": NODE_GRACE_S})}
+        sim = compressed_scenario(
+            scenario.sim_scenario,
+            startup_s=STARTUP_S,
+            warm_up_s=WARM_UP_S,
+            node_monitor_grace_s=NODE_GRACE_S,
         )
     else:
         from sim.scenario import SCENARIO_DIR, load_scenario
