@@ -330,6 +330,17 @@ class Settings(BaseSettings):
         "pools within the correlation window are named once as a common cause (by the narrowest domain "
         "that holds them all)",
     )
+    fleet_event_node_labels: list[str] = Field(
+        default_factory=lambda: [
+            "nvidia.com/cuda.driver-version.full",
+            "feature.node.kubernetes.io/kernel-version.full",
+            "node.kubernetes.io/instance-type",
+        ],
+        description="Node labels naming a node-level attribute (driver version as NVIDIA GPU Feature "
+        "Discovery publishes it, kernel version as Node Feature Discovery does, instance type): a node "
+        "lost at detection also joins the FleetEvent of each; its cause is named as a suspect only when "
+        "the lost nodes span topology domains and part of the fleet runs another value (fleet.fleet_event)",
+    )
     fastpath_lease_namespace: str = Field("default", description="Namespace of the fast path's Lease")
     fastpath_lease_name: str = Field("fleetmend-fastpath", description="Name of the fast path's Lease")
     fastpath_identity: str | None = Field(None, description="Leader-election identity (default host-pid)")

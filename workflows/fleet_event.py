@@ -73,9 +73,10 @@ class FleetEvent(Procedure):
                 incidents = [incident_workflow_id(pools[key]) for key in cause.pools]
                 self.figure("incidents", incidents)
                 self.set_details(f"**{cause.summary}**\n\nIncidents: " + ", ".join(incidents))
+                what = "FLEET EVENT (suspected node-level cause)" if cause.suspected else "FLEET EVENT"
                 await self.notify(
                     "fleet-event",
-                    f"[fleetmend] FLEET EVENT {where}: {len(cause.nodes)} nodes lost "
+                    f"[fleetmend] {what} {where}: {len(cause.nodes)} nodes lost "
                     f"({', '.join(cause.nodes)}); pools hit: {', '.join(cause.pools)}. Each pool's incident "
                     "recovers its replicas; every node is fenced once.",
                 )

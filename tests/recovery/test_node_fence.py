@@ -69,7 +69,7 @@ async def test_a_refused_fence_asks_retry_cordons_and_a_second_loss_fences_again
         # Day one: the cordon is Forbidden (an admission policy, or RBAC lost nodes/patch).
         await rig.refuse({"verbs": ["PATCH"], "path_contains": f"/nodes/{NODE}", "error": "403"})
         await _lose(rig)
-        await fence(NODE, [POOL], "Ready=Unknown: NodeStatusUnknown", time.time(), {})
+        await fence(NODE, [POOL], "Ready=Unknown: NodeStatusUnknown", time.time(), {}, {})
         waiting = await wait_for_phase(handle, Phase.AWAITING_OPERATOR, 60)
         refusal = waiting.refusal
         assert refusal is not None, decisions(waiting)
@@ -80,7 +80,7 @@ async def test_a_refused_fence_asks_retry_cordons_and_a_second_loss_fences_again
         first_run = (await handle.describe()).run_id
 
         # The node's next event while the fence waits joins it: no second fence, no second cordon.
-        await fence(NODE, [POOL], "Ready=Unknown: NodeStatusUnknown", time.time(), {})
+        await fence(NODE, [POOL], "Ready=Unknown: NodeStatusUnknown", time.time(), {}, {})
         assert (await handle.describe()).run_id == first_run
 
         env = cli_env(temporal_client, task_queue)
@@ -103,7 +103,7 @@ async def test_a_refused_fence_asks_retry_cordons_and_a_second_loss_fences_again
         await asyncio.to_thread(rig.core.patch_node, NODE, {"spec": {"unschedulable": False}})
         await until_node_ready(rig, NODE, True)
         await _lose(rig)
-        await fence(NODE, [POOL], "Ready=Unknown: NodeStatusUnknown", time.time(), {})
+        await fence(NODE, [POOL], "Ready=Unknown: NodeStatusUnknown", time.time(), {}, {})
         second = temporal_client.get_workflow_handle(fence_workflow_id(NODE))
         again = await finish(second, 60)
         assert (await second.describe()).run_id != first_run

@@ -68,12 +68,12 @@ async def test_serving_capacity_is_capped_dead_capacity_is_not_and_a_reset_re_ev
                     await rig.engine_get(POOL.namespace, await _pod_on(rig, node), "/health")
                 ).status_code == 200
 
-            await fence("gpu-node-1", [POOL], "Ready=Unknown: NodeStatusUnknown", time.time(), {})
+            await fence("gpu-node-1", [POOL], "Ready=Unknown: NodeStatusUnknown", time.time(), {}, {})
             first = await finish(temporal_client.get_workflow_handle(fence_workflow_id("gpu-node-1")), 60)
             assert first.phase == Phase.DONE and await node_cordoned(rig, "gpu-node-1"), decisions(first)
             assert any("granted although" in d.summary for d in first.decisions), decisions(first)
 
-            await fence("gpu-node-2", [POOL], "Ready=Unknown: NodeStatusUnknown", time.time(), {})
+            await fence("gpu-node-2", [POOL], "Ready=Unknown: NodeStatusUnknown", time.time(), {}, {})
             held_handle = temporal_client.get_workflow_handle(fence_workflow_id("gpu-node-2"))
             held = await wait_for_phase(held_handle, Phase.AWAITING_OPERATOR, 60)
             assert held.awaiting and "suspected bad signal" in held.awaiting, held.awaiting
@@ -86,7 +86,7 @@ async def test_serving_capacity_is_capped_dead_capacity_is_not_and_a_reset_re_ev
             # While tripped, a node that really dies is fenced at once: dead capacity never waits.
             await lose("gpu-node-3")
             await until_node_ready(rig, "gpu-node-3", ready=False)
-            await fence("gpu-node-3", [POOL], "Ready=Unknown: NodeStatusUnknown", time.time(), {})
+            await fence("gpu-node-3", [POOL], "Ready=Unknown: NodeStatusUnknown", time.time(), {}, {})
             dead = await finish(temporal_client.get_workflow_handle(fence_workflow_id("gpu-node-3")), 60)
             assert dead.phase == Phase.DONE and await node_cordoned(rig, "gpu-node-3"), decisions(dead)
             assert dead.figures["engines"]["answering"] == 0, dead.figures

@@ -7,7 +7,8 @@ behind a real Envoy; fleetmend's worker and its fast path (Envoy's health view, 
 run against it. The 16 nodes of the rack holding the most pools' routed replicas die at once. What an
 SRE checks afterwards: each pool hit has its incident (one, not two), each incident's recovery completed
 or is in ``awaiting-operator`` with the reason, nothing failed, one fleet event names the rack with every
-pool hit and posts once to the incident channel, and the ledger matches the world's own record of
+pool hit and posts once to the incident channel (the node-level events of the rack's driver and instance
+type stay quiet: the rack holds every loss), and the ledger matches the world's own record of
 fleetmend's requests. ``bench/fleet_scale.py`` measures the same loss (and a node, and a burst
 of 200 nodes) for time and cost; this test asserts behaviour only.
 """
@@ -197,6 +198,15 @@ async def test_a_lost_rack_opens_one_incident_per_pool_hit_and_each_recovers_or_
         posts = [m for m in await rig.notifications() if f"FLEET EVENT {RACK_LABEL}={rack}" in m["text"]]
         assert len(posts) == 1, posts
         assert all(p.key in posts[0]["text"] for p in hit), posts[0]["text"]
+        # The rack's nodes also joined their driver's and instance type's node-level events: every loss
+        # lies in the rack, so those stay quiet (one cause, one post; fleet.fleet_event).
+        node_level = [e for e in events if e.startswith(("fleet-event/nvidia.com/", "fleet-event/node."))]
+        assert node_level, sorted(events)
+        for event_id in node_level:
+            quiet = await finish(temporal_client.get_workflow_handle(event_id), 30)
+            assert quiet.figures["common_cause"] is False, decisions(quiet)
+            assert f"every loss is in {RACK_LABEL}={rack}" in decisions(quiet), decisions(quiet)
+        assert not [m for m in await rig.notifications() if "suspected node-level cause" in m["text"]]
 
         report = await reconcile_with_world(rig, ledger_url)
         # The fast path's leader election renews its Lease: coordination, not an effect on the fleet.

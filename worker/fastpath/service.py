@@ -46,7 +46,7 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 
 from fleet.detection import Detection, DetectionPolicy, EntityState, Evidence, EvidenceKind, Verdict, observe
 from fleet.fence import fence_workflow_id
-from fleet.fleet_event import NodeLoss, fleet_event_workflow_id
+from fleet.fleet_event import AttributeTally, NodeAttribute, NodeLoss, fleet_event_workflow_id
 from fleet.incident import LossReport, PoolRef, Severity, incident_workflow_id
 from fleet.qualification import gpu_problem_conditions
 from fleet.vocabulary import LWS_GROUP_KEY_LABEL, LWS_WORKER_INDEX_LABEL, MODEL_LABEL
@@ -78,9 +78,9 @@ FASTPATH_USER_AGENT = "fleetmend-fastpath/0.1"
 UNMAPPED_RETRY_S = 30.0
 
 Deliver = Callable[[list[RoutedReport]], Awaitable[list[Delivery | None]]]
-# Start the fence of a node confirmed lost: (node, its pools, the evidence, when it was first seen).
-# (node, its managed pools, evidence, detected at, its topology domains: label -> value)
-Fence = Callable[[str, list[PoolRef], str, float, dict[str, str]], Awaitable[None]]
+# Start the fence of a node confirmed lost: (node, its managed pools, the evidence, when it was first
+# seen, its topology domains: label -> value, its node-level attributes with the fleet's share of each).
+Fence = Callable[[str, list[PoolRef], str, float, dict[str, str], dict[str, NodeAttribute]], Awaitable[None]]
 
 
 def default_identity() -> str:
@@ -102,6 +102,8 @@ class FastPath:
         self._deliver = deliver
         self._fence = fence
         self._fenced: set[str] = set()  # nodes whose fence started in this spell of not-Ready (nodes thread)
+        # The fleet's node-level attributes (driver, kernel, instance type), from node events (nodes thread).
+        self._attributes = AttributeTally(settings.fleet_event_node_labels)
         self._tasks: set[asyncio.Task[None]] = set()  # deliveries and fence starts in flight
         self._topology = topology
         self.identity = identity or settings.fastpath_identity or default_identity()
@@ -172,6 +174,7 @@ class FastPath:
         self._checked_at.clear()
         self._unmapped.clear()
         self._fenced.clear()
+        self._attributes = AttributeTally(self.settings.fleet_event_node_labels)
         self._gpu_checked.clear()
         self._check_slots = asyncio.Semaphore(self.settings.fastpath_confirm_concurrency)
         self.index = PodIndex(self._routed)
@@ -252,6 +255,7 @@ class FastPath:
         at = time.time()
         labels = (node.get("metadata") or {}).get("labels") or {}
         problems = gpu_problem_conditions({c["type"]: str(c.get("status")) for c in conditions})
+        self._attributes.update(name, None if kind == "DELETED" else labels, down=status != "True")
         self._fence_if_lost(name, kind, status, ready, labels, problems, conditions)
         if not self.index.serves_on(name):
             return  # no routed pod of a managed pool there
@@ -299,6 +303,7 @@ class FastPath:
         loop = self._loop
         if loop is None:
             return
+        attributes: dict[str, NodeAttribute] = {}
         if status == "True":
             evidence = condition_words(conditions, problems)
             domains: dict[str, str] = {}
@@ -309,7 +314,8 @@ class FastPath:
                 for label in self.settings.fleet_event_topology_labels
                 if (value := labels.get(label))
             }
-        loop.call_soon_threadsafe(self._spawn_fence, name, evidence, time.time(), domains)
+            attributes = self._attributes.attributes(name)
+        loop.call_soon_threadsafe(self._spawn_fence, name, evidence, time.time(), domains, attributes)
 
     def _spawn_gpu_check(self, node: str, detail: str, at: float) -> None:
         self._spawn(self._check_gpu_fault(node, detail, at), f"gpu-{node}")
@@ -359,8 +365,15 @@ class FastPath:
         self.counts[detection.verdict.value] += 1
         log.info("fast path: not-a-loss", extra={"entity": detection.entity, "reason": detection.reason})
 
-    def _spawn_fence(self, node: str, evidence: str, at: float, domains: dict[str, str]) -> None:
-        self._spawn(self._start_fence(node, evidence, at, domains), f"fence-{node}")
+    def _spawn_fence(
+        self,
+        node: str,
+        evidence: str,
+        at: float,
+        domains: dict[str, str],
+        attributes: dict[str, NodeAttribute],
+    ) -> None:
+        self._spawn(self._start_fence(node, evidence, at, domains, attributes), f"fence-{node}")
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
         """Run ``work`` beside the detector (a delivery, a fence start); cancelled when leadership ends."""
@@ -683,7 +696,14 @@ class FastPath:
         await self._deliver(routed)
         self.counts["reports_delivered"] += len(routed)
 
-    async def _start_fence(self, node: str, evidence: str, at: float, domains: dict[str, str]) -> None:
+    async def _start_fence(
+        self,
+        node: str,
+        evidence: str,
+        at: float,
+        domains: dict[str, str],
+        attributes: dict[str, NodeAttribute],
+    ) -> None:
         """The node's fence at detection (``fleet.fence``), for the pools with a pod on it. If it cannot
         start, each recovery's own fence step still cordons the node (later): logged, not retried here."""
         assert self._fence is not None
@@ -691,7 +711,7 @@ class FastPath:
             groups = await self._topology.groups_on_node(node)
             pools = sorted({g.pool for g in groups}, key=lambda p: p.key)
             if pools:
-                await self._fence(node, pools, evidence, at, domains)
+                await self._fence(node, pools, evidence, at, domains, attributes)
                 self.counts["fences_started"] += 1
                 log.info(
                     "fast path: fence started", extra={"node": node, "after_s": round(time.time() - at, 3)}
@@ -748,7 +768,12 @@ def fence_starter(settings: Settings, client_factory: Callable[[], Awaitable[Any
     one that has ended lets a later loss of the node start a new run, which finds it cordoned."""
 
     async def fence(
-        node: str, pools: list[PoolRef], evidence: str, detected_at: float, domains: dict[str, str]
+        node: str,
+        pools: list[PoolRef],
+        evidence: str,
+        detected_at: float,
+        domains: dict[str, str],
+        attributes: dict[str, NodeAttribute],
     ) -> None:
         client = await client_factory()
         await client.start_workflow(
@@ -768,19 +793,27 @@ def fence_starter(settings: Settings, client_factory: Callable[[], Awaitable[Any
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
             static_summary=f"Fence {node} at detection (cordon): {evidence[:200]}",
         )
-        # The node joins the fleet event of each of its failure domains (fleet.fleet_event).
-        loss = NodeLoss(node=node, pools=pools, evidence=evidence[:500], at=detected_at, domains=domains)
+        # The node joins the fleet event of each of its failure domains and of each of its node-level
+        # attributes (fleet.fleet_event).
+        loss = NodeLoss(
+            node=node,
+            pools=pools,
+            evidence=evidence[:500],
+            at=detected_at,
+            domains=domains,
+            attributes=attributes,
+        )
         order = settings.fleet_event_topology_labels  # narrowest first
-        for i, label in enumerate(order):
-            if label not in domains:
-                continue
-            value = domains[label]
+        events = [(label, domains[label], order[:i]) for i, label in enumerate(order) if label in domains]
+        # A node-level attribute's event defers to any topology domain that holds every loss.
+        events += [(label, attr.value, list(order)) for label, attr in attributes.items()]
+        for label, value, narrower in events:
             await client.start_workflow(
                 FleetEvent.run,
                 FleetEventInput(
                     label=label,
                     value=value,
-                    narrower=order[:i],
+                    narrower=narrower,
                     first_pool=pools[0],
                     timings=settings.recovery_timings,
                     dry_run=settings.dry_run,
