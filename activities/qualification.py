@@ -9,6 +9,9 @@
   ``dcgmi diag -j`` prints) and the node's machine now, judged by ``fleet.qualification``.
 * ``machine_history`` - fleetmend's quarantines of one machine from the ledger (the cordon
   effects carry the machine id), for the loop cap and the operator's view.
+* ``qualification_slots`` - the qualification Jobs running now, fleet-wide (a ``list`` of Jobs by
+  their label in the qualification namespace), and the configured cap: the fleet-wide bound on
+  concurrent qualifications (``fleet.qualification.qualification_slot``).
 """
 
 from __future__ import annotations
@@ -27,9 +30,12 @@ from activities.deps import ActivityDeps, operation_id
 from activities.world_effects import _digest, _permanent_if_client_error, _world
 from fleet.qualification import (
     OPERATION_ANNOTATION,
+    QUALIFICATION_LABEL,
     JobView,
+    QualificationSlots,
     RemediationRecord,
     Verdict,
+    job_finished,
     job_manifest,
     job_name,
     judge_qualification,
@@ -237,6 +243,17 @@ class QualificationActivities:
         params = {"unschedulable": False, "untaint": QUARANTINE_TAINT_KEY, "labels": req.labels,
                   "machine": req.machine, "uid": req.uid}  # fmt: skip
         return perform_effect(self.deps, req, RELEASE_KIND, f"node/{req.node}", params, effect)
+
+    @activity.defn(name="qualification_slots")
+    def qualification_slots(self, node: str) -> QualificationSlots:
+        """The qualification Jobs running now, fleet-wide, and the cap (``node``: who asks, for the record)."""
+        spec = self.deps.settings.qualification
+        resp: Any = self.deps.kube.batch.list_namespaced_job(
+            spec.namespace, label_selector=f"{QUALIFICATION_LABEL}=true", _preload_content=False
+        )
+        jobs = json.loads(resp.data).get("items") or []
+        running = [str(j["metadata"]["name"]) for j in jobs if not job_finished(j)]
+        return QualificationSlots(running=running, cap=spec.concurrency)
 
     @activity.defn(name="read_qualification_job")
     def read_qualification_job(self, req: QualificationRead) -> QualificationReading:

@@ -60,9 +60,54 @@ class QualificationSpec(BaseModel):
     )
     deadline_s: int = Field(1800, ge=10, description="The Job's activeDeadlineSeconds")
     service_account: str | None = None
+    concurrency: int = Field(
+        8,
+        ge=1,
+        description="Qualification Jobs running at once, fleet-wide; a node beyond it waits, queued, "
+        "in its workflow's status (fleet.qualification.qualification_slot)",
+    )
 
     def container_command(self) -> list[str]:
         return list(self.command) or ["dcgmi", "diag", "-r", str(self.level), "-j"]
+
+
+class QualificationSlots(BaseModel):
+    """The fleet's qualification Jobs running now (the world's own record: Jobs carrying
+    ``QUALIFICATION_LABEL`` in the qualification namespace, not yet Complete or Failed), and the cap."""
+
+    running: list[str] = Field(default_factory=list, description="Their names")
+    cap: int = Field(ge=1)
+
+
+class SlotDecision(BaseModel):
+    free: bool
+    reason: str
+
+
+def job_finished(job: Mapping[str, Any]) -> bool:
+    """A Job is finished once its ``Complete`` or ``Failed`` condition is True (batch/v1 JobStatus)."""
+    conditions = (job.get("status") or {}).get("conditions") or []
+    return any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True" for c in conditions)
+
+
+def qualification_slot(node: str, slots: QualificationSlots) -> SlotDecision:
+    """May ``node``'s qualification Job start now? Bounded remediation fleet-wide: at most ``cap``
+    Jobs run at once (a burst of repaired nodes does not start a hundred burn-ins together); beyond
+    it the node waits, queued, and says so. Two nodes that ask in the same moment may both start,
+    so the bound holds to within the Jobs being created at that moment."""
+    running = sorted(slots.running)
+    shown = ", ".join(running[:5]) + (f" and {len(running) - 5} more" if len(running) > 5 else "")
+    if len(running) < slots.cap:
+        return SlotDecision(
+            free=True,
+            reason=f"{len(running)} of {slots.cap} qualification Job(s) running fleet-wide: {node} "
+            "qualifies now",
+        )
+    return SlotDecision(
+        free=False,
+        reason=f"{node} queued for qualification: {len(running)} of {slots.cap} qualification Job(s) "
+        f"already run fleet-wide ({shown}); it starts when one ends",
+    )
 
 
 def machine_id(provider_id: str | None, uid: str) -> str:

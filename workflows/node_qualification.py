@@ -52,10 +52,12 @@ with workflow.unsafe.imports_passed_through():
         MACHINE_ANNOTATION,
         GpuHolder,
         Identity,
+        QualificationSlots,
         QualificationState,
         Verdict,
         clear_for_qualification,
         identity,
+        qualification_slot,
         remediation_gate,
         repaired,
     )
@@ -246,6 +248,8 @@ class NodeLifecycle:
             await self._stage(
                 Phase.QUALIFYING, f"Qualifying **{node}**: DCGM diagnostics, attempt {attempt + 1}"
             )
+            if workflow.patched("qualification-slots") and not await self._await_slot(node):
+                return
             created = await proc.act(
                 QualificationActivities.create_qualification_job,
                 QualificationJobRequest(step=f"qualify-{attempt}", node=node, machine=machine, gpus=gpus),
@@ -299,6 +303,46 @@ class NodeLifecycle:
             if current is None:
                 return
             uid = current
+
+    async def _await_slot(self, node: str) -> bool:
+        """Bounded remediation, fleet-wide: wait, queued and visibly, until fewer qualification Jobs run
+        than the cap (``fleet.qualification.qualification_slot``). A slot is freed by a Job ending, so
+        two Job lifetimes bound the wait; False: still queued then, and the node stays quarantined
+        until an operator acts."""
+        proc, timings = self._proc, self._timings
+
+        async def look() -> QualificationSlots:
+            slots: QualificationSlots = await proc.observe(
+                QualificationActivities.qualification_slots,
+                node,
+                f"qualification Jobs running fleet-wide ({node})",
+            )
+            return slots
+
+        first = await look()
+        decision = qualification_slot(node, first)
+        if decision.free:
+            return True
+        proc.decide(decision.reason, {"qualification_slots": first.model_dump(mode="json")})
+        await self._stage(Phase.QUALIFYING, f"Queued for qualification: **{node}** waits for a slot")
+        interval_s = max(timings.poll_interval_s, 1.0)
+        wait_s = 2 * timings.qualification_timeout_s
+        slots, free = await proc.poll(
+            look,
+            lambda slots: qualification_slot(node, slots).free,
+            interval_s=interval_s,
+            deadline=proc.now() + wait_s,
+            summary=f"wait for a qualification slot for {node}",
+            backoff_to_s=8 * interval_s,
+        )
+        now = qualification_slot(node, slots)
+        if free:
+            proc.decide(now.reason)
+            return True
+        proc.decide(
+            f"{now.reason}; still queued after {wait_s:.0f} s: it stays quarantined until an operator acts"
+        )
+        return False
 
     async def _await_job(self, name: str, node: str, machine: str) -> Verdict:
         proc, timeout_s = self._proc, self._timings.qualification_timeout_s

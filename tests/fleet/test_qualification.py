@@ -10,16 +10,19 @@ from fleet.qualification import (
     GpuHolder,
     Identity,
     JobView,
+    QualificationSlots,
     QualificationSpec,
     QualificationState,
     RemediationRecord,
     clear_for_qualification,
     identity,
+    job_finished,
     job_manifest,
     job_name,
     judge_qualification,
     machine_id,
     parse_dcgm_diag,
+    qualification_slot,
     remediation_gate,
     repaired,
 )
@@ -186,3 +189,26 @@ def test_a_repaired_machine_is_cleared_of_warm_spares_and_nothing_else() -> None
     assert [h.pod for h in clearing.delete] == ["llama-spare-a"]
     assert [h.pod for h in clearing.operator] == ["llama-x", "trainer-0"]
     assert clear_for_qualification([]).delete == [] and clear_for_qualification([]).operator == []
+
+
+def test_a_qualification_starts_below_the_fleet_wide_cap_and_queues_at_it_naming_the_running_jobs() -> None:
+    free = qualification_slot("gpu-node-3", QualificationSlots(running=["qualify-a"], cap=2))
+    assert (
+        free.free
+        and "1 of 2 qualification Job(s) running fleet-wide: gpu-node-3 qualifies now" in free.reason
+    )
+    running = [f"qualify-{i}" for i in range(7)]
+    queued = qualification_slot("gpu-node-3", QualificationSlots(running=running, cap=7))
+    assert not queued.free
+    assert queued.reason.startswith("gpu-node-3 queued for qualification: 7 of 7 qualification Job(s)")
+    assert "qualify-0, qualify-1, qualify-2, qualify-3, qualify-4 and 2 more" in queued.reason
+
+
+def test_a_job_is_running_until_its_complete_or_failed_condition_is_true() -> None:
+    assert not job_finished({"status": {}})
+    assert not job_finished(
+        {"status": {"active": 1, "conditions": [{"type": "Suspended", "status": "True"}]}}
+    )
+    assert not job_finished({"status": {"conditions": [{"type": "Complete", "status": "False"}]}})
+    assert job_finished({"status": {"conditions": [{"type": "Complete", "status": "True"}]}})
+    assert job_finished({"status": {"conditions": [{"type": "Failed", "status": "True"}]}})
