@@ -315,7 +315,8 @@ class FastPath:
                 if (value := labels.get(label))
             }
             attributes = self._attributes.attributes(name)
-        loop.call_soon_threadsafe(self._spawn_fence, name, evidence, time.time(), domains, attributes)
+        fence = self._start_fence(name, evidence, time.time(), domains, attributes)
+        loop.call_soon_threadsafe(self._spawn, fence, f"fence-{name}")
 
     def _spawn_gpu_check(self, node: str, detail: str, at: float) -> None:
         self._spawn(self._check_gpu_fault(node, detail, at), f"gpu-{node}")
@@ -364,16 +365,6 @@ class FastPath:
         self.detections.append(detection)
         self.counts[detection.verdict.value] += 1
         log.info("fast path: not-a-loss", extra={"entity": detection.entity, "reason": detection.reason})
-
-    def _spawn_fence(
-        self,
-        node: str,
-        evidence: str,
-        at: float,
-        domains: dict[str, str],
-        attributes: dict[str, NodeAttribute],
-    ) -> None:
-        self._spawn(self._start_fence(node, evidence, at, domains, attributes), f"fence-{node}")
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
         """Run ``work`` beside the detector (a delivery, a fence start); cancelled when leadership ends."""
@@ -805,8 +796,13 @@ def fence_starter(settings: Settings, client_factory: Callable[[], Awaitable[Any
         )
         order = settings.fleet_event_topology_labels  # narrowest first
         events = [(label, domains[label], order[:i]) for i, label in enumerate(order) if label in domains]
-        # A node-level attribute's event defers to any topology domain that holds every loss.
-        events += [(label, attr.value, list(order)) for label, attr in attributes.items()]
+        # A node-level attribute's event defers to any topology domain that holds every loss; a value
+        # every node carries can never be named (fleet.fleet_event), so it starts no event at all.
+        events += [
+            (label, attr.value, list(order))
+            for label, attr in attributes.items()
+            if attr.holding < attr.carrying
+        ]
         for label, value, narrower in events:
             await client.start_workflow(
                 FleetEvent.run,
