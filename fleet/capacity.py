@@ -27,6 +27,11 @@ class GroupCapacity(BaseModel):
 
     tokens_per_s: float = Field(ge=0)
     requests_per_s: float = Field(default=0.0, ge=0)
+    ready: bool = Field(
+        default=False,
+        description="Ready now although it generated nothing in the window (idle, not dead): it counts "
+        "toward the group floor",
+    )
 
 
 class Demand(BaseModel):
@@ -69,7 +74,7 @@ def check_capacity(
     unknown = gone - set(capacity)
     if unknown:
         raise ValueError(f"{action}: groups {sorted(unknown)} are not in the capacity map")
-    remaining = {g: c for g, c in capacity.items() if g not in gone and c.tokens_per_s > 0}
+    remaining = {g: c for g, c in capacity.items() if g not in gone and (c.tokens_per_s > 0 or c.ready)}
     tokens = sum(c.tokens_per_s for c in remaining.values())
     requests = sum(c.requests_per_s for c in remaining.values())
     need_tokens = demand.tokens_per_s * headroom
@@ -143,7 +148,10 @@ def recovery_guard(
     measured = [r for g, r in rates.items() if g not in unread and r > 0]
     estimate = sum(measured) / len(measured) if measured else 1.0
     rates.update({g: estimate for g in unread})
-    capacity = {gid: GroupCapacity(tokens_per_s=r) for gid, r in rates.items()}
+    # A group ready now that generated nothing in the window is idle, not dead (a quiet pool, or a
+    # short window on a busy machine): it counts toward the group floor, and carries nothing measured.
+    ready_now = {g.id for g in after.snapshot.serving if g.ready}
+    capacity = {gid: GroupCapacity(tokens_per_s=r, ready=gid in ready_now) for gid, r in rates.items()}
     gone = [g for g in removing if g in capacity]
     demand = Demand(tokens_per_s=sum(rates.values()))
     decision = check_capacity(action, capacity, gone, demand, min_groups=min_groups, headroom=1.0)

@@ -113,6 +113,18 @@ def test_recovery_guard_refuses_to_take_the_last_serving_group() -> None:
     assert allowed.allowed, allowed.reason
 
 
+def test_recovery_guard_counts_an_idle_ready_group_for_the_floor_not_a_dead_one() -> None:
+    """A short window in which a ready group generated nothing (a quiet pool, a starved machine): it
+    is idle, not dead, so force-deleting the dead group beside it keeps the floor."""
+    groups = [group("dead", ready=False), group("idle")]
+    before = _obs(groups, {"dead": 0, "idle": 0}, at=1000.0)
+    after = _obs(groups, {"dead": 0, "idle": 0}, at=1000.5)
+    allowed = recovery_guard("force-delete", before, after, ["dead"], min_groups=1)
+    assert allowed.allowed and allowed.remaining_groups == 1, allowed.reason
+    refused = recovery_guard("force-delete", before, after, ["idle"], min_groups=1)
+    assert not refused.allowed and "0 serving group(s) would remain, the floor is 1" in refused.reason
+
+
 @given(
     rates=st.lists(st.floats(min_value=0, max_value=1000), min_size=2, max_size=8),
     victims=st.integers(min_value=1, max_value=4),
