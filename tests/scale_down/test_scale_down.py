@@ -32,6 +32,7 @@ from tests.support import (
     execute_update,
     finish,
     load_reaches,
+    posted,
     reconcile_with_world,
     routed,
     run_cli,
@@ -313,7 +314,7 @@ async def test_a_refused_scale_stops_the_terminate_step_and_retry_after_the_fix_
         waiting = await wait_for_phase(handle, Phase.AWAITING_OPERATOR, 60)
         assert waiting.refusal is not None, decisions(waiting)
         assert "scale" in waiting.refusal.what and "Invalid" in waiting.refusal.error, waiting.refusal
-        assert any("waits for an operator" in m["text"] for m in await rig.notifications())
+        await posted(rig, "waits for an operator")  # the phase is entered just before the post goes out
         # Nothing was removed: the pods are all still there, only the victim is out of routing.
         victims = waiting.figures["victims"]
         pods = {
