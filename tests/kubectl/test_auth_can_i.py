@@ -45,7 +45,7 @@ def test_can_i_list_as_the_worker_shows_its_roles_in_the_pool_namespace(
     assert listed["selfsubjectaccessreviews.authorization.k8s.io"] == ["create"]
     assert "secrets" not in listed and "jobs.batch" not in listed  # Jobs only in fleetmend's namespace
     in_fleetmend = _rules(cluster.kubectl("auth", "can-i", "--list", WORKER, "-n", "fleetmend").stdout)
-    assert in_fleetmend["jobs.batch"] == ["create", "get", "delete"]
+    assert in_fleetmend["jobs.batch"] == ["create", "get", "list", "delete"]
     assert in_fleetmend["leases.coordination.k8s.io"] == ["get", "create", "update"]
 
 
