@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from worker import jsonlog
-from worker.cli.common import UNAVAILABLE, fail
+from worker.cli.common import UNAVAILABLE, connects_itself, fail
 from worker.config import load_settings
 from worker.devstack.demo import DemoError, run_demo
 from worker.devstack.scenarios import DEFAULT_SCENARIO, SCENARIOS
@@ -57,6 +57,7 @@ def demo(
             f"unknown scenario {scenario!r}; choose one of: {', '.join(SCENARIOS)} "
             "(fleetmend demo --list describes them)"
         )
+    connects_itself()  # its stack's Temporal client: leave once the stack is down (worker.cli.common.leave)
     settings = load_settings()
     jsonlog.configure(file=settings.state_dir / "demo-logs" / "fleetmend.log")
 

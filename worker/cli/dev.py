@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from worker import jsonlog
-from worker.cli.common import UNAVAILABLE, fail
+from worker.cli.common import UNAVAILABLE, connects_itself, fail
 from worker.config import Settings, load_settings
 from worker.devstack.stack import DevStack
 from worker.processes import StackError
@@ -74,6 +74,7 @@ def dev() -> None:
     Temporal dev server with its Web UI, the ledger Postgres (migrated), the sim,
     the webhook API and the worker, each waited on until it answers. Ctrl-C stops
     everything; a restart keeps workflow history and the ledger."""
+    connects_itself()  # its stack's Temporal client: leave once the stack is down (worker.cli.common.leave)
     settings = load_settings()
     jsonlog.configure(file=settings.state_dir / "logs" / "fleetmend.log")
     _run(_serve(settings))
