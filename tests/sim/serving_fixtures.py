@@ -15,6 +15,7 @@ import copy
 import inspect
 import ssl
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ from worker.devstack.gateway import LocalGateway, gateway_in_front
 
 NAMESPACE = "inference"
 POOL = f"{NAMESPACE}/llama"
+WAIT_FLOOR_S = 10.0  # the least wall clock a wait_for lasts, whatever its sim seconds
 POOL_REF = PoolRef(namespace=NAMESPACE, service="llama")
 POOL_HOST = "llama.inference"  # the Host users send: Envoy's virtual host for the pool
 
@@ -110,15 +112,18 @@ class RunningServing:
         seen: Callable[[], str] | None = None,
     ) -> None:
         """Poll ``check`` (a plain or async callable) until it returns something truthy; on a time-out
-        the error says what ``seen`` last saw."""
+        the error says what ``seen`` last saw. The wait lasts ``timeout_sim_s`` of the world's time and
+        at least ``WAIT_FLOOR_S`` of wall clock: at speed 20, 10 sim seconds are half a second, less
+        than a loaded machine may leave this world without running it."""
         deadline = self.world.clock.now() + timeout_sim_s
+        floor = time.monotonic() + WAIT_FLOOR_S
         while True:
             result = check()
             if inspect.isawaitable(result):
                 result = await result
             if result:
                 return
-            if self.world.clock.now() > deadline:
+            if self.world.clock.now() > deadline and time.monotonic() > floor:
                 last = f": {seen()}" if seen is not None else ""
                 raise AssertionError(
                     f"timed out after {timeout_sim_s:g} sim seconds waiting for {what}{last}"
