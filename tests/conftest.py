@@ -25,7 +25,7 @@ from xdist.workermanage import WorkerController
 from fleet.search_attributes import ALL_SEARCH_ATTRIBUTES
 from worker.config import Settings, load_settings
 from worker.devstack.temporal_dev import TemporalDevServer, find_temporal_cli
-from worker.processes import free_port
+from worker.processes import StackError, free_port
 
 # Postgres: pg_server (session), pg_url (an empty database per test), ledger_url (migrated).
 pytest_plugins = ["tests.pg", "tests.deploy.rbac_audit"]
@@ -170,10 +170,23 @@ async def temporal_env(
     even when pytest is killed.
     """
     logs = tmp_path_factory.mktemp("temporal")
-    server = TemporalDevServer(
-        cli=temporal_cli, db_file=None, log_file=logs / "temporal.log", port=free_port(), headless=True
-    )
-    await server.start()
+    # A free port can be taken by another process before the server binds it; a server that dies while
+    # it starts is started again on a fresh port (CI once saw the CLI panic at start-up), three times.
+    for attempt in range(3):
+        server = TemporalDevServer(
+            cli=temporal_cli,
+            db_file=None,
+            log_file=logs / f"temporal-{attempt}.log",
+            port=free_port(),
+            headless=True,
+        )
+        try:
+            await server.start()
+            break
+        except StackError:
+            server.stop()
+            if attempt == 2:
+                raise
     try:
         client = await Client.connect(server.address, data_converter=pydantic_data_converter)
         yield WorkflowEnvironment.from_client(client)
