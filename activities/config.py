@@ -36,6 +36,7 @@ class ActivityConfig(BaseModel):
     kube_connections: int = Field(64, ge=1)
     node_telemetry_url_template: str = "http://{node}:9400/metrics"
     qualification: QualificationSpec = Field(default_factory=QualificationSpec)
+    recovery_concurrency: int = Field(16, ge=1)
     action_log_url: str | None = None
     audit_log: Path | None = None  # the Kubernetes API server's audit log (reconcile)
     audit_log_world: str | None = None

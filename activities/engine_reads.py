@@ -87,11 +87,17 @@ def read_engine(http: httpx.Client, health_url: str, metrics_url: str | None) ->
     return EngineRead(health, snap)
 
 
-def look_deadline(share: float = ENGINE_SHARE_OF_ATTEMPT, default_s: float = DEFAULT_ENGINE_WAIT_S) -> float:
+def look_deadline(
+    share: float = ENGINE_SHARE_OF_ATTEMPT,
+    default_s: float = DEFAULT_ENGINE_WAIT_S,
+    *,
+    look_s: float | None = None,
+) -> float:
     """``time.monotonic()`` by which a look stops waiting for engines: ``share`` of this attempt's
-    start-to-close from now (``default_s`` outside an activity)."""
-    budget: timedelta | None = None
-    if activity.in_activity():
+    start-to-close from now (``default_s`` outside an activity). ``look_s``: one look's own time, for
+    an activity that takes many looks (its start-to-close is the whole watch, not one look)."""
+    budget: timedelta | None = timedelta(seconds=look_s) if look_s is not None else None
+    if budget is None and activity.in_activity():
         budget = activity.info().start_to_close_timeout
     seconds = budget.total_seconds() * share if budget is not None else default_s
     return time.monotonic() + max(1.0, seconds)

@@ -18,8 +18,9 @@ from temporalio import activity
 from activities import kube_reads as kr
 from activities.deps import ActivityDeps
 from activities.engine_reads import EngineRead, look_deadline, read_all, read_engine
+from fleet.admission_look import KeeperLook, KeeperMemory, keeper_look, keeper_readmission
 from fleet.engine_metrics import EngineSnapshot, NodeGpuTelemetry, parse_dcgm_metrics
-from fleet.gateway import JournalEntry, RouterState
+from fleet.gateway import Admission, JournalEntry, RouterState
 from fleet.incident import PoolRef
 from fleet.observation import (
     EndpointConditions,
@@ -31,6 +32,9 @@ from fleet.observation import (
 from fleet.pool import GroupRole, NodeInfo, PoolSnapshot, ReplicaGroup, Taint, WorkloadKind
 from fleet.qualification import QUALIFICATION_LABEL, GpuHolder, gpu_problem_conditions, machine_id
 from fleet.recovery import IncidentInput
+from fleet.shedding import admission_changed, refused_fraction
+from fleet.slots import REBUILD_PHASES, Slots
+from fleet.survivor_load import next_admission_look
 from fleet.vocabulary import (
     GPU_RESOURCE,
     LWS_GROUP_INDEX_LABEL,
@@ -98,6 +102,33 @@ class NodeHealth(BaseModel):
     gpu_holders: list[GpuHolder] = Field(
         default_factory=list, description="the pods behind gpus_held (qualification Jobs excluded)"
     )
+
+
+class AdmissionWatch(BaseModel):
+    """The admission keeper's state, handed to ``watch_admission`` while its recovery asks an operator."""
+
+    observe: ObserveRequest
+    lost_ids: list[str]
+    memory: KeeperMemory
+    admission: Admission  # what the gateway has, as the recovery set it
+    capacity_rps: float  # the capacity the keeper planned on
+    arrival_rps: float  # the keeper's arrival estimate, until the gateway has counted enough
+    wait_budget_s: float
+    interval_s: float = Field(gt=0, description="the keeper's base interval between looks")
+    max_interval_s: float = Field(gt=0)
+    look_timeout_s: float = Field(
+        gt=0, description="one look's time (the engines are waited for a share of it)"
+    )
+    watch_s: float = Field(gt=0, description="return after this long even if nothing moved")
+
+
+class AdmissionWatched(BaseModel):
+    """How a watch ended: the look that would move admission (``moved``), or its last look."""
+
+    moved: bool
+    look: KeeperLook
+    looks: int
+    interval_s: float  # the interval the looks had backed off to
 
 
 class DerouteWait(BaseModel):
@@ -186,7 +217,56 @@ class ObserveActivities:
         """Kubernetes + gateway + engines, for one pool, as one observation."""
         # Engines are waited for until a share of this attempt's time from its start, whatever the
         # Kubernetes and gateway reads before them took (at least a second).
-        deadline = look_deadline()
+        return self._observe_pool(req, look_deadline())
+
+    @activity.defn(name="watch_admission")
+    def watch_admission(self, req: AdmissionWatch) -> AdmissionWatched:
+        """The admission keeper's looks while its recovery waits on an operator, in one activity.
+
+        Each look is ``observe_pool``'s, read by ``fleet.admission_look.keeper_look`` and decided by
+        ``keeper_readmission``, as the keeper decides between its own looks. The watch returns the
+        look that would move admission (the workflow re-decides and applies it), or its last look
+        after ``watch_s``, or at once when the workflow cancels it (the operator answered). Looks back
+        off as the keeper's do (``next_admission_look``). Each look heartbeats its count, so a dead
+        worker's watch is started again on another from the request's memory. A watch holds one of
+        the worker's activity slots for as long as it runs.
+        """
+        started = time.monotonic()
+        memory, interval, looks = req.memory, req.interval_s, 0
+        refused = refused_fraction(req.admission)
+        while True:
+            obs = self._observe_pool(req.observe, look_deadline(look_s=req.look_timeout_s))
+            look = keeper_look(
+                memory, obs, req.lost_ids, refused_share=refused, planned_capacity_rps=req.capacity_rps
+            )
+            memory, looks = look.memory, looks + 1
+            decision = keeper_readmission(
+                req.arrival_rps if look.arrival_rps is None else look.arrival_rps,
+                look.capacity_rps,
+                look.change,
+                backlog=look.backlog,
+                wait_budget_s=req.wait_budget_s,
+                look_s=interval,
+            )
+            if admission_changed(req.admission, decision.admission):
+                return AdmissionWatched(moved=True, look=look, looks=looks, interval_s=interval)
+            interval = next_admission_look(
+                interval,
+                req.interval_s,
+                req.max_interval_s,
+                admission_moved=False,
+                backlog=look.backlog,
+                awaiting_operator=True,
+            )
+            if time.monotonic() - started + interval > req.watch_s:
+                return AdmissionWatched(moved=False, look=look, looks=looks, interval_s=interval)
+            activity.heartbeat(looks)
+            activity.wait_for_cancelled_sync(interval)
+            if activity.is_cancelled():  # the operator answered: the workflow no longer waits for this
+                return AdmissionWatched(moved=False, look=look, looks=looks, interval_s=interval)
+
+    def _observe_pool(self, req: ObserveRequest, deadline: float) -> PoolObservation:
+        """One look at the pool; engines are waited for until ``deadline`` (monotonic)."""
         k = self.deps.kube
         ns, svc_name = req.pool.namespace, req.pool.service
         warnings: list[str] = []
@@ -638,6 +718,23 @@ class ObserveActivities:
         )
 
     # ------------------------------------------------------------ router
+
+    @activity.defn(name="recovery_slots")
+    async def recovery_slots(self, recovery_id: str) -> Slots:
+        """The recoveries rebuilding capacity now, fleet-wide, and the cap (``fleet.slots.rebuild_slot``).
+
+        Temporal's own record: running ``ReplicaLossRecovery`` workflows of this deployment (its task
+        queue) whose ``FleetmendPhase`` is one of ``REBUILD_PHASES``, the asking one left out.
+        Visibility trails a phase change by a moment, so the bound holds to within the recoveries that
+        entered those phases in that moment.
+        """
+        phases = ", ".join(f"'{p.value}'" for p in REBUILD_PHASES)
+        query = (
+            f"WorkflowType = 'ReplicaLossRecovery' AND ExecutionStatus = 'Running' AND "
+            f"TaskQueue = '{activity.info().task_queue}' AND FleetmendPhase IN ({phases})"
+        )
+        running = [w.id async for w in activity.client().list_workflows(query) if w.id != recovery_id]
+        return Slots(running=running, cap=self.deps.settings.recovery_concurrency)
 
     @activity.defn(name="routed_pods")
     def routed_pods(self, pool: PoolRef) -> list[str]:

@@ -30,6 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleet.slots import SlotDecision, Slots, SlotWork, take_slot
 from fleet.vocabulary import GPU_RESOURCE, QUARANTINE_TAINT_KEY
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
@@ -71,17 +72,17 @@ class QualificationSpec(BaseModel):
         return list(self.command) or ["dcgmi", "diag", "-r", str(self.level), "-j"]
 
 
-class QualificationSlots(BaseModel):
-    """The fleet's qualification Jobs running now (the world's own record: Jobs carrying
-    ``QUALIFICATION_LABEL`` in the qualification namespace, not yet Complete or Failed), and the cap."""
+# The fleet's qualification Jobs running now (the world's own record: Jobs carrying
+# ``QUALIFICATION_LABEL`` in the qualification namespace, not yet Complete or Failed), and the cap.
+QualificationSlots = Slots
 
-    running: list[str] = Field(default_factory=list, description="Their names")
-    cap: int = Field(ge=1)
-
-
-class SlotDecision(BaseModel):
-    free: bool
-    reason: str
+QUALIFYING = SlotWork(
+    running="qualification Job(s) running fleet-wide",
+    already="qualification Job(s) already run fleet-wide",
+    goes="qualifies now",
+    queued_for="qualification",
+    starts="it starts when one ends",
+)
 
 
 def job_finished(job: Mapping[str, Any]) -> bool:
@@ -93,21 +94,8 @@ def job_finished(job: Mapping[str, Any]) -> bool:
 def qualification_slot(node: str, slots: QualificationSlots) -> SlotDecision:
     """May ``node``'s qualification Job start now? Bounded remediation fleet-wide: at most ``cap``
     Jobs run at once (a burst of repaired nodes does not start a hundred burn-ins together); beyond
-    it the node waits, queued, and says so. Two nodes that ask in the same moment may both start,
-    so the bound holds to within the Jobs being created at that moment."""
-    running = sorted(slots.running)
-    shown = ", ".join(running[:5]) + (f" and {len(running) - 5} more" if len(running) > 5 else "")
-    if len(running) < slots.cap:
-        return SlotDecision(
-            free=True,
-            reason=f"{len(running)} of {slots.cap} qualification Job(s) running fleet-wide: {node} "
-            "qualifies now",
-        )
-    return SlotDecision(
-        free=False,
-        reason=f"{node} queued for qualification: {len(running)} of {slots.cap} qualification Job(s) "
-        f"already run fleet-wide ({shown}); it starts when one ends",
-    )
+    it the node waits, queued, and says so (``fleet.slots``)."""
+    return take_slot(node, slots, QUALIFYING)
 
 
 def machine_id(provider_id: str | None, uid: str) -> str:

@@ -26,6 +26,8 @@ class Phase(StrEnum):
     IN_FLIGHT = "in-flight"
     PROMOTING = "promoting"
     REBUILDING = "rebuilding-warm-floor"
+    # beyond the fleet-wide cap on recoveries rebuilding at once (fleet.slots.rebuild_slot)
+    QUEUED_FOR_REBUILD = "queued-for-rebuild"
     PLACING = "placing"
     TRIAGING = "triaging"
     # a lost node's fence at detection (NodeFence), before any incident looks
@@ -103,6 +105,13 @@ class RecoveryTimings(BaseModel):
         gt=0,
         description="While admission is steady (nothing moved, queues empty) the keeper's interval doubles "
         "up to this; any movement brings it back to admission_interval_s",
+    )
+    admission_watch_s: float = Field(
+        3600.0,
+        gt=0,
+        description="While the recovery waits on an operator after step 3, the keeper's looks run inside "
+        "one activity that returns when admission would move, or after this long: the wait's history "
+        "grows by one watch per this period, not by one look per interval",
     )
     ramp_max_s: float = Field(1800.0, gt=0)
     warm_fraction: float = Field(0.9, gt=0, le=1.0)

@@ -54,6 +54,7 @@ from fleet.recovery import (
     RetryBudget,
     ServingObjectives,
 )
+from fleet.vocabulary import ROUTER_LABEL
 from ledger.reconcile import ReconcileReport, reconcile
 from worker.config import Settings, settings_environment
 from worker.devstack.rbac_wiring import grant_components
@@ -359,6 +360,17 @@ async def rank_pool(
     ) as rig:
         await rig.pool_ready(RANK_POOL)
         yield rig
+
+
+def refused_promotion(code: str) -> dict[str, Any]:
+    """An admission policy (422) or RBAC (403) refusing the patch that routes to the gpu-node-loss world's
+    warm spare (Deployment llama-spare): its pods *and* a body carrying the router label, nothing else."""
+    return {
+        "verbs": ["PATCH"],
+        "path_contains": "/pods/llama-spare-",
+        "body_contains": f'"{ROUTER_LABEL}"',
+        "error": code,
+    }
 
 
 @contextlib.asynccontextmanager

@@ -172,6 +172,13 @@ class Settings(BaseSettings):
         'JSON, e.g. {"namespace": "fleetmend", "image": "nvcr.io/nvidia/cloud-native/dcgm:...", "level": 2, '
         '"deadline_s": 1800}',
     )
+    recovery_concurrency: int = Field(
+        16,
+        ge=1,
+        description="Recoveries rebuilding capacity (scaling replacements up, placing, ramping) at once, "
+        "fleet-wide; beyond it a recovery waits, queued and visibly, after its deroute, shedding and "
+        "promotion, which never wait (fleet.slots.rebuild_slot)",
+    )
     action_log_url: str | None = Field(
         None, description="A target's own action log (the simulator's /sim/v1/actions) for ledger reconcile"
     )

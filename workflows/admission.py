@@ -18,10 +18,25 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from temporalio import workflow
+from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from activities.act import ActActivities, AdmissionChangeRequest, RetryPolicyChangeRequest
-    from activities.observe import JournalRequest, ObserveActivities
+    from activities.observe import (
+        AdmissionWatch,
+        AdmissionWatched,
+        JournalRequest,
+        ObserveActivities,
+        ObserveRequest,
+    )
+    from fleet.admission_look import (
+        ARRIVALS_COUNTED_S,
+        KeeperLook,
+        KeeperMemory,
+        keeper_look,
+        keeper_queue_room,
+        keeper_readmission,
+    )
     from fleet.arrivals import ArrivalTally, admitted_rate, arrival_rate
     from fleet.engine_metrics import EngineSnapshot
     from fleet.gateway import Admission
@@ -30,13 +45,11 @@ with workflow.unsafe.imports_passed_through():
     from fleet.recovery import Phase, RecoveryInput
     from fleet.recovery_observations import in_flight_record
     from fleet.retry_budget import decide_retry_policy
-    from fleet.service_rate import capacity_to_count_on, per_group_capacity, routed_served_rate, smoothed
+    from fleet.service_rate import per_group_capacity
     from fleet.shedding import (
         LiftDecision,
-        QueueRoom,
         ShedDecision,
         admission_changed,
-        decide_readmission,
         decide_shedding,
         estimate_arrivals,
         lift_after_verification,
@@ -52,13 +65,15 @@ with workflow.unsafe.imports_passed_through():
     )
     from fleet.vocabulary import SHED_ORDER
     from fleet.warmth import RampPlan, ramp_capacity_shape
-    from workflows.procedure import Procedure
-
-# Arrivals the gateway counted over at least this long replace the first estimate (open-loop clients
-# arrive in bursts; the protect step's first window is a second or two).
-ARRIVALS_COUNTED_S = 5.0
+    from workflows.procedure import Procedure, is_cancellation
 
 Look = Callable[[str], Awaitable[PoolObservation]]
+
+
+# History events one watch adds (``_watch``): the interval's timer and its workflow task (5), the
+# watch activity and the workflow task its result wakes (6). A wait of W seconds without an
+# admission change adds at most WATCH_EVENTS_MAX x (W / admission_watch_s + 1).
+WATCH_EVENTS_MAX = 11
 
 
 class AdmissionKeeper:
@@ -71,7 +86,7 @@ class AdmissionKeeper:
         self.shed: ShedDecision | None = None
         self.admission = Admission()
         self.arrival_rps = 0.0
-        self.arrivals = ArrivalTally()  # the gateway's count, from the first look on
+        self.memory = KeeperMemory()  # the gateway's count from the first look on, the last look, served
         self.per_group_rps = 0.0
         self.serving_groups = 0
         self.readmissions = 0
@@ -82,6 +97,15 @@ class AdmissionKeeper:
         self._task: asyncio.Task[None] | None = None
         self._look_s = inp.timings.admission_interval_s
         self._parked = False  # the keeper looks PARKED_FACTOR x its max interval apart
+
+    @property
+    def arrivals(self) -> ArrivalTally:
+        """The gateway's arrival count, from the incident's first look on."""
+        return self.memory.arrivals
+
+    @arrivals.setter
+    def arrivals(self, tally: ArrivalTally) -> None:
+        self.memory = self.memory.model_copy(update={"arrivals": tally})
 
     def count(self, obs: PoolObservation) -> None:
         """The incident's first look starts the gateway's arrival count (nothing refused yet)."""
@@ -122,7 +146,7 @@ class AdmissionKeeper:
                 lost_capacity_rps=per_group * len([g for g in lost if g.role is GroupRole.SERVING]),
                 per_group_capacity_rps=per_group,
                 keep_armed=True,  # the warm floor is short until the replacement is back
-                queues=self._queue_room(self.backlog),
+                queues=keeper_queue_room(inp.objectives.wait_budget_s, self.backlog, self._look_s),
                 unread_survivors=look.unread,
             )
             self.capacity_rps = self.shed.survivor_capacity_rps
@@ -133,50 +157,35 @@ class AdmissionKeeper:
         self._keeping = True
         self._task = asyncio.ensure_future(self._keep(lost_ids))
 
-    def _queue_room(self, backlog: float) -> QueueRoom | None:
-        """What the routed replicas' queues can absorb until the keeper's next look (None: budget 0)."""
-        budget = self._inp.objectives.wait_budget_s
-        if budget <= 0:
-            return None
-        # Twice the keeper's interval: a change takes effect a moment after it is decided.
-        return QueueRoom(wait_budget_s=budget, backlog=backlog, horizon_s=2 * self._look_s)
-
     async def _keep(self, lost_ids: set[str]) -> None:
         """Re-read the queues every ``admission_interval_s`` and re-admit.
 
         The queues absorb what they can of the gap; as they fill, the refused share rises to the
         gap, and when capacity returns it falls. A look that changes nothing records nothing, and
-        while looks change nothing the interval backs off (``next_admission_look``).
+        while looks change nothing the interval backs off (``next_admission_look``). While the
+        recovery waits on an operator, the looks run inside one activity (``_watch``).
         """
         proc, timings = self._proc, self._inp.timings
-        previous: PoolObservation | None = None
-        served: float | None = None
         while self._keeping:
             try:
                 await workflow.wait_condition(lambda: not self._keeping, timeout=self._look_s)
                 return
             except TimeoutError:
                 pass
+            if self._asking() and workflow.patched("keeper-watches-while-asking"):
+                await self._watch(lost_ids)
+                continue
             obs = await self._look("admission: the routed replicas' queues")
-            backlog = routed_backlog(obs, lost_ids)
-            self.arrivals = self.arrivals.add(obs, refused_fraction(self.admission))
-            arrival = self.arrivals.rate(ARRIVALS_COUNTED_S)
-            if previous is not None:
-                served = smoothed(served, routed_served_rate(previous, obs, lost_ids))
-            previous = obs
+            look = keeper_look(
+                self.memory,
+                obs,
+                lost_ids,
+                refused_share=refused_fraction(self.admission),
+                planned_capacity_rps=self.capacity_rps,
+            )
             if not self._keeping:
                 return
-            capacity, measured = capacity_to_count_on(self.capacity_rps, served)
-            notes = [f"queues re-read: {backlog:.0f} request(s) waiting on the routed replicas"]
-            if arrival is not None:
-                notes.append(
-                    f"arrivals {arrival:.1f} req/s counted by the gateway over {self.arrivals.seconds:.0f} s"
-                )
-            if measured:
-                notes.append(measured)
-            moved = await self.readmit(
-                "; ".join(notes), capacity, arrival, backlog=backlog, capacity_changed=False
-            )
+            moved = await self._take(look)
             bounded = workflow.patched("keeper-bounds-history")
             history_large = bounded and workflow.info().is_continue_as_new_suggested()
             if history_large and not self._parked:
@@ -192,10 +201,72 @@ class AdmissionKeeper:
                 timings.admission_interval_s,
                 timings.admission_max_interval_s,
                 admission_moved=moved,
-                backlog=backlog,
-                awaiting_operator=bounded and proc.status().phase is Phase.AWAITING_OPERATOR,
+                backlog=look.backlog,
+                awaiting_operator=bounded and self._asking(),
                 history_large=history_large,
             )
+
+    def _asking(self) -> bool:
+        return self._proc.status().phase is Phase.AWAITING_OPERATOR
+
+    async def _take(self, look: KeeperLook) -> bool:
+        """A look at the queues becomes the keeper's memory, and re-admits (True when admission moved)."""
+        self.memory = look.memory
+        return await self.readmit(
+            look.change, look.capacity_rps, look.arrival_rps, backlog=look.backlog, capacity_changed=False
+        )
+
+    async def _watch(self, lost_ids: set[str]) -> None:
+        """While the recovery waits on an operator: the keeper's looks inside one activity.
+
+        An operator may take hours; a look per interval would add a timer and an activity to the
+        history each time. The watch (``ObserveActivities.watch_admission``) looks and decides as
+        ``_keep`` does, and returns only when admission would move, or after ``admission_watch_s``:
+        the wait adds ``WATCH_EVENTS_MAX`` events per watch, whatever the number of looks. When the
+        operator answers (or the recovery stops), the watch is cancelled and the keeper looks as before.
+        """
+        proc, inp, timings = self._proc, self._inp, self._inp.timings
+        budget = timings.retry
+        request = AdmissionWatch(
+            observe=ObserveRequest(pool=inp.pool),
+            lost_ids=sorted(lost_ids),
+            memory=self.memory,
+            admission=self.admission,
+            capacity_rps=self.capacity_rps,
+            arrival_rps=self.arrival_rps,
+            wait_budget_s=inp.objectives.wait_budget_s,
+            interval_s=timings.admission_interval_s,
+            max_interval_s=timings.admission_max_interval_s,
+            look_timeout_s=budget.call_timeout_s,
+            watch_s=timings.admission_watch_s,
+        )
+        # A look and the longest interval between two looks, twice: a watch that stops heartbeating
+        # is a dead worker's (the next attempt starts from the request).
+        heartbeat_s = 2 * (budget.call_timeout_s + timings.admission_max_interval_s)
+        watching = asyncio.ensure_future(
+            proc.observe(
+                ObserveActivities.watch_admission,
+                request,
+                "admission: watch the queues while an operator is asked",
+                timeout_s=timings.admission_watch_s + heartbeat_s,
+                heartbeat_s=heartbeat_s,
+            )
+        )
+        await workflow.wait_condition(lambda: watching.done() or not self._keeping or not self._asking())
+        if not watching.done():
+            watching.cancel()
+            try:
+                await watching
+            except (asyncio.CancelledError, ActivityError) as err:
+                if isinstance(err, ActivityError) and not is_cancellation(err):
+                    raise
+            return
+        watched: AdmissionWatched = watching.result()
+        self._look_s = watched.interval_s  # the horizon the watch decided with
+        if watched.moved and await self._take(watched.look):
+            self._look_s = timings.admission_interval_s
+        else:
+            self.memory = watched.look.memory
 
     async def stop(self) -> None:
         """Stop the keeper (verification) and wait for its current look to end."""
@@ -226,12 +297,13 @@ class AdmissionKeeper:
                 self.backlog = backlog
             if capacity_changed:
                 self.capacity_rps = capacity_rps
-            decision = decide_readmission(
+            decision = keeper_readmission(
                 self.arrival_rps,
                 capacity_rps,
                 change,
-                warm_floor_restored=False,
-                queues=self._queue_room(self.backlog),
+                backlog=self.backlog,
+                wait_budget_s=self._inp.objectives.wait_budget_s,
+                look_s=self._look_s,
             )
             if not admission_changed(self.admission, decision.admission):
                 return False

@@ -319,30 +319,18 @@ class NodeLifecycle:
             )
             return slots
 
-        first = await look()
-        decision = qualification_slot(node, first)
-        if decision.free:
-            return True
-        proc.decide(decision.reason, {"qualification_slots": first.model_dump(mode="json")})
-        await self._stage(Phase.QUALIFYING, f"Queued for qualification: **{node}** waits for a slot")
-        interval_s = max(timings.poll_interval_s, 1.0)
         wait_s = 2 * timings.qualification_timeout_s
-        slots, free = await proc.poll(
+        return await proc.await_slot(
             look,
-            lambda slots: qualification_slot(node, slots).free,
-            interval_s=interval_s,
-            deadline=proc.now() + wait_s,
+            lambda slots: qualification_slot(node, slots),
+            queued=lambda: self._stage(
+                Phase.QUALIFYING, f"Queued for qualification: **{node}** waits for a slot"
+            ),
+            interval_s=max(timings.poll_interval_s, 1.0),
+            wait_s=wait_s,
             summary=f"wait for a qualification slot for {node}",
-            backoff_to_s=8 * interval_s,
+            still_queued=f"still queued after {wait_s:.0f} s: it stays quarantined until an operator acts",
         )
-        now = qualification_slot(node, slots)
-        if free:
-            proc.decide(now.reason)
-            return True
-        proc.decide(
-            f"{now.reason}; still queued after {wait_s:.0f} s: it stays quarantined until an operator acts"
-        )
-        return False
 
     async def _await_job(self, name: str, node: str, machine: str) -> Verdict:
         proc, timeout_s = self._proc, self._timings.qualification_timeout_s

@@ -53,7 +53,7 @@ import asyncio
 import math
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
-from typing import Any, NamedTuple, TypedDict, TypeVar
+from typing import Any, NamedTuple, TypedDict, TypeVar, overload
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributeUpdate
@@ -77,6 +77,7 @@ with workflow.unsafe.imports_passed_through():
         Refusal,
         RetryBudget,
     )
+    from fleet.slots import SlotDecision, Slots
     from fleet.vocabulary import POD_DELETION_COST_ANNOTATION, REMOVE_FIRST_DELETION_COST
 
 ReqT = TypeVar("ReqT", bound=EffectRequest)
@@ -376,6 +377,39 @@ class Record(Watch):
         if report.replayed:
             figures["effects_deduplicated"] = figures.get("effects_deduplicated", 0) + 1
 
+    async def await_slot(
+        self,
+        look: Callable[[], Awaitable[Slots]],
+        decide: Callable[[Slots], SlotDecision],
+        *,
+        queued: Callable[[], Awaitable[None]],
+        interval_s: float,
+        wait_s: float,
+        summary: str,
+        still_queued: str,
+    ) -> bool:
+        """Bounded remediation, fleet-wide (``fleet.slots``): wait, queued and visibly, until ``decide``
+        finds a free slot in what ``look`` counts. ``queued`` runs once the work is queued (a phase, the
+        UI's details). Looks back off to 8 x ``interval_s``; after ``wait_s`` the wait ends saying
+        ``still_queued`` (False: the caller says what that means)."""
+        first = await look()
+        decision = decide(first)
+        if decision.free:
+            return True
+        self.decide(decision.reason, {"slots": first.model_dump(mode="json")})
+        await queued()
+        slots, free = await self.poll(
+            look,
+            lambda slots: decide(slots).free,
+            interval_s=interval_s,
+            deadline=self.now() + wait_s,
+            summary=summary,
+            backoff_to_s=8 * interval_s,
+        )
+        now = decide(slots)
+        self.decide(now.reason if free else f"{now.reason}; {still_queued}")
+        return free
+
 
 class Opening(TypedDict):
     """What ``Procedure.__init__`` takes (``super().__init__(**opening(...))``)."""
@@ -562,6 +596,18 @@ class Procedure(Record):
                 return report
             attempt += 1  # the refusal is recorded under its op id; the retry is a new operation
 
+    @overload
+    async def observe(
+        self,
+        activity: Callable[[Any, ArgT], Awaitable[ResultT]],
+        arg: ArgT,
+        summary: str,
+        *,
+        timeout_s: float | None = None,
+        heartbeat_s: float | None = None,
+    ) -> ResultT: ...
+
+    @overload
     async def observe(
         self,
         activity: Callable[[Any, ArgT], ResultT],
@@ -570,7 +616,17 @@ class Procedure(Record):
         *,
         timeout_s: float | None = None,
         heartbeat_s: float | None = None,
-    ) -> ResultT:
+    ) -> ResultT: ...
+
+    async def observe(
+        self,
+        activity: Callable[[Any, ArgT], Any],
+        arg: ArgT,
+        summary: str,
+        *,
+        timeout_s: float | None = None,
+        heartbeat_s: float | None = None,
+    ) -> Any:
         """A read of the world, with the bounded retry budget; a spent budget is tried again with backoff
         for the budget's ``read_patience_s``, then an operator is asked (retry / abort)."""
         return await self._read(

@@ -65,7 +65,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.node_qualification import NodeTriaged, NodeWorkflows
     from workflows.procedure import Aborted, Procedure, opening
     from workflows.ramp import promote_warm_capacity, ramp_back
-    from workflows.rebuild import await_retired
+    from workflows.rebuild import await_rebuild_slot, await_retired
 
 
 @workflow.defn(name="ReplicaLossRecovery")
@@ -291,6 +291,8 @@ class ReplicaLossRecovery(Procedure):
         await self.enter(Phase.REBUILDING, "Rebuilding the warm floor")
         obs = with_lost(obs, lost)
         await self.nodes.fence(obs, lost, self._look_light)
+        if not inp.dry_run:
+            await await_rebuild_slot(self, inp.pool, inp.timings)
         # patched: a recovery that had planned its rebuild before lost spares were refilled replays as it ran.
         refill_spares = workflow.patched("refill-lost-spares")
         plan = rebuild.plan_rebuild(

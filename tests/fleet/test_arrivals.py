@@ -172,3 +172,39 @@ def test_a_recovery_waiting_for_an_operator_or_with_a_long_history_looks_less_of
         assert parked == PARKED_FACTOR * 30.0
     events_per_look = 11  # activity 3, timer 2, two workflow tasks 6
     assert 3600 / (PARKED_FACTOR * 30.0) * events_per_look * 24 * 4 < 51_200 - 4_096  # four days of waiting
+
+
+def test_the_keepers_looks_carry_the_count_and_the_served_rate_from_one_look_to_the_next() -> None:
+    """One look after another (in the workflow or inside a watch): the same fold of ``keeper_look``."""
+    from fleet.admission_look import KeeperMemory, keeper_look, keeper_queue_room, keeper_readmission
+
+    looks = [
+        _obs(0.0, {"a": EngineSnapshot(request_success_total=0, running=4, waiting=0)}, 0),
+        _obs(3.0, {"a": EngineSnapshot(request_success_total=60, running=4, waiting=5)}, 90),
+        _obs(6.0, {"a": EngineSnapshot(request_success_total=120, running=4, waiting=9)}, 180),
+    ]
+    memory = KeeperMemory()
+    seen = []
+    for obs in looks:
+        look = keeper_look(memory, obs, ["b"], refused_share=0.0, planned_capacity_rps=10.0)
+        memory = look.memory
+        seen.append(look)
+    first, second, third = seen
+    # One look: no served rate yet, and too short a count for arrivals: the plan's capacity.
+    assert first.arrival_rps is None and first.capacity_rps == 10.0
+    # Two: the survivor served 20 req/s, more than planned, so that is the capacity counted on.
+    assert second.capacity_rps == 20.0 and "served" in second.change
+    # Six seconds counted by the gateway: 30 req/s arrive, 9 wait; with a 0.5 s wait budget the queues are
+    # nearly full, and the gap they cannot absorb is refused.
+    assert third.arrival_rps == 30.0 and third.backlog == 9.0
+    decision = keeper_readmission(
+        third.arrival_rps,
+        third.capacity_rps,
+        third.change,
+        backlog=third.backlog,
+        wait_budget_s=0.5,
+        look_s=1.0,
+    )
+    assert decision.shed_fraction > 0, decision.reason
+    # A wait budget of 0 gives the queues no room at all.
+    assert keeper_queue_room(0.0, 9.0, 1.0) is None

@@ -17,7 +17,7 @@ import pytest
 from temporalio.client import Client
 
 from fleet.recovery import Phase
-from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX, ROUTER_LABEL, FaultKind
+from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX, FaultKind
 from tests.support import (
     POOL,
     cli_env,
@@ -30,6 +30,7 @@ from tests.support import (
     node_report,
     posted,
     reconcile_with_world,
+    refused_promotion,
     run_cli,
     ui_details,
     wait_for_child,
@@ -37,8 +38,6 @@ from tests.support import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-SPARE_PODS = "/pods/llama-spare-"  # the gpu-node-loss world's warm spare Deployment is llama-spare
 
 
 @pytest.mark.parametrize(
@@ -53,14 +52,7 @@ async def test_a_refused_promotion_stops_and_asks_and_retry_after_the_fix_comple
 ) -> None:
     async with gpu_pool(temporal_client, task_queue, ledger_url) as rig:
         # An admission policy refuses adding the router label to the spare: the promotion, nothing else.
-        await rig.refuse(
-            {
-                "verbs": ["PATCH"],
-                "path_contains": SPARE_PODS,
-                "body_contains": f'"{ROUTER_LABEL}"',
-                "error": code,
-            }
-        )
+        await rig.refuse(refused_promotion(code))
         await rig.inject(FaultKind.NODE_LOST, "gpu-node-0")
         incident = await rig.report_loss(
             node_report("gpu-node-0", fingerprint="fp-promote"), incident_config()
