@@ -341,10 +341,15 @@ class Settings(BaseSettings):
         default_factory=lambda: [
             "nvidia.com/cuda.driver-version.full",
             "feature.node.kubernetes.io/kernel-version.full",
+            "feature.node.kubernetes.io/system-os_release.VERSION_ID",
             "node.kubernetes.io/instance-type",
+            "cloud.google.com/gke-nodepool",
+            "eks.amazonaws.com/nodegroup",
+            "karpenter.sh/nodepool",
         ],
         description="Node labels naming a node-level attribute (driver version as NVIDIA GPU Feature "
-        "Discovery publishes it, kernel version as Node Feature Discovery does, instance type): a node "
+        "Discovery publishes it, kernel and OS image version as Node Feature Discovery does, instance "
+        "type, the node pool a managed-node-pool operation acts on as GKE, EKS and Karpenter label it): a node "
         "lost at detection also joins the FleetEvent of each; its cause is named as a suspect only when "
         "the lost nodes span topology domains and part of the fleet runs another value (fleet.fleet_event)",
     )
