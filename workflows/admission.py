@@ -15,6 +15,7 @@ refused admission change asks an operator like any other effect.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 
 from temporalio import workflow
@@ -65,7 +66,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from fleet.vocabulary import SHED_ORDER
     from fleet.warmth import RampPlan, ramp_capacity_shape
-    from workflows.procedure import Procedure, is_cancellation
+    from workflows.procedure import Procedure, describe_failure, run_bounded
 
 Look = Callable[[str], Awaitable[PoolObservation]]
 
@@ -97,6 +98,8 @@ class AdmissionKeeper:
         self._task: asyncio.Task[None] | None = None
         self._look_s = inp.timings.admission_interval_s
         self._parked = False  # the keeper looks PARKED_FACTOR x its max interval apart
+        self._watch_failed = False  # the last watch failed: the next look is the keeper's own
+        self._ended = False  # the recovery ended (halt): the keeper adds no command any more
 
     @property
     def arrivals(self) -> ArrivalTally:
@@ -172,10 +175,11 @@ class AdmissionKeeper:
                 return
             except TimeoutError:
                 pass
-            if self._asking() and workflow.patched("keeper-watches-while-asking"):
+            if self._asking() and not self._watch_failed and workflow.patched("keeper-watches-while-asking"):
                 await self._watch(lost_ids)
                 continue
             obs = await self._look("admission: the routed replicas' queues")
+            self._watch_failed = False
             look = keeper_look(
                 self.memory,
                 obs,
@@ -243,25 +247,36 @@ class AdmissionKeeper:
         # A look and the longest interval between two looks, twice: a watch that stops heartbeating
         # is a dead worker's (the next attempt starts from the request).
         heartbeat_s = 2 * (budget.call_timeout_s + timings.admission_max_interval_s)
+        # Through run_bounded, not proc.observe: the operator's answer may end the recovery in the same
+        # workflow task that cancels the watch, and nothing may be decided (no patch marker, no
+        # operator ask) after the workflow completed. A watch that fails hands back to the keeper's own
+        # looks (which read through the toolkit and ask an operator if the world stays unreadable).
         watching = asyncio.ensure_future(
-            proc.observe(
+            run_bounded(
                 ObserveActivities.watch_admission,
                 request,
-                "admission: watch the queues while an operator is asked",
+                budget=budget,
+                summary="admission: watch the queues while an operator is asked",
                 timeout_s=timings.admission_watch_s + heartbeat_s,
                 heartbeat_s=heartbeat_s,
             )
         )
         await workflow.wait_condition(lambda: watching.done() or not self._keeping or not self._asking())
         if not watching.done():
+            if self._ended:
+                # The recovery ended, perhaps in this very workflow task: no command may follow its
+                # completion. The worker drops the watch at its next heartbeat (the workflow is closed).
+                return
             watching.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, ActivityError):
                 await watching
-            except (asyncio.CancelledError, ActivityError) as err:
-                if isinstance(err, ActivityError) and not is_cancellation(err):
-                    raise
             return
-        watched: AdmissionWatched = watching.result()
+        try:
+            watched: AdmissionWatched = watching.result()
+        except ActivityError as err:
+            self._watch_failed = True
+            proc.decide(f"admission watch failed ({describe_failure(err)}): the keeper looks again itself")
+            return
         self._look_s = watched.interval_s  # the horizon the watch decided with
         if watched.moved and await self._take(watched.look):
             self._look_s = timings.admission_interval_s
@@ -278,6 +293,7 @@ class AdmissionKeeper:
     def halt(self) -> None:
         """The recovery ended (done or aborted): the keeper's loop ends at its next wake-up."""
         self._keeping = False
+        self._ended = True
 
     async def readmit(
         self,
