@@ -1,7 +1,7 @@
 """Bounded remediation, fleet-wide: at most ``cap`` pieces of one kind of work at once.
 
-Qualification Jobs (``fleet.qualification``) and recoveries rebuilding capacity
-(``fleet.recovery_slots``) are counted from the world's own record each time a procedure asks
+Qualification Jobs (``fleet.qualification``) and recoveries rebuilding capacity (``rebuild_slot``
+below) are counted from the world's own record each time a procedure asks
 (Jobs not yet finished; recoveries whose phase Temporal's visibility shows), so nothing leaks
 when a worker dies. Beyond the cap the asking procedure waits, queued, and says so. Two
 procedures that ask in the same moment may both go, so the bound holds to within the work
