@@ -85,11 +85,24 @@ class EnvoyProcess:
                 raise StackError(f"envoy exited with {self.proc.returncode}: {log_tail(self.log_file, 10)}")
             try:
                 if httpx.get(self.admin_url + "/ready", timeout=1.0).text.strip() == "LIVE":
-                    return self
+                    return self._ours()
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
         raise StackError(f"envoy did not become ready in {timeout_s:.0f} s: {log_tail(self.log_file, 10)}")
+
+    def _ours(self) -> EnvoyProcess:
+        """The LIVE answer came from this Envoy, not from another process that took the admin port
+        first (this one then exits on its bind error, maybe just after the answer): the admin's
+        ``/server_info`` names this bootstrap's node id."""
+        node = httpx.get(self.admin_url + "/server_info", timeout=2.0).json().get("node", {})
+        if node.get("id") != self.settings.node_id:
+            self.stop()
+            raise StackError(
+                f"admin port {self.settings.admin_port} is already in use by another Envoy "
+                f"({node.get('id')!r}, not {self.settings.node_id!r})"
+            )
+        return self
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -23,7 +23,7 @@ from gateway.bootstrap import BootstrapSettings
 from gateway.resources import UPSTREAM_HEADER, DataPlaneSettings
 from gateway.run import ControlPlaneThread, hosts_reader
 from worker.devstack.envoy import EnvoyProcess
-from worker.processes import free_port
+from worker.processes import StackError, free_port
 
 
 @dataclass
@@ -60,23 +60,35 @@ class LocalGateway:
             port=self.xds_port,
             data_plane=self.data_plane,
         ).start()
-        self.envoy = EnvoyProcess(
-            BootstrapSettings(
-                node_id=f"envoy-{uuid.uuid4().hex[:6]}",
-                listen_address="127.0.0.1",
-                listen_port=self.listen_port or free_port(),
-                admin_port=self.admin_port or free_port(),
-                xds_host="127.0.0.1",
-                xds_port=self.plane.port,
-                access_log_path=str(self.access_log),
-            ),
-            self.workdir,
-        )
-        try:
-            self.envoy.start()
-        except BaseException:
-            self.plane.stop()
-            raise
+        # Ports the caller left to us are picked free, and another process can take one before
+        # Envoy binds it ("Address already in use"): Envoy is then started again on fresh ports,
+        # three times. Ports the caller chose are used as given, and a taken one is an error.
+        chosen = bool(self.listen_port and self.admin_port)
+        for attempt in range(1 if chosen else 3):
+            self.envoy = EnvoyProcess(
+                BootstrapSettings(
+                    node_id=f"envoy-{uuid.uuid4().hex[:6]}",
+                    listen_address="127.0.0.1",
+                    listen_port=self.listen_port or free_port(),
+                    admin_port=self.admin_port or free_port(),
+                    xds_host="127.0.0.1",
+                    xds_port=self.plane.port,
+                    access_log_path=str(self.access_log),
+                ),
+                self.workdir,
+            )
+            try:
+                self.envoy.start()
+                break
+            except StackError as err:
+                self.envoy.stop()
+                if chosen or attempt == 2 or "already in use" not in str(err):
+                    self.plane.stop()
+                    raise
+            except BaseException:
+                self.envoy.stop()
+                self.plane.stop()
+                raise
         return self
 
     def restart_envoy(self, *, crash: bool = True) -> None:
