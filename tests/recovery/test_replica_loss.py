@@ -31,6 +31,7 @@ from tests.support import (
     rank_pool,
     reconcile_with_world,
     routed,
+    until,
     wait_for_child,
     wait_for_phase,
 )
@@ -63,6 +64,16 @@ async def test_gpu_node_lost_under_load_alert_storm_one_recovery(
         before = await routed(rig, lambda pods: len(pods) == 5, "5 replicas")
         load = await rig.start_load(rate=60, duration_s=120, seed=3)
         await load_reaches(rig)
+        # What this world serves healthy, on this machine now: the bar users' goodput is held to after the
+        # loss. (A CPU-starved machine makes the simulated engines late whatever fleetmend does.)
+        healthy = await until(
+            lambda: rig.load_report(load),
+            lambda r: r["finished"] >= 300,
+            lambda r: f"the load did not finish 300 requests before the fault: {r}",
+            timeout_s=60,
+        )
+        healthy_share = healthy["goodput"] / healthy["finished"]
+        assert healthy_share > 0.5, f"the world is too starved to grade a recovery by: {healthy}"
         fault = await rig.inject(FaultKind.NODE_LOST, "gpu-node-0")
         assert fault["accepted"]
         # Alertmanager re-sends, several receivers fire: 200 deliveries of the same loss.
@@ -127,9 +138,11 @@ async def test_gpu_node_lost_under_load_alert_storm_one_recovery(
         )
         for handle in (child, incident, *nodes):
             await replayer.replay_workflow(await handle.fetch_history())
-        # Users: streams that had started on the lost replicas ended with a terminal error, never replayed.
+        # Users, by the load generator's own record: at least 80 % of what the healthy world served of what
+        # they sent, less what was refused to close the gap (streams cut on the lost replicas ended with a
+        # terminal error and were not replayed).
         users = await rig.load_report(load)
-        assert users["goodput"] > 0.8 * users["sent"] - users["shed"], users
+        assert users["goodput"] > 0.8 * healthy_share * users["sent"] - users["shed"], (users, healthy)
 
 
 async def test_dry_run_records_the_plan_and_touches_nothing(
