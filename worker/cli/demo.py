@@ -13,7 +13,6 @@ from rich.table import Table
 from worker import jsonlog
 from worker.cli.common import UNAVAILABLE, connects_itself, fail
 from worker.config import load_settings
-from worker.devstack.demo import DemoError, run_demo
 from worker.devstack.scenarios import DEFAULT_SCENARIO, SCENARIOS
 from worker.processes import StackError
 from worker.startup_checks import StartupCheckError
@@ -57,6 +56,8 @@ def demo(
             f"unknown scenario {scenario!r}; choose one of: {', '.join(SCENARIOS)} "
             "(fleetmend demo --list describes them)"
         )
+    from worker.devstack.demo import DemoError, run_demo  # the whole stack: loaded for this command only
+
     connects_itself()  # its stack's Temporal client: leave once the stack is down (worker.cli.common.leave)
     settings = load_settings()
     jsonlog.configure(file=settings.state_dir / "demo-logs" / "fleetmend.log")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import typer
@@ -13,9 +14,11 @@ from rich.table import Table
 from worker import jsonlog
 from worker.cli.common import UNAVAILABLE, connects_itself, fail
 from worker.config import Settings, load_settings
-from worker.devstack.stack import DevStack
 from worker.processes import StackError
 from worker.startup_checks import StartupCheckError
+
+if TYPE_CHECKING:
+    from worker.devstack.stack import DevStack
 
 console = Console()
 
@@ -41,6 +44,8 @@ def _stop_on_signals(stop: asyncio.Event) -> None:
 
 
 async def _serve(settings: Settings) -> None:
+    from worker.devstack.stack import DevStack  # the whole stack: loaded for this command only
+
     stop = asyncio.Event()
     _stop_on_signals(stop)  # a Ctrl-C during start-up stops the stack right after it is up
     async with DevStack(settings) as stack:

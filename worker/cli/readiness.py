@@ -18,12 +18,6 @@ from fleet.readiness import ReadinessThresholds
 from worker.cli.common import fail, with_client
 from worker.config import load_settings
 from worker.schedules import ScheduleError, parse_duration, parse_pool
-from workflows.readiness_keeper import (
-    READINESS_KEEPER_WORKFLOW,
-    KeeperInput,
-    KeeperStatus,
-    readiness_keeper_workflow_id,
-)
 
 app = typer.Typer(no_args_is_help=True)
 console = Console()
@@ -48,6 +42,13 @@ def start(
     dry_run: bool = typer.Option(False, "--dry-run", help="Record gate writes as planned; perform none."),
 ) -> None:
     """Start keeping the pool's serving-ready readiness gates in sync with its engines' KV and queue."""
+    # The keeper's workflow module (and the workflow sandbox it brings) loads for these commands only.
+    from workflows.readiness_keeper import (
+        READINESS_KEEPER_WORKFLOW,
+        KeeperInput,
+        readiness_keeper_workflow_id,
+    )
+
     try:
         ref = parse_pool(pool)
         inp = KeeperInput(
@@ -94,6 +95,8 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Every replica's readiness verdict and the recent gate writes."""
+    from workflows.readiness_keeper import KeeperStatus, readiness_keeper_workflow_id
+
     ref = _pool(pool)
 
     async def go(client: Client) -> KeeperStatus:
@@ -127,6 +130,8 @@ def status(
 @app.command("stop")
 def stop(pool: str = typer.Option(..., "--pool", help="NAMESPACE/SERVICE of the serving pool.")) -> None:
     """Stop the keeper (the gates keep their last value)."""
+    from workflows.readiness_keeper import readiness_keeper_workflow_id
+
     ref = _pool(pool)
 
     async def go(client: Client) -> None:

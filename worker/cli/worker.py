@@ -12,10 +12,12 @@ from worker.cli.common import UNAVAILABLE, connects_itself, fail
 from worker.config import Settings, load_settings
 from worker.processes import StackError
 from worker.startup_checks import StartupCheckError
-from worker.worker import metrics_runtime, run_worker
 
 
 async def _run(settings: Settings, database_url: str) -> None:
+    # Every workflow and activity: loaded for this command only (the operator's commands start without them).
+    from worker.worker import metrics_runtime, run_worker
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
