@@ -15,7 +15,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -50,6 +50,19 @@ class DevConfig:
     ui_port: int
     metrics_port: int
     task_queue: str
+    started_on: set[int] = field(default_factory=set)  # the ports of every stack of this config that came up
+
+    def pick_ports(self) -> None:
+        """Free ports for every part (the stack takes them from the FLEETMEND_* environment)."""
+        self.grpc_port, self.ui_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.env.update(
+            {
+                "FLEETMEND_TEMPORAL_ADDRESS": f"127.0.0.1:{self.grpc_port}",
+                "FLEETMEND_TEMPORAL_UI_PORT": str(self.ui_port),
+                "FLEETMEND_WORKER_METRICS_PORT": str(self.metrics_port),
+                **{name: str(free_port()) for name in PICKED_PORTS},
+            }
+        )
 
     @property
     def ports(self) -> list[int]:
@@ -74,47 +87,71 @@ def dev_root() -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
+# The ports besides Temporal's, the UI's and the worker's metrics that the test picks for the stack.
+PICKED_PORTS = (
+    "FLEETMEND_WEBHOOK_PORT",
+    "FLEETMEND_SIM_PORT",
+    "FLEETMEND_GATEWAY_LISTEN_PORT",
+    "FLEETMEND_GATEWAY_ADMIN_PORT",
+    "FLEETMEND_XDS_PORT",
+)
+# How the stack names a port another process holds: its own start-up check, the sim, Envoy.
+TAKEN_PORT = re.compile(
+    r"port [\d.]+:(\d+) is already in use|cannot listen on [\d.]+:(\d+)|cannot bind '[\d.]+:(\d+)'"
+)
+
+
 @pytest.fixture
 def dev_config(dev_root: Path) -> DevConfig:
     tmp_path = dev_root
-    grpc, ui, metrics = free_port(), free_port(), free_port()
     task_queue = f"dev-{uuid.uuid4().hex[:8]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETMEND_")}
     env.update(
         {
             "FLEETMEND_STATE_DIR": str(tmp_path / "state"),
-            "FLEETMEND_TEMPORAL_ADDRESS": f"127.0.0.1:{grpc}",
-            "FLEETMEND_TEMPORAL_UI_PORT": str(ui),
-            "FLEETMEND_WORKER_METRICS_PORT": str(metrics),
-            "FLEETMEND_WEBHOOK_PORT": str(free_port()),
-            "FLEETMEND_SIM_PORT": str(free_port()),
-            "FLEETMEND_GATEWAY_LISTEN_PORT": str(free_port()),
-            "FLEETMEND_GATEWAY_ADMIN_PORT": str(free_port()),
-            "FLEETMEND_XDS_PORT": str(free_port()),
             "FLEETMEND_TASK_QUEUE": task_queue,
             "COLUMNS": "400",  # one table row per line, so the test can read it
         }
     )
-    return DevConfig(tmp_path / "state", env, grpc, ui, metrics, task_queue)
+    config = DevConfig(tmp_path / "state", env, 0, 0, 0, task_queue)
+    config.pick_ports()
+    return config
 
 
 def start_dev(config: DevConfig, tag: str, timeout_s: float = 120.0) -> DevRun:
-    out = config.state_dir.parent / f"dev-{tag}.out"
-    with out.open("wb") as sink:
-        proc = subprocess.Popen([FLEETMEND, "dev"], stdout=sink, stderr=subprocess.STDOUT, env=config.env)
-    run = DevRun(proc, out)
+    """``fleetmend dev`` until it says it is up. The test picks the stack's ports free, and another process on
+    the machine can take one before the stack binds it: the stack then exits naming the port, and starts
+    again on fresh ports (three tries). Not when the port is one an earlier stack of this config listened
+    on: that port is still held by what the earlier stack left running, and the test fails."""
+    for attempt in range(3):
+        out = config.state_dir.parent / f"dev-{tag}-{attempt}.out"
+        with out.open("wb") as sink:
+            proc = subprocess.Popen([FLEETMEND, "dev"], stdout=sink, stderr=subprocess.STDOUT, env=config.env)
+        run = DevRun(proc, out)
+        failure = _wait_until_up(run, config, timeout_s)
+        if failure is None:
+            config.started_on.update(config.ports)
+            return run
+        taken = TAKEN_PORT.search(failure)
+        port = int(next(g for g in taken.groups() if g)) if taken else None
+        if port is None or port in config.started_on or attempt == 2:
+            pytest.fail(failure)
+        config.pick_ports()
+    raise AssertionError("unreachable")
+
+
+def _wait_until_up(run: DevRun, config: DevConfig, timeout_s: float) -> str | None:
+    """None once the stack is up; else what it said (it was stopped)."""
     deadline = time.monotonic() + timeout_s
     while "fleetmend dev is up" not in run.output():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            exited = proc.poll()
+        if run.proc.poll() is not None or time.monotonic() > deadline:
+            exited = run.proc.poll()
             stop_dev(run, signal.SIGKILL)
             log = config.state_dir / "logs" / "fleetmend.log"
             tail = log.read_text(errors="replace")[-4000:] if log.is_file() else "(no log)"
-            pytest.fail(
-                f"fleetmend dev did not come up (exit {exited}):\n{run.output()}\n--- {log} (tail) ---\n{tail}"
-            )
+            return f"fleetmend dev did not come up (exit {exited}):\n{run.output()}\n--- {log} (tail) ---\n{tail}"
         time.sleep(0.2)
-    return run
+    return None
 
 
 def stop_dev(run: DevRun, sig: signal.Signals = signal.SIGINT) -> int:
