@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import random
 import shutil
 import signal
 import socket
@@ -57,8 +58,31 @@ def require_free_port(host: str, port: int, *, what: str, setting: str) -> None:
             ) from err
 
 
+# Where ``free_port`` looks first: below the kernel's ephemeral range, whose ports every outgoing
+# connection on the machine takes (the default range is 32768-60999).
+LISTEN_PORTS_FROM = 20000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS considers free right now (tests run side by side, so never hard-code one)."""
+    """A port free right now, for a process started next to listen on (never hard-code one: tests run
+    side by side).
+
+    Picked at random below the kernel's ephemeral range. A port the kernel hands out for ``bind(0)`` comes
+    from that range, and every outgoing connection on the machine (HTTP clients, Envoy's upstreams,
+    database connections) takes one from it too. A busy machine could reuse such a port before the
+    process it was picked for binds it. Ports below the range are taken only by explicit binds. Without
+    room below the range, this falls back to the kernel's choice.
+    """
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    if low - LISTEN_PORTS_FROM >= 1000:
+        for _ in range(50):
+            port = random.randrange(LISTEN_PORTS_FROM, low)
+            if port_is_free(host, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
