@@ -95,9 +95,10 @@ PICKED_PORTS = (
     "FLEETMEND_GATEWAY_ADMIN_PORT",
     "FLEETMEND_XDS_PORT",
 )
-# How the stack names a port another process holds: its own start-up check, the sim, Envoy.
+# How the stack names a port another process holds: its start-up check, the sim, Envoy, uvicorn.
 TAKEN_PORT = re.compile(
     r"port [\d.]+:(\d+) is already in use|cannot listen on [\d.]+:(\d+)|cannot bind '[\d.]+:(\d+)'"
+    r"|bind on address \('[\d.]+', (\d+)\): address already in use"
 )
 
 
