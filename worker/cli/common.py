@@ -14,15 +14,15 @@ import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable
-from typing import NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
-from temporalio.client import Client
 
 from worker.config import Settings, load_settings
-from worker.startup_checks import unreachable_message
-from worker.temporal_client import connect
+
+if TYPE_CHECKING:  # Temporal's client is imported by the commands that reach it (start-up time of the rest)
+    from temporalio.client import Client
 
 REFUSED = 2  # the request was wrong or was refused: nothing changed
 UNAVAILABLE = 1  # something the command needs is not there (Temporal, a database, a port)
@@ -40,6 +40,9 @@ def fail(message: str, code: int = REFUSED) -> typer.Exit:
 
 async def temporal_client(settings: Settings) -> Client:
     """The client every command uses (``worker.temporal_client.connect``); unreachable = one error line, exit 1."""
+    from worker.startup_checks import unreachable_message
+    from worker.temporal_client import connect
+
     global _connected
     _connected = True  # set before trying: a failed connect has already started the core runtime's threads
     try:

@@ -130,3 +130,16 @@ def register(app: typer.Typer) -> None:
                     f"cannot listen on {host}:{listen_port}; pick another --port or use --port 0.",
                     UNAVAILABLE,
                 ) from None
+
+
+def main() -> None:
+    """``python -m worker.cli.sim --scenario ...``: ``fleetmend sim`` without loading the rest of the command
+    line (Temporal's client, the ledger's database layer). The test rig and the dev stack start a simulator
+    per world, and this halves each one's start-up CPU."""
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    register(app)
+    app()
+
+
+if __name__ == "__main__":
+    main()

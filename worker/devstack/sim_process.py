@@ -120,7 +120,7 @@ async def _start_sim(
     log_file: Path,
 ) -> SimProcess:
     argv = [
-        sys.executable, "-m", "worker.cli", "sim", "--scenario", str(scenario), "--port", str(port),
+        sys.executable, "-m", "worker.cli.sim", "--scenario", str(scenario), "--port", str(port),
         "--kube-port", str(kube_port), "--kubeconfig", str(kubeconfig), "--audit-log", str(audit_log),
         "--speed", str(speed),
     ]  # fmt: skip
