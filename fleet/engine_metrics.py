@@ -2,8 +2,9 @@
 
 * ``parse_engine_metrics(text)`` reads a vLLM ``/metrics`` page into an
   ``EngineSnapshot``: requests running and waiting, KV-cache usage, preemptions,
-  the TTFT, end-to-end and queue-time histograms, generation tokens and
-  successful requests. It copes with
+  the TTFT histogram, generation tokens and successful requests: what the
+  procedures decide on, and no more (a snapshot of every engine travels in every
+  look at a pool, through Temporal's history). It copes with
   all three metric-name eras of KV-cache usage (reference fleet-protocols §1.2):
   old ``vllm:gpu_cache_usage_perc`` only (<= v0.9.1), both names (v0.9.2-v0.10),
   new ``vllm:kv_cache_usage_perc`` only (>= v0.11). Under data parallelism a pod
@@ -43,9 +44,7 @@ REQUEST_SUCCESS = "vllm:request_success_total"
 PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
 PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 TTFT = "vllm:time_to_first_token_seconds"
-E2E = "vllm:e2e_request_latency_seconds"
-QUEUE_TIME = "vllm:request_queue_time_seconds"
-_HISTOGRAMS = {TTFT: "ttft", E2E: "e2e", QUEUE_TIME: "queue_time"}
+_HISTOGRAMS = {TTFT: "ttft"}
 
 
 class KvMetricEra(StrEnum):
@@ -136,10 +135,6 @@ class EngineSnapshot(BaseModel):
     )
     prefix_hits_total: float = Field(default=0.0, description="Of those, tokens found cached")
     ttft: Histogram = Field(default_factory=Histogram)
-    e2e: Histogram = Field(default_factory=Histogram, description="End-to-end request latency")
-    queue_time: Histogram = Field(
-        default_factory=Histogram, description="Time requests spent waiting (queued)"
-    )
     engines: int = Field(default=0, description="Distinct engine labels seen (data-parallel ranks)")
     model_names: tuple[str, ...] = ()
 
