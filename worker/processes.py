@@ -62,8 +62,28 @@ def require_free_port(host: str, port: int, *, what: str, setting: str) -> None:
 # connection on the machine takes (the default range is 32768-60999).
 LISTEN_PORTS_FROM = 20000
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-_handed_out: set[int] = set()  # this process's picks: never handed out twice (the first may not be bound yet)
-_cursor: list[int] = []  # where this process's walk through the range is (starts at random)
+
+
+class _PortWalk:
+    """This process's walk through the listen range: from a random start, one port after the other, so
+    two picks in a row differ even before the first is bound, and processes side by side seldom meet.
+    A port comes round again only after the whole range (thousands of picks)."""
+
+    def __init__(self) -> None:
+        self._offset: int | None = None
+
+    def pick(self, host: str, low: int, span: int) -> int | None:
+        if self._offset is None:
+            self._offset = random.randrange(span)
+        for _ in range(min(span, 500)):
+            port = low + self._offset
+            self._offset = (self._offset + 1) % span
+            if port_is_free(host, port):
+                return port
+        return None
+
+
+_walk = _PortWalk()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -73,25 +93,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     Picked below the kernel's ephemeral range. A port the kernel hands out for ``bind(0)`` comes from that
     range, and every outgoing connection on the machine (HTTP clients, Envoy's upstreams, database
     connections) takes one from it too, so a busy machine could reuse it before the process it was
-    picked for binds it. Ports below the range are taken only by explicit binds. Each process walks the
-    range from a random start and never hands a port out twice, so two picks in a row (both unbound
-    yet) differ and processes side by side seldom meet. Without room below the range, the kernel
-    chooses.
+    picked for binds it. Ports below the range are taken only by explicit binds. Picks walk the range
+    (``_PortWalk``). Without room below the range, the kernel chooses.
     """
     try:
-        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+        ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        low = 0
-    span = low - LISTEN_PORTS_FROM
+        ephemeral_low = 0
+    span = ephemeral_low - LISTEN_PORTS_FROM
     if span >= 1000:
-        if not _cursor:
-            _cursor.append(random.randrange(span))
-        for _ in range(500):
-            port = LISTEN_PORTS_FROM + _cursor[0]
-            _cursor[0] = (_cursor[0] + 1) % span
-            if port not in _handed_out and port_is_free(host, port):
-                _handed_out.add(port)
-                return port
+        port = _walk.pick(host, LISTEN_PORTS_FROM, span)
+        if port is not None:
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
