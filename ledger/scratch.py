@@ -45,12 +45,14 @@ class PgServer:
             self._admin = create_engine(self.admin_url, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
         return self._admin
 
-    def create_database(self, prefix: str = "t") -> str:
-        """A new empty database; returns its URL. Names come from a per-process counter."""
+    def create_database(self, prefix: str = "t", *, template: str | None = None) -> str:
+        """A new database, empty or a copy of ``template`` (a database URL on this server, with nobody
+        connected to it); returns its URL. Names come from a per-process counter."""
         name = f"{prefix}_{os.getpid()}_{next(_database_numbers)}"
+        copy = f' TEMPLATE "{make_url(template).database}"' if template else ""
         with self.admin_engine().connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
+            conn.execute(text(f'CREATE DATABASE "{name}"{copy}'))
         return self.url_for(name)
 
     def drop_database(self, url: str) -> None:
