@@ -88,3 +88,10 @@ REMOVE_FIRST_DELETION_COST = "-1000"
 # (``POST /v1/effects``) refuses to claim any id in this namespace (403), so no caller
 # can pre-claim a future recovery's action.
 PROCEDURE_OPERATION_PREFIX = "fleetmend:"
+
+# Dynamic Resource Allocation (resource.k8s.io/v1)
+DRA_GROUP = "resource.k8s.io"
+DRA_VERSION = "v1"
+GPU_DRIVER = "gpu.nvidia.com"
+GPU_DEVICE_CLASS = "gpu.nvidia.com"
+DRIVER_UNHEALTHY_TAINT_KEY = "gpu.nvidia.com/unhealthy"

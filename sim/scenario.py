@@ -15,6 +15,9 @@ Sections:
 * ``pool_sets``: many pools of one shape at once (``count`` pools ``{prefix}-{i:03d}``, each
   serving its own copy of a model), expanded into ``models`` and ``workloads`` on load;
 * ``scheduler``: the scheduler's scoring (LeastAllocated spreads, MostAllocated bin-packs);
+* ``gpu_api``: how pods get GPUs: ``device-plugin`` (``nvidia.com/gpu`` requests, the default) or
+  ``dra`` (Dynamic Resource Allocation: NVIDIA's DRA driver publishes ResourceSlices, pods claim GPUs
+  through ResourceClaimTemplates; ``sim.k8s.devices``);
 * ``timings``: control-plane durations (node-monitor grace, toleration seconds);
 * ``faults``: faults to inject at given sim times;
 * ``load``: free-form settings owned by the serving layer (``sim.serving``).
@@ -256,6 +259,12 @@ class Scenario(_Strict):
         default_factory=list, exclude=True, description="expanded into models and workloads on load"
     )
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
+    gpu_api: Literal["device-plugin", "dra"] = Field(
+        "device-plugin",
+        description="device-plugin: nodes advertise nvidia.com/gpu and pods request it. dra: nodes advertise "
+        "no nvidia.com/gpu; the NVIDIA DRA driver publishes a DeviceClass gpu.nvidia.com and a ResourceSlice "
+        "per GPU node, and each workload's pods claim GPUs through a ResourceClaimTemplate <workload>-gpus",
+    )
     faults: list[ScheduledFault] = Field(default_factory=list)
     load: dict[str, Any] = Field(default_factory=dict, description="owned by the serving layer")
 

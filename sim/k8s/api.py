@@ -64,16 +64,16 @@ from sim.k8s.watch import DEFAULT_TIMEOUT_S, WatchHub, WatchRequest
 Obj = dict[str, Any]
 SERVER_VERSION = {
     "major": "1",
-    "minor": "33",
+    "minor": "37",
     "emulationMajor": "1",
-    "emulationMinor": "33",
+    "emulationMinor": "37",
     "minCompatibilityMajor": "1",
-    "minCompatibilityMinor": "32",
-    "gitVersion": "v1.33.4-fleetmend-sim",
+    "minCompatibilityMinor": "36",
+    "gitVersion": "v1.37.1-fleetmend-sim",
     "gitCommit": "0000000000000000000000000000000000000000",
     "gitTreeState": "clean",
     "buildDate": "2026-08-01T00:00:00Z",
-    "goVersion": "go1.24.5",
+    "goVersion": "go1.25.5",
     "compiler": "gc",
     "platform": "linux/amd64",
 }
@@ -460,6 +460,8 @@ class KubeApi:
             if self.store.find("namespaces", "", meta["namespace"]) is None:
                 raise not_found("namespaces", meta["namespace"])
         self._validate(resource, body, None)
+        if resource.plural == "devicetaintrules":
+            _stamp_device_taint(body, None, self.control.clock.timestamp())
         if resource.plural not in ("nodes", "events"):
             body.pop("status", None)  # status is written by controllers, not on create
             _initial_status(resource, body)
@@ -572,6 +574,8 @@ class KubeApi:
             new = result
         elif "status" in resource.subresources and "status" in current:
             new["status"] = current["status"]
+        if resource.plural == "devicetaintrules" and sub != "status":
+            _stamp_device_taint(new, current, self.control.clock.timestamp())
         self._validate(resource, new, current)
         return self.store.update(resource.plural, new, dry_run=dry_run)
 
@@ -780,6 +784,23 @@ def _initial_status(resource: Resource, body: Obj) -> None:
     (PrepareForCreate resets it to an empty ServiceStatus, which serializes so)."""
     if resource.plural == "services":
         body["status"] = {"loadBalancer": {}}
+
+
+def _stamp_device_taint(rule: Obj, current: Obj | None, now: str) -> None:
+    """A DeviceTaintRule's ``spec.taint.timeAdded``: set on create when absent; on an update that changes
+    the effect, replaced by the current time when the request kept the old value (the apiserver's strategy)."""
+    taint = (rule.get("spec") or {}).get("taint")
+    if not isinstance(taint, dict):
+        return
+    old = ((current or {}).get("spec") or {}).get("taint") or {}
+    if not taint.get("timeAdded"):
+        taint["timeAdded"] = old.get("timeAdded") if current is not None and old.get("timeAdded") else now
+    if (
+        current is not None
+        and old.get("effect") != taint.get("effect")
+        and taint.get("timeAdded") == old.get("timeAdded")
+    ):
+        taint["timeAdded"] = now
 
 
 def _dry_run(values: list[str] | Any) -> bool:

@@ -8,8 +8,10 @@ image pull ends, a toleration expires, a lease needs renewing); a timer runs onl
 the controller that set it (``reconcile_due``). An idle cluster runs nothing.
 
 Pass order (one reconcile): node lifecycle → node lease heartbeats → taint eviction → garbage collection
-→ Deployments → ReplicaSets → LeaderWorkerSets → Jobs → DaemonSets → scheduler → kubelets →
-EndpointSlices → PodDisruptionBudgets.
+→ Deployments → ReplicaSets → LeaderWorkerSets → Jobs → DaemonSets → ResourceClaims (DRA) → device
+taint eviction (DRA) → scheduler → kubelets → EndpointSlices → PodDisruptionBudgets.
+
+Which GPU each pod holds (device plugin indices, or DRA claims) is ``devices`` (``sim.k8s.devices.GpuLedger``).
 
 Containers are long-running servers (engines) unless a *program* claims the pod
 (``program_for``: the world's hook, e.g. the serving layer's DCGM diagnostic): a
@@ -34,6 +36,7 @@ from typing import Any
 
 from sim.clock import SimClock, parse_timestamp
 from sim.k8s import objects as o
+from sim.k8s.devices import GpuLedger
 from sim.k8s.errors import ApiError, not_found
 from sim.k8s.events import EventRecorder
 from sim.k8s.podips import PodIpAllocator
@@ -127,8 +130,20 @@ class ControlPlane:
         # The world's hook naming the program a pod's container runs (None: a long-running server).
         self.program_for: Callable[[Obj], Program | None] = lambda pod: None
         self.logs: dict[str, str] = {}  # pod uid -> its container's output (pods/log)
+        self.devices = GpuLedger(store)  # which GPU indices each pod holds (sim.k8s.devices)
+        self.dra_evicted: dict[str, int] = {}  # DeviceTaintRule uid -> pods it evicted
         # imported here to keep each controller in its own module without import cycles
-        from sim.k8s.controllers import disruption, endpoints, jobs, kubelet, lws, nodes, scheduler, workloads
+        from sim.k8s.controllers import (
+            disruption,
+            dra,
+            endpoints,
+            jobs,
+            kubelet,
+            lws,
+            nodes,
+            scheduler,
+            workloads,
+        )
         from sim.k8s.controllers.daemonsets import DaemonSetController
 
         self.daemonsets = DaemonSetController(self)  # event-driven: idle while nothing it reads changes
@@ -145,6 +160,8 @@ class ControlPlane:
             lws.reconcile_leaderworkersets,
             jobs.reconcile_jobs,
             self.daemonsets.reconcile,
+            dra.reconcile_resource_claims,
+            dra.reconcile_device_taint_rules,
             scheduler.schedule_pending_pods,
             kubelet.run_kubelets,
             endpoints.reconcile_endpointslices,

@@ -14,6 +14,13 @@ A pool (one ``WorkloadSpec``) becomes:
 * a PodDisruptionBudget ``<pool>`` over the serving pods, when declared;
 
 and, for every cluster with GPU nodes, the node agents' DaemonSets (``build_node_daemonsets``).
+
+With ``gpu_api: dra`` nodes advertise no ``nvidia.com/gpu``; the NVIDIA DRA driver's DeviceClass
+``gpu.nvidia.com`` and one ResourceSlice per GPU node are published (``sim.k8s.devices``), each pool
+gets a ResourceClaimTemplate ``<pool>-gpus`` (request ``gpus``: ``gpus_per_pod`` devices of the class),
+and its pod templates claim through it (``spec.resourceClaims`` ``gpus``, the container's
+``resources.claims``) instead of requesting ``nvidia.com/gpu``; the device plugin DaemonSet is the
+DRA driver's kubelet plugin instead.
 """
 
 from __future__ import annotations
@@ -34,13 +41,14 @@ from fleet.vocabulary import (
     ROUTER_LABEL_VALUE,
     SERVING_READY_CONDITION,
 )
+from sim.k8s import devices as dv
 from sim.k8s import objects as o
 from sim.k8s.controllers.lws import EXCLUSIVE_TOPOLOGY_ANNOTATION
 from sim.scenario import ModelSpec, NodeGroup, Scenario, WorkloadSpec
 
 Obj = dict[str, Any]
 APP_LABEL = "app.kubernetes.io/name"
-KUBELET_VERSION = "v1.33.4"
+KUBELET_VERSION = "v1.37.1"
 
 
 def node_names(group: NodeGroup) -> list[str]:
@@ -48,6 +56,7 @@ def node_names(group: NodeGroup) -> list[str]:
 
 
 def build_nodes(scenario: Scenario) -> list[Obj]:
+    dra = scenario.gpu_api == "dra"
     nodes = []
     index = 0
     for group in scenario.nodes:
@@ -67,7 +76,7 @@ def build_nodes(scenario: Scenario) -> list[Obj]:
                 "cpu": group.cpu,
                 "memory": group.memory,
                 "pods": "110",
-                GPU_RESOURCE: str(group.gpus),
+                **({} if dra else {GPU_RESOURCE: str(group.gpus)}),
             }
             zone = labels.get("topology.kubernetes.io/zone", "zone-a")
             nodes.append(
@@ -108,7 +117,11 @@ def build_nodes(scenario: Scenario) -> list[Obj]:
     return nodes
 
 
-def _container(model: ModelSpec, revision: str) -> Obj:
+def claim_template_name(workload: WorkloadSpec) -> str:
+    return f"{workload.name}-gpus"
+
+
+def _container(model: ModelSpec, revision: str, *, dra: bool = False) -> Obj:
     image = model.revision(revision).image
     args = [
         "--model",
@@ -122,13 +135,16 @@ def _container(model: ModelSpec, revision: str) -> Obj:
         args += ["--pipeline-parallel-size", str(model.pods_per_replica)]
     if model.shutdown_timeout_s:
         args += ["--shutdown-timeout", str(int(model.shutdown_timeout_s))]
-    gpus = {GPU_RESOURCE: str(model.gpus_per_pod)} if model.gpus_per_pod else {}
+    gpus = {GPU_RESOURCE: str(model.gpus_per_pod)} if model.gpus_per_pod and not dra else {}
+    resources: Obj = {"requests": dict(gpus), "limits": dict(gpus)}
+    if dra and model.gpus_per_pod:
+        resources["claims"] = [{"name": "gpus"}]
     return {
         "name": "vllm",
         "image": image,
         "args": args,
         "ports": [{"name": "http", "containerPort": model.container_port, "protocol": "TCP"}],
-        "resources": {"requests": dict(gpus), "limits": dict(gpus)},
+        "resources": resources,
         "readinessProbe": {
             "httpGet": {"path": "/health", "port": model.container_port, "scheme": "HTTP"},
             "periodSeconds": 5,
@@ -140,7 +156,13 @@ def _container(model: ModelSpec, revision: str) -> Obj:
 
 
 def _pod_template(
-    workload: WorkloadSpec, model: ModelSpec, revision: str, role: str, *, router_label: bool
+    workload: WorkloadSpec,
+    model: ModelSpec,
+    revision: str,
+    role: str,
+    *,
+    router_label: bool,
+    dra: bool = False,
 ) -> Obj:
     labels = {
         APP_LABEL: workload.name,
@@ -152,9 +174,13 @@ def _pod_template(
     if router_label:
         labels[ROUTER_LABEL] = ROUTER_LABEL_VALUE
     spec: Obj = {
-        "containers": [_container(model, revision)],
+        "containers": [_container(model, revision, dra=dra)],
         "terminationGracePeriodSeconds": model.termination_grace_s,
     }
+    if dra and model.gpus_per_pod:
+        spec["resourceClaims"] = [
+            {"name": "gpus", "resourceClaimTemplateName": claim_template_name(workload)}
+        ]
     if workload.readiness_gate:
         spec["readinessGates"] = [{"conditionType": SERVING_READY_CONDITION}]
     return {"metadata": {"labels": labels}, "spec": spec}
@@ -175,6 +201,7 @@ def _deployment(
     revision: str,
     role: str,
     replicas: int,
+    dra: bool = False,
 ) -> Obj:
     router = role == ROLE_SERVING and workload.router_label_on_pods
     return {
@@ -189,7 +216,7 @@ def _deployment(
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
             "revisionHistoryLimit": 10,
             "progressDeadlineSeconds": 600,
-            "template": _pod_template(workload, model, revision, role, router_label=router),
+            "template": _pod_template(workload, model, revision, role, router_label=router, dra=dra),
         },
     }
 
@@ -202,11 +229,12 @@ def _lws(
     revision: str,
     role: str,
     replicas: int,
+    dra: bool = False,
 ) -> Obj:
     router = role == ROLE_SERVING and workload.router_label_on_pods
-    leader = _pod_template(workload, model, revision, role, router_label=router)
+    leader = _pod_template(workload, model, revision, role, router_label=router, dra=dra)
     leader["metadata"]["labels"]["role"] = "leader"
-    worker = _pod_template(workload, model, revision, role, router_label=False)
+    worker = _pod_template(workload, model, revision, role, router_label=False, dra=dra)
     worker["metadata"]["labels"]["role"] = "worker"
     topology = workload.topology_key or NVLINK_DOMAIN_LABEL
     return {
@@ -278,8 +306,16 @@ def build_pool(scenario: Scenario, workload: WorkloadSpec) -> list[tuple[str, Ob
     )
     make = _lws if workload.kind == "LeaderWorkerSet" else _deployment
     plural = "leaderworkersets" if workload.kind == "LeaderWorkerSet" else "deployments"
+    dra = scenario.gpu_api == "dra"
+    if dra and model.gpus_per_pod:
+        labels = {APP_LABEL: workload.name, MODEL_LABEL: model.name}
+        template = dv.gpu_claim_template(claim_template_name(workload), namespace, model.gpus_per_pod, labels)
+        objs.append(("resourceclaimtemplates", template))
     objs.append(
-        (plural, make(workload.name, namespace, workload, model, revision, ROLE_SERVING, workload.replicas))
+        (
+            plural,
+            make(workload.name, namespace, workload, model, revision, ROLE_SERVING, workload.replicas, dra),
+        )
     )
     if workload.warm_spares:
         objs.append(
@@ -293,6 +329,7 @@ def build_pool(scenario: Scenario, workload: WorkloadSpec) -> list[tuple[str, Ob
                     revision,
                     ROLE_SPARE,
                     workload.warm_spares,
+                    dra,
                 ),
             )
         )
@@ -350,6 +387,22 @@ def build_node_daemonsets(scenario: Scenario) -> list[tuple[str, Obj]]:
         return []
     gpu_nodes = {GPU_PRESENT_LABEL: "true"}
     gpu_taint = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    if scenario.gpu_api == "dra":
+        gpu_agent = _daemonset(
+            "nvidia-dra-driver-gpu-kubelet-plugin",
+            GPU_OPERATOR_NAMESPACE,
+            "nvcr.io/nvidia/k8s-dra-driver-gpu:v25.8.0",
+            gpu_nodes,
+            gpu_taint,
+        )
+    else:
+        gpu_agent = _daemonset(
+            "nvidia-device-plugin-daemonset",
+            GPU_OPERATOR_NAMESPACE,
+            "nvcr.io/nvidia/k8s-device-plugin:v0.17.2",
+            gpu_nodes,
+            gpu_taint,
+        )
     return [
         (
             "daemonsets",
@@ -361,16 +414,7 @@ def build_node_daemonsets(scenario: Scenario) -> list[tuple[str, Obj]]:
                 gpu_taint,
             ),
         ),
-        (
-            "daemonsets",
-            _daemonset(
-                "nvidia-device-plugin-daemonset",
-                GPU_OPERATOR_NAMESPACE,
-                "nvcr.io/nvidia/k8s-device-plugin:v0.17.2",
-                gpu_nodes,
-                gpu_taint,
-            ),
-        ),
+        ("daemonsets", gpu_agent),
         (
             "daemonsets",
             _daemonset(
@@ -408,6 +452,14 @@ def build_objects(scenario: Scenario) -> list[tuple[str, Obj]]:
         for ns in sorted(namespaces)
     ]
     objs += [("nodes", node) for node in build_nodes(scenario)]
+    if scenario.gpu_api == "dra":
+        objs.append(("deviceclasses", dv.device_class()))
+        for group in scenario.nodes:
+            if group.gpus:
+                product = group.gpu_product.replace("-", " ")
+                objs += [
+                    ("resourceslices", dv.resource_slice(n, group.gpus, product)) for n in node_names(group)
+                ]
     for workload in scenario.workloads:
         objs += build_pool(scenario, workload)
     objs += build_node_daemonsets(scenario)

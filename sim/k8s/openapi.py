@@ -1,6 +1,6 @@
 """OpenAPI v2 (``/openapi/v2``) and v3 (``/openapi/v3``, ``/openapi/v3/{api/v1|apis/g/v}``) documents.
 
-Built from the Kubernetes v1.33 definitions of the served kinds (``data/openapi-definitions.json.gz``,
+Built from the Kubernetes v1.37 definitions of the served kinds (``data/openapi-definitions.json.gz``,
 see ``sim.k8s.openapi_gen``) plus a structural schema for the LeaderWorkerSet custom resource (as its
 CRD publishes one). ``kubectl explain`` reads the v3 documents (schemas carry
 ``x-kubernetes-group-version-kind``); ``kubectl apply``/``create`` find the ``fieldValidation``

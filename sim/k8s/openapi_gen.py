@@ -1,6 +1,6 @@
 """Generate ``sim/k8s/data/openapi-definitions.json.gz``: the served kinds' OpenAPI definitions.
 
-The apiserver's OpenAPI definitions for Kubernetes v1.33, taken from the ``_definitions.json``
+The apiserver's OpenAPI definitions for Kubernetes v1.37, taken from the ``_definitions.json``
 that the ``kubernetes-validate`` package ships (a JSON-Schema rendering of the release's
 ``swagger.json``: same names, descriptions, ``required`` lists and ``x-kubernetes-*`` extensions),
 turned back into OpenAPI form (``"type": ["string", "null"]`` -> ``"string"``, refs to
@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-VERSION = "1.33.0"
+VERSION = "1.37.0"
 OUT = Path(__file__).parent / "data" / "openapi-definitions.json.gz"
 ROOTS = [
     "io.k8s.api.core.v1.Pod",
@@ -63,6 +63,17 @@ ROOTS = [
     "io.k8s.api.rbac.v1.ClusterRoleList",
     "io.k8s.api.rbac.v1.ClusterRoleBinding",
     "io.k8s.api.rbac.v1.ClusterRoleBindingList",
+    # Dynamic Resource Allocation (resource.k8s.io/v1): GPUs as devices of the NVIDIA DRA driver.
+    "io.k8s.api.resource.v1.DeviceClass",
+    "io.k8s.api.resource.v1.DeviceClassList",
+    "io.k8s.api.resource.v1.ResourceSlice",
+    "io.k8s.api.resource.v1.ResourceSliceList",
+    "io.k8s.api.resource.v1.ResourceClaim",
+    "io.k8s.api.resource.v1.ResourceClaimList",
+    "io.k8s.api.resource.v1.ResourceClaimTemplate",
+    "io.k8s.api.resource.v1.ResourceClaimTemplateList",
+    "io.k8s.api.resource.v1.DeviceTaintRule",
+    "io.k8s.api.resource.v1.DeviceTaintRuleList",
     "io.k8s.apimachinery.pkg.apis.meta.v1.DeleteOptions",
     "io.k8s.apimachinery.pkg.apis.meta.v1.Status",
     "io.k8s.apimachinery.pkg.apis.meta.v1.WatchEvent",

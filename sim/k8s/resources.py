@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fleet.vocabulary import DRA_GROUP, DRA_VERSION
+
 LWS_GROUP = "leaderworkerset.x-k8s.io"
-# What a real 1.33 apiserver's discovery lists for these resources.
+# What a real 1.37 apiserver's discovery lists for these resources.
 ALL_VERBS = ("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
 NO_COLLECTION_DELETE = ("create", "delete", "get", "list", "patch", "update", "watch")
 
@@ -89,6 +91,8 @@ _EVENT_FIELDS = frozenset(
 _NODE_FIELDS = frozenset({"metadata.name", "spec.unschedulable"})
 _NAMESPACE_FIELDS = frozenset({"metadata.name", "status.phase"})
 _REPLICASET_FIELDS = frozenset({"metadata.name", "metadata.namespace", "status.replicas"})
+# pkg/registry/resource/resourceslice/strategy.go: a node's slices are found by these.
+_RESOURCESLICE_FIELDS = frozenset({"metadata.name", "spec.nodeName", "spec.driver"})
 
 RESOURCES: dict[str, Resource] = {
     r.plural: r
@@ -199,6 +203,26 @@ RESOURCES: dict[str, Resource] = {
         Resource("clusterroles", "ClusterRole", "rbac.authorization.k8s.io", "v1", namespaced=False),
         Resource(
             "clusterrolebindings", "ClusterRoleBinding", "rbac.authorization.k8s.io", "v1", namespaced=False
+        ),
+        # Dynamic Resource Allocation (KEP-4381): GPUs claimed per device, with the NVIDIA DRA driver.
+        Resource("deviceclasses", "DeviceClass", DRA_GROUP, DRA_VERSION, namespaced=False),
+        Resource(
+            "resourceslices",
+            "ResourceSlice",
+            DRA_GROUP,
+            DRA_VERSION,
+            namespaced=False,
+            field_selectors=_RESOURCESLICE_FIELDS,
+        ),
+        Resource("resourceclaims", "ResourceClaim", DRA_GROUP, DRA_VERSION, subresources=("status",)),
+        Resource("resourceclaimtemplates", "ResourceClaimTemplate", DRA_GROUP, DRA_VERSION),
+        Resource(
+            "devicetaintrules",
+            "DeviceTaintRule",
+            DRA_GROUP,
+            DRA_VERSION,
+            namespaced=False,
+            subresources=("status",),
         ),
         Resource(
             "leaderworkersets",

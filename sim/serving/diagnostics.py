@@ -12,6 +12,11 @@ The outcome follows the node's simulated GPUs when the run ends:
   up, whose PCIe and memory tests load the GPU.
 
 Levels (DCGM: r1 quick, r2 medium, r3 long, r4 extended) take ``base_s`` x 0.1 / 1 / 4 / 8.
+
+Which GPUs are tested: those ``-i`` / ``--gpuList`` names (a GPU index, or a comma list: ``-i 3``,
+``-i 0,2``), else the GPUs the pod holds through DRA claims (the devices its container sees), else
+every GPU of the node. The verdict follows only the GPUs tested: a broken GPU elsewhere on the node
+does not fail a run that does not test it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from sim.serving.telemetry import NodeTelemetry
 Obj = dict[str, Any]
 DCGM_VERSION = "3.3.9"
 _LEVEL = re.compile(r"(?:^|\s)(?:-r|--run)[\s=]+(\d)\b")
+_GPU_LIST = re.compile(r"(?:^|\s)(?:-i|--gpuList)[\s=]+(\d+(?:\s*,\s*\d+)*)")
 _DURATION_FACTOR = {1: 0.1, 2: 1.0, 3: 4.0, 4: 8.0}
 _TESTS: dict[int, list[tuple[str, str]]] = {
     1: [
@@ -66,13 +72,30 @@ def diag_level(pod: Obj) -> int | None:
     return level if level in _DURATION_FACTOR else None
 
 
-def _report(level: int, tel: NodeTelemetry) -> tuple[int, str]:
+def _command_line(pod: Obj) -> str:
+    containers = pod.get("spec", {}).get("containers") or []
+    if not containers:
+        return ""
+    c = containers[0]
+    return " ".join(shlex.quote(str(a)) for a in [*(c.get("command") or []), *(c.get("args") or [])])
+
+
+def diag_gpus(pod: Obj) -> list[int] | None:
+    """The GPU indices ``-i``/``--gpuList`` names (None: the option is not given)."""
+    match = _GPU_LIST.search(_command_line(pod).replace("'", " "))
+    if match is None:
+        return None
+    return sorted({int(part) for part in match.group(1).split(",")})
+
+
+def _report(level: int, tel: NodeTelemetry, only: list[int] | None = None) -> tuple[int, str]:
     categories: dict[str, list[Obj]] = {}
     failed = False
+    gpus = [g for g in tel.gpus if only is None or g.index in only]
     for lvl in range(1, level + 1):
         for category, name in _TESTS[lvl]:
             results: list[Obj] = []
-            for g in tel.gpus:
+            for g in gpus:
                 problem: str | None = None
                 if g.broken and name in ("NVML Library", "Page Retirement/Row Remap"):
                     problem = f"GPU {g.index}: {g.broken}"
@@ -96,15 +119,23 @@ def _report(level: int, tel: NodeTelemetry) -> tuple[int, str]:
 
 
 def diagnostic_program(
-    pod: Obj, base_s: float, telemetry_of: Callable[[str], NodeTelemetry]
+    pod: Obj,
+    base_s: float,
+    telemetry_of: Callable[[str], NodeTelemetry],
+    claimed_gpus: Callable[[Obj], list[int]] | None = None,
 ) -> Program | None:
-    """The program a ``dcgmi diag`` pod runs on its node; None for any other pod."""
+    """The program a ``dcgmi diag`` pod runs on its node; None for any other pod.
+
+    ``claimed_gpus(pod)``: the GPU indices the pod holds (used for a DRA pod run without ``-i``)."""
     level = diag_level(pod)
     node = pod.get("spec", {}).get("nodeName")
     if level is None or not node:
         return None
 
     def finish() -> tuple[int, str]:
-        return _report(level, telemetry_of(node))
+        only = diag_gpus(pod)
+        if only is None and claimed_gpus is not None and pod.get("spec", {}).get("resourceClaims"):
+            only = claimed_gpus(pod)
+        return _report(level, telemetry_of(node), only)
 
     return Program(duration_s=base_s * _DURATION_FACTOR[level], finish=finish)

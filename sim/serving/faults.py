@@ -31,6 +31,12 @@ repairs a node's broken GPUs (what a GPU reset or RMA would do). A repair with
 ``params.under_load_defect: true`` leaves the GPU that broke idling clean but failing under
 load (a reset that hid the fault): DCGM's series show nothing, ``dcgmi diag -r 1`` passes,
 ``-r 2`` and up fail.
+
+With Dynamic Resource Allocation (``gpu_api: dra``) a hardware Xid (and an NVLink failure) makes NVIDIA's
+DRA driver taint the device in its node's ResourceSlice: ``{key: gpu.nvidia.com/unhealthy, value:
+xid-<code>, effect: NoSchedule}`` on ``gpu-<i>``; the taint stays until the kubelet plugin restarts,
+which the repair (``clear``) does: the taint goes. The GPU's health in the pods' status
+(``allocatedResourcesStatus``) follows the broken state on either API.
 """
 
 from __future__ import annotations
@@ -38,8 +44,15 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from fleet.vocabulary import GPU_RESOURCE, LWS_GROUP_KEY_LABEL, REVISION_LABEL, FaultKind
+from fleet.vocabulary import (
+    DRIVER_UNHEALTHY_TAINT_KEY,
+    GPU_RESOURCE,
+    LWS_GROUP_KEY_LABEL,
+    REVISION_LABEL,
+    FaultKind,
+)
 from sim.control import FaultRequest
+from sim.k8s.devices import device_name, node_slices
 from sim.scenario import ModelRevision
 from sim.serving.supervisor import is_leader
 from sim.serving.telemetry import (
@@ -48,7 +61,6 @@ from sim.serving.telemetry import (
     CLOCK_EVENT_SW_THERMAL,
     INFORMATIONAL_XIDS,
     gpu_assignment,
-    pod_gpu_request,
 )
 
 if TYPE_CHECKING:
@@ -272,6 +284,7 @@ class FaultInjector:
             self._problem_condition(
                 node, "GpuXid", True, "XidError", f"Xid {code} on GPU {gpu} ({state.uuid})"
             )
+            self._driver_taint(node, gpu, code)
         self._sync_allocatable(node)
         victims = self._victims(node, gpu)
         if params.get("keep_alive"):
@@ -289,12 +302,13 @@ class FaultInjector:
         state.nvlink_replay_errors += 40
         state.nvlink_recovery_errors += 3
         state.broken = "Xid 74 (NVLink error)"
+        self._driver_taint(node, gpu, 74)
         self._sync_allocatable(node)
-        victims = [
-            key
-            for key in self._victims(node, gpu)
-            if (pod := self.layer.kube.pod(*key.split("/", 1))) is not None and pod_gpu_request(pod) > 1
-        ]
+        held: dict[str, int] = {}
+        for pod in gpu_assignment(self.layer.kube, node).values():
+            key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+            held[key] = held.get(key, 0) + 1
+        victims = [key for key in self._victims(node, gpu) if held.get(key, 0) > 1]
         self._kill_replicas(victims, f"NCCL error: NVLink failure on GPU {gpu} of {node} (Xid 74)", now)
 
     def _thermal(self, node: str, params: dict[str, Any], clear: bool, now: float) -> None:
@@ -422,6 +436,7 @@ class FaultInjector:
         for g in tel.gpus:
             g.last_xid = 0
             g.row_remap_failure = 0
+        self._restart_driver(node)
         self._sync_allocatable(node)
 
     def _problem_condition(self, node: str, ctype: str, on: bool, reason: str, message: str) -> None:
@@ -438,13 +453,60 @@ class FaultInjector:
         self.layer.world.store.mutate("nodes", "", node, change)
 
     def _sync_allocatable(self, node: str) -> None:
-        """The device plugin reports unhealthy GPUs: allocatable nvidia.com/gpu = capacity - broken."""
+        """The device plugin reports unhealthy GPUs: allocatable nvidia.com/gpu = capacity - broken.
+
+        A node without ``nvidia.com/gpu`` capacity (DRA) is left alone. Either way the GPUs' health
+        changed: the kubelets re-sync the pods' ``allocatedResourcesStatus``."""
         tel = self.layer.node_telemetry(node)
         broken = sum(1 for g in tel.gpus if g.broken)
+        self.layer.kube.devices.health_changed()
 
         def change(obj: dict[str, Any]) -> None:
             status = obj.setdefault("status", {})
+            if GPU_RESOURCE not in (status.get("capacity") or {}):
+                return
             capacity = int((status.get("capacity") or {}).get(GPU_RESOURCE, len(tel.gpus)))
             status.setdefault("allocatable", {})[GPU_RESOURCE] = str(max(0, capacity - broken))
 
         self.layer.world.store.mutate("nodes", "", node, change)
+
+    def _driver_taint(self, node: str, gpu: int, code: int) -> None:
+        """NVIDIA's DRA driver taints a device on a fatal Xid (in its ResourceSlice), until it restarts."""
+        store = self.layer.world.store
+        stamp = self.layer.clock.timestamp()
+        name = device_name(gpu)
+        for found in node_slices(store, node):
+
+            def change(obj: dict[str, Any]) -> None:
+                for device in obj["spec"].get("devices") or []:
+                    if device.get("name") != name:
+                        continue
+                    taints = device.setdefault("taints", [])
+                    if not any(t.get("key") == DRIVER_UNHEALTHY_TAINT_KEY for t in taints):
+                        taints.append(
+                            {
+                                "key": DRIVER_UNHEALTHY_TAINT_KEY,
+                                "value": f"xid-{code}",
+                                "effect": "NoSchedule",
+                                "timeAdded": stamp,
+                            }
+                        )
+
+            store.mutate("resourceslices", "", found["metadata"]["name"], change)
+
+    def _restart_driver(self, node: str) -> None:
+        """The repair restarts the DRA driver's kubelet plugin: it republishes its devices untainted."""
+        store = self.layer.world.store
+        for found in node_slices(store, node):
+
+            def change(obj: dict[str, Any]) -> None:
+                for device in obj["spec"].get("devices") or []:
+                    kept = [
+                        t for t in device.get("taints") or [] if t.get("key") != DRIVER_UNHEALTHY_TAINT_KEY
+                    ]
+                    if kept:
+                        device["taints"] = kept
+                    else:
+                        device.pop("taints", None)
+
+            store.mutate("resourceslices", "", found["metadata"]["name"], change)

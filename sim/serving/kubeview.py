@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fleet.vocabulary import MODEL_LABEL, ROUTER_LABEL, ROUTER_LABEL_VALUE
+from sim.k8s.devices import GpuLedger
 from sim.k8s.store import ObjectStore, WatchEvent
 
 Obj = dict[str, Any]
@@ -29,8 +30,10 @@ def _key(obj: Obj) -> tuple[str, str]:
 class KubeView:
     """Current pods, nodes, Services and EndpointSlices by (namespace, name)."""
 
-    def __init__(self, store: ObjectStore) -> None:
+    def __init__(self, store: ObjectStore, devices: GpuLedger | None = None) -> None:
         self._store = store
+        # Which pod holds which GPU: the control plane's ledger (a view of its own when there is none).
+        self.devices = devices if devices is not None else GpuLedger(store)
         self._lock = threading.Lock()
         self.objects: dict[str, dict[tuple[str, str], Obj]] = {kind: {} for kind in _KINDS}
         self.generation = 0

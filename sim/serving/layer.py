@@ -114,7 +114,8 @@ class ServingLayer:
         scenario = getattr(world, "scenario", None)
         self.settings = settings or settings_from_scenario(getattr(scenario, "load", {}) or {})
         self.default_namespace: str = getattr(scenario, "namespace", "default")
-        self.kube = KubeView(world.store)
+        self.kube = KubeView(world.store, getattr(getattr(world, "control", None), "devices", None))
+        self.kube.devices.broken = self._gpu_broken
         self.supervisor = EngineSupervisor(world, self.kube, self.settings.engine)
         self.effects = EffectProposer(self.settings.effects.model_copy())
         self.faults = FaultInjector(self)
@@ -145,7 +146,7 @@ class ServingLayer:
         if control is not None:
             # Pods that run `dcgmi diag` (qualification Jobs) run the diagnostic on the node's GPUs.
             control.program_for = lambda pod: diagnostic_program(
-                pod, self.settings.qualification_s, self.node_telemetry
+                pod, self.settings.qualification_s, self.node_telemetry, self.kube.devices.pod_indices
             )
         register = getattr(world, "register_fault_handler", None)
         if register is not None:
@@ -375,6 +376,11 @@ class ServingLayer:
             tel = NodeTelemetry.for_node(node, node_gpu_count(obj), node_gpu_product(obj))
             self.telemetry[node] = tel
         return tel
+
+    def _gpu_broken(self, node: str, index: int) -> bool:
+        """The GPU ledger's health hook: a GPU left broken by a hardware fault (``GpuState.broken``)."""
+        tel = self.telemetry.get(node)
+        return tel is not None and 0 <= index < len(tel.gpus) and tel.gpus[index].broken is not None
 
     def _start_blocker(self, pod: dict[str, Any]) -> str | None:
         node = (pod.get("spec") or {}).get("nodeName")

@@ -19,7 +19,6 @@ kube-state-metrics: the handful of series fleetmend's alert rules use
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +29,7 @@ from prometheus_client.utils import floatToGoString
 
 from fleet.vocabulary import GPU_RESOURCE
 from sim.clock import parse_timestamp
+from sim.k8s.devices import gpu_uuid
 from sim.serving.kubeview import KubeView
 
 Obj = dict[str, Any]
@@ -101,9 +101,9 @@ class NodeTelemetry:
     def for_node(cls, node: str, count: int, product: str) -> NodeTelemetry:
         gpus = []
         for i in range(count):
-            digest = hashlib.sha256(f"{node}/{i}".encode()).hexdigest()
-            uuid = f"GPU-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
-            gpus.append(GpuState(index=i, uuid=uuid, pci_bus_id=f"00000000:{0x18 + 0x10 * i:02X}:00.0"))
+            gpus.append(
+                GpuState(index=i, uuid=gpu_uuid(node, i), pci_bus_id=f"00000000:{0x18 + 0x10 * i:02X}:00.0")
+            )
         return cls(node=node, product=product, gpus=gpus)
 
     def healthy(self) -> bool:
@@ -116,9 +116,12 @@ class NodeTelemetry:
 
 
 def node_gpu_count(node: Obj) -> int:
+    """The node's GPUs: its ``nvidia.com/gpu`` capacity, or (DRA: no such capacity) GPU feature discovery's
+    ``nvidia.com/gpu.count`` label."""
     capacity = (node.get("status") or {}).get("capacity") or {}
+    labels = (node.get("metadata") or {}).get("labels") or {}
     try:
-        return int(capacity.get(GPU_RESOURCE, 0))
+        return int(capacity.get(GPU_RESOURCE, labels.get("nvidia.com/gpu.count", 0)))
     except (TypeError, ValueError):
         return 0
 
@@ -143,23 +146,11 @@ def pod_gpu_request(pod: Obj) -> int:
 
 
 def gpu_assignment(kube: KubeView, node: str) -> dict[int, Obj]:
-    """Which pod holds each GPU index of a node (pods packed in name order, as a device plugin would)."""
-    pods = sorted(
-        (
-            p
-            for p in kube.pods()
-            if (p.get("spec") or {}).get("nodeName") == node
-            and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
-        ),
-        key=lambda p: (p["metadata"].get("creationTimestamp", ""), p["metadata"]["name"]),
-    )
-    out: dict[int, Obj] = {}
-    cursor = 0
-    for pod in pods:
-        for _ in range(pod_gpu_request(pod)):
-            out[cursor] = pod
-            cursor += 1
-    return out
+    """Which pod holds each GPU index of a node: the indices the device plugin gave a pod when it was
+    bound (kept until it ends), or a DRA pod's allocated claim devices (``gpu-<i>`` is index ``i``)."""
+    obj = kube.node(node)
+    capacity = node_gpu_count(obj) if obj is not None else 0
+    return kube.devices.assignment(node, kube.pods(), capacity)
 
 
 def _labels(pairs: dict[str, str]) -> str:

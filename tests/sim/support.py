@@ -22,7 +22,7 @@ TEST_SPEED = 100.0  # a 300 s toleration passes in 3 s
 
 
 T = TypeVar("T")
-K8S_VERSION = "1.33.0"  # the version the sim reports at /version
+K8S_VERSION = "1.37.0"  # the version the sim reports at /version
 
 
 @dataclass

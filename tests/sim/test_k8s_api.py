@@ -28,7 +28,7 @@ def _raw(response: Any) -> dict[str, Any]:
 
 def _validate_status(body: dict[str, Any]) -> None:
     """``Status`` has no kind/apiVersion-keyed schema file in kubernetes-validate; use its meta/v1 schema."""
-    schema_dir = "kubernetes-json-schema/v1.33.0-local-strict"
+    schema_dir = f"kubernetes-json-schema/v{K8S_VERSION}-local-strict"
     schema = schema_contents(f"{schema_dir}/status-meta-v1.json", K8S_VERSION)
     definitions = schema_contents(f"{schema_dir}/_definitions.json", K8S_VERSION)
     registry = Resource.from_contents(definitions) @ (Resource.from_contents(schema) @ Registry())
@@ -84,7 +84,7 @@ def test_requests_without_the_kubeconfig_token_get_401(kube: Kube) -> None:
     )
     assert wrong.status_code == 401 and wrong.json()["reason"] == "Unauthorized"
     assert httpx.get(f"{api}/healthz", verify=ca).text == "ok"  # health and version are open
-    assert httpx.get(f"{api}/version", verify=ca).json()["gitVersion"].startswith("v1.33.")
+    assert httpx.get(f"{api}/version", verify=ca).json()["gitVersion"].startswith("v1.37.")
     # TLS is verified against the kubeconfig's CA; the Kubernetes API is not served over plain HTTP.
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{api}/version")

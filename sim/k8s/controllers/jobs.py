@@ -4,7 +4,7 @@ Non-indexed Jobs with ``completions`` = ``parallelism`` = 1, as kube-controller-
 one pod at a time from the template (``restartPolicy`` Never or OnFailure), a failed pod is
 replaced until ``backoffLimit`` failures; ``activeDeadlineSeconds`` ends the Job with
 ``Failed/DeadlineExceeded`` and deletes its running pod; success writes ``SuccessCriteriaMet``
-then ``Complete``, failure ``FailureTarget`` then ``Failed`` (1.33 condition order). Pods carry
+then ``Complete``, failure ``FailureTarget`` then ``Failed`` (1.33+ condition order). Pods carry
 the ``batch.kubernetes.io/job-name`` and ``controller-uid`` labels and an owner reference, so
 deleting the Job (propagation Background) garbage-collects them.
 """

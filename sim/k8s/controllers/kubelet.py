@@ -19,6 +19,12 @@ A container that runs a *program* (``cp.program_for``, e.g. a DCGM diagnostic) r
 duration after the image pull, then terminates with its exit code (``Completed``/0 or
 ``Error``); its output is what ``pods/log`` serves. With ``restartPolicy: Never`` the pod ends
 ``Succeeded`` or ``Failed``; with ``OnFailure`` a failed run restarts after the back-off.
+
+Device health (KEP-4680, ``ResourceHealthStatus``): each container holding GPUs reports them in
+``containerStatuses[].allocatedResourcesStatus``: ``{name: "claim:<pod claim>/<request>", resources:
+[{resourceID: "<driver>/<pool>/<device>", health}]}`` for DRA claims, ``{name: "nvidia.com/gpu",
+resources: [{resourceID: <GPU UUID>, health}]}`` for device-plugin GPUs; ``Healthy`` or ``Unhealthy``
+as the GPU's broken state (``cp.devices``) says, re-synced whenever a GPU's health changes.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ def run_kubelets(cp: ControlPlane) -> None:
                 continue
             if deadline is not None:
                 cp.wake_at(deadline)
-        elif runtime.extra.get("settled") == _settled_key(runtime, pod):
+        elif runtime.extra.get("settled") == _settled_key(runtime, pod, cp.devices.health_epoch):
             continue  # up and ready: nothing to sync until something acts on it or on its pod
         profile = cp.profile_for(pod) or DEFAULT_PROFILE
         node = nodes[node_name]
@@ -82,13 +88,13 @@ def run_kubelets(cp: ControlPlane) -> None:
             and not o.is_terminating(stored)
             and _container_ready(runtime, now)
         ):
-            runtime.extra["settled"] = _settled_key(runtime, stored)
+            runtime.extra["settled"] = _settled_key(runtime, stored, cp.devices.health_epoch)
     for uid in list(cp.runtimes):
         if uid not in live_uids:
             del cp.runtimes[uid]
 
 
-def _settled_key(runtime: PodRuntime, pod: Obj) -> tuple[Any, ...]:
+def _settled_key(runtime: PodRuntime, pod: Obj, health_epoch: int) -> tuple[Any, ...]:
     """What a settled pod's status was written from. Once a long-running container is up and ready
     nothing time-driven changes its status, so the kubelet stops re-syncing it (at fleet size there
     are thousands): any change (a crash, a readiness override, an exit, any write to the pod, such as
@@ -100,6 +106,7 @@ def _settled_key(runtime: PodRuntime, pod: Obj) -> tuple[Any, ...]:
         runtime.restart_count,
         runtime.exited,
         pod["metadata"].get("resourceVersion"),
+        health_epoch,
     )
 
 
@@ -255,6 +262,9 @@ def _write_status(cp: ControlPlane, pod: Obj, runtime: PodRuntime, node: Obj, no
             entry["state"] = {"running": {"startedAt": stamp(runtime.started_at)}}
             entry["containerID"] = f"containerd://{o.stable_hash([runtime.ip, runtime.restart_count], 32)}"
         entry["lastState"] = dict(runtime.last_terminated or {})
+        devices = cp.devices.resource_statuses(pod, container)
+        if devices:
+            entry["allocatedResourcesStatus"] = devices
         container_statuses.append(entry)
     status["containerStatuses"] = container_statuses
     status["phase"] = "Running" if runtime.started_at is not None or runtime.restart_count else "Pending"

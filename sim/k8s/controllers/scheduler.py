@@ -10,6 +10,14 @@ ReplicaSet per node while another node fits (a soft spread over hosts); placemen
 ``PodScheduled=False/Unschedulable`` and a ``FailedScheduling`` event such as
 ``0/4 nodes are available: 4 Insufficient nvidia.com/gpu. ...`` — even when the
 cluster has enough free GPUs in total (fragmentation).
+
+Pods with ``spec.resourceClaims`` (Dynamic Resource Allocation) are placed as the scheduler's
+DynamicResources plugin places them: a node fits when every unallocated claim of the pod can get its
+devices there (``sim.k8s.devices.Allocator``: free, untainted or tolerated, matching the CEL
+selectors), else the node counts as ``cannot allocate all claims``; an already allocated claim pins
+the pod to its node. The allocation is written to the claims' status (results, nodeSelector,
+reservedFor) before the pod is bound; their free devices score nodes as free GPUs do. A device-plugin
+pod's GPU indices are recorded when it is bound (``GpuLedger.bind``), as the plugin's Allocate does.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from fleet.vocabulary import GPU_RESOURCE, LWS_GROUP_KEY_LABEL
+from sim.k8s import devices as dv
 from sim.k8s import objects as o
 from sim.k8s.controllers.lws import EXCLUSIVE_TOPOLOGY_ANNOTATION
 
@@ -132,6 +141,7 @@ def schedule_pending_pods(cp: ControlPlane) -> None:
         return
     nodes = cp.store.list_view("nodes")
     free = _free_gpus(cp, nodes)
+    alloc = dv.Allocator(cp.store) if any(dv.pod_uses_claims(p) for p in pending) else None
     siblings = _owners_by_node(cp) if cp.scoring == "MostAllocated" else None
     pending.sort(key=lambda p: cp.store.creation_order(o.uid_of(p)))
     handled: set[str] = set()
@@ -148,10 +158,10 @@ def schedule_pending_pods(cp: ControlPlane) -> None:
                 if o.labels(p).get(LWS_GROUP_KEY_LABEL) == key and o.namespace_of(p) == o.namespace_of(pod)
             ]
             handled.update(o.uid_of(p) for p in gang)
-            _schedule_gang(cp, gang, nodes, free, topology)
+            _schedule_gang(cp, gang, nodes, free, topology, alloc)
         else:
             handled.add(uid)
-            _schedule_one(cp, pod, nodes, free, siblings)
+            _schedule_one(cp, pod, nodes, free, siblings, alloc)
 
 
 def _owner(pod: Obj) -> str | None:
@@ -177,6 +187,10 @@ def _bind(
     siblings: dict[str, Counter[str]] | None = None,
 ) -> None:
     free[node_name] -= o.pod_gpus(pod)
+    if o.pod_gpus(pod):
+        node = cp.store.view("nodes", "", node_name) or {}
+        capacity = int(((node.get("status") or {}).get("capacity") or {}).get(GPU_RESOURCE, 0) or 0)
+        cp.devices.bind(pod, node_name, capacity)
     owner = _owner(pod)
     if siblings is not None and owner:
         siblings.setdefault(node_name, Counter())[owner] += 1
@@ -215,17 +229,50 @@ def _unschedulable(cp: ControlPlane, pod: Obj, message: str) -> None:
     cp.events.record(pod, "FailedScheduling", message, event_type="Warning", component=COMPONENT)
 
 
+def _prefilter_failure(total: int, reason: str) -> str:
+    return (
+        f"0/{total} nodes are available: {reason}. "
+        f"preemption: 0/{total} nodes are available: {total} Preemption is not helpful for scheduling."
+    )
+
+
+def _claims_of(cp: ControlPlane, pod: Obj, alloc: dv.Allocator | None, total: int) -> list[Obj] | bool | None:
+    """The pod's ResourceClaims (None: the pod claims nothing); False after marking it unschedulable."""
+    if alloc is None or not dv.pod_uses_claims(pod):
+        return None
+    claims = alloc.claims(pod)
+    if isinstance(claims, str):
+        _unschedulable(cp, pod, _prefilter_failure(total, claims))
+        return False
+    return claims
+
+
 def _schedule_one(
     cp: ControlPlane,
     pod: Obj,
     nodes: list[Obj],
     free: dict[str, int],
     siblings: dict[str, Counter[str]] | None = None,
+    alloc: dv.Allocator | None = None,
 ) -> None:
+    claims = _claims_of(cp, pod, alloc, len(nodes))
+    if claims is False:
+        return
     reasons: Counter[str] = Counter()
     candidates: list[Obj] = []
+    fits: dict[str, dv.Fit] = {}
     for node in nodes:
         reason = _filter_reason(pod, node, free[o.name_of(node)])
+        if reason is None and alloc is not None and isinstance(claims, list):
+            try:
+                fit = alloc.fit(claims, o.name_of(node))
+            except dv.UnsupportedSelector as exc:
+                _unschedulable(cp, pod, _prefilter_failure(len(nodes), str(exc)))
+                return
+            if isinstance(fit, str):
+                reason = fit
+            else:
+                fits[o.name_of(node)] = fit
         if reason is None:
             candidates.append(node)
         else:
@@ -233,26 +280,61 @@ def _schedule_one(
     if not candidates:
         _unschedulable(cp, pod, _failure_message(len(nodes), reasons))
         return
+
+    def room(n: Obj) -> int:
+        return (
+            alloc.free_count(o.name_of(n))
+            if alloc is not None and isinstance(claims, list)
+            else free[o.name_of(n)]
+        )
+
+    def size(n: Obj) -> int:
+        if alloc is not None and isinstance(claims, list):
+            return len(alloc.by_node.get(o.name_of(n), []))
+        return o.node_gpus(n)
+
+    def need(n: Obj) -> int:
+        fit = fits.get(o.name_of(n))
+        return len(fit.devices) if fit is not None else o.pod_gpus(pod)
+
     if siblings is None:  # LeastAllocated
-        best = min(candidates, key=lambda n: (-(free[o.name_of(n)] - o.pod_gpus(pod)), o.name_of(n)))
+        best = min(candidates, key=lambda n: (-(room(n) - need(n)), o.name_of(n)))
     else:  # MostAllocated: at most SPREAD_SKEW siblings per node while others fit, busy nodes before empty ones
         owner = _owner(pod) or ""
         best = min(
             candidates,
             key=lambda n: (
-                free[o.name_of(n)] == o.node_gpus(n),
+                room(n) == size(n),
                 siblings.get(o.name_of(n), Counter())[owner] >= SPREAD_SKEW,
-                free[o.name_of(n)] - o.pod_gpus(pod),
+                room(n) - need(n),
                 o.name_of(n),
             ),
         )
+    if alloc is not None and isinstance(claims, list):
+        alloc.commit(pod, o.name_of(best), claims, fits[o.name_of(best)])
     _bind(cp, pod, o.name_of(best), free, siblings)
 
 
 def _schedule_gang(
-    cp: ControlPlane, gang: list[Obj], nodes: list[Obj], free: dict[str, int], topology: str
+    cp: ControlPlane,
+    gang: list[Obj],
+    nodes: list[Obj],
+    free: dict[str, int],
+    topology: str,
+    alloc: dv.Allocator | None = None,
 ) -> None:
     """Place all pending pods of one LWS group inside one topology domain held by no other group."""
+    claims_of: dict[str, list[Obj] | None] = {}
+    for member in gang:
+        claims = _claims_of(cp, member, alloc, len(nodes))
+        if claims is False:
+            for other in gang:
+                if other is not member:
+                    _unschedulable(
+                        cp, other, _prefilter_failure(len(nodes), "waiting for the group's claims")
+                    )
+            return
+        claims_of[o.uid_of(member)] = claims if isinstance(claims, list) else None
     sample = gang[0]
     key = o.labels(sample)[LWS_GROUP_KEY_LABEL]
     namespace = o.namespace_of(sample)
@@ -281,22 +363,45 @@ def _schedule_gang(
         if domain in taken:
             continue
         trial = dict(free)
-        placement: list[tuple[Obj, str]] = []
+        in_use: set[dv.DeviceKey] = set()
+        placement: list[tuple[Obj, str, dv.Fit | None]] = []
         for pod in sorted(
             gang, key=lambda p: int(o.labels(p).get("leaderworkerset.sigs.k8s.io/worker-index", 0))
         ):
-            fits = [
-                node_by_name[n]
-                for n, d in domain_of.items()
-                if d == domain and _filter_reason(pod, node_by_name[n], trial[n]) is None
-            ]
+            claims = claims_of[o.uid_of(pod)]
+            fits: list[tuple[Obj, dv.Fit | None]] = []
+            for n, d in domain_of.items():
+                if d != domain or _filter_reason(pod, node_by_name[n], trial[n]) is not None:
+                    continue
+                fit: dv.Fit | str | None = None
+                if alloc is not None and claims is not None:
+                    try:
+                        fit = alloc.fit(claims, n, in_use)
+                    except dv.UnsupportedSelector as exc:
+                        for member in gang:
+                            _unschedulable(cp, member, _prefilter_failure(len(nodes), str(exc)))
+                        return
+                    if isinstance(fit, str):
+                        continue
+                fits.append((node_by_name[n], fit if isinstance(fit, dv.Fit) else None))
             if not fits:
                 break
-            best = min(fits, key=lambda n: (-(trial[o.name_of(n)] - o.pod_gpus(pod)), o.name_of(n)))
+
+            def room(item: tuple[Obj, dv.Fit | None], trial: dict[str, int] = trial, pod: Obj = pod) -> int:
+                if item[1] is not None and alloc is not None:
+                    return alloc.free_count(o.name_of(item[0])) - len(item[1].devices)
+                return trial[o.name_of(item[0])] - o.pod_gpus(pod)
+
+            best, best_fit = min(fits, key=lambda item: (-room(item), o.name_of(item[0])))
             trial[o.name_of(best)] -= o.pod_gpus(pod)
-            placement.append((pod, o.name_of(best)))
+            if best_fit is not None:
+                in_use |= best_fit.devices
+            placement.append((pod, o.name_of(best), best_fit))
         if len(placement) == len(gang):
-            for pod, node_name in placement:
+            for pod, node_name, placed in placement:
+                claims = claims_of[o.uid_of(pod)]
+                if alloc is not None and claims is not None and placed is not None:
+                    alloc.commit(pod, node_name, claims, placed)
                 _bind(cp, pod, node_name, free)
             return
     for node in nodes:
@@ -311,7 +416,9 @@ def _schedule_gang(
                 else "node(s) didn't match pod affinity rules"
             )
         if reason is None:
-            reason = f"Insufficient {GPU_RESOURCE}"
+            reason = (
+                dv.UNSCHEDULABLE_REASON if claims_of.get(o.uid_of(sample)) else f"Insufficient {GPU_RESOURCE}"
+            )
         reasons[reason] += 1
     message = _failure_message(len(nodes), reasons)
     for pod in gang:
