@@ -356,6 +356,16 @@ def test_api_resources_lists_names_short_names_groups_and_kinds(cluster: Cluster
             "false",
             "ClusterRoleBinding",
         ],
+        "deviceclasses": ["deviceclasses", "resource.k8s.io/v1", "false", "DeviceClass"],
+        "resourceslices": ["resourceslices", "resource.k8s.io/v1", "false", "ResourceSlice"],
+        "resourceclaims": ["resourceclaims", "resource.k8s.io/v1", "true", "ResourceClaim"],
+        "resourceclaimtemplates": [
+            "resourceclaimtemplates",
+            "resource.k8s.io/v1",
+            "true",
+            "ResourceClaimTemplate",
+        ],
+        "devicetaintrules": ["devicetaintrules", "resource.k8s.io/v1", "false", "DeviceTaintRule"],
         "leaderworkersets": [
             "leaderworkersets",
             "lws",

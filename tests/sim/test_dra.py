@@ -405,7 +405,7 @@ def test_a_one_gpu_qualification_job_lands_on_its_node_and_judges_only_that_gpu(
 
         def finished(name: str = claim) -> Any:
             job = dra.batch.read_namespaced_job(name, QUALIFY_NS)
-            conds = {c.type for c in (job.status.conditions or [])}
+            conds = {c.type for c in ((job.status.conditions if job.status else None) or [])}
             return job if conds & {"Complete", "Failed"} else None
 
         job = wait_for(finished, 60, f"Job {claim} to finish")
