@@ -8,7 +8,7 @@ image pull ends, a toleration expires, a lease needs renewing); a timer runs onl
 the controller that set it (``reconcile_due``). An idle cluster runs nothing.
 
 Pass order (one reconcile): node lifecycle → node lease heartbeats → taint eviction → garbage collection
-→ Deployments → ReplicaSets → LeaderWorkerSets → Jobs → DaemonSets → ResourceClaims (DRA) → device
+→ Deployments → ReplicaSets → LeaderWorkerSets → Jobs → DaemonSets → DRA driver slices → ResourceClaims (DRA) → device
 taint eviction (DRA) → scheduler → kubelets → EndpointSlices → PodDisruptionBudgets.
 
 Which GPU each pod holds (device plugin indices, or DRA claims) is ``devices`` (``sim.k8s.devices.GpuLedger``).
@@ -132,6 +132,7 @@ class ControlPlane:
         self.logs: dict[str, str] = {}  # pod uid -> its container's output (pods/log)
         self.devices = GpuLedger(store)  # which GPU indices each pod holds (sim.k8s.devices)
         self.dra_evicted: dict[str, int] = {}  # DeviceTaintRule uid -> pods it evicted
+        self.dra_slice_inputs: tuple[int, ...] | None = None  # what the DRA driver last published from
         # imported here to keep each controller in its own module without import cycles
         from sim.k8s.controllers import (
             disruption,
@@ -160,6 +161,7 @@ class ControlPlane:
             lws.reconcile_leaderworkersets,
             jobs.reconcile_jobs,
             self.daemonsets.reconcile,
+            dra.publish_driver_slices,
             dra.reconcile_resource_claims,
             dra.reconcile_device_taint_rules,
             scheduler.schedule_pending_pods,

@@ -638,6 +638,48 @@ _PDB_COLUMNS: list[Column] = [
 ]
 
 
+def _resourceslice_row(rs: Obj, now: float) -> list[Any]:
+    spec = rs.get("spec") or {}
+    return [
+        _meta(rs).get("name", ""),
+        spec.get("nodeName", "") or "<none>",
+        spec.get("driver", ""),
+        (spec.get("pool") or {}).get("name", ""),
+        _age(_meta(rs).get("creationTimestamp"), now),
+    ]
+
+
+_RESOURCESLICE_COLUMNS: list[Column] = [
+    _NAME,
+    ("Node", "string", "The node providing the resources, if any.", 0),
+    ("Driver", "string", "The driver providing the resources.", 0),
+    ("Pool", "string", "The pool that the resource slice belongs to.", 0),
+    _AGE,
+]
+
+
+def _resourceclaim_row(claim: Obj, now: float) -> list[Any]:
+    """STATE as kubectl prints it: pending, or allocated(,reserved); deleted while terminating."""
+    status = claim.get("status") or {}
+    states = []
+    if _meta(claim).get("deletionTimestamp"):
+        states.append("deleted")
+    if status.get("allocation"):
+        states.append("allocated")
+        if status.get("reservedFor"):
+            states.append("reserved")
+    elif not states:
+        states.append("pending")
+    return [_meta(claim).get("name", ""), ",".join(states), _age(_meta(claim).get("creationTimestamp"), now)]
+
+
+_RESOURCECLAIM_COLUMNS: list[Column] = [
+    _NAME,
+    ("State", "string", "A summary of the current state (allocated, pending, reserved, etc.).", 0),
+    _AGE,
+]
+
+
 def _custom_row(obj: Obj, now: float) -> list[Any]:
     return [_meta(obj).get("name", ""), _meta(obj).get("creationTimestamp", "")]
 
@@ -661,6 +703,8 @@ PRINTERS: dict[str, tuple[list[Column], Printer]] = {
     "statefulsets": (_STATEFULSET_COLUMNS, _statefulset_row),
     "daemonsets": (_DAEMONSET_COLUMNS, _daemonset_row),
     "poddisruptionbudgets": (_PDB_COLUMNS, _pdb_row),
+    "resourceslices": (_RESOURCESLICE_COLUMNS, _resourceslice_row),
+    "resourceclaims": (_RESOURCECLAIM_COLUMNS, _resourceclaim_row),
 }
 
 

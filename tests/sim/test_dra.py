@@ -206,6 +206,13 @@ def test_the_driver_publishes_a_slice_per_node_whose_uuids_are_the_gpus_dcgm_rep
             assert device.attributes["productName"].string == "NVIDIA H100 80GB HBM3"
             assert device.capacity["memory"].value == "80Gi"
             assert not device.taints
+    # A node that goes takes its slice with it.
+    dra.core.delete_node("gpu-node-3")
+    wait_for(
+        lambda: not dra.resource.list_resource_slice(field_selector="spec.nodeName=gpu-node-3").items,
+        20,
+        "gpu-node-3's slice to go with the node",
+    )
 
 
 def test_serving_pods_get_distinct_devices_through_their_claims_and_report_their_health(dra: Dra) -> None:
@@ -459,7 +466,11 @@ def test_kubectl_gets_the_dra_kinds(dra: Dra) -> None:
 
     assert "quarantine-n1-g0" in kubectl("get", "devicetaintrules")
     slices = kubectl("get", "resourceslices")
-    assert slices.splitlines()[0].split()[0] == "NAME" and len(slices.splitlines()) == 5
+    assert slices.splitlines()[0].split() == ["NAME", "NODE", "DRIVER", "POOL", "AGE"]
+    assert len(slices.splitlines()) == 5
+    assert slices.splitlines()[1].split()[1:4] == ["gpu-node-0", GPU_DRIVER, "gpu-node-0"]
+    claims = kubectl("get", "resourceclaims", "-n", NS).splitlines()
+    assert claims[0].split() == ["NAME", "STATE", "AGE"] and claims[1].split()[1] == "allocated,reserved"
     assert "gpu.nvidia.com" in kubectl("get", "deviceclasses")
     assert "llama-gpus" in kubectl("get", "resourceclaimtemplates", "-n", NS)
     assert len(kubectl("get", "resourceclaims", "-n", NS, "-o", "name").split()) == 6

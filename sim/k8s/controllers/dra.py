@@ -1,4 +1,8 @@
-"""Dynamic Resource Allocation controllers: the resourceclaim controller and the device taint eviction controller.
+"""Dynamic Resource Allocation controllers: the NVIDIA driver's slices, the resourceclaim controller and the
+device taint eviction controller.
+
+**ResourceSlices** (``publish_driver_slices``): in a DRA world every GPU node (GPU feature discovery's
+``nvidia.com/gpu.present``/``gpu.count`` labels) has the driver's slice; a deleted node's slice goes.
 
 **ResourceClaims for pods** (kube-controller-manager's resourceclaim controller): for each pod entry
 ``spec.resourceClaims[]`` naming a ``resourceClaimTemplateName``, a ResourceClaim
@@ -46,6 +50,42 @@ def _claim_generate_name(pod: str, claim: str) -> str:
     if len(base) > _MAX_BASE_LEN:
         base = f"{pod[: len(pod) * _MAX_BASE_LEN // len(base)]}-{claim[: len(claim) * _MAX_BASE_LEN // len(base)]}-"
     return base
+
+
+def publish_driver_slices(cp: ControlPlane) -> None:
+    """NVIDIA's DRA driver (a world with the DeviceClass ``gpu.nvidia.com``): every GPU node has its
+    ResourceSlice; a slice whose node is gone is removed (the node's plugin went with it)."""
+    store = cp.store
+    inputs = (
+        store.written_at("nodes"),
+        store.written_at("resourceslices"),
+        store.written_at("deviceclasses"),
+    )
+    if cp.dra_slice_inputs == inputs:
+        return
+    cp.dra_slice_inputs = inputs
+    if store.view("deviceclasses", "", dv.GPU_DEVICE_CLASS) is None:
+        return
+    nodes = {o.name_of(n): n for n in store.list_view("nodes")}
+    published: set[str] = set()
+    for found in list(store.list_view("resourceslices")):
+        spec = found.get("spec") or {}
+        if spec.get("driver") != dv.GPU_DRIVER or not spec.get("nodeName"):
+            continue
+        if spec["nodeName"] not in nodes:
+            cp.delete("resourceslices", "", o.name_of(found))
+        else:
+            published.add(spec["nodeName"])
+    for name, node in nodes.items():
+        labels = o.labels(node)
+        try:
+            count = int(labels.get("nvidia.com/gpu.count", "0"))
+        except ValueError:
+            count = 0
+        if name in published or labels.get("nvidia.com/gpu.present") != "true" or count <= 0:
+            continue
+        product = labels.get("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3").replace("-", " ")
+        cp.ensure_exists("resourceslices", dv.resource_slice(name, count, product))
 
 
 def reconcile_resource_claims(cp: ControlPlane) -> None:
