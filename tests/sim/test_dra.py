@@ -31,6 +31,8 @@ from fleet.vocabulary import (
 )
 from sim.runner import RunningSim, start_sim
 from sim.scenario import shipped_scenarios
+from sim.serving.diagnostics import diag_gpus
+from sim.serving.telemetry import gpu_assignment
 from tests.sim.support import TEST_SPEED, wait_for
 
 NS = "inference"
@@ -479,3 +481,88 @@ def test_kubectl_gets_the_dra_kinds(dra: Dra) -> None:
     assert "xid" not in kubectl(
         "get", "resourceslice", dra.slice_of("gpu-node-1").metadata.name, "-o", "yaml"
     )
+
+
+def test_device_plugin_pods_keep_the_gpus_they_were_bound_with_and_report_their_health() -> None:
+    """The device-plugin path (``gpu-node-loss``): indices are the plugin's Allocate at binding (a broken
+    GPU skipped), kept while the pod lives, freed when it ends; health by GPU UUID in pod status."""
+    running = start_sim(shipped_scenarios()["gpu-node-loss"], speed=TEST_SPEED, serving=True)
+    api = config.new_client_from_config(config_file=str(running.kubeconfig), context="sim")
+    core = client.CoreV1Api(api)
+    kube = running.world.serving.kube
+    uuids = dcgm_uuids(running, "gpu-node-0")
+
+    def holders(node: str) -> dict[int, str]:
+        return {i: p["metadata"]["name"] for i, p in gpu_assignment(kube, node).items()}
+
+    try:
+        before = holders("gpu-node-0")
+        assert sorted(before) == list(range(8))
+        first, second = before[0], before[4]
+        assert first != second
+        pod = core.read_namespaced_pod(second, NS)
+        statuses = pod.status.container_statuses[0].allocated_resources_status
+        assert [s.name for s in statuses] == [GPU_RESOURCE]
+        assert health(pod) == {uuids[i]: "Healthy" for i in range(4, 8)}
+        # GPU 5 breaks: its holder shows it Unhealthy by UUID.
+        r = httpx.post(
+            f"{running.base_url}/sim/v1/faults",
+            json={"kind": "gpu-xid", "target": "gpu-node-0", "params": {"code": 79, "gpu": 5}},
+        )
+        assert r.status_code == 202, r.text
+        wait_for(
+            lambda: health(core.read_namespaced_pod(second, NS)).get(uuids[5]) == "Unhealthy",
+            20,
+            "GPU 5 Unhealthy in its holder's status",
+        )
+        # A new 3-GPU pod on gpu-node-2 (GPUs 4-7 free, GPU 5 broken) gets 4, 6 and 7.
+        r = httpx.post(
+            f"{running.base_url}/sim/v1/faults",
+            json={"kind": "gpu-xid", "target": "gpu-node-2", "params": {"code": 79, "gpu": 5}},
+        )
+        assert r.status_code == 202, r.text
+        wait_for(
+            lambda: core.read_node("gpu-node-2").status.allocatable[GPU_RESOURCE] == "7", 20, "allocatable 7"
+        )
+        gpus = {GPU_RESOURCE: "3"}
+        core.create_namespaced_pod(
+            QUALIFY_NS,
+            {
+                "metadata": {"name": "three"},
+                "spec": {
+                    "nodeSelector": {"kubernetes.io/hostname": "gpu-node-2"},
+                    "containers": [
+                        {
+                            "name": "c",
+                            "image": "busybox:1.36",
+                            "resources": {"requests": gpus, "limits": gpus},
+                        }
+                    ],
+                },
+            },
+        )
+        wait_for(
+            lambda: core.read_namespaced_pod("three", QUALIFY_NS).spec.node_name, 20, "the pod to be bound"
+        )
+        assert sorted(i for i, n in holders("gpu-node-2").items() if n == "three") == [4, 6, 7]
+        # The first pod leaves: the second keeps GPUs 4-7 (nothing is repacked).
+        core.delete_namespaced_pod(first, NS, grace_period_seconds=0)
+        wait_for(lambda: first not in holders("gpu-node-0").values(), 20, "the first pod's GPUs to be freed")
+        assert {i: n for i, n in holders("gpu-node-0").items() if n == second} == dict.fromkeys(
+            range(4, 8), second
+        )
+    finally:
+        api.close()
+        running.stop()
+
+
+def test_dcgmi_diag_gpu_list_names_the_gpus_tested() -> None:
+    """``-i``/``--gpuList`` (one index or a comma list), in any of the ways a Job writes its command."""
+
+    def pod(*command: str) -> dict[str, Any]:
+        return {"spec": {"containers": [{"name": "d", "command": list(command)}]}}
+
+    assert diag_gpus(pod("dcgmi", "diag", "-r", "2", "-i", "3", "-j")) == [3]
+    assert diag_gpus(pod("dcgmi", "diag", "-r", "1", "--gpuList", "2,0")) == [0, 2]
+    assert diag_gpus(pod("sh", "-c", "dcgmi diag -r 2 -i 1,5 -j")) == [1, 5]
+    assert diag_gpus(pod("dcgmi", "diag", "-r", "2")) is None
