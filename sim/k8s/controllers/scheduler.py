@@ -187,10 +187,6 @@ def _bind(
     siblings: dict[str, Counter[str]] | None = None,
 ) -> None:
     free[node_name] -= o.pod_gpus(pod)
-    if o.pod_gpus(pod):
-        node = cp.store.view("nodes", "", node_name) or {}
-        capacity = int(((node.get("status") or {}).get("capacity") or {}).get(GPU_RESOURCE, 0) or 0)
-        cp.devices.bind(pod, node_name, capacity)
     owner = _owner(pod)
     if siblings is not None and owner:
         siblings.setdefault(node_name, Counter())[owner] += 1
@@ -201,6 +197,10 @@ def _bind(
         o.set_condition(obj, "PodScheduled", "True", stamp)
 
     cp.store.mutate("pods", o.namespace_of(pod), o.name_of(pod), change)
+    if o.pod_gpus(pod):  # the device plugin's Allocate: the GPU indices the pod keeps
+        node = cp.store.view("nodes", "", node_name) or {}
+        capacity = int(((node.get("status") or {}).get("capacity") or {}).get(GPU_RESOURCE, 0) or 0)
+        cp.devices.bind(pod, node_name, capacity)
     cp.scheduler_memory.pop(o.uid_of(pod), None)
     cp.events.record(
         pod,
