@@ -109,3 +109,22 @@ def labels(obj: Obj) -> dict[str, str]:
 
 def name(obj: Obj) -> str:
     return str(obj["metadata"]["name"])
+
+
+def node_devices(k: KubeApis, node: str, driver: str) -> list[Obj]:
+    """The devices ``driver`` publishes for ``node`` in its ResourceSlices (``resource.k8s.io/v1``), each
+    with its slice's ``driver`` and ``pool`` added; [] on a cluster that serves no DRA (device plugin)."""
+    try:
+        resp = k.resource.list_resource_slice(field_selector=f"spec.nodeName={node}", _preload_content=False)
+    except ApiException as exc:
+        if exc.status == 404:  # no resource.k8s.io/v1 here: the device-plugin path
+            return []
+        raise
+    out: list[Obj] = []
+    for rs in _load(resp).get("items", []):
+        spec = rs.get("spec") or {}
+        if spec.get("nodeName") != node or spec.get("driver") != driver:
+            continue
+        pool = (spec.get("pool") or {}).get("name", node)
+        out.extend({**d, "driver": driver, "pool": pool} for d in spec.get("devices") or [])
+    return out

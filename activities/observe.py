@@ -19,6 +19,7 @@ from activities import kube_reads as kr
 from activities.deps import ActivityDeps
 from activities.engine_reads import EngineRead, look_deadline, read_all, read_engine
 from fleet.admission_look import KeeperLook, KeeperMemory, keeper_look, keeper_readmission
+from fleet.device_fault import DraDevice, dra_device
 from fleet.engine_metrics import EngineSnapshot, NodeGpuTelemetry, parse_dcgm_metrics
 from fleet.gateway import Admission, JournalEntry, RouterState
 from fleet.incident import PoolRef
@@ -36,6 +37,7 @@ from fleet.shedding import admission_changed, refused_fraction
 from fleet.slots import REBUILD_PHASES, Slots
 from fleet.survivor_load import next_admission_look
 from fleet.vocabulary import (
+    GPU_DRIVER,
     GPU_RESOURCE,
     LWS_GROUP_INDEX_LABEL,
     LWS_GROUP_KEY_LABEL,
@@ -46,7 +48,7 @@ from fleet.vocabulary import (
     ROLE_LABEL,
     ROLE_SPARE,
 )
-from kube.allocation import allocation_of, gpus_of
+from kube.allocation import allocation_of, device_health, gpus_held, gpus_of
 from kube.allocation import terminated as pod_terminated
 
 PROGRESS_PROBE_GAP_S = 0.5
@@ -101,6 +103,10 @@ class NodeHealth(BaseModel):
     )
     gpu_holders: list[GpuHolder] = Field(
         default_factory=list, description="the pods behind gpus_held (qualification Jobs excluded)"
+    )
+    dra_devices: list[DraDevice] = Field(
+        default_factory=list,
+        description="The node's GPUs in its DRA driver's ResourceSlice ([]: device plugin)",
     )
 
 
@@ -626,7 +632,7 @@ class ObserveActivities:
             p
             for p in kr.list_all_pods(k, node)
             if not pod_terminated(p)
-            and gpus_of(p) > 0
+            and gpus_held(p) > 0
             and QUALIFICATION_LABEL not in kr.labels(p)
             and p.get("status", {}).get("podIP")
         ]
@@ -680,12 +686,13 @@ class ObserveActivities:
         for p in kr.list_all_pods(k, node):
             if p.get("spec", {}).get("nodeName") == node:
                 lbl = kr.labels(p)
-                if not pod_terminated(p) and QUALIFICATION_LABEL not in lbl and gpus_of(p) > 0:
+                if not pod_terminated(p) and QUALIFICATION_LABEL not in lbl and gpus_held(p) > 0:
                     holders.append(
                         GpuHolder(
                             namespace=p["metadata"]["namespace"],
                             pod=kr.name(p),
-                            gpus=gpus_of(p),
+                            gpus=gpus_held(p),
+                            devices=device_health(p),
                             spare=lbl.get(ROLE_LABEL) == ROLE_SPARE
                             and lbl.get(settings.router_label) != settings.router_label_value,
                         )
@@ -715,6 +722,7 @@ class ObserveActivities:
             gpu_allocatable=int((obj.get("status", {}).get("allocatable") or {}).get(GPU_RESOURCE, 0)),
             gpus_held=sum(h.gpus for h in holders),
             gpu_holders=holders,
+            dra_devices=[dra_device(d) for d in kr.node_devices(k, node, GPU_DRIVER)],
         )
 
     # ------------------------------------------------------------ router

@@ -68,8 +68,13 @@ class QualificationSpec(BaseModel):
         "in its workflow's status (fleet.qualification.qualification_slot)",
     )
 
-    def container_command(self) -> list[str]:
-        return list(self.command) or ["dcgmi", "diag", "-r", str(self.level), "-j"]
+    def container_command(self, gpu_index: int | None = None) -> list[str]:
+        """The diagnostic's command; ``gpu_index``: only that GPU (``dcgmi diag -i``). A custom
+        ``command`` runs as given: it is the operator's to scope."""
+        if self.command:
+            return list(self.command)
+        scope = ["-i", str(gpu_index)] if gpu_index is not None else []
+        return ["dcgmi", "diag", "-r", str(self.level), *scope, "-j"]
 
 
 # The fleet's qualification Jobs running now (the world's own record: Jobs carrying
@@ -128,10 +133,20 @@ def job_name(node: str, op_id: str) -> str:
 
 
 def job_manifest(
-    spec: QualificationSpec, *, node: str, machine: str, gpus: int, name: str, op_id: str
+    spec: QualificationSpec,
+    *,
+    node: str,
+    machine: str,
+    gpus: int,
+    name: str,
+    op_id: str,
+    claim: str | None = None,
+    gpu_index: int | None = None,
 ) -> dict[str, Any]:
-    """The batch/v1 Job that qualifies ``node`` (``gpus``: the node's GPU capacity)."""
-    if gpus < 1:
+    """The batch/v1 Job that qualifies ``node`` (``gpus``: the node's GPU capacity). With ``claim``
+    (a DRA ResourceClaim that selects one device) it qualifies that device only: the pod claims it
+    and runs ``dcgmi diag -i <gpu_index>``; no device-plugin GPUs are asked for."""
+    if gpus < 1 and claim is None:
         raise ValueError(f"node {node} advertises no {GPU_RESOURCE} capacity: nothing to qualify")
     labels = {QUALIFICATION_LABEL: "true", "app.kubernetes.io/managed-by": "fleetmend"}
     annotations = {MACHINE_ANNOTATION: machine, OPERATION_ANNOTATION: op_id}
@@ -154,12 +169,18 @@ def job_manifest(
             {
                 "name": "dcgm-diag",
                 "image": spec.image,
-                "command": spec.container_command(),
-                "resources": {"limits": {GPU_RESOURCE: str(gpus)}, "requests": {GPU_RESOURCE: str(gpus)}},
+                "command": spec.container_command(gpu_index),
+                "resources": (
+                    {"claims": [{"name": "gpu"}]}
+                    if claim
+                    else {"limits": {GPU_RESOURCE: str(gpus)}, "requests": {GPU_RESOURCE: str(gpus)}}
+                ),
                 "securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}},
             }
         ],
     }
+    if claim:
+        pod_spec["resourceClaims"] = [{"name": "gpu", "resourceClaimName": claim}]
     if spec.service_account:
         pod_spec["serviceAccountName"] = spec.service_account
     return {
@@ -372,6 +393,10 @@ class GpuHolder(BaseModel):
     pod: str
     gpus: int
     spare: bool = Field(description="a warm spare (role label spare, not routed)")
+    devices: dict[str, str] = Field(
+        default_factory=dict,
+        description="resource ID -> health, as the kubelet reports it (kube.allocation.device_health)",
+    )
 
 
 class MachineClearing(BaseModel):

@@ -154,6 +154,17 @@ class RecoveryTimings(BaseModel):
         "the group) is looked for before the report is called not-a-loss",
     )
     retry: RetryBudget = Field(default_factory=RetryBudget)
+    device_quarantine: bool = Field(
+        True,
+        description="A fault of one GPU fences that GPU, not the node: the node stays schedulable and its "
+        "other replicas keep serving (fleet.device_fault). false: every hardware fault quarantines the node",
+    )
+    device_fence_max_fraction: float = Field(
+        0.5,
+        gt=0,
+        le=1.0,
+        description="A node whose fenced GPUs would exceed this share of its GPUs takes the node path",
+    )
 
 
 class ServingObjectives(BaseModel):

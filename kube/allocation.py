@@ -83,3 +83,23 @@ class GpuAllocation(Watched):
 def gpu_allocation(key: object, list_pods: Callable[..., Any]) -> GpuAllocation:
     """The process's allocation cache for one cluster (``key`` names it), started if none is running."""
     return watched(key, "gpu-allocation", lambda: GpuAllocation(list_pods))
+
+
+def device_health(pod: Obj) -> dict[str, str]:
+    """The pod's allocated devices and their health as its kubelet reports them (KEP-4680,
+    ``containerStatuses[].allocatedResourcesStatus``): resource ID -> Healthy / Unhealthy / Unknown.
+    A device plugin's ID is the device's (for NVIDIA's, the GPU UUID); a DRA device's is
+    ``<driver>/<pool>/<device>``."""
+    out: dict[str, str] = {}
+    status = pod.get("status") or {}
+    for c in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or []):
+        for res in c.get("allocatedResourcesStatus") or []:
+            for dev in res.get("resources") or []:
+                if dev.get("resourceID"):
+                    out[str(dev["resourceID"])] = str(dev.get("health") or "Unknown")
+    return out
+
+
+def gpus_held(pod: Obj) -> int:
+    """GPUs a pod holds: its device-plugin request, else the DRA devices its kubelet reports."""
+    return gpus_of(pod) or len(device_health(pod))

@@ -30,6 +30,7 @@ class KubeApis:
     custom: client.CustomObjectsApi
     policy: client.PolicyV1Api
     batch: client.BatchV1Api
+    resource: client.ResourceV1Api  # Dynamic Resource Allocation: ResourceSlices, claims, DeviceTaintRules
 
 
 _lock = threading.Lock()
@@ -80,4 +81,5 @@ def _build(kubeconfig: Path | None, context: str | None, connections: int | None
         custom=client.CustomObjectsApi(api),
         policy=client.PolicyV1Api(api),
         batch=client.BatchV1Api(api),
+        resource=client.ResourceV1Api(api),
     )

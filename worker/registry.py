@@ -15,6 +15,7 @@ from activities.audit import AuditActivities
 from activities.config import ActivityConfig
 from activities.coordination import ask_breaker, incident_on_pool
 from activities.deps import ActivityDeps
+from activities.device_quarantine import DeviceActivities
 from activities.drain import DrainActivities
 from activities.observe import ObserveActivities
 from activities.qualification import QualificationActivities
@@ -78,6 +79,7 @@ def build_activities(settings: Settings, database_url: str | None = None) -> lis
         *_methods(ObserveActivities(deps)),
         *_methods(ActActivities(deps)),
         *_methods(QualificationActivities(deps)),
+        *_methods(DeviceActivities(deps)),
         *_methods(AuditActivities(deps)),
         *_methods(ReadinessActivities(deps)),
         *_methods(DrainActivities(deps)),

@@ -44,6 +44,7 @@ with workflow.unsafe.imports_passed_through():
         QualificationJobRequest,
         QualificationRead,
     )
+    from fleet.device_fault import FaultScope, device_policy, fault_scope
     from fleet.incident import PoolRef
     from fleet.loss import failed_nodes, silent_nodes
     from fleet.observation import PoolObservation
@@ -71,6 +72,7 @@ with workflow.unsafe.imports_passed_through():
         QUARANTINE_TAINT_KEY,
         REMEDIATED_AT_ANNOTATION,
     )
+    from workflows.device_quarantine import DeviceLifecycle, one_gpu
     from workflows.procedure import Aborted, Procedure
 
 
@@ -174,6 +176,27 @@ class NodeLifecycle:
             window_s=self._timings.repeat_fault_window_s,
             current_workflow=workflow.info().workflow_id,
         )
+        if workflow.patched("device-scope"):
+            scope = fault_scope(
+                result,
+                health.telemetry,
+                health.conditions,
+                ready=health.node.ready if health.node else None,
+                annotations=health.annotations,
+                policy=device_policy(self._timings),
+                history_allows=gate.allowed,
+            )
+            proc.decide(scope.reason, {"scope": scope.model_dump(mode="json")})
+            if scope.device is not None:
+                await self._report(
+                    report.model_copy(
+                        update={"figures": {**figures, "device": scope.device.model_dump(mode="json")}}
+                    )
+                )
+                await DeviceLifecycle(self, proc, self._pool, self._timings).run(
+                    node, health, result, scope.device
+                )
+                return
         await self.quarantine(node, machine, result.fault_class.value, step="quarantine")
         needs_operator = None if gate.allowed else f"{node}: {gate.reason}"
         await self._report(report.model_copy(update={"quarantined": True, "needs_operator": needs_operator}))
@@ -201,7 +224,7 @@ class NodeLifecycle:
         if self._hooks is not None:
             await self._hooks.triaged(report)
 
-    async def _stage(self, phase: Phase, details: str) -> None:
+    async def stage(self, phase: Phase, details: str) -> None:
         if self._hooks is not None:
             await self._hooks.stage(phase, details)
 
@@ -245,7 +268,7 @@ class NodeLifecycle:
         """Qualification Jobs until one passes (the node returns) or the attempts or the repair wait run out."""
         proc, timings = self._proc, self._timings
         for attempt in range(timings.qualification_attempts):
-            await self._stage(
+            await self.stage(
                 Phase.QUALIFYING, f"Qualifying **{node}**: DCGM diagnostics, attempt {attempt + 1}"
             )
             if workflow.patched("qualification-slots") and not await self._await_slot(node):
@@ -262,7 +285,7 @@ class NodeLifecycle:
             proc.decide(
                 f"qualification Job {name} created on {node}; it returns to the pool only if it passes"
             )
-            verdict = await self._await_job(name, node, machine)
+            verdict = await self.await_job(name, node, machine)
             await proc.act(
                 QualificationActivities.delete_qualification_job,
                 QualificationJobRef(step=f"qualify-{attempt}-delete", name=name, node=node),
@@ -323,7 +346,7 @@ class NodeLifecycle:
         return await proc.await_slot(
             look,
             lambda slots: qualification_slot(node, slots),
-            queued=lambda: self._stage(
+            queued=lambda: self.stage(
                 Phase.QUALIFYING, f"Queued for qualification: **{node}** waits for a slot"
             ),
             interval_s=max(timings.poll_interval_s, 1.0),
@@ -332,7 +355,7 @@ class NodeLifecycle:
             still_queued=f"still queued after {wait_s:.0f} s: it stays quarantined until an operator acts",
         )
 
-    async def _await_job(self, name: str, node: str, machine: str) -> Verdict:
+    async def await_job(self, name: str, node: str, machine: str) -> Verdict:
         proc, timeout_s = self._proc, self._timings.qualification_timeout_s
         reading, done = await proc.poll(
             lambda: proc.observe(
@@ -369,7 +392,7 @@ class NodeLifecycle:
         interval_s = max(self._timings.poll_interval_s, 1.0)
         deadline = proc.now() + wait_s
         proc.decide(f"watching {node} for a repair for up to {wait_s:.0f} s before qualifying it again")
-        await self._stage(Phase.AWAITING_REPAIR, f"Watching **{node}** for a repair (up to {wait_s:.0f} s)")
+        await self.stage(Phase.AWAITING_REPAIR, f"Watching **{node}** for a repair (up to {wait_s:.0f} s)")
         watch = _RepairWatch(uid=uid)
 
         async def look() -> bool:
@@ -612,6 +635,10 @@ class NodeWorkflows:
                     f"{node} already cordoned ({why}): fenced at detection (NodeFence) or by an operator"
                 )
                 continue
+            if info is not None and info.ready is True and workflow.patched("recovery-fence-device-scope"):
+                scope = await one_gpu(proc, node, self._template.timings, "fence")
+                if scope is not None and scope.scope is FaultScope.DEVICE:
+                    continue
             await proc.act(
                 ActActivities.cordon_node,
                 NodeCordon(step="fence", node=node),

@@ -308,6 +308,11 @@ class Record(Watch):
         self._fingerprints: list[str] = []
 
     @property
+    def dry_run(self) -> bool:
+        """Effects are recorded as planned, not performed (``act``'s ``report_only`` aside)."""
+        return self._dry_run
+
+    @property
     def scope(self) -> str:
         """Operation-id scope: one procedure's whole life (retries, replays, continue-as-new), never another's."""
         info = workflow.info()
@@ -560,9 +565,18 @@ class Procedure(Record):
     # ================================================================ acting and observing
 
     async def act(
-        self, activity: Callable[[Any, ReqT], EffectReport], request: ReqT, summary: str
+        self,
+        activity: Callable[[Any, ReqT], EffectReport],
+        request: ReqT,
+        summary: str,
+        *,
+        report_only: bool = False,
     ) -> EffectReport:
-        """Perform one effect through the ledger; a refusal stops here until an operator answers."""
+        """Perform one effect through the ledger; a refusal stops here until an operator answers.
+
+        ``report_only``: the effect changes nothing the workload sees by the API's own definition (a
+        DeviceTaintRule with effect ``None`` only reports what NoExecute would evict), so a dry run
+        performs it too - that report is what a dry run is for."""
         attempt = 0
         while True:
             await self.checkpoint()
@@ -571,7 +585,7 @@ class Procedure(Record):
                 update={
                     "step": step,
                     "scope": self.scope,
-                    "dry_run": self._dry_run,
+                    "dry_run": self._dry_run and not report_only,
                     "fingerprints": self._fingerprints,
                 }
             )

@@ -31,6 +31,7 @@ def world() -> Iterator[tuple[RunningSim, KubeApis]]:
         yield running, KubeApis(
             client.CoreV1Api(api), client.AppsV1Api(api), client.DiscoveryV1Api(api),
             client.CustomObjectsApi(api), client.PolicyV1Api(api), client.BatchV1Api(api),
+            client.ResourceV1Api(api),
         )  # fmt: skip
     finally:
         api.close()

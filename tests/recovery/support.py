@@ -17,7 +17,10 @@ from workflows.node_qualification import child_id
 
 IDS = "workflow-ids.json"  # beside the recorded histories: file name -> the workflow's id
 # Qualification Jobs take 2 s in this world; a failed one is followed by a repair watched for up to 60 s.
-HARDWARE_TIMINGS = FAST.model_copy(update={"qualification_timeout_s": 30, "repair_wait_s": 60})
+DEVICE_TIMINGS = FAST.model_copy(update={"qualification_timeout_s": 30, "repair_wait_s": 60})
+# The node path, whatever the fault's scope: the node-level policy (``device_quarantine`` off), which the
+# tests of a whole node's quarantine, qualification and repair watch run under.
+HARDWARE_TIMINGS = DEVICE_TIMINGS.model_copy(update={"device_quarantine": False})
 
 
 def hardware_scenario() -> Any:

@@ -1,0 +1,110 @@
+"""Lose one GPU, not eight: a single-GPU fault fences the device, the node and its other replicas keep
+serving; a fault across GPUs still takes the node path. Real Temporal, real Postgres, the simulated
+fleet and its API server (device plugin here; the DRA twin in ``test_device_fault_dra.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from temporalio.client import Client
+
+from fleet.device_fault import quarantine_annotation
+from fleet.incident import LossReport
+from fleet.recovery import Phase
+from fleet.vocabulary import QUARANTINE_TAINT_KEY, ROLE_LABEL, ROLE_SPARE, ROUTER_LABEL, FaultKind
+from tests.recovery.support import DEVICE_TIMINGS, hardware_scenario, node_workflow, procedure_rows
+from tests.support import POOL, decisions, finish, incident_config, load_reaches, wait_for_child
+from worker.devstack.rig import FleetRig, fleet_rig
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+async def two_replica_node(rig: FleetRig) -> tuple[str, dict[str, Any]]:
+    """A node holding two serving TP=4 replicas, and its pods by name."""
+    pods = (await asyncio.to_thread(rig.core.list_namespaced_pod, POOL.namespace)).items
+    by_node: dict[str, dict[str, Any]] = {}
+    for p in pods:
+        if (p.metadata.labels or {}).get(ROLE_LABEL) != ROLE_SPARE and p.spec.node_name:
+            by_node.setdefault(p.spec.node_name, {})[p.metadata.name] = p
+    node = next(n for n, on in sorted(by_node.items()) if len(on) == 2)
+    return node, by_node[node]
+
+
+def effects_on(rows: list[tuple[str, str, str, str]], *targets: str) -> list[tuple[str, str, str, str]]:
+    return [r for r in rows if any(r[2] == t or r[2].startswith(t + "/") for t in targets)]
+
+
+async def test_xid_79_on_one_gpu_recovers_one_replica_and_never_touches_the_other_or_the_node(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    async with fleet_rig(
+        temporal_client, scenario=hardware_scenario(), database_url=ledger_url, task_queue=task_queue
+    ) as rig:
+        await rig.pool_ready(POOL, 5)
+        node, before = await two_replica_node(rig)
+        await rig.start_load(rate=20, duration_s=200, seed=5)
+        await load_reaches(rig)
+        await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0)  # the replica on GPU 0 dies
+        report = LossReport(pool=POOL, fingerprint="fp-gpu", alert_name="FleetmendGpuXid", node=node)
+        incident = await rig.report_loss(report, incident_config(timings=DEVICE_TIMINGS))
+        child = await wait_for_child(temporal_client, incident)
+        status = await finish(child, timeout_s=240)
+        text_ = decisions(status)
+        assert status.phase == Phase.DONE, text_
+        assert status.figures["groups_lost"] == 1, text_
+        lost = set(status.figures["lost_pods"])
+        (survivor,) = set(before) - lost
+        node_status = await finish(await node_workflow(temporal_client, child, node), timeout_s=120)
+        node_text = decisions(node_status)
+        assert node_status.figures["fault_scope"] == "device", node_text
+        device = node_status.figures["device"]
+        assert device["index"] == 0 and device["xid"] == 79, device
+        assert "stays fenced" in node_text and "device plugin" in node_text, node_text
+        # The node: never cordoned, tainted or labelled; the device's quarantine is recorded on it.
+        obj = await asyncio.to_thread(rig.core.read_node, node)
+        assert not obj.spec.unschedulable
+        assert QUARANTINE_TAINT_KEY not in {t.key for t in obj.spec.taints or []}
+        assert (
+            (obj.metadata.annotations or {})
+            .get(quarantine_annotation(device["uuid"]), "")
+            .startswith("xid-ecc@")
+        ), obj.metadata.annotations
+        # The other replica: the same pod, still routed, and no effect of either workflow names it.
+        pod = await asyncio.to_thread(rig.core.read_namespaced_pod, survivor, POOL.namespace)
+        assert pod.metadata.uid == before[survivor].metadata.uid
+        assert (pod.metadata.labels or {}).get(ROUTER_LABEL) == "true"
+        rows = procedure_rows(ledger_url, child.id)  # the node's workflow acts in its recovery's scope
+        assert not effects_on(rows, f"pod/{POOL.namespace}/{survivor}"), rows
+        node_rows = effects_on(rows, f"node/{node}")
+        assert [r[1] for r in node_rows] == ["k8s.node.quarantine-device"], node_rows
+
+
+async def test_an_nvlink_error_takes_the_node_path(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    """A fabric fault reaches past one GPU (a link has two ends): the node is quarantined whole, under
+    the same device-level policy."""
+    async with fleet_rig(
+        temporal_client, scenario=hardware_scenario(), database_url=ledger_url, task_queue=task_queue
+    ) as rig:
+        await rig.pool_ready(POOL, 5)
+        node, _ = await two_replica_node(rig)
+        await rig.inject(FaultKind.NVLINK_ERROR, node, gpu=0)
+        report = LossReport(pool=POOL, fingerprint="fp-nvlink", alert_name="FleetmendGpuXid", node=node)
+        incident = await rig.report_loss(report, incident_config(timings=DEVICE_TIMINGS))
+        child = await wait_for_child(temporal_client, incident)
+        qualification = await node_workflow(temporal_client, child, node)
+        for _ in range(
+            600
+        ):  # until its triage quarantined the node (its qualification and repair watch go on)
+            obj = await asyncio.to_thread(rig.core.read_node, node)
+            if obj.spec.unschedulable and QUARANTINE_TAINT_KEY in {t.key for t in obj.spec.taints or []}:
+                break
+            await asyncio.sleep(0.2)
+        else:
+            raise AssertionError(f"{node} was not quarantined: {await qualification.query('status')}")
+        summaries = [d["summary"] for d in (await qualification.query("status"))["decisions"]]
+        assert f"{node}: a fabric fault is not one GPU's: the node path" in summaries, summaries
+        assert not any("the device path" in s for s in summaries), summaries

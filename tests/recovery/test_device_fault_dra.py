@@ -1,0 +1,138 @@
+"""The device path on a DRA cluster (``resource.k8s.io/v1``, the ``gpu-node-loss-dra`` twin): a
+DeviceTaintRule names the failed GPU only, a Job whose ResourceClaim selects that GPU by UUID
+qualifies it, a fail keeps it out, a pass after the repair deletes the rule; a dry run creates the
+rule with effect None and reports what NoExecute would evict. Real Temporal, real Postgres, the
+simulated fleet and its API server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from kubernetes import client as kc
+from sqlalchemy import create_engine, text
+from temporalio.client import Client
+
+from fleet.device_taint import rule_name
+from fleet.incident import LossReport
+from fleet.recovery import Phase
+from fleet.vocabulary import QUARANTINE_TAINT_KEY, FaultKind
+from tests.recovery.support import DEVICE_TIMINGS, node_workflow, procedure_rows
+from tests.recovery.test_device_fault import effects_on, two_replica_node
+from tests.support import POOL, decisions, finish, incident_config, load_reaches, wait_for_child
+from worker.devstack.rig import compressed_scenario, fleet_rig
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def dra_scenario() -> Any:
+    scenario = compressed_scenario("gpu-node-loss-dra")
+    return scenario.model_copy(update={"load": {**(scenario.load or {}), "qualification_s": 2.0}})
+
+
+def _params(url: str, op_id: str) -> dict[str, Any]:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            raw = conn.execute(
+                text("SELECT params FROM ledger_effects WHERE op_id = :o"), {"o": op_id}
+            ).scalar()
+            return raw if isinstance(raw, dict) else json.loads(str(raw))
+    finally:
+        engine.dispose()
+
+
+async def test_one_gpu_is_tainted_qualified_by_uuid_kept_out_on_a_fail_and_returned_after_a_pass(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    async with fleet_rig(
+        temporal_client, scenario=dra_scenario(), database_url=ledger_url, task_queue=task_queue
+    ) as rig:
+        await rig.pool_ready(POOL, 5)
+        node, before = await two_replica_node(rig)
+        resource = kc.ResourceV1Api(rig.core.api_client)
+        await rig.start_load(rate=20, duration_s=200, seed=5)
+        await load_reaches(rig)
+        await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0)
+        report = LossReport(pool=POOL, fingerprint="fp-dra", alert_name="FleetmendGpuXid", node=node)
+        incident = await rig.report_loss(report, incident_config(timings=DEVICE_TIMINGS))
+        child = await wait_for_child(temporal_client, incident)
+        qualification = await node_workflow(temporal_client, child, node)
+
+        async def repair_after_the_failed_qualification() -> None:
+            while not any(
+                "failed qualification" in d["summary"]
+                for d in (await qualification.query("status"))["decisions"]
+            ):
+                await asyncio.sleep(0.3)
+            # The rule still fences the device after the fail.
+            rules = (await asyncio.to_thread(resource.list_device_taint_rule)).items
+            assert [r.spec.device_selector.device for r in rules] == ["gpu-0"], rules
+            await rig.inject(FaultKind.GPU_XID, node, clear=True)
+
+        repair = asyncio.create_task(repair_after_the_failed_qualification())
+        status = await finish(child, timeout_s=240)
+        node_status = await finish(qualification, timeout_s=240)
+        await repair
+        text_ = decisions(status)
+        node_text = decisions(node_status)
+        assert status.phase == Phase.DONE and status.figures["groups_lost"] == 1, text_
+        (survivor,) = set(before) - set(status.figures["lost_pods"])
+        assert node_status.figures["fault_scope"] == "device", node_text
+        uuid = node_status.figures["device"]["uuid"]
+        # The rule named that device only (driver, pool = the node, gpu-0), and enforced it.
+        taint = node_status.figures["device_taint"]
+        assert taint["device"] == f"gpu.nvidia.com/{node}/gpu-0" and taint["effect"] in (
+            "NoSchedule",
+            "NoExecute",
+        )
+        rows = procedure_rows(ledger_url, child.id)
+        (rule_row,) = [r for r in rows if r[1] == "k8s.devicetaintrule.create"]
+        params = _params(ledger_url, rule_row[0])
+        assert params["selector"] == {"driver": "gpu.nvidia.com", "pool": node, "device": "gpu-0"}, params
+        assert params["taint"]["key"] == QUARANTINE_TAINT_KEY
+        # Qualified by UUID: the claim's CEL selector names the GPU; the first Job failed, the second passed.
+        claims = [_params(ledger_url, r[0]) for r in rows if r[1] == "k8s.resourceclaim.create"]
+        assert len(claims) == 2 and all(
+            uuid in c["selector"]["selectors"][0]["cel"]["expression"] for c in claims
+        )
+        assert "failed qualification" in node_text and "passed qualification" in node_text, node_text
+        assert node_status.figures["device_returned"] == uuid
+        # After the pass: no rule, no claim left, the record closed; the node was never cordoned.
+        assert (await asyncio.to_thread(resource.list_device_taint_rule)).items == []
+        assert (await asyncio.to_thread(resource.list_namespaced_resource_claim, "fleetmend")).items == []
+        obj = await asyncio.to_thread(rig.core.read_node, node)
+        assert not obj.spec.unschedulable
+        assert not [k for k in obj.metadata.annotations or {} if uuid in k]
+        assert not effects_on(rows, f"pod/{POOL.namespace}/{survivor}"), rows
+        assert [r[1] for r in effects_on(rows, f"node/{node}")] == [
+            "k8s.node.quarantine-device",
+            "k8s.node.release-device",
+        ]
+
+
+async def test_a_dry_run_creates_the_rule_with_effect_none_and_reports_what_noexecute_would_evict(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    async with fleet_rig(
+        temporal_client, scenario=dra_scenario(), database_url=ledger_url, task_queue=task_queue
+    ) as rig:
+        await rig.pool_ready(POOL, 5)
+        node, _ = await two_replica_node(rig)
+        await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0, keep_alive=True)
+        report = LossReport(pool=POOL, fingerprint="fp-dra-dry", alert_name="FleetmendGpuXid", node=node)
+        incident = await rig.report_loss(report, incident_config(dry_run=True, timings=DEVICE_TIMINGS))
+        child = await wait_for_child(temporal_client, incident)
+        node_status = await finish(await node_workflow(temporal_client, child, node), timeout_s=120)
+        node_text = decisions(node_status)
+        assert node_status.figures["device_taint"]["effect"] == "None", node_text
+        assert node_status.figures["would_evict"], node_text
+        rule = await asyncio.to_thread(
+            kc.ResourceV1Api(rig.core.api_client).read_device_taint_rule,
+            rule_name(node, node_status.figures["device"]["uuid"]),
+        )
+        assert rule.spec.taint.effect == "None" and rule.spec.device_selector.device == "gpu-0"
+        # Nothing evicted, nothing cordoned: a dry run.
+        assert not (await asyncio.to_thread(rig.core.read_node, node)).spec.unschedulable
