@@ -86,7 +86,11 @@ async def test_a_refused_fence_asks_retry_cordons_and_a_second_loss_fences_again
         env = cli_env(temporal_client, task_queue)
         listed = await run_cli(env, "status", "--json")
         assert listed.exit_code == 0, listed.output
-        [row] = [r for r in json.loads(listed.output) if r["workflow_id"] == handle.id]
+        try:
+            rows = json.loads(listed.output)
+        except json.JSONDecodeError as exc:  # seen once under load: say what the command printed
+            raise AssertionError(f"`fleetmend status --json` printed no JSON: {listed.output!r}") from exc
+        [row] = [r for r in rows if r["workflow_id"] == handle.id]
         assert row["phase"] == Phase.AWAITING_OPERATOR.value and "retry" in row["awaiting"], row
 
         await rig.refuse()  # the policy fixed
