@@ -159,7 +159,7 @@ def fault_scope(
     if not p.device_level:
         return on_node("the policy quarantines whole nodes (device_quarantine off)")
     if triage.fault_class is not FaultClass.XID_ECC:
-        return on_node(f"a {triage.fault_class.value} fault is not one GPU's")
+        return on_node(f"the fault class ({triage.fault_class.value}) is not one GPU's")
     if ready is not True:
         return on_node(f"the node is not Ready ({ready})")
     if telemetry is None or not telemetry.gpus:

@@ -9,13 +9,15 @@ from typing import Any
 
 import pytest
 from temporalio.client import Client
+from temporalio.service import RPCError
 
 from fleet.device_fault import quarantine_annotation
+from fleet.fence import fence_workflow_id
 from fleet.incident import LossReport
 from fleet.recovery import Phase
 from fleet.vocabulary import QUARANTINE_TAINT_KEY, ROLE_LABEL, ROLE_SPARE, ROUTER_LABEL, FaultKind
 from tests.recovery.support import DEVICE_TIMINGS, hardware_scenario, node_workflow, procedure_rows
-from tests.support import POOL, decisions, finish, incident_config, load_reaches, wait_for_child
+from tests.support import POOL, decisions, finish, gpu_pool, incident_config, load_reaches, wait_for_child
 from worker.devstack.rig import FleetRig, fleet_rig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -106,5 +108,26 @@ async def test_an_nvlink_error_takes_the_node_path(
         else:
             raise AssertionError(f"{node} was not quarantined: {await qualification.query('status')}")
         summaries = [d["summary"] for d in (await qualification.query("status"))["decisions"]]
-        assert f"{node}: a fabric fault is not one GPU's: the node path" in summaries, summaries
+        assert f"{node}: the fault class (fabric) is not one GPU's: the node path" in summaries, summaries
         assert not any("the device path" in s for s in summaries), summaries
+
+
+async def test_the_fast_paths_fence_leaves_a_node_with_one_failed_gpu_schedulable(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    """The fast path starts a NodeFence for the GpuXid condition on a Ready node: it reads the node's
+    DCGM series, finds one GPU's fault, and does not cordon (the pool's recovery fences the device)."""
+    async with gpu_pool(temporal_client, task_queue, ledger_url) as rig, rig.fast_path():
+        node, _ = await two_replica_node(rig)
+        await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0)
+        handle = temporal_client.get_workflow_handle(fence_workflow_id(node))
+        for _ in range(300):
+            try:
+                await handle.describe()
+                break
+            except RPCError:
+                await asyncio.sleep(0.2)
+        status = await finish(handle, 60)
+        assert status.phase == Phase.DONE, decisions(status)
+        assert status.figures.get("fault_scope") == "device", decisions(status)
+        assert not (await asyncio.to_thread(rig.core.read_node, node)).spec.unschedulable
