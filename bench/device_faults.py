@@ -156,19 +156,22 @@ async def one_run(
 
 async def main(rate: float, seed: int, shapes: list[str], kinds: list[str]) -> None:
     pg = acquire_server()
-    url = pg.create_database(f"bench_{uuid.uuid4().hex[:6]}")
-    upgrade_head(url)
-    env = await throwaway_dev_server()
     rows: list[dict[str, Any]] = []
     try:
         for shape in shapes:
             for kind in kinds:
                 for policy in ("node", "device"):
-                    row = await one_run(env.client, url, shape, kind, policy, seed, rate)
+                    # Each run on its own Temporal and ledger: the pool's incident of one run is not the next's.
+                    url = pg.create_database(f"bench_{uuid.uuid4().hex[:6]}")
+                    upgrade_head(url)
+                    env = await throwaway_dev_server()
+                    try:
+                        row = await one_run(env.client, url, shape, kind, policy, seed, rate)
+                    finally:
+                        await env.shutdown()
                     rows.append(row)
-                    print(json.dumps(row))
+                    print(json.dumps(row), flush=True)
     finally:
-        await env.shutdown()
         pg.stop()
     checks = []
     print(f"\nsingle-GPU Xid 79 under {rate:g} req/s, seed {seed}: GPUs of the node removed from service")

@@ -130,7 +130,18 @@ class JournalEntry(_Wire):
     tokens_streamed: int = 0
     bytes_sent: int = Field(default=0, ge=0, description="response body bytes the caller got")
     truncated: bool = False
-    # Operation ids of the effects the request's model proposed (``fleet.recovery_observations`` counts them
-    # among the requests in flight at a loss). Nothing fills it from Envoy's access log yet.
+    # Operation ids of the effects the request proposed (``fleet.recovery_observations`` counts them among
+    # the requests in flight at a loss): the ledger's rows under ``request_operation_ids(request_id)``,
+    # joined to Envoy's access log by the request id Envoy preserves across its retries (gateway.store).
     effect_operation_ids: list[str] = Field(default_factory=list)
     detail: str = ""
+
+
+# A request proposes its effects under ``<request id>/<n>``, n = 0 .. REQUEST_EFFECT_SLOTS - 1 (an agent's
+# tool calls in order; the effect API's ``request_id`` defaults to the id before the last '/'). The
+# journal reads them back by these exact keys, so the lookup is the ledger's primary key, never a scan.
+REQUEST_EFFECT_SLOTS = 8
+
+
+def request_operation_ids(request_id: str) -> list[str]:
+    return [f"{request_id}/{n}" for n in range(REQUEST_EFFECT_SLOTS)]

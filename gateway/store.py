@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from pydantic import ValidationError
-from sqlalchemy import ColumnElement, Engine, and_, delete, func, select, text, update
+from sqlalchemy import ColumnElement, Connection, Engine, and_, delete, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 
-from fleet.gateway import GatewayPolicy, JournalEntry
+from fleet.gateway import GatewayPolicy, JournalEntry, request_operation_ids
 from gateway.outcomes import journal_entry
-from ledger.models import gateway_acks_table, gateway_policies_table, gateway_requests_table
+from ledger.models import effects_table, gateway_acks_table, gateway_policies_table, gateway_requests_table
+
+_EFFECT_KEYS_PER_QUERY = 4000  # bound parameters per IN list
 
 log = logging.getLogger("fleetmend.xds")
 
@@ -233,7 +235,27 @@ class GatewayStore:
             query = query.where(t.c.started_at + t.c.duration_s >= since)
         with self.engine.connect() as conn:
             rows = conn.execute(query).mappings().all()
-        return [journal_entry(dict(r)) for r in rows]
+            entries = [journal_entry(dict(r)) for r in rows]
+            proposed = self._proposed(conn, {e.request_id for e in entries})
+        return [
+            e.model_copy(update={"effect_operation_ids": proposed[e.request_id]})
+            if e.request_id in proposed
+            else e
+            for e in entries
+        ]
+
+    @staticmethod
+    def _proposed(conn: Connection, request_ids: Collection[str]) -> dict[str, list[str]]:
+        """The ledger's operation ids each request proposed (``fleet.gateway.request_operation_ids``):
+        exact keys on the ledger's primary key, in chunks."""
+        keys = [op for rid in sorted(request_ids) for op in request_operation_ids(rid)]
+        out: dict[str, list[str]] = {}
+        t = effects_table
+        for i in range(0, len(keys), _EFFECT_KEYS_PER_QUERY):
+            chunk = keys[i : i + _EFFECT_KEYS_PER_QUERY]
+            for (op_id,) in conn.execute(select(t.c.op_id).where(t.c.op_id.in_(chunk))).all():
+                out.setdefault(op_id.rsplit("/", 1)[0], []).append(op_id)
+        return {rid: sorted(ops) for rid, ops in out.items()}
 
     def prune_requests(self, older_than: float) -> int:
         """Delete requests that started before ``older_than`` (unix s); returns how many."""

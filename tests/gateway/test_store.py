@@ -5,6 +5,7 @@ from __future__ import annotations
 from sqlalchemy import text, update
 
 from gateway.store import GatewayStore
+from ledger import CallableEffect, EffectLedger
 from ledger.models import gateway_acks_table
 from ledger.store import make_engine
 
@@ -69,3 +70,23 @@ def test_an_envoy_whose_control_plane_died_without_closing_its_row_lapses_and_a_
     # An answer from a reconnected Envoy makes it connected again.
     store.record_answer("envoy-dead", "clusters", acked="p2.b")
     assert store.admin_urls() == ["http://127.0.0.1:1"]
+
+
+def test_a_journal_entry_carries_the_operation_ids_its_request_proposed_from_the_ledger(
+    ledger_url: str,
+) -> None:
+    """Envoy's access log names the request; the ledger's rows under ``<request id>/<n>`` are what it
+    proposed (an agent's tool calls, a model's ticket): step 4's count of request-derived operation ids."""
+    ledger = EffectLedger(ledger_url)
+
+    def done() -> CallableEffect:
+        return CallableEffect(lambda _: {"ok": True}, probe=lambda _: None)
+
+    for op_id in ("agent-1/0", "agent-1/2", "agent-2/0", "agent-10/0"):
+        ledger.perform(op_id, "ticket.create", "jira", {"title": op_id}, done())
+    ledger.perform("fleetmend:incident/x@r/fence/node/n", "k8s.node.cordon", "node/n", {}, done())
+    store = GatewayStore(make_engine(ledger_url))
+    store.add_requests([_row("agent-1", 100.0, 1.0), _row("agent-2", 101.0, 1.0), _row("plain", 102.0, 1.0)])
+    got = {e.request_id: e.effect_operation_ids for e in store.requests("inference/llama")}
+    # Exact keys: agent-10's effect is not agent-1's (no prefix match), the procedure's row is no request's.
+    assert got == {"agent-1": ["agent-1/0", "agent-1/2"], "agent-2": ["agent-2/0"], "plain": []}
