@@ -37,6 +37,7 @@ from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fleet.vocabulary import TIER_HEADER, Tier
+from sim.serving.agents import Agents, AgentSpec
 from sim.serving.streams import TOKEN_TEXT
 
 DEFAULT_DEADLINES: dict[Tier, float] = {Tier.CRITICAL: 5.0, Tier.STANDARD: 10.0, Tier.SHEDDABLE: 20.0}
@@ -57,6 +58,10 @@ class LoadSpec(BaseModel):
     output_tokens: tuple[int, int] = (8, 32)
     deadlines_s: dict[Tier, float] = Field(default_factory=lambda: dict(DEFAULT_DEADLINES))
     stream: bool = True
+    agents: AgentSpec | None = Field(
+        default=None,
+        description="a share of users are agents whose completions call tools (sim.serving.agents)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> LoadSpec:
@@ -175,6 +180,10 @@ class LoadReport(BaseModel):
     by_tier: dict[str, dict[str, int]]
     per_replica: dict[str, ReplicaLatency]
     window_s: tuple[float, float]
+    inference_effects: dict[str, int] | None = Field(
+        default=None,
+        description="agents' tool calls as the caller saw them (sim.serving.agents.Agents.report)",
+    )
 
     def goodput_fraction(self) -> float:
         return self.goodput / self.finished if self.finished else 0.0
@@ -252,6 +261,7 @@ class LoadRun:
         self._speed = 1.0
         self._start_sim = 0.0
         self._start_mono = 0.0
+        self.agents = Agents(spec.agents) if spec.agents is not None else None
 
     # ---- time -----------------------------------------------------------------------------
     def sim_now(self) -> float:
@@ -330,12 +340,22 @@ class LoadRun:
             expected_tokens=arrival.output_tokens,
         )
         deadline = self.spec.deadlines_s.get(arrival.tier, DEFAULT_DEADLINES[arrival.tier])
-        try:
-            await self._over_http(arrival, model, result)
-        except Exception as exc:  # a client-side failure is a failed request, not a crashed run
-            result.outcome = "terminal_error"
-            result.status = result.status or 0
-            del exc
+        tools = self.agents.tool_positions(arrival.request_id, arrival.output_tokens) if self.agents else []
+        # An agent's client retries a stream that died, with the same idempotency key (x-request-id).
+        retries = self.agents.spec.client_retries if self.agents and tools else 0
+        for attempt in range(1, retries + 2):
+            try:
+                await self._over_http(arrival, model, result, tools=tools, client_attempt=attempt)
+            except Exception as exc:  # a client-side failure is a failed request, not a crashed run
+                result.outcome = "terminal_error"
+                result.status = result.status or 0
+                del exc
+            if result.outcome != "terminal_error" or attempt > retries:
+                break
+            if self.agents is not None:
+                self.agents.note_retry(arrival.request_id, result.tokens, tools)
+            result.attempts += 1
+            result.tokens, result.ttft_s, result.truncated = 0, None, False
         if result.outcome == "goodput" and result.e2e_s is not None and result.e2e_s > deadline:
             result.outcome = "late"
         self.results.append(result)
@@ -364,7 +384,16 @@ class LoadRun:
             body["pool"] = self.spec.pool
         return headers, body
 
-    async def _over_http(self, arrival: Arrival, model: str, result: RequestResult) -> None:
+    async def _over_http(
+        self,
+        arrival: Arrival,
+        model: str,
+        result: RequestResult,
+        *,
+        tools: list[int],
+        client_attempt: int = 1,
+    ) -> None:
+        """One attempt; ``tools``: token counts at which an agent's tool calls are emitted and executed."""
         assert self._http is not None
         gateway = self._gateway
         sent_at = self.sim_now()
@@ -393,6 +422,7 @@ class LoadRun:
                 result.e2e_s = result.ttft_s
                 return
             done = errored = False
+            calls: list[asyncio.Task[None]] = []
             try:
                 async for raw in response.content:
                     line = raw.decode().rstrip("\r\n")
@@ -410,8 +440,14 @@ class LoadRun:
                     if text and result.ttft_s is None:
                         result.ttft_s = self.sim_now() - sent_at
                     result.tokens += text.count(TOKEN_TEXT)
+                    while self.agents and len(calls) < len(tools) and result.tokens >= tools[len(calls)]:
+                        # The model emitted a tool call: the caller executes it now, mid-stream.
+                        call = self.agents.call(self._http, arrival.request_id, len(calls), client_attempt)
+                        calls.append(asyncio.get_running_loop().create_task(call))
             except aiohttp.ClientError:
                 done = False  # the connection was cut mid-stream (upstream died, reset)
+            if calls:
+                await asyncio.gather(*calls)
             result.truncated = not done
             result.outcome = "goodput" if done and not errored else "terminal_error"
             result.e2e_s = self.sim_now() - sent_at
@@ -438,8 +474,12 @@ class LoadRun:
         return self.report()
 
     def report(self, since_s: float = 0.0, until_s: float = math.inf) -> LoadReport:
-        """Outcomes of requests that arrived in [since_s, until_s) (sim seconds since the start)."""
-        return summarize(self.results, self.sent, (since_s, until_s))
+        """Outcomes of requests that arrived in [since_s, until_s) (sim seconds since the start); an
+        agentic run adds its tool calls over the whole run (``inference_effects``)."""
+        report = summarize(self.results, self.sent, (since_s, until_s))
+        if self.agents is not None:
+            report.inference_effects = self.agents.report()
+        return report
 
     @property
     def done(self) -> bool:

@@ -10,9 +10,9 @@ from sqlalchemy import create_engine, text
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
-from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX
-from tests.support import FAST
-from worker.devstack.rig import compressed_scenario
+from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX, ROLE_LABEL, ROLE_SPARE
+from tests.support import FAST, POOL
+from worker.devstack.rig import FleetRig, compressed_scenario
 from workflows.node_qualification import child_id
 
 IDS = "workflow-ids.json"  # beside the recorded histories: file name -> the workflow's id
@@ -57,3 +57,18 @@ async def node_workflow(
         except RPCError:
             await asyncio.sleep(0.3)
     raise AssertionError(f"{recovery.id} started no workflow for {node} within {timeout_s} s")
+
+
+async def two_replica_node(rig: FleetRig) -> tuple[str, dict[str, Any]]:
+    """A node holding two serving TP=4 replicas, and its pods by name."""
+    pods = (await asyncio.to_thread(rig.core.list_namespaced_pod, POOL.namespace)).items
+    by_node: dict[str, dict[str, Any]] = {}
+    for p in pods:
+        if (p.metadata.labels or {}).get(ROLE_LABEL) != ROLE_SPARE and p.spec.node_name:
+            by_node.setdefault(p.spec.node_name, {})[p.metadata.name] = p
+    node = next(n for n, on in sorted(by_node.items()) if len(on) == 2)
+    return node, by_node[node]
+
+
+def effects_on(rows: list[tuple[str, str, str, str]], *targets: str) -> list[tuple[str, str, str, str]]:
+    return [r for r in rows if any(r[2] == t or r[2].startswith(t + "/") for t in targets)]

@@ -5,7 +5,6 @@ fleet and its API server (device plugin here; the DRA twin in ``test_device_faul
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
 from temporalio.client import Client
@@ -15,27 +14,19 @@ from fleet.device_fault import quarantine_annotation
 from fleet.fence import fence_workflow_id
 from fleet.incident import LossReport
 from fleet.recovery import Phase
-from fleet.vocabulary import QUARANTINE_TAINT_KEY, ROLE_LABEL, ROLE_SPARE, ROUTER_LABEL, FaultKind
-from tests.recovery.support import DEVICE_TIMINGS, hardware_scenario, node_workflow, procedure_rows
+from fleet.vocabulary import QUARANTINE_TAINT_KEY, ROUTER_LABEL, FaultKind
+from tests.recovery.support import (
+    DEVICE_TIMINGS,
+    effects_on,
+    hardware_scenario,
+    node_workflow,
+    procedure_rows,
+    two_replica_node,
+)
 from tests.support import POOL, decisions, finish, gpu_pool, incident_config, load_reaches, wait_for_child
-from worker.devstack.rig import FleetRig, fleet_rig
+from worker.devstack.rig import fleet_rig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-async def two_replica_node(rig: FleetRig) -> tuple[str, dict[str, Any]]:
-    """A node holding two serving TP=4 replicas, and its pods by name."""
-    pods = (await asyncio.to_thread(rig.core.list_namespaced_pod, POOL.namespace)).items
-    by_node: dict[str, dict[str, Any]] = {}
-    for p in pods:
-        if (p.metadata.labels or {}).get(ROLE_LABEL) != ROLE_SPARE and p.spec.node_name:
-            by_node.setdefault(p.spec.node_name, {})[p.metadata.name] = p
-    node = next(n for n, on in sorted(by_node.items()) if len(on) == 2)
-    return node, by_node[node]
-
-
-def effects_on(rows: list[tuple[str, str, str, str]], *targets: str) -> list[tuple[str, str, str, str]]:
-    return [r for r in rows if any(r[2] == t or r[2].startswith(t + "/") for t in targets)]
 
 
 async def test_xid_79_on_one_gpu_recovers_one_replica_and_never_touches_the_other_or_the_node(

@@ -19,8 +19,7 @@ from fleet.device_taint import rule_name
 from fleet.incident import LossReport
 from fleet.recovery import Phase
 from fleet.vocabulary import QUARANTINE_TAINT_KEY, FaultKind
-from tests.recovery.support import DEVICE_TIMINGS, node_workflow, procedure_rows
-from tests.recovery.test_device_fault import effects_on, two_replica_node
+from tests.recovery.support import DEVICE_TIMINGS, effects_on, node_workflow, procedure_rows, two_replica_node
 from tests.support import POOL, decisions, finish, incident_config, load_reaches, wait_for_child
 from worker.devstack.rig import compressed_scenario, fleet_rig
 

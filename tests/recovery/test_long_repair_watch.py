@@ -32,7 +32,10 @@ from workflows.node_qualification import child_id, repair_looks_max
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 A_DAY_S = 24 * 3600.0
-TIMINGS = FAST.model_copy(update={"qualification_timeout_s": 30, "repair_wait_s": A_DAY_S})
+# The node path (node-level policy): this is a whole node's repair watch.
+TIMINGS = FAST.model_copy(
+    update={"qualification_timeout_s": 30, "repair_wait_s": A_DAY_S, "device_quarantine": False}
+)
 
 
 def _core(rig: FleetRig) -> kc.CoreV1Api:
