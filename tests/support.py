@@ -44,7 +44,7 @@ from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from activities.effects import JiraProject, default_registry, operation_label
+from activities.effects import JiraProject, operation_label
 from fleet.incident import REPORT_LOSS_SIGNAL, LossReport, PoolRef
 from fleet.recovery import (
     IncidentInput,
@@ -631,27 +631,6 @@ async def running_worker(
         )
         async with worker:
             yield worker
-
-
-@contextlib.contextmanager
-def effects_api(sim_base_url: str, ledger_url: str, token: str) -> Iterator[str]:
-    """fleetmend's effect API (``POST /v1/effects``, bearer ``token``) over the ledger at ``ledger_url``,
-    opening tickets in the simulator's Jira; yields its base URL."""
-    from ledger import EffectLedger
-    from worker.webhook.effects_api import effects_router
-
-    ledger = EffectLedger(ledger_url)
-    http = httpx.Client(timeout=5)
-    app = FastAPI()
-    registry = default_registry(http, tickets=sim_jira(sim_base_url), notifier_url=None)
-    app.include_router(
-        effects_router(lambda: ledger, registry, effects_token=SecretStr(token), ledger_token=None)
-    )
-    try:
-        with serve_webhook(app, Settings()) as url:
-            yield url
-    finally:
-        http.close()
 
 
 def all_jira_issues(http: httpx.Client, base_url: str) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ from temporalio.client import Client
 
 from fleet.vocabulary import FaultKind
 from sim.serving.agents import issue_summaries, jira_duplicates
-from tests.support import POOL, all_jira_issues, effects_api, gpu_pool, load_reaches
+from tests.support import POOL, all_jira_issues, gpu_pool, load_reaches
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -32,7 +32,7 @@ async def agents_under_a_loss(
 ) -> tuple[dict[str, int], dict[str, int]]:
     """The inference_effects the callers saw, and Jira's duplicates, for one way of executing."""
     async with gpu_pool(temporal_client, task_queue, ledger_url) as rig:
-        with effects_api(rig.base_url, ledger_url, TOKEN) as api:
+        async with rig.effect_api(TOKEN) as api:
             agents = {"share": 0.6, "tool_calls": [1, 3], "through": through, "client_retries": 1,
                       "effects_url": f"{api}/v1/effects", "effects_token": TOKEN, "jira_url": rig.base_url}  # fmt: skip
             started = time.monotonic()

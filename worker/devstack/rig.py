@@ -103,6 +103,45 @@ class FleetRig:
         r.raise_for_status()
         return dict(r.json())
 
+    @contextlib.asynccontextmanager
+    async def effect_api(self, token: str) -> AsyncIterator[str]:
+        """fleetmend's effect API (``POST /v1/effects``, bearer ``token``) over this rig's ledger, opening
+        tickets in the simulator's Jira: the routes the webhook serves, on a free loopback port in this
+        event loop. Yields its base URL (agents post to ``<url>/v1/effects``)."""
+        import uvicorn
+        from fastapi import FastAPI
+        from pydantic import SecretStr
+
+        from activities.effects import JiraProject, default_registry
+        from ledger import EffectLedger
+        from worker.webhook.effects_api import effects_router
+
+        ledger = EffectLedger(self.settings.database_url_value() or "")
+        tickets = JiraProject(base_url=self.base_url, token=SecretStr("rig"))
+        with httpx.Client(timeout=5) as http:
+            app = FastAPI()
+            registry = default_registry(http, tickets=tickets, notifier_url=None)
+            app.include_router(
+                effects_router(lambda: ledger, registry, effects_token=SecretStr(token), ledger_token=None)
+            )
+            server = uvicorn.Server(
+                uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False)
+            )
+            task = asyncio.create_task(server.serve(), name="rig-effect-api")
+            try:
+                while not server.started:
+                    if task.done():
+                        task.result()
+                        raise RuntimeError("the effect API stopped during start-up")
+                    await asyncio.sleep(0.02)
+                port = server.servers[0].sockets[0].getsockname()[1]
+                yield f"http://127.0.0.1:{port}"
+            finally:
+                server.should_exit = True
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await task
+                ledger.close()
+
     async def inject(self, kind: FaultKind, target: str, **params: Any) -> dict[str, Any]:
         fault = FaultRequest(kind=kind, target=target, params=params)
         r = await self.http.post("/sim/v1/faults", json=fault.model_dump(mode="json"))
