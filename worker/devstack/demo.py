@@ -44,6 +44,7 @@ from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL, LWS_WORKER_I
 from gateway.store import GatewayStore
 from ledger.store import make_engine
 from sim.control import FaultRequest
+from sim.serving.agents import issue_summaries, jira_duplicates
 from worker.config import KEPT_STACK_FILE, Settings, kept_stack_env
 from worker.devstack.rig import FAST_TIMINGS, compressed_scenario
 from worker.devstack.scenarios import GROUP_CAPACITY_RPS, DemoScenario, PodPlace, Verdict, lost_group_pods
@@ -793,6 +794,29 @@ async def gateway_report(world: World, pool: PoolRef) -> dict[str, Any]:
     return {"weights_now": weights or None}
 
 
+async def inference_effects(world: World, load_id: str) -> dict[str, int]:
+    """The agents' tool calls as their callers saw them (the load report), and the duplicates in the
+    external system's own log: the simulated Jira's issues, one per tool call, counted by summary. The
+    users' load still runs: Jira is read first, then the callers' record, so every issue Jira holds was
+    opened by a call the record has started (its answer may still be on its way)."""
+    r = await world.http.get(
+        "/rest/api/2/search",
+        params={"jql": "", "maxResults": "1000000"},
+        headers={"Authorization": "Bearer demo"},
+    )
+    r.raise_for_status()
+    jira = jira_duplicates(issue_summaries(r.json()["issues"]))
+    seen = dict((await world.load_report(load_id)).get("inference_effects") or {})
+    return {
+        "proposed": int(seen.get("proposed", 0)),
+        "performed": int(seen.get("performed", 0)),
+        "deduplicated": int(seen.get("deduplicated", 0)),
+        "external_duplicates": jira["duplicates"],
+        "external_issues": jira["issues"],
+        "retried_after_a_tool_call": int(seen.get("retried_after_a_tool_call", 0)),
+    }
+
+
 def summary_table(report: dict[str, Any]) -> Table:
     table = Table(title="fleetmend demo summary", title_justify="left", show_header=False)
     table.add_column("", style="bold", no_wrap=True)
@@ -865,8 +889,17 @@ async def run_demo(
             await _until(
                 f"{scenario.serving_groups} routed replicas of {pool.key}", fleet_up, FLEET_UP_TIMEOUT_S
             )
-            load_body = {"rate": scenario.load_rate, "duration_s": LOAD_DURATION_S, "seed": 3}
+            load_body: dict[str, Any] = {"rate": scenario.load_rate, "duration_s": LOAD_DURATION_S, "seed": 3}
             load_body.update(scenario.load)
+            if scenario.agents is not None:  # agents' tool calls through this stack's effect API
+                token = s.effects_token.get_secret_value() if s.effects_token else None
+                load_body["agents"] = {
+                    **scenario.agents,
+                    "through": "ledger",
+                    "effects_url": f"http://{s.webhook_host}:{s.webhook_port}/v1/effects",
+                    "effects_token": token,
+                    "jira_url": s.sim_url,
+                }
             load_id = await world.start_load(load_body)
             share = float(load_body["rate"]) / (scenario.serving_groups * GROUP_CAPACITY_RPS)
             console.print(
@@ -918,6 +951,14 @@ async def run_demo(
             )
             report["worker_metrics"] = metrics
             report["gateway"] = await gateway_report(world, pool)
+            if scenario.agents is not None:
+                report["inference_effects"] = await inference_effects(world, load_id)
+                if report["inference_effects"]["external_duplicates"]:
+                    report["verdict"] = "failed"
+                    report["verdict_reason"] = (
+                        f"Jira's own log shows {report['inference_effects']['external_duplicates']} ticket(s) "
+                        "opened more than once"
+                    )
             if isinstance(adapter, EnvoyGateway):
                 adapter.store.engine.dispose()
             console.print(summary_table(report))

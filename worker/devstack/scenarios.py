@@ -148,10 +148,14 @@ class DemoScenario:
     stops_awaiting_operator: bool = False
     # Mutations fleetmend may make: False = the verdict also requires none in the world's log.
     mutates: bool = True
+    load_share: float = LOAD_SHARE  # arrivals as a share of the serving groups' capacity
+    # Agentic users (sim.serving.agents.AgentSpec without its endpoints): their tool calls go through the
+    # demo stack's effect API, and the report grades them by the simulated Jira's own log.
+    agents: dict[str, Any] | None = None
 
     @property
     def load_rate(self) -> float:
-        return round(self.serving_groups * GROUP_CAPACITY_RPS * LOAD_SHARE, 1)
+        return round(self.serving_groups * GROUP_CAPACITY_RPS * self.load_share, 1)
 
 
 LLAMA = PoolRef(namespace="inference", service="llama")
@@ -170,6 +174,20 @@ SCENARIOS: dict[str, DemoScenario] = {
             fault=Fault(FaultKind.NODE_LOST, "gpu-node-0"),
             alert=NODE_DOWN,
             verdict=_incident_done,
+        ),
+        DemoScenario(
+            name="gpu-node-loss-peak",
+            summary="The GPU node loss at ~90 % load; half the users are agents whose completions open Jira "
+            "tickets mid-stream, and retry cut streams with the same key.",
+            passed_when="recovery done and verified, and Jira's own log shows no ticket opened twice",
+            sim_scenario="gpu-node-loss",
+            pool=LLAMA,
+            serving_groups=5,
+            fault=Fault(FaultKind.NODE_LOST, "gpu-node-0"),
+            alert=NODE_DOWN,
+            verdict=_incident_done,
+            load_share=0.9,
+            agents={"share": 0.5, "tool_calls": [1, 3], "client_retries": 1},
         ),
         DemoScenario(
             name="rank-lost",
