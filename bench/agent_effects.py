@@ -118,7 +118,7 @@ async def main(rate: float, duration_s: float, share: float, seed: int) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rate", type=float, default=20.0, help="arrivals per second")
+    parser.add_argument("--rate", type=float, default=6.0, help="arrivals per second (120-300 output tokens each: ~85 % of the pool)")
     parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
     parser.add_argument("--share", type=float, default=0.5, help="share of requests that are agents'")
     parser.add_argument("--seed", type=int, default=7)

@@ -16,6 +16,10 @@ pod IP and rejoins the routing set. Then:
 Printed: requests that arrived while the replacement was cold, how many it served, and how many
 of those missed their deadline (late, or failed), per policy.
 
+Also per policy, from the load generator's own record: the new replica's TTFT p99 over the window
+and the time until it took its full share (fleetmend: its weights said every replica warm; slow
+start: the window; equal: at once). Writes ``docs/gateway-ramp.json``.
+
 Run:  .venv/bin/python -m bench.gateway_ramp [--rate 30] [--seconds 40]
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -42,7 +47,7 @@ from ledger.migrate import upgrade_head
 from ledger.scratch import acquire_server
 from ledger.store import make_engine
 from sim.runner import start_sim
-from sim.serving.loadgen import GatewayTarget, LoadSpec, start_load
+from sim.serving.loadgen import GatewayTarget, LoadSpec, percentile, start_load
 from worker.devstack.gateway import LocalGateway
 from worker.devstack.rig import compressed_scenario
 
@@ -50,6 +55,7 @@ POOL = PoolRef(namespace="inference", service="llama")
 MODEL = "meta-llama/Llama-3.1-70B-Instruct"
 WARM_UP_S = 15.0
 POLICIES = ("equal", "envoy-slow-start", "fleetmend-measured")
+OUT = Path(__file__).resolve().parent.parent / "docs" / "gateway-ramp.json"
 
 
 async def _scrape(http: httpx.AsyncClient, ips: dict[str, str]) -> dict[str, EngineSnapshot]:
@@ -111,6 +117,9 @@ async def one_policy(url: str, policy: str, rate: float, seconds: float) -> dict
             rejoined = run.sim_now()
             before = await _scrape(http, pod_ips())
             started = time.monotonic()
+            full_share_s: float | None = 0.0 if policy == "equal" else None
+            if policy == "envoy-slow-start":
+                full_share_s = WARM_UP_S
             interval = 2.0
             while time.monotonic() - started < WARM_UP_S + 5:
                 await asyncio.sleep(interval)
@@ -121,6 +130,7 @@ async def one_policy(url: str, policy: str, rate: float, seconds: float) -> dict
                 await asyncio.to_thread(envoy.apply, POOL, GatewayPolicy(weights=plan.weights))
                 before = after
                 if plan.all_warm:
+                    full_share_s = round(time.monotonic() - started, 1)
                     break
         report_window = (rejoined, rejoined + WARM_UP_S)
         await run.wait()
@@ -131,12 +141,16 @@ async def one_policy(url: str, policy: str, rate: float, seconds: float) -> dict
     cold = [r for r in run.results if report_window[0] <= r.arrived_at <= report_window[1]]
     on_new = [r for r in cold if r.replica == victim]
     missed = [r for r in on_new if r.outcome != "goodput"]
+    ttfts = [r.ttft_s for r in on_new if r.ttft_s is not None]
     return {
         "policy": policy,
         "arrived_while_cold": len(cold),
         "served_by_new": len(on_new),
         "new_missed_deadline": len(missed),
+        "new_ttft_p99_s": percentile(ttfts, 0.99),
+        "full_share_after_s": full_share_s,
         "all_missed_deadline": sum(1 for r in cold if r.outcome not in ("goodput", "shed")),
+        "goodput_while_cold": sum(1 for r in cold if r.outcome == "goodput"),
     }
 
 
@@ -151,13 +165,19 @@ async def main(rate: float, seconds: float) -> None:
         finally:
             pg.drop_database(url)
     print(f"\ncold replacement rejoining under {rate:.0f} req/s, first {WARM_UP_S:.0f} s after it rejoined")
-    print(f"{'policy':22}{'arrived':>9}{'on new':>9}{'new late':>10}{'new late %':>12}{'all late':>10}")
+    print(
+        f"{'policy':22}{'arrived':>9}{'on new':>9}{'new late':>10}{'new late %':>12}{'all late':>10}{'new TTFT p99':>14}"
+    )
     for row in rows:
         share = row["new_missed_deadline"] / row["served_by_new"] if row["served_by_new"] else 0.0
         print(
             f"{row['policy']:22}{row['arrived_while_cold']:9}{row['served_by_new']:9}"
-            f"{row['new_missed_deadline']:10}{share:12.1%}{row['all_missed_deadline']:10}"
+            f"{row['new_missed_deadline']:10}{share:12.1%}{row['all_missed_deadline']:10}{row['new_ttft_p99_s']!s:>14}"
         )
+    OUT.write_text(
+        json.dumps({"rate": rate, "seconds": seconds, "warm_up_s": WARM_UP_S, "runs": rows}, indent=2) + "\n"
+    )
+    print(f"wrote {OUT}")
 
 
 if __name__ == "__main__":
