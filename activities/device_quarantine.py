@@ -18,7 +18,7 @@ from temporalio import activity
 
 from activities.act import EffectReport, EffectRequest, perform_effect
 from activities.deps import ActivityDeps, operation_id
-from activities.qualification import CreateJob
+from activities.qualification import DEVICE_QUARANTINE_KIND, DEVICE_RELEASE_KIND, CreateJob
 from activities.world_effects import NodePatch, _digest, _permanent_if_client_error, _world
 from fleet.device_fault import DraDevice, FaultedDevice, quarantine_annotation
 from fleet.device_taint import claim_manifest, claim_name, rule_manifest, rule_name
@@ -128,9 +128,10 @@ class DraObject(Effect):
             return None
         mine = (self.body["metadata"].get("annotations") or {}).get(OPERATION_ANNOTATION)
         theirs = (obj["metadata"].get("annotations") or {}).get(OPERATION_ANNOTATION)
-        if self.plural == "resourceclaims" and mine != theirs:
+        if mine != theirs or (obj.get("spec") or {}).get("taint") != self.body["spec"].get("taint"):
             raise PermanentEffectError(
-                f"{self._what} exists but was not created for {mine}: delete it, then retry"
+                f"{self._what} exists but was not created for {mine} (another run's, or another taint): "
+                "delete it, then retry"
             )
         return {"created": self._what, "name": self.name, "found_by_probe": True}
 
@@ -156,7 +157,7 @@ class DeviceActivities:
         effect = NodePatch(
             self.deps.kube, req.node, annotations={quarantine_annotation(req.device.uuid): value}
         )
-        kind = "k8s.node.release-device" if req.release else "k8s.node.quarantine-device"
+        kind = DEVICE_RELEASE_KIND if req.release else DEVICE_QUARANTINE_KIND
         params = {
             "machine": req.machine,
             "uuid": req.device.uuid,
@@ -176,6 +177,8 @@ class DeviceActivities:
             effect=req.effect,
         )
         name = body["metadata"]["name"]
+        target = f"devicetaintrule/{name}"
+        body["metadata"]["annotations"][OPERATION_ANNOTATION] = operation_id(req.scope, req.step, target)
         effect = DraObject(self.deps, "devicetaintrules", name, body=body)
         params = {
             "rule": name,
@@ -210,9 +213,10 @@ class DeviceActivities:
     def create_device_qualification(self, req: DeviceQualificationRequest) -> EffectReport:
         """The device's ResourceClaim (that GPU by UUID) and the Job that runs ``dcgmi diag -i <index>`` on it."""
         spec = self.deps.settings.qualification
-        claim = claim_name(req.node, req.device.uuid, req.attempt)
-        claim_target = f"resourceclaim/{spec.namespace}/{claim}"
+        # Named by its operation: a retried step is a new operation and gets a new claim, never a clash.
+        claim_target = f"resourceclaim/{spec.namespace}/qualify-{req.node}-gpu-{req.device.index}"
         claim_op = operation_id(req.scope, f"{req.step}-claim", claim_target)
+        claim = claim_name(req.node, req.device.uuid, claim_op)
         body = claim_manifest(req.dra, req.device, namespace=spec.namespace, name=claim, op_id=claim_op)
         claimed = perform_effect(
             self.deps,

@@ -49,6 +49,11 @@ from ledger.errors import PermanentEffectError
 
 QUARANTINE_KIND = "k8s.node.cordon"
 RELEASE_KIND = "k8s.node.uncordon"
+# One GPU's quarantine counts toward its machine's remediation loop cap like a node's (target
+# node/<node>/gpu/<uuid>; its release closes that GPU's record only).
+DEVICE_QUARANTINE_KIND = "k8s.node.quarantine-device"
+DEVICE_RELEASE_KIND = "k8s.node.release-device"
+_HISTORY_KINDS = (QUARANTINE_KIND, RELEASE_KIND, DEVICE_QUARANTINE_KIND, DEVICE_RELEASE_KIND)
 
 
 class QualificationJobRequest(EffectRequest):
@@ -311,7 +316,7 @@ class QualificationActivities:
         c = EFFECTS.c
         query = (
             select(c.op_id, c.kind, c.target, c.workflow_id, c.created_at, c.params)
-            .where(c.kind.in_((QUARANTINE_KIND, RELEASE_KIND)), c.state == "applied")
+            .where(c.kind.in_(_HISTORY_KINDS), c.state == "applied")
             .where(c.params["machine"].astext == req.machine)
             .order_by(c.created_at)
         )
@@ -322,6 +327,9 @@ class QualificationActivities:
             node = str(row["target"]).removeprefix("node/")
             if row["kind"] == RELEASE_KIND:
                 out = [r.model_copy(update={"released": True}) for r in out]
+                continue
+            if row["kind"] == DEVICE_RELEASE_KIND:  # one GPU back: its own quarantine only
+                out = [r.model_copy(update={"released": True}) if r.node == node else r for r in out]
                 continue
             out.append(
                 RemediationRecord(

@@ -30,7 +30,7 @@ from fleet.incident import PoolRef
 from fleet.vocabulary import FaultKind
 from ledger.migrate import upgrade_head
 from ledger.scratch import acquire_server
-from sim.serving.agents import issue_summaries, jira_duplicates
+from sim.serving.agents import jira_record
 from worker.devstack.rig import compressed_scenario, fleet_rig
 from worker.devstack.temporal_dev import throwaway_dev_server
 
@@ -68,19 +68,17 @@ async def one_run(through: str, *, rate: float, duration_s: float, share: float,
                     report = await rig.load_report(load)
                     if time.monotonic() - started > duration_s and report["in_flight"] == 0:
                         break
+                    if time.monotonic() - started > duration_s + 600:
+                        raise RuntimeError(
+                            f"{report['in_flight']} request(s) still in flight 600 s after the last arrival"
+                        )
                     await asyncio.sleep(0.5)
                 async with httpx.AsyncClient(timeout=30) as http:
-                    answer = await http.get(
-                        f"{rig.base_url}/rest/api/2/search",
-                        params={"jql": "", "maxResults": "1000000"},
-                        headers={"Authorization": "Bearer bench"},
-                    )
-                    issues = answer.json()["issues"]
+                    jira = await jira_record(http, rig.base_url)
     finally:
         await env.shutdown()
         pg.stop()
     effects = report["inference_effects"]
-    jira = jira_duplicates(issue_summaries(issues))
     return {
         "through": through,
         "requests": report["finished"],
@@ -118,7 +116,12 @@ async def main(rate: float, duration_s: float, share: float, seed: int) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rate", type=float, default=6.0, help="arrivals per second (120-300 output tokens each: ~85 % of the pool)")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=6.0,
+        help="arrivals per second (120-300 output tokens each: ~85 % of the pool)",
+    )
     parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
     parser.add_argument("--share", type=float, default=0.5, help="share of requests that are agents'")
     parser.add_argument("--seed", type=int, default=7)

@@ -35,6 +35,7 @@ from typing import Any
 from kubernetes import client as kc
 from temporalio.client import Client
 
+from fleet.device_fault import DEVICE_QUARANTINE_PREFIX
 from fleet.incident import LossReport, PoolRef
 from fleet.recovery import IncidentInput, ProcedureStatus, RecoveryTimings
 from fleet.vocabulary import QUARANTINE_TAINT_KEY, ROLE_LABEL, ROLE_SPARE, FaultKind
@@ -80,6 +81,22 @@ async def target_node(rig: FleetRig, replicas_there: int) -> str:
     return next(n for n, c in sorted(count.items()) if c >= replicas_there)
 
 
+async def hardware_path_decided(rig: FleetRig, node: str, kind: str, timeout_s: float = 120) -> None:
+    """Until the world shows the hardware path's fence: the node cordoned and tainted (node path), or
+    the GPU's quarantine record on it (and, on DRA, its DeviceTaintRule)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        obj = await asyncio.to_thread(rig.core.read_node, node)
+        taints = {t.key for t in obj.spec.taints or []}
+        if obj.spec.unschedulable and QUARANTINE_TAINT_KEY in taints:
+            return
+        if any(k.startswith(DEVICE_QUARANTINE_PREFIX) for k in obj.metadata.annotations or {}):
+            if kind != "dra" or await fenced_gpus(rig, node, kind, 8):
+                return
+        await asyncio.sleep(0.3)
+    raise RuntimeError(f"{node}: no fence of the hardware path within {timeout_s:.0f} s")
+
+
 async def fenced_gpus(rig: FleetRig, node: str, kind: str, total: int) -> int:
     obj = await asyncio.to_thread(rig.core.read_node, node)
     if kind == "dra":
@@ -117,7 +134,7 @@ async def one_run(
         assert child is not None, "no recovery started"
         status = ProcedureStatus.model_validate(await asyncio.wait_for(child.result(), 300))
         recovered_s = time.monotonic() - t0
-        await asyncio.sleep(2)  # the node's hardware path finishes its triage (cordon or device fence)
+        await hardware_path_decided(rig, node, kind)
         after = await node_pods(rig, node)
         obj = await asyncio.to_thread(rig.core.read_node, node)
         cordoned = bool(obj.spec.unschedulable) or QUARANTINE_TAINT_KEY in {

@@ -174,9 +174,11 @@ async def main(rate: float, seconds: float) -> None:
             f"{row['policy']:22}{row['arrived_while_cold']:9}{row['served_by_new']:9}"
             f"{row['new_missed_deadline']:10}{share:12.1%}{row['all_missed_deadline']:10}{row['new_ttft_p99_s']!s:>14}"
         )
-    OUT.write_text(
-        json.dumps({"rate": rate, "seconds": seconds, "warm_up_s": WARM_UP_S, "runs": rows}, indent=2) + "\n"
-    )
+    # One file, a block per load: runs at other rates are kept.
+    kept = json.loads(OUT.read_text()) if OUT.exists() else {}
+    by_rate = kept.get("by_rate", {})
+    by_rate[f"{rate:g}"] = {"seconds": seconds, "warm_up_s": WARM_UP_S, "runs": rows}
+    OUT.write_text(json.dumps({"by_rate": by_rate}, indent=2) + "\n")
     print(f"wrote {OUT}")
 
 

@@ -49,6 +49,7 @@ DEVICE_QUARANTINE_PREFIX = "gpu-quarantine.fleetmend.io/"
 class FaultScope(StrEnum):
     DEVICE = "device"
     NODE = "node"
+    FENCED = "fenced"  # the only evidence is on GPUs already quarantined: nothing new to do
 
 
 class DevicePolicy(BaseModel):
@@ -77,11 +78,6 @@ class FaultedDevice(BaseModel):
     xid: int | None = None
     evidence: tuple[str, ...] = ()
 
-    @property
-    def name(self) -> str:
-        """The device's name in a DRA driver's ResourceSlice (NVIDIA's: ``gpu-<index>``)."""
-        return f"gpu-{self.index}"
-
 
 class ScopeDecision(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -90,6 +86,11 @@ class ScopeDecision(BaseModel):
     device: FaultedDevice | None = None
     fenced: tuple[str, ...] = Field(default=(), description="UUIDs of the node's GPUs already quarantined")
     reason: str
+
+    @property
+    def spares_node(self) -> bool:
+        """The node is not cordoned: one GPU's fault, or only GPUs already fenced."""
+        return self.scope is not FaultScope.NODE
 
 
 def quarantine_annotation(uuid: str) -> str:
@@ -106,7 +107,7 @@ def quarantined_devices(annotations: Mapping[str, str]) -> dict[str, str]:
     }
 
 
-def _hardware_evidence(gpu: GpuTelemetry) -> list[str]:
+def hardware_evidence(gpu: GpuTelemetry) -> list[str]:
     """What says this GPU's own hardware failed (the xid-ecc class), in words."""
     out: list[str] = []
     info = XID_TABLE.get(gpu.last_xid or 0)
@@ -167,9 +168,16 @@ def fault_scope(
     wide = _node_wide(telemetry, conditions, p)
     if wide:
         return on_node("the fault reaches past one GPU (" + "; ".join(wide[:3]) + ")")
-    faulted = [
-        (g, ev) for g in telemetry.gpus if (ev := _hardware_evidence(g)) and (g.uuid or "") not in fenced
-    ]
+    evident = [(g, ev) for g in telemetry.gpus if (ev := hardware_evidence(g))]
+    faulted = [(g, ev) for g, ev in evident if (g.uuid or "") not in fenced]
+    if evident and not faulted:
+        # A fenced GPU's Xid is sticky until its driver restarts: seeing it again is no new fault.
+        return ScopeDecision(
+            scope=FaultScope.FENCED,
+            fenced=tuple(sorted(fenced)),
+            reason=f"{node}: the only hardware evidence is on GPU(s) already quarantined "
+            f"({', '.join(g.gpu for g, _ in evident)}): nothing new, the node keeps serving",
+        )
     if not faulted:
         return on_node("no single GPU carries the hardware evidence")
     if len(faulted) > 1:
@@ -275,3 +283,19 @@ def holders_of(holders: Iterable[tuple[str, Mapping[str, str]]], ids: Iterable[s
     """The pods (name, resource ID -> health) whose kubelet reports one of ``ids`` allocated to them."""
     wanted = set(ids)
     return sorted(pod for pod, devices in holders if wanted & set(devices))
+
+
+def fenceable(scope: ScopeDecision, devices: Iterable[DraDevice]) -> ScopeDecision:
+    """On a DRA cluster (``devices``: the node's slice) one GPU can be fenced only if its slice names it:
+    no device-plugin health check withholds it there. Without it, the node path."""
+    devices = list(devices)
+    if scope.device is None or not devices or device_for(devices, scope.device) is not None:
+        return scope
+    return scope.model_copy(
+        update={
+            "scope": FaultScope.NODE,
+            "device": None,
+            "reason": f"{scope.reason.split(':', 1)[0]}: its ResourceSlice names no device for "
+            f"{scope.device.uuid}, so no DeviceTaintRule can fence that GPU alone: the node path",
+        }
+    )

@@ -128,5 +128,6 @@ def claim_manifest(
     }
 
 
-def claim_name(node: str, uuid: str, attempt: int) -> str:
-    return f"{_short(node, uuid, 'qualify')}-{attempt}"
+def claim_name(node: str, uuid: str, op_id: str) -> str:
+    """The qualification claim's name: readable by node, unique per operation."""
+    return f"{_short(node, uuid, 'qualify')[:54]}-{hashlib.sha256(op_id.encode()).hexdigest()[:8]}"

@@ -631,14 +631,3 @@ async def running_worker(
         )
         async with worker:
             yield worker
-
-
-def all_jira_issues(http: httpx.Client, base_url: str) -> list[dict[str, Any]]:
-    """Every issue the simulated Jira holds (its own record), in one search."""
-    answer = http.get(
-        f"{base_url}/rest/api/2/search",
-        params={"jql": "", "maxResults": "1000000"},
-        headers={"Authorization": f"Bearer {SIM_JIRA_TOKEN}"},
-    )
-    answer.raise_for_status()
-    return list(answer.json()["issues"])

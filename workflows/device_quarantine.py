@@ -37,10 +37,11 @@ with workflow.unsafe.imports_passed_through():
     from fleet.device_fault import (
         DraDevice,
         FaultedDevice,
-        FaultScope,
         ScopeDecision,
         device_for,
         device_policy,
+        fenceable,
+        hardware_evidence,
         holders_of,
         judge_node,
     )
@@ -48,6 +49,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.incident import PoolRef
     from fleet.qualification import QualificationState
     from fleet.recovery import Phase, RecoveryTimings
+    from fleet.runbook import pod_faults
     from fleet.triage import TriageResult
     from workflows.procedure import Procedure
 
@@ -55,10 +57,13 @@ if TYPE_CHECKING:
     from workflows.node_qualification import NodeLifecycle
 
 
-async def one_gpu(proc: Procedure, node: str, timings: RecoveryTimings, step: str) -> ScopeDecision | None:
-    """Before a fence cordons a Ready node for a GPU fault: is the fault one GPU's? Read the node's DCGM
-    series and conditions and decide (``fleet.device_fault``); the decision is recorded. The device
-    scope means: do not cordon (the node's hardware path fences the device)."""
+async def device_scope(
+    proc: Procedure, node: str, timings: RecoveryTimings, step: str, hint: str | None = None
+) -> ScopeDecision | None:
+    """Before a fence cordons a Ready node for a GPU fault: is the fault one GPU's (or only GPUs already
+    fenced)? Read the node's DCGM series, conditions and DRA slice and decide (``fleet.device_fault``);
+    the decision is recorded. ``spares_node``: do not cordon (the node's hardware path fences the
+    device). None: the policy is node-level."""
     if not timings.device_quarantine:
         return None
     health = await proc.observe(
@@ -72,11 +77,14 @@ async def one_gpu(proc: Procedure, node: str, timings: RecoveryTimings, step: st
         ready=health.node.ready if health.node else None,
         annotations=health.annotations,
         policy=device_policy(timings),
+        pods=pod_faults(health.pod_reasons),
+        hint=hint,
     )
+    scope = fenceable(scope, health.dra_devices)
     proc.decide(scope.reason, {"scope": scope.model_dump(mode="json")})
-    if scope.scope is FaultScope.DEVICE:
+    if scope.spares_node:
         proc.figure("fault_scope", scope.scope.value)
-        proc.decide(f"{node} is not cordoned: one GPU failed, its other GPUs keep serving")
+        proc.decide(f"{node} is not cordoned: no fault reaches past one GPU, its other GPUs keep serving")
     return scope
 
 
@@ -121,16 +129,11 @@ class DeviceLifecycle:
             ),
             {"users": users, "others": others},
         )
-        if dra is None:
-            if health.dra_devices:
-                proc.decide(
-                    f"{node}: its ResourceSlice has no device for {device.uuid}: the record is the fence"
-                )
-            else:
-                proc.decide(
-                    f"{node} runs the device plugin: its health check withholds GPU {device.index} "
-                    f"({health.gpu_allocatable}/{health.gpu_capacity} GPUs offered), so nothing is placed on it"
-                )
+        if dra is None:  # no ResourceSlice: the device plugin (fleet.device_fault.fenceable saw to DRA)
+            proc.decide(
+                f"{node} runs the device plugin: its health check withholds GPU {device.index} "
+                f"({health.gpu_allocatable}/{health.gpu_capacity} GPUs offered), so nothing is placed on it"
+            )
             await self._device_plugin_stays(node, device)
             return False
         await self._fence(node, machine, device, dra, triage.fault_class.value, users)
@@ -191,6 +194,13 @@ class DeviceLifecycle:
         proc.decide(
             f"dry run: with NoExecute, the rule on {dra.resource_id} would: {report or 'report nothing yet'}"
         )
+        # Its report read, the dry run's rule goes: a later real run creates its own.
+        await proc.act(
+            DeviceActivities.delete_device_taint_rule,
+            DeviceTaintRef(step="untaint-dry-run", node=node, uuid=device.uuid),
+            f"delete the dry run's DeviceTaintRule on {dra.resource_id} (effect None)",
+            report_only=True,
+        )
 
     async def _device_plugin_stays(self, node: str, device: FaultedDevice) -> None:
         text = (
@@ -210,6 +220,8 @@ class DeviceLifecycle:
                 Phase.QUALIFYING,
                 f"Qualifying GPU {device.index} of **{node}** ({device.uuid}), attempt {attempt + 1}",
             )
+            if not await self._node_path.await_slot(node):  # the fleet-wide cap on qualification Jobs
+                return False
             created = await proc.act(
                 DeviceActivities.create_device_qualification,
                 DeviceQualificationRequest(
@@ -303,7 +315,8 @@ class DeviceLifecycle:
         proc.figure("device_returned", device.uuid)
 
     async def _await_repair(self, node: str, device: FaultedDevice) -> bool:
-        """Watch the GPU's own DCGM series for the follow-up's repair (no Xid, no uncorrectable ECC)."""
+        """Watch the GPU's own DCGM series for the follow-up's repair: none of the hardware evidence that
+        fenced it (``fleet.device_fault.hardware_evidence``) is left."""
         proc, wait_s = self._proc, self._timings.repair_wait_s
         if wait_s <= 0:
             return False
@@ -319,7 +332,7 @@ class DeviceLifecycle:
                 (g for g in (health.telemetry.gpus if health.telemetry else ()) if g.uuid == device.uuid),
                 None,
             )
-            return gpu is not None and not gpu.last_xid and not (gpu.ecc_dbe_volatile or 0)
+            return gpu is not None and not hardware_evidence(gpu)
 
         _, repaired = await proc.poll(
             look,

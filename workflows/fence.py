@@ -25,11 +25,10 @@ with workflow.unsafe.imports_passed_through():
     from activities.coordination import ask_breaker
     from activities.observe import ObserveActivities
     from fleet.breaker import BreakerLimits, RemovalRequest, Verdict
-    from fleet.device_fault import FaultScope
     from fleet.fence import FenceVerdict, fence_decision
     from fleet.incident import PoolRef
     from fleet.recovery import Phase, ProcedureStatus, RecoveryTimings
-    from workflows.device_quarantine import one_gpu
+    from workflows.device_quarantine import device_scope
     from workflows.procedure import Aborted, Procedure, opening
 
 
@@ -71,7 +70,7 @@ class NodeFence(Procedure):
                 self.decide(decision.reason)
                 if decision.verdict is not FenceVerdict.CORDON:
                     break
-                if read.node is not None and read.node.ready is True and await self.one_gpu(inp):
+                if read.node is not None and read.node.ready is True and await self.spares_node(inp):
                     break
                 if await self.breaker_allows(inp):
                     await self.act(
@@ -85,14 +84,14 @@ class NodeFence(Procedure):
         except Aborted:
             return self.finish(Phase.ABORTED)
 
-    async def one_gpu(self, inp: NodeFenceInput) -> bool:
+    async def spares_node(self, inp: NodeFenceInput) -> bool:
         """A Ready node's GPU problem may be one GPU's (``fleet.device_fault``): then the node is not
         cordoned - the device plugin already withholds that GPU, and the pool's recovery fences the
         device. Fences that started before device scope existed cordon as they did (patch)."""
         if not workflow.patched("fence-device-scope"):
             return False
-        scope = await one_gpu(self, inp.node, inp.timings, "fence")
-        return scope is not None and scope.scope is FaultScope.DEVICE
+        scope = await device_scope(self, inp.node, inp.timings, "fence")
+        return scope is not None and scope.spares_node
 
     async def breaker_allows(self, inp: NodeFenceInput) -> bool:
         """Probe the node's engines; dead capacity is fenced at once, serving capacity asks the removal

@@ -44,7 +44,7 @@ with workflow.unsafe.imports_passed_through():
         QualificationJobRequest,
         QualificationRead,
     )
-    from fleet.device_fault import FaultScope, device_policy, fault_scope
+    from fleet.device_fault import FaultScope, device_policy, fault_scope, fenceable
     from fleet.incident import PoolRef
     from fleet.loss import failed_nodes, silent_nodes
     from fleet.observation import PoolObservation
@@ -72,7 +72,7 @@ with workflow.unsafe.imports_passed_through():
         QUARANTINE_TAINT_KEY,
         REMEDIATED_AT_ANNOTATION,
     )
-    from workflows.device_quarantine import DeviceLifecycle, one_gpu
+    from workflows.device_quarantine import DeviceLifecycle, device_scope
     from workflows.procedure import Aborted, Procedure
 
 
@@ -186,7 +186,12 @@ class NodeLifecycle:
                 policy=device_policy(self._timings),
                 history_allows=gate.allowed,
             )
+            scope = fenceable(scope, health.dra_devices)
             proc.decide(scope.reason, {"scope": scope.model_dump(mode="json")})
+            if scope.scope is FaultScope.FENCED:
+                proc.figure("fault_scope", scope.scope.value)
+                await self._report(report)
+                return
             if scope.device is not None:
                 await self._report(
                     report.model_copy(
@@ -271,7 +276,7 @@ class NodeLifecycle:
             await self.stage(
                 Phase.QUALIFYING, f"Qualifying **{node}**: DCGM diagnostics, attempt {attempt + 1}"
             )
-            if workflow.patched("qualification-slots") and not await self._await_slot(node):
+            if workflow.patched("qualification-slots") and not await self.await_slot(node):
                 return
             created = await proc.act(
                 QualificationActivities.create_qualification_job,
@@ -327,7 +332,7 @@ class NodeLifecycle:
                 return
             uid = current
 
-    async def _await_slot(self, node: str) -> bool:
+    async def await_slot(self, node: str) -> bool:
         """Bounded remediation, fleet-wide: wait, queued and visibly, until fewer qualification Jobs run
         than the cap (``fleet.qualification.qualification_slot``). A slot is freed by a Job ending, so
         two Job lifetimes bound the wait; False: still queued then, and the node stays quarantined
@@ -636,8 +641,9 @@ class NodeWorkflows:
                 )
                 continue
             if info is not None and info.ready is True and workflow.patched("recovery-fence-device-scope"):
-                scope = await one_gpu(proc, node, self._template.timings, "fence")
-                if scope is not None and scope.scope is FaultScope.DEVICE:
+                hint = next((r.fault_hint for r in st.reports if r.fault_hint), None)
+                scope = await device_scope(proc, node, self._template.timings, "fence", hint)
+                if scope is not None and scope.spares_node:
                     continue
             await proc.act(
                 ActActivities.cordon_node,

@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import aiohttp
+import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fleet.gateway import REQUEST_EFFECT_SLOTS
 
 
 class AgentSpec(BaseModel):
@@ -49,8 +52,8 @@ class AgentSpec(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> AgentSpec:
         lo, hi = self.tool_calls
-        if not 1 <= lo <= hi <= 8:
-            raise ValueError(f"tool_calls: need 1 <= min <= max <= 8 (got [{lo}, {hi}])")
+        if not 1 <= lo <= hi <= REQUEST_EFFECT_SLOTS:
+            raise ValueError(f"tool_calls: need 1 <= min <= max <= {REQUEST_EFFECT_SLOTS} (got [{lo}, {hi}])")
         if self.through == "ledger" and not self.effects_url:
             raise ValueError("through=ledger needs effects_url (fleetmend's POST /v1/effects)")
         if self.through == "direct" and not self.jira_url:
@@ -133,8 +136,9 @@ class Agents:
         self.calls.append(record)
 
     def report(self) -> dict[str, int]:
-        """What the caller saw: tool calls proposed (every execution, repeats too), performed (first
-        executions that landed), deduplicated (repeats the ledger answered from its record), failed."""
+        """What the caller saw: tool calls proposed (every execution, repeats too); performed (executions
+        that acted on the external system - through the ledger each operation once, directly every
+        repeat too); deduplicated (repeats the ledger answered from its record); failed."""
         ok = [c for c in self.calls if c.status in (200, 201) and c.state == "applied"]
         return {
             "proposed": len(self.calls),
@@ -158,3 +162,15 @@ def jira_duplicates(summaries: Iterable[str]) -> dict[str, int]:
 
 def issue_summaries(issues: Iterable[Mapping[str, Any]]) -> list[str]:
     return [str((i.get("fields") or {}).get("summary", "")) for i in issues]
+
+
+async def jira_record(http: httpx.AsyncClient, base_url: str) -> dict[str, int]:
+    """``jira_duplicates`` of every issue the simulated Jira at ``base_url`` holds, read through its own
+    search API (one page: the simulator does not cap ``maxResults``)."""
+    r = await http.get(
+        base_url.rstrip("/") + "/rest/api/2/search",
+        params={"jql": "", "maxResults": "1000000"},
+        headers={"Authorization": "Bearer fleetmend"},
+    )
+    r.raise_for_status()
+    return jira_duplicates(issue_summaries(r.json()["issues"]))

@@ -13,6 +13,7 @@ from fleet.device_fault import (
     ScopeDecision,
     device_for,
     dra_device,
+    fenceable,
     holders_of,
     judge_node,
     quarantine_annotation,
@@ -65,7 +66,6 @@ def test_an_xid_79_on_one_gpu_is_that_devices_fault() -> None:
     assert decided.device == FaultedDevice(
         index=3, uuid="GPU-0003", xid=79, evidence=("Xid 79 GPU_HAS_FALLEN_OFF_THE_BUS",)
     )
-    assert decided.device.name == "gpu-3"
 
 
 @pytest.mark.parametrize(
@@ -105,6 +105,24 @@ def test_gpus_already_fenced_count_toward_the_nodes_share_and_are_not_faulted_ag
     four = {quarantine_annotation(f"GPU-{i:04d}"): "xid-ecc@900" for i in range(4)}
     over = scope(telemetry(g5={"last_xid": 79}), annotations=four)
     assert over.scope is FaultScope.NODE and "5 of its 8 GPUs" in over.reason, over.reason
+
+
+def test_evidence_only_on_gpus_already_fenced_is_nothing_new_and_spares_the_node() -> None:
+    fenced = {quarantine_annotation("GPU-0003"): "xid-ecc@900"}
+    decided = scope(telemetry(g3={"last_xid": 79}), annotations=fenced)  # the fenced GPU's sticky Xid
+    assert decided.scope is FaultScope.FENCED and decided.spares_node, decided.reason
+    assert not scope(telemetry(g0={"last_xid": 74})).spares_node
+
+
+def test_on_dra_a_gpu_its_slice_does_not_name_cannot_be_fenced_alone() -> None:
+    decided = scope(telemetry(g3={"last_xid": 79}))
+    named = dra_device({"driver": "gpu.nvidia.com", "pool": NODE, "name": "gpu-3",
+                        "attributes": {"uuid": {"string": "GPU-0003"}}})  # fmt: skip
+    other = named.model_copy(update={"name": "gpu-4", "uuid": "GPU-0004"})
+    assert fenceable(decided, [named]) == decided  # named in the slice: the device path
+    assert fenceable(decided, []) == decided  # no slice: the device plugin withholds it
+    moved = fenceable(decided, [other])
+    assert moved.scope is FaultScope.NODE and moved.device is None and "names no device" in moved.reason
 
 
 def test_the_taint_rule_names_one_device_and_its_effect_follows_the_run_and_the_holders() -> None:

@@ -20,7 +20,7 @@ IDS = "workflow-ids.json"  # beside the recorded histories: file name -> the wor
 DEVICE_TIMINGS = FAST.model_copy(update={"qualification_timeout_s": 30, "repair_wait_s": 60})
 # The node path, whatever the fault's scope: the node-level policy (``device_quarantine`` off), which the
 # tests of a whole node's quarantine, qualification and repair watch run under.
-HARDWARE_TIMINGS = DEVICE_TIMINGS.model_copy(update={"device_quarantine": False})
+NODE_LEVEL_TIMINGS = DEVICE_TIMINGS.model_copy(update={"device_quarantine": False})
 
 
 def hardware_scenario() -> Any:

@@ -18,8 +18,8 @@ import pytest
 from temporalio.client import Client
 
 from fleet.vocabulary import FaultKind
-from sim.serving.agents import issue_summaries, jira_duplicates
-from tests.support import POOL, all_jira_issues, gpu_pool, load_reaches
+from sim.serving.agents import jira_record
+from tests.support import POOL, gpu_pool, load_reaches
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -54,9 +54,11 @@ async def agents_under_a_loss(
                 ):
                     break
                 await asyncio.sleep(0.2)
-            with httpx.Client(timeout=10) as http:
-                issues = await asyncio.to_thread(all_jira_issues, http, rig.base_url)
-    return dict(report["inference_effects"]), jira_duplicates(issue_summaries(issues))
+            else:
+                raise AssertionError(f"the users' requests did not all finish: {report}")
+            async with httpx.AsyncClient(timeout=10) as http:
+                jira = await jira_record(http, rig.base_url)
+    return dict(report["inference_effects"]), jira
 
 
 @pytest.mark.parametrize("through", ["direct", "ledger"])

@@ -15,7 +15,6 @@ from kubernetes import client as kc
 from sqlalchemy import create_engine, text
 from temporalio.client import Client
 
-from fleet.device_taint import rule_name
 from fleet.incident import LossReport
 from fleet.recovery import Phase
 from fleet.vocabulary import QUARANTINE_TAINT_KEY, FaultKind
@@ -119,7 +118,7 @@ async def test_a_dry_run_creates_the_rule_with_effect_none_and_reports_what_noex
         temporal_client, scenario=dra_scenario(), database_url=ledger_url, task_queue=task_queue
     ) as rig:
         await rig.pool_ready(POOL, 5)
-        node, _ = await two_replica_node(rig)
+        node, before = await two_replica_node(rig)
         await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0, keep_alive=True)
         report = LossReport(pool=POOL, fingerprint="fp-dra-dry", alert_name="FleetmendGpuXid", node=node)
         incident = await rig.report_loss(report, incident_config(dry_run=True, timings=DEVICE_TIMINGS))
@@ -127,11 +126,20 @@ async def test_a_dry_run_creates_the_rule_with_effect_none_and_reports_what_noex
         node_status = await finish(await node_workflow(temporal_client, child, node), timeout_s=120)
         node_text = decisions(node_status)
         assert node_status.figures["device_taint"]["effect"] == "None", node_text
-        assert node_status.figures["would_evict"], node_text
-        rule = await asyncio.to_thread(
-            kc.ResourceV1Api(rig.core.api_client).read_device_taint_rule,
-            rule_name(node, node_status.figures["device"]["uuid"]),
-        )
-        assert rule.spec.taint.effect == "None" and rule.spec.device_selector.device == "gpu-0"
-        # Nothing evicted, nothing cordoned: a dry run.
-        assert not (await asyncio.to_thread(rig.core.read_node, node)).spec.unschedulable
+        # The rule's report names the pod that still holds the dead GPU (kept alive, answering 503).
+        assert "1 pods would be evicted" in str(node_status.figures["would_evict"]), node_text
+        rows = procedure_rows(ledger_url, child.id)
+        (created,) = [r for r in rows if r[1] == "k8s.devicetaintrule.create"]
+        params = _params(ledger_url, created[0])
+        assert created[3] == "applied" and params["taint"]["effect"] == "None", (created, params)
+        assert params["selector"] == {"driver": "gpu.nvidia.com", "pool": node, "device": "gpu-0"}, params
+        # Its report read, the dry run's rule is gone; nothing was evicted, cordoned or recorded on the node.
+        resource = kc.ResourceV1Api(rig.core.api_client)
+        assert (await asyncio.to_thread(resource.list_device_taint_rule)).items == []
+        for name, pod in before.items():
+            now = await asyncio.to_thread(rig.core.read_namespaced_pod, name, POOL.namespace)
+            assert now.metadata.uid == pod.metadata.uid, name
+        obj = await asyncio.to_thread(rig.core.read_node, node)
+        assert not obj.spec.unschedulable and not [
+            k for k in obj.metadata.annotations or {} if "gpu-quarantine" in k
+        ]

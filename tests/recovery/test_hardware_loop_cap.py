@@ -16,7 +16,7 @@ from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX, QUARANTINE_TAINT_KEY, F
 from kube.client import kube_apis
 from ledger.effect import EffectContext
 from ledger.store import EffectLedger
-from tests.recovery.support import HARDWARE_TIMINGS, hardware_scenario, procedure_rows
+from tests.recovery.support import NODE_LEVEL_TIMINGS, hardware_scenario, procedure_rows
 from tests.support import POOL, decisions, finish, incident_config, wait_for_child
 from worker.devstack.rig import FleetRig, fleet_rig
 
@@ -60,7 +60,7 @@ async def test_the_third_remediation_inside_the_window_waits_for_an_operator(
         await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0)
         report = LossReport(pool=POOL, fingerprint="fp-third", alert_name="FleetmendGpuXid", node=node)
         child = await wait_for_child(
-            temporal_client, await rig.report_loss(report, incident_config(timings=HARDWARE_TIMINGS))
+            temporal_client, await rig.report_loss(report, incident_config(timings=NODE_LEVEL_TIMINGS))
         )
         status = await finish(child, timeout_s=180)
         text_ = decisions(status)

@@ -14,7 +14,7 @@ from temporalio.client import Client, WorkflowHandle
 from fleet.incident import LossReport
 from fleet.recovery import Phase
 from fleet.vocabulary import QUARANTINE_LABEL, QUARANTINE_TAINT_KEY, FaultKind
-from tests.recovery.support import HARDWARE_TIMINGS, hardware_scenario, node_workflow, procedure_rows
+from tests.recovery.support import NODE_LEVEL_TIMINGS, hardware_scenario, node_workflow, procedure_rows
 from tests.support import POOL, decisions, finish, incident_config, wait_for_child
 from worker.devstack.rig import FleetRig, fleet_rig
 
@@ -66,7 +66,7 @@ async def test_a_node_recreated_for_the_same_machine_stays_quarantined_until_it_
         report = LossReport(pool=POOL, fingerprint="fp-same-machine", alert_name="FleetmendGpuXid", node=node)
         # The repair watch must still be watching when the node object comes back: a watch of 60 s
         # ran out once on a CI machine running four test processes on two cores (the repair ends it).
-        timings = HARDWARE_TIMINGS.model_copy(update={"repair_wait_s": 240})
+        timings = NODE_LEVEL_TIMINGS.model_copy(update={"repair_wait_s": 240})
         child = await wait_for_child(
             temporal_client, await rig.report_loss(report, incident_config(timings=timings))
         )
@@ -110,7 +110,7 @@ async def test_another_machine_under_the_same_name_is_a_new_machine(
         await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0)
         report = LossReport(pool=POOL, fingerprint="fp-new-machine", alert_name="FleetmendGpuXid", node=node)
         child = await wait_for_child(
-            temporal_client, await rig.report_loss(report, incident_config(timings=HARDWARE_TIMINGS))
+            temporal_client, await rig.report_loss(report, incident_config(timings=NODE_LEVEL_TIMINGS))
         )
         qualification = await node_workflow(temporal_client, child, node)
         await _said(qualification, "failed qualification")

@@ -29,7 +29,7 @@ from fleet.vocabulary import (
     ROLE_SPARE,
     FaultKind,
 )
-from tests.recovery.support import HARDWARE_TIMINGS, hardware_scenario, node_workflow, procedure_rows
+from tests.recovery.support import NODE_LEVEL_TIMINGS, hardware_scenario, node_workflow, procedure_rows
 from tests.support import POOL, decisions, finish, incident_config, load_reaches, wait_for_child
 from worker.devstack.rig import FleetRig, fleet_rig
 
@@ -112,7 +112,7 @@ async def test_an_xid_79_under_load_is_quarantined_fails_qualification_then_retu
         await load_reaches(rig)
         await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0)  # under load: the replica on GPU 0 dies
         report = LossReport(pool=POOL, fingerprint="fp-xid", alert_name="FleetmendGpuXid", node=node)
-        incident = await rig.report_loss(report, incident_config(timings=HARDWARE_TIMINGS))
+        incident = await rig.report_loss(report, incident_config(timings=NODE_LEVEL_TIMINGS))
         child = await wait_for_child(temporal_client, incident)
 
         failed = asyncio.Event()

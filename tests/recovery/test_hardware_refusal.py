@@ -17,7 +17,7 @@ from fleet.incident import LossReport
 from fleet.qualification import QUALIFICATION_LABEL, QualificationSpec
 from fleet.recovery import OperatorAction, Phase
 from fleet.vocabulary import QUARANTINE_TAINT_KEY, FaultKind
-from tests.recovery.support import HARDWARE_TIMINGS, hardware_scenario, node_workflow, procedure_rows
+from tests.recovery.support import NODE_LEVEL_TIMINGS, hardware_scenario, node_workflow, procedure_rows
 from tests.support import (
     POOL,
     decisions,
@@ -73,7 +73,7 @@ async def test_a_refused_qualification_job_stops_and_asks_and_the_node_stays_out
         await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0)
         report = LossReport(pool=POOL, fingerprint="fp-refused-job", alert_name="FleetmendGpuXid", node=node)
         child = await wait_for_child(
-            temporal_client, await rig.report_loss(report, incident_config(timings=HARDWARE_TIMINGS))
+            temporal_client, await rig.report_loss(report, incident_config(timings=NODE_LEVEL_TIMINGS))
         )
         # The node's own workflow stopped and asks; the recovery verified with the quarantine in place.
         qualification = await node_workflow(temporal_client, child, node)

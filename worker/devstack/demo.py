@@ -44,7 +44,7 @@ from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_NAME_LABEL, LWS_WORKER_I
 from gateway.store import GatewayStore
 from ledger.store import make_engine
 from sim.control import FaultRequest
-from sim.serving.agents import issue_summaries, jira_duplicates
+from sim.serving.agents import jira_record
 from worker.config import KEPT_STACK_FILE, Settings, kept_stack_env
 from worker.devstack.rig import FAST_TIMINGS, compressed_scenario
 from worker.devstack.scenarios import GROUP_CAPACITY_RPS, DemoScenario, PodPlace, Verdict, lost_group_pods
@@ -799,13 +799,7 @@ async def inference_effects(world: World, load_id: str) -> dict[str, int]:
     external system's own log: the simulated Jira's issues, one per tool call, counted by summary. The
     users' load still runs: Jira is read first, then the callers' record, so every issue Jira holds was
     opened by a call the record has started (its answer may still be on its way)."""
-    r = await world.http.get(
-        "/rest/api/2/search",
-        params={"jql": "", "maxResults": "1000000"},
-        headers={"Authorization": "Bearer demo"},
-    )
-    r.raise_for_status()
-    jira = jira_duplicates(issue_summaries(r.json()["issues"]))
+    jira = await jira_record(world.http, str(world.http.base_url))
     seen = dict((await world.load_report(load_id)).get("inference_effects") or {})
     return {
         "proposed": int(seen.get("proposed", 0)),
