@@ -221,6 +221,16 @@ class NodeLifecycle:
             proc.decide(f"{node} is not reachable: qualification runs when it is back; it stays quarantined")
             return
         assert machine is not None and health.uid is not None
+        if health.gpu_capacity < 1 and health.dra_devices:
+            # A DRA node advertises no device-plugin GPUs: the whole-node Job cannot ask for them.
+            text = (
+                f"{node} publishes its GPUs through DRA ({len(health.dra_devices)} in its ResourceSlice), not the "
+                "device plugin: a whole-node qualification Job is not automated there; it stays quarantined "
+                f"for an operator (follow-up: {result.follow_up})"
+            )
+            proc.decide(text)
+            await proc.notify(f"dra-node-qualification-{node}", f"[fleetmend] {self._pool.key}: {text}")
+            return
         await self._qualify(
             node, machine, health.uid, health.gpu_capacity, result.fault_class.value, result.follow_up
         )

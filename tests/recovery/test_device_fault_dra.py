@@ -18,7 +18,14 @@ from temporalio.client import Client
 from fleet.incident import LossReport
 from fleet.recovery import Phase
 from fleet.vocabulary import QUARANTINE_TAINT_KEY, FaultKind
-from tests.recovery.support import DEVICE_TIMINGS, effects_on, node_workflow, procedure_rows, two_replica_node
+from tests.recovery.support import (
+    DEVICE_TIMINGS,
+    NODE_LEVEL_TIMINGS,
+    effects_on,
+    node_workflow,
+    procedure_rows,
+    two_replica_node,
+)
 from tests.support import POOL, decisions, finish, incident_config, load_reaches, wait_for_child
 from worker.devstack.rig import compressed_scenario, fleet_rig
 
@@ -143,3 +150,25 @@ async def test_a_dry_run_creates_the_rule_with_effect_none_and_reports_what_noex
         assert not obj.spec.unschedulable and not [
             k for k in obj.metadata.annotations or {} if "gpu-quarantine" in k
         ]
+
+
+async def test_the_node_level_policy_on_dra_quarantines_the_node_and_says_its_qualification_is_an_operators(
+    temporal_client: Client, task_queue: str, ledger_url: str
+) -> None:
+    """A DRA node advertises no device-plugin GPUs: the node path quarantines it and ends with the reason,
+    never a Job asking for zero GPUs."""
+    async with fleet_rig(
+        temporal_client, scenario=dra_scenario(), database_url=ledger_url, task_queue=task_queue
+    ) as rig:
+        await rig.pool_ready(POOL, 5)
+        node, _ = await two_replica_node(rig)
+        await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0)
+        report = LossReport(pool=POOL, fingerprint="fp-dra-node", alert_name="FleetmendGpuXid", node=node)
+        incident = await rig.report_loss(report, incident_config(timings=NODE_LEVEL_TIMINGS))
+        child = await wait_for_child(temporal_client, incident)
+        node_status = await finish(await node_workflow(temporal_client, child, node), timeout_s=120)
+        node_text = decisions(node_status)
+        assert node_status.phase == Phase.DONE, node_text
+        assert "publishes its GPUs through DRA" in node_text and "stays quarantined" in node_text, node_text
+        obj = await asyncio.to_thread(rig.core.read_node, node)
+        assert obj.spec.unschedulable and QUARANTINE_TAINT_KEY in {t.key for t in obj.spec.taints or []}
