@@ -60,8 +60,10 @@ async def test_a_fault_scheduled_for_later_applies_at_its_sim_time() -> None:
 
 async def test_kubernetes_default_path_needs_failure_threshold_probes_to_deroute_a_dead_replica() -> None:
     """The fault lands at a random phase of the probe period, so the deroute comes after the
-    ``failureThreshold``-th failed probe: in ((threshold - 1) x period, threshold x period]."""
-    async with running_serving(scenario(), speed=40) as sim:
+    ``failureThreshold``-th failed probe: in ((threshold - 1) x period, threshold x period], give or
+    take one probe the loaded machine ran late. (At speed 40 a 650 ms stall of the simulator's loop
+    on a busy CI machine was 26 sim seconds; at speed 10 the same stall is a quarter of that.)"""
+    async with running_serving(scenario(), speed=10) as sim:
         pod, _ = await sim.wait_serving(2)
         obj = sim.layer.kube.pod(NAMESPACE, pod)
         assert obj is not None
@@ -74,7 +76,7 @@ async def test_kubernetes_default_path_needs_failure_threshold_probes_to_deroute
         measured = await measure_deroute(sim.layer, POOL, pod, fault, timeout_s=120)
         assert measured.sim_seconds_to_deroute is not None
         assert measured.sim_seconds_to_deroute > probe.period_s * (probe.failure_threshold - 1)
-        assert measured.sim_seconds_to_deroute <= probe.period_s * probe.failure_threshold + 1.0
+        assert measured.sim_seconds_to_deroute <= probe.period_s * (probe.failure_threshold + 1)
 
 
 async def test_prometheus_http_service_discovery_lists_every_engine_at_its_pod_ip_and_every_node() -> None:
