@@ -108,6 +108,40 @@ async def test_one_gpu_is_tainted_qualified_by_uuid_kept_out_on_a_fail_and_retur
         # After the pass: no rule, no claim left, the record closed; the node was never cordoned.
         assert (await asyncio.to_thread(resource.list_device_taint_rule)).items == []
         assert (await asyncio.to_thread(resource.list_namespaced_resource_claim, "fleetmend")).items == []
+        # The device serves again: a claim for exactly that GPU is allocated it (nothing taints it now).
+        claim: Any = {  # a manifest (the client takes dicts too)
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": "after-the-pass", "namespace": "default"},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": 1,
+                "selectors": [{"cel": {"expression": f'device.attributes["gpu.nvidia.com"].uuid == "{uuid}"'}}],
+            }}]}},
+        }  # fmt: skip
+        await asyncio.to_thread(resource.create_namespaced_resource_claim, "default", claim)
+        probe: Any = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "after-the-pass", "namespace": "default"},
+            "spec": {
+                "restartPolicy": "Never",
+                "resourceClaims": [{"name": "gpu", "resourceClaimName": "after-the-pass"}],
+                "containers": [{"name": "c", "image": "busybox", "resources": {"claims": [{"name": "gpu"}]}}],
+            },
+        }
+        await asyncio.to_thread(rig.core.create_namespaced_pod, "default", probe)
+        for _ in range(300):
+            got = await asyncio.to_thread(
+                resource.read_namespaced_resource_claim, "after-the-pass", "default"
+            )
+            if got.status and got.status.allocation:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError(f"the passed GPU {uuid} was not allocated to a new claim: {got.status}")
+        devices = got.status.allocation.devices
+        (result,) = (devices.results if devices else None) or []
+        assert (result.pool, result.device) == (node, "gpu-0"), result
         obj = await asyncio.to_thread(rig.core.read_node, node)
         assert not obj.spec.unschedulable
         assert not [k for k in obj.metadata.annotations or {} if uuid in k]
