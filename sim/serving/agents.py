@@ -48,6 +48,9 @@ class AgentSpec(BaseModel):
     client_retries: int = Field(
         1, ge=0, le=5, description="the client's retries after a terminal stream error"
     )
+    first_tool_token: int = Field(
+        8, ge=1, description="the token at which the first tool call is emitted (the rest follow every 16)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AgentSpec:
@@ -102,7 +105,7 @@ class Agents:
         n = lo + int(_fraction(request_id, "tools") * (hi - lo + 1))
         # An agent's model calls its tools early (a short preamble, a call every 16 tokens), then writes
         # its answer with the results: most of a cut stream's life comes after its tool calls ran.
-        return [min(output_tokens, 8 + 16 * i) for i in range(n)]
+        return [min(output_tokens, self.spec.first_tool_token + 16 * i) for i in range(n)]
 
     async def call(self, http: aiohttp.ClientSession, request_id: str, index: int, attempt: int) -> None:
         op_id = f"{request_id}/{index}"
