@@ -808,6 +808,7 @@ async def inference_effects(world: World, load_id: str) -> dict[str, int]:
         "external_duplicates": jira["duplicates"],
         "external_issues": jira["issues"],
         "retried_after_a_tool_call": int(seen.get("retried_after_a_tool_call", 0)),
+        "client_retries": int(seen.get("retried_requests", 0)),
     }
 
 
