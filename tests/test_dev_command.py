@@ -5,6 +5,7 @@ Runs on free ports (FLEETMEND_* env) with its state in the test's temp dir.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -25,7 +26,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 from ledger.migrate import is_at_head
-from worker.processes import free_port, port_is_free
+from worker.processes import free_port
 from workflows.smoke import FleetmendSmoke
 
 pytestmark = pytest.mark.e2e
@@ -176,14 +177,49 @@ def processes_using(path: Path) -> list[str]:
     return found
 
 
+def listeners_left(config: DevConfig) -> list[str]:
+    """The stack's ports something of this stack still listens on: a LISTEN socket on one of them
+    whose process was started by this stack (its environment names the stack's state dir).
+
+    Not a bind test: the other tests running beside this one open client sockets, and one of
+    those may hold a just-freed port number as its own local port for a while (a CI run saw a
+    port "not free" that way after every process of the stack had exited)."""
+    listening: dict[str, int] = {}  # socket inode -> port
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                port = int(fields[1].rsplit(":", 1)[1], 16)
+                if fields[3] == "0A" and port in config.ports:  # 0A: TCP_LISTEN
+                    listening[fields[9]] = port
+    if not listening:
+        return []
+    left = []
+    marker = str(config.state_dir).encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker not in (entry / "environ").read_bytes():
+                continue
+            for fd in (entry / "fd").iterdir():
+                target = os.readlink(fd)
+                inode = target[len("socket:[") : -1] if target.startswith("socket:[") else None
+                if inode in listening:
+                    left.append(f"port {listening[inode]} held by pid {entry.name}")
+        except OSError:
+            continue
+    return left
+
+
 def assert_nothing_left(config: DevConfig) -> None:
     deadline = time.monotonic() + 10
-    while processes_using(config.state_dir) and time.monotonic() < deadline:
+    while (processes_using(config.state_dir) or listeners_left(config)) and time.monotonic() < deadline:
         time.sleep(0.2)
     log = config.state_dir / "logs" / "fleetmend.log"
     tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
     assert processes_using(config.state_dir) == [], tail
-    assert all(port_is_free("127.0.0.1", port) for port in config.ports)
+    assert listeners_left(config) == [], tail
 
 
 @pytest.fixture

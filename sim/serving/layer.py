@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from typing import Any
 
@@ -31,7 +32,9 @@ from sim.control import FaultRequest, NotifyMessage
 from sim.k8s.podips import DEFAULT_ENGINE_PORT
 from sim.serving.diagnostics import diagnostic_program
 from sim.serving.effects import EffectProposer, EffectsConfig
+from sim.serving.engine import EngineSpec
 from sim.serving.faults import FaultError, FaultInjector
+from sim.serving.grade import CapacityRecord
 from sim.serving.kubeview import KubeView, served_models
 from sim.serving.loadgen import GatewayTarget, LoadRun, LoadSpec
 from sim.serving.pods import EngineServers
@@ -43,6 +46,9 @@ log = logging.getLogger(__name__)
 # Longest an idle serving layer sleeps between ticks (wall seconds; shorter in a fast world: at most
 # one sim second), so the kubelets' readiness probes still run on their period.
 IDLE_TICK_S = 0.5
+# Sim seconds between samples of the world's true capacity (a death is recorded at most this late:
+# the record errs towards more capacity, so the optimum it bounds errs high, never low).
+CAPACITY_SAMPLE_S = 0.25
 
 
 class NoGateway(LookupError):
@@ -133,6 +139,8 @@ class ServingLayer:
         self.thermal_nodes: dict[str, float] = {}
         self.notifications: list[dict[str, Any]] = []
         self.issues: list[dict[str, Any]] = []  # the world's Jira (sim.serving.jira)
+        self.capacity = CapacityRecord()  # the world's true serving capacity (sim.serving.grade)
+        self._capacity_at = -math.inf
         self._scheduled: list[FaultRequest] = []
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -294,6 +302,27 @@ class ServingLayer:
         self.prober.tick(now)
         self._apply_due_faults(now)
         self.sync_engine_servers()
+        if now - self._capacity_at >= CAPACITY_SAMPLE_S:
+            self._capacity_at = now
+            self.capacity.sample(now, self.true_capacity(now))
+
+    def engine_spec_for_model(self, model: str | None) -> EngineSpec:
+        """The engine figures of a served model (its first engine's), or the defaults when none runs."""
+        for engine in self.supervisor.engines().values():
+            if model in (engine.metrics_model_name, engine.model_name):
+                return engine.spec
+        return EngineSpec()
+
+    def true_capacity(self, now: float) -> dict[str, float]:
+        """Per model, the decode budget (tokens/s) its live engines could deliver now:
+        the world's ground truth, routed or not (``sim.serving.grade``)."""
+        out: dict[str, float] = {}
+        for key, engine in self.supervisor.engines().items():
+            up = engine.alive and not engine.wedged and self.supervisor.process_up(key)
+            # Under the served name and the scenario's (users ask for either).
+            for model in {engine.metrics_model_name, engine.model_name}:
+                out[model] = out.get(model, 0.0) + (engine.rate(now) if up else 0.0)
+        return out
 
     # ---- faults ---------------------------------------------------------------------------
     def _world_fault_handler(self, fault: FaultRequest) -> None:

@@ -38,6 +38,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fleet.vocabulary import TIER_HEADER, Tier
 from sim.serving.agents import Agents, AgentSpec
+from sim.serving.engine import EngineSpec
+from sim.serving.grade import CapacityRecord, Job, LoadGrade, grade
 from sim.serving.streams import TOKEN_TEXT
 
 DEFAULT_DEADLINES: dict[Tier, float] = {Tier.CRITICAL: 5.0, Tier.STANDARD: 10.0, Tier.SHEDDABLE: 20.0}
@@ -261,6 +263,7 @@ class LoadRun:
         self._speed = 1.0
         self._start_sim = 0.0
         self._start_mono = 0.0
+        self.model: str | None = None  # the served model name the requests ask for, once resolved
         self.agents = Agents(spec.agents) if spec.agents is not None else None
 
     # ---- time -----------------------------------------------------------------------------
@@ -301,7 +304,7 @@ class LoadRun:
                         f"{self._gateway.url} is not a fleetmend simulator (GET /sim/v1/clock -> {reply.status})"
                     )
                 self._speed = float((await reply.json())["speed"])
-        model = self.spec.model or await self._default_model()
+        model = self.model = self.spec.model or await self._default_model()
         self._start_mono = time.monotonic()
         if self._layer is not None:
             self._start_sim = float(self._layer.clock.now())
@@ -485,6 +488,26 @@ class LoadRun:
     def done(self) -> bool:
         return self._runner is not None and self._runner.done()
 
+    def grade(self, capacity: CapacityRecord, engine: EngineSpec) -> LoadGrade:
+        """This run graded by the world (``sim.serving.grade``): its arrivals replayed against the
+        capacity the world recorded for its model from the run's start. A request's work is its output
+        plus the prefill of the part of its prompt a warm prefix cache misses (``engine``'s figures)."""
+        if self.model is None or self._layer is None:
+            raise LookupError("the run has not started inside the simulator; there is nothing to grade yet")
+        miss = 1.0 - engine.warm_prefix_hit_rate
+        jobs = [
+            Job(
+                arrival=a.offset_s,
+                deadline=a.offset_s + self.spec.deadlines_s.get(a.tier, DEFAULT_DEADLINES[a.tier]),
+                work=a.output_tokens + engine.prefill_cost * a.prompt_tokens * miss,
+                key=a.request_id,
+            )
+            for a in arrivals(self.spec)
+        ]
+        refused = {r.request_id for r in self.results if r.outcome == "shed"}
+        goodput = sum(1 for r in self.results if r.outcome == "goodput")
+        return grade(jobs, refused, goodput, capacity.trace(self.model, self._start_sim))
+
 
 def _retry_after(value: str | None) -> float | None:
     """``Retry-After`` in seconds (the delay form; an HTTP date is not used by gateways here)."""
@@ -563,6 +586,23 @@ def install_load_routes(api: APIRouter, layer: Any) -> None:
         if run is None:
             raise HTTPException(404, f"no load run {run_id!r}; known: {sorted(runs)}")
         return run.report(since_s, until_s if until_s is not None else math.inf)
+
+    @api.get("/sim/v1/load/{run_id}/grade", response_model=LoadGrade, tags=["sim"])
+    async def get_grade(run_id: str) -> LoadGrade:
+        """The finished run graded by the world's own record (``sim.serving.grade``)."""
+        run = runs.get(run_id)
+        if run is None:
+            raise HTTPException(404, f"no load run {run_id!r}; known: {sorted(runs)}")
+        if not run.done:
+            raise HTTPException(
+                409,
+                f"load run {run_id} is still running ({run.sent - len(run.results)} request(s) in flight); "
+                "grade it once GET /sim/v1/load/{id} shows every arrival sent and in_flight 0",
+            )
+        try:
+            return run.grade(layer.capacity, layer.engine_spec_for_model(run.model))
+        except LookupError as err:
+            raise HTTPException(409, str(err)) from None
 
     @api.delete("/sim/v1/load/{run_id}", response_model=LoadReport, tags=["sim"])
     async def delete_load(run_id: str) -> LoadReport:

@@ -2,9 +2,9 @@
 
 Agents' completions stream tool calls (a Jira ticket each) through Envoy; two replicas die mid-stream,
 the clients retry their cut streams with the same idempotency key, and the model emits the same tool
-calls again. The same arrivals (same seed) run twice: the baseline executes tool calls straight
-against Jira, fleetmend's users through the effect API under ``<request id>/<index>``. Jira's own
-record of the issues it opened is the grade (``sim.serving.agents.jira_duplicates``)."""
+calls again. Here the baseline executes the tool calls straight against Jira; fleetmend's users go through the
+effect API under ``<request id>/<index>`` (the peak demo). Jira's own record of the issues it opened
+is the grade (``sim.serving.agents.jira_duplicates``)."""
 
 from __future__ import annotations
 
@@ -61,19 +61,15 @@ async def agents_under_a_loss(
     return dict(report["inference_effects"]), jira
 
 
-@pytest.mark.parametrize("through", ["direct", "ledger"])
-async def test_through_the_ledger_jira_records_no_duplicate_where_the_direct_baseline_records_some(
-    temporal_client: Client, task_queue: str, ledger_url: str, through: str
+async def test_executed_directly_a_repeated_inference_opens_a_second_ticket_in_jira(
+    temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
-    """The same arrivals (seed 11) and the same loss, once per way of executing the tool calls."""
-    seen, jira = await agents_under_a_loss(temporal_client, task_queue, ledger_url, through)
+    """The baseline: the tool calls run straight against Jira, and every repeat is another ticket in
+    Jira's own log. The same loss through the effect API (no duplicate in Jira's log, the repeats
+    deduplicated) is the peak demo's check (``tests/demo/test_demo_scenarios.py``, scenario
+    ``gpu-node-loss-peak``), and both ways side by side on one seed are ``bench.agent_effects``."""
+    seen, jira = await agents_under_a_loss(temporal_client, task_queue, ledger_url, "direct")
     # The loss cut agents' streams after a tool call ran, and their clients retried them.
     assert seen["retried_after_a_tool_call"] > 0, seen
-    if through == "direct":
-        # Baseline: every repeat is another ticket in Jira's own log.
-        assert jira["duplicates"] > 0, (seen, jira)
-        return
-    # Through the ledger: the repeats were answered from the record, and Jira opened each ticket once.
-    assert seen["deduplicated"] > 0, seen
-    assert jira["duplicates"] == 0, (seen, jira)
-    assert jira["operations"] == seen["performed"], (seen, jira)
+    assert jira["duplicates"] > 0, (seen, jira)
+    assert seen["deduplicated"] == 0, seen  # nothing stood between the callers and Jira

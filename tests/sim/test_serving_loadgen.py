@@ -42,6 +42,12 @@ async def test_load_through_envoy_reports_goodput_shed_and_per_replica_ttft(ledg
         # Envoy names the upstream; the load generator names its pod.
         assert set(report.per_replica) == set(pods)
         assert all(r.ttft_p50_s is not None and r.ttft_p50_s < 2.0 for r in report.per_replica.values())
+        # Graded by the world: two replicas at a fraction of their capacity could have served every
+        # arrival, so every refusal of the sheddable tier is over-shed.
+        graded = run.grade(sim.layer.capacity, sim.layer.engine_spec_for_model(run.model))
+        assert graded.optimum == graded.arrivals == report.sent
+        assert graded.over_shed == report.shed > 0 and graded.goodput == report.goodput
+        assert not graded.bound_beaten and graded.min_capacity_tokens_s > 0
 
 
 async def test_a_fault_scheduled_for_later_applies_at_its_sim_time() -> None:
@@ -139,6 +145,9 @@ async def test_load_control_api_starts_reports_and_stops_a_run(ledger_url: str) 
 
         await sim.wait_for(some_done, 60, "requests to finish")
         window = (await sim.http.get(f"/sim/v1/load/{run_id}", params={"since_s": 0, "until_s": 1})).json()
+        early = await sim.http.get(f"/sim/v1/load/{run_id}/grade")  # graded once every request is done
+        assert early.status_code == 409 and "in_flight 0" in early.text
+        assert (await sim.http.get("/sim/v1/load/nope/grade")).status_code == 404
         assert window["window_s"] == [0.0, 1.0]
         stopped = await sim.http.delete(f"/sim/v1/load/{run_id}")
         assert stopped.status_code == 200 and stopped.json()["sent"] >= 5
