@@ -120,10 +120,13 @@ class RunResult:
     sent: int
     final_phase: str | None = None
     shed: int = 0
-    # fleetmend runs: shares of all arrivals, from the shed levels the incident recorded
-    # (fleet.shedding.account_shedding): what the capacity gap called for refusing, and the excess.
+    # fleetmend runs: its own estimate of the capacity gap as a share of all arrivals, from the shed
+    # levels the incident recorded (fleet.shedding.account_shedding). Context only: nothing is graded on it.
     gap_share: float | None = None
-    over_shed_share: float | None = None
+    over_shed_share: float | None = None  # fleetmend's estimate of its own over-shed (not graded on)
+    # The world's grade of the run (GET /sim/v1/load/{id}/grade, sim.serving.grade.LoadGrade): the
+    # optimum replayed on the world's true capacity, and the over-shed against it.
+    world: dict[str, Any] | None = None
     seed: int | None = None  # the arrivals' seed: runs of one seed are the same load, fault and world
     # What the requests that missed goodput got instead (the load generator's counts).
     missed: dict[str, int] = field(default_factory=dict)
@@ -282,6 +285,7 @@ async def one_run(
     index: int,
     seed: int,
     load_share: float = LOAD_SHARE,
+    load_s: float = LOAD_S,
 ) -> RunResult:
     fleetmend = mode == "fleetmend"
     extra: dict[str, Any] = (
@@ -310,7 +314,7 @@ async def one_run(
             if fleetmend:
                 await stack.enter_async_context(rig.fast_path(identity=f"bench-{index}"))
             rate = round(fault.groups * GROUP_CAPACITY_RPS * load_share, 1)
-            load = await rig.start_load(rate=rate, duration_s=LOAD_S, seed=seed, pool=fault.pool.key)
+            load = await rig.start_load(rate=rate, duration_s=load_s, seed=seed, pool=fault.pool.key)
             await asyncio.sleep(FAULT_AT_S)
             stages: dict[str, float | None] = {}
             phase: str | None = None
@@ -347,7 +351,7 @@ async def one_run(
                             "verified": span_time(status, Phase.VERIFYING, "end", fault_at),
                         }
                     else:
-                        await asyncio.sleep(LOAD_S - FAULT_AT_S)
+                        await asyncio.sleep(load_s - FAULT_AT_S)
                 finally:
                     stop.set()
                     await watching
@@ -356,9 +360,10 @@ async def one_run(
                 if stages.get("capacity restored") is None:
                     stages["capacity restored"] = watcher.capacity_back
             report = await rig.load_report(load)
-            while report["in_flight"] or report["sent"] < int(rate * LOAD_S * 0.9):
+            while report["in_flight"] or report["sent"] < int(rate * load_s * 0.9):
                 await asyncio.sleep(1.0)
                 report = await rig.load_report(load)
+            world_grade = await rig.load_grade(load)
             result = RunResult(
                 mode,
                 stages,
@@ -367,6 +372,7 @@ async def one_run(
                 phase,
                 shed=int(report["shed"]),
                 seed=seed,
+                world=world_grade,
                 missed={
                     k: int(report[k])
                     for k in ("late", "terminal_errors", "truncated_streams", "rejected", "shed")
@@ -412,30 +418,22 @@ def print_table(name: str, runs: list[RunResult]) -> None:
         print(
             f"{stage:24}{cell([r.stages.get(stage) for r in fm])}   {cell([r.stages.get(stage) for r in k8s_only])}"
         )
-
-    # Shares of what each run sent (seeds differ between rounds: other arrivals, other totals).
-    def share(r: RunResult) -> float:
-        return r.goodput / r.sent if r.sent else 0.0
-
-    reference = statistics.mean(share(r) for r in none) if none else None
     for mode, chosen in (("fleetmend", fm), ("kubernetes-only", k8s_only), ("no-fault", none)):
         if not chosen:
             continue
         good = statistics.mean(r.goodput for r in chosen)
         sent = statistics.mean(r.sent for r in chosen)
         shed = statistics.mean(r.shed for r in chosen)
-        mean_share = statistics.mean(share(r) for r in chosen)
-        ratio = f"{mean_share / reference:.3f} of no-fault" if reference else ""
-        gaps = [r.gap_share for r in chosen if r.gap_share is not None]
-        optimum = ""
-        if reference and gaps:
-            # The capacity-limited optimum: the no-fault goodput minus the arrivals the capacity gap
-            # could not carry (the recorded gap, at the users' rate). Queues that absorb a short gap
-            # within the requests' deadlines do better than that, so this is a floor, not a ceiling.
-            best = reference * (1.0 - statistics.mean(gaps))
-            overs = [r.over_shed_share for r in chosen if r.over_shed_share is not None]
-            optimum = f", {mean_share / best:.3f} of the capacity-limited optimum; over-shed {statistics.mean(overs):.1%} of arrivals"
-        print(f"goodput {mode:17} {good:7.0f} of {sent:.0f} sent, {shed:.0f} shed  {ratio}{optimum}")
+        mean, half = interval([share(r) for r in chosen])
+        graded = [r.world for r in chosen if r.world]
+        world = ""
+        if graded:
+            of_opt = statistics.mean(g["of_optimum"] for g in graded)
+            over = max(g["over_shed_share"] for g in graded)
+            world = f"; world: {of_opt:.3f} of the optimum, over-shed at most {over:.2%} of arrivals"
+        print(
+            f"goodput {mode:17} {good:7.0f} of {sent:.0f} sent, {shed:.0f} shed, share {mean:.4f} ± {half:.4f}{world}"
+        )
         kinds = sorted({k for r in chosen for k in r.missed})
         if kinds:
             means = ", ".join(
@@ -447,12 +445,99 @@ def print_table(name: str, runs: list[RunResult]) -> None:
     if pairs:
         diffs = ", ".join(f"{d:+d}" for _, d in pairs)
         ahead = sum(1 for _, d in pairs if d >= 0)
+        mean, half = interval([float(d) for _, d in pairs])
         print(
             f"same seed, fleetmend minus Kubernetes-only (requests within deadline): {diffs}; "
-            f"fleetmend >= Kubernetes-only on {ahead} of {len(pairs)} seeds, total {sum(d for _, d in pairs):+d}"
+            f"mean {mean:+.1f} ± {half:.1f}; fleetmend >= Kubernetes-only on {ahead} of {len(pairs)} seeds"
         )
+    for verdict in verdicts(name, runs):
+        print(f"  {verdict}")
     phases = sorted({r.final_phase or "?" for r in fm})
     print(f"fleetmend final phases: {', '.join(phases)}")
+
+
+def share(r: RunResult) -> float:
+    """Goodput as a share of what the run sent (seeds differ: other arrivals, other totals)."""
+    return r.goodput / r.sent if r.sent else 0.0
+
+
+# Student's t, two-sided 95 % (0.975 quantile) for 1-30 degrees of freedom: the intervals need 30
+# numbers, not scipy.
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+        2.052, 2.048, 2.045, 2.042)  # fmt: skip
+
+
+def interval(values: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95 % interval (Student's t; 0 for fewer than two values)."""
+    mean = statistics.mean(values) if values else 0.0
+    if len(values) < 2:
+        return mean, 0.0
+    t = T975[min(len(values) - 2, len(T975) - 1)]
+    return mean, t * statistics.stdev(values) / len(values) ** 0.5
+
+
+def verdicts(name: str, runs: list[RunResult]) -> list[str]:
+    """The claims, checked on this table's runs: fleetmend against Kubernetes alone (at 90 % load the
+    intervals must not overlap; at lower load fleetmend must not be worse beyond the paired interval),
+    over-shed graded by the world at most 1 % of arrivals in every run, and no run above the optimum."""
+    fm = [r for r in runs if r.mode == "fleetmend"]
+    k8 = [r for r in runs if r.mode == "kubernetes-only"]
+    out = []
+    if len(fm) >= 2 and len(k8) >= 2:
+        (fm_mean, fm_half), (k8_mean, k8_half) = (
+            interval([share(r) for r in fm]),
+            interval([share(r) for r in k8]),
+        )
+        if "90%" in name:
+            ok = fm_mean - fm_half > k8_mean + k8_half
+            out.append(
+                f"{'PASS' if ok else 'FAIL'} at 90 % load: fleetmend's interval above Kubernetes-only's"
+            )
+        else:
+            diff, half = interval([float(d) for _, d in paired(runs)])
+            ok = diff + half >= 0
+            out.append(
+                f"{'PASS' if ok else 'FAIL'} not worse than Kubernetes-only beyond the paired interval"
+            )
+    graded = [r for r in fm if r.world]
+    if graded:
+        worst = max(r.world["over_shed_share"] for r in graded if r.world)
+        out.append(
+            f"{'PASS' if worst <= 0.01 else 'FAIL'} over-shed graded by the world <= 1 % (worst {worst:.2%})"
+        )
+    if not any(r.world for r in runs):
+        return out  # runs from before the world graded them
+    beaten = [f"{r.mode} seed {r.seed}" for r in runs if r.world and r.world["bound_beaten"]]
+    out.append(
+        f"{'FAIL' if beaten else 'PASS'} no run above the world's optimum{': ' + ', '.join(beaten) if beaten else ''}"
+    )
+    return out
+
+
+def markdown(results: dict[str, list[RunResult]]) -> str:
+    """The README's goodput table, one row per fault class and load, from the runs."""
+    lines = [
+        "| fault, load | runs (seeds) | fleetmend goodput | Kubernetes only | fleetmend minus Kubernetes only, same seed | fleetmend of the world's optimum | over-shed, worst run (world) | claims |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, runs in results.items():
+        fm = [r for r in runs if r.mode == "fleetmend"]
+        k8 = [r for r in runs if r.mode == "kubernetes-only"]
+        if not fm or not k8:
+            continue
+        (a, ah), (b, bh) = interval([share(r) for r in fm]), interval([share(r) for r in k8])
+        d, dh = interval([float(x) for _, x in paired(runs)])
+        graded = [r.world for r in fm if r.world]
+        of_opt = f"{statistics.mean(g['of_optimum'] for g in graded):.3f}" if graded else "-"
+        over = f"{max(g['over_shed_share'] for g in graded):.2%}" if graded else "-"
+        seeds = sorted({r.seed for r in fm if r.seed is not None})
+        claims = "; ".join(v for v in verdicts(name, runs))
+        lines.append(
+            f"| {name} | {len(fm)} ({', '.join(map(str, seeds))}) | {a:.4f} ± {ah:.4f} | {b:.4f} ± {bh:.4f} "
+            f"| {d:+.1f} ± {dh:.1f} | {of_opt} | {over} | {claims} |"
+        )
+    return "\n".join(lines)
 
 
 def paired(runs: list[RunResult]) -> list[tuple[int, int]]:
@@ -514,7 +599,9 @@ async def main(
     plot_path: Path | None,
     json_path: Path | None,
     load_share: float = LOAD_SHARE,
-) -> None:
+    modes: tuple[str, ...] = MODES,
+    load_s: float = LOAD_S,
+) -> int:
     pg = acquire_server()
     env = await throwaway_dev_server()
     results: dict[str, list[RunResult]] = {}
@@ -525,17 +612,17 @@ async def main(
             fault = CLASSES[fault_class]
             # A load other than the default is its own table (and its own key in --json).
             name = fault_class if load_share == LOAD_SHARE else f"{fault_class} at {load_share:.0%} load"
-            runs: list[RunResult] = []
-            # Every round runs the three modes on the same seed, so each fleetmend run is compared
-            # with Kubernetes alone and with no fault on the very same arrivals.
-            plan = [(mode, r) for r in range(rounds) for mode in MODES]
+            runs = results.setdefault(name, [])
+            # Every round runs the modes on the same seed, so each fleetmend run is compared with
+            # Kubernetes alone (and no fault) on the very same arrivals.
+            plan = [(mode, r) for r in range(rounds) for mode in modes]
             for mode, r in plan:
                 url = pg.create_database("stages")
                 upgrade_head(url)
                 index += 1
                 try:
                     result = await one_run(
-                        env.client, url, fault, mode, index, seed=11 + r, load_share=load_share
+                        env.client, url, fault, mode, index, seed=11 + r, load_share=load_share, load_s=load_s
                     )
                 except Exception as err:  # one broken run is reported, the table goes on without it
                     print(f"{name} {mode} #{r + 1}: FAILED: {type(err).__name__}: {err}")
@@ -544,19 +631,32 @@ async def main(
                     pg.drop_database(url)
                 runs.append(result)
                 shown = {k: round(v, 2) for k, v in result.stages.items() if v is not None}
+                world = result.world or {}
                 print(
-                    f"{name} {mode} #{r + 1}: {shown} goodput {result.goodput}/{result.sent} {result.final_phase or ''}"
+                    f"{name} {mode} #{r + 1}: {shown} goodput {result.goodput}/{result.sent} "
+                    f"(world's optimum {world.get('optimum')}, over-shed {world.get('over_shed')}) "
+                    f"{result.final_phase or ''}",
+                    flush=True,
                 )
-            results[name] = runs
+                if json_path is not None:  # after every run: a long bench that is stopped keeps its runs
+                    json_path.write_text(
+                        json.dumps({n: [r.__dict__ for r in rs] for n, rs in results.items()}, indent=2)
+                    )
+    return report(results, plot_path)
+
+
+def report(results: dict[str, list[RunResult]], plot_path: Path | None) -> int:
+    """Print the tables and the README's markdown; 1 when a run beat the world's optimum (a bug)."""
     for name, runs in results.items():
         print_table(name, runs)
-    if json_path is not None:
-        json_path.write_text(
-            json.dumps({n: [r.__dict__ for r in runs] for n, runs in results.items()}, indent=2)
-        )
+    print("\n" + markdown(results))
     if plot_path is not None:
         plot(results, plot_path)
         print(f"\nplot written to {plot_path}")
+    beaten = [r for runs in results.values() for r in runs if r.world and r.world["bound_beaten"]]
+    if beaten:
+        print(f"\nBUG: {len(beaten)} run(s) completed more requests than the world's optimum allows")
+    return 1 if beaten else 0
 
 
 if __name__ == "__main__":
@@ -565,9 +665,13 @@ if __name__ == "__main__":
         "--rounds",
         type=int,
         default=3,
-        help="rounds per fault class; each runs fleetmend, Kubernetes-only and no-fault on one seed",
+        help="rounds (seeds 11, 12, ...) per fault class; each runs every mode on one seed",
     )
     parser.add_argument("--classes", default=",".join(CLASSES), help=f"comma-separated: {', '.join(CLASSES)}")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated: {', '.join(MODES)}")
+    parser.add_argument(
+        "--load-seconds", type=float, default=LOAD_S, help=f"seconds of arrivals per run (default {LOAD_S:g})"
+    )
     parser.add_argument(
         "--load-share",
         type=float,
@@ -589,14 +693,28 @@ if __name__ == "__main__":
         for path in args.from_json:
             for name, runs in json.loads(path.read_text()).items():
                 saved.setdefault(name, []).extend(RunResult(**r) for r in runs)
-        for name, runs in saved.items():
-            print_table(name, runs)
-        if args.plot is not None:
-            plot(saved, args.plot)
-        raise SystemExit(0)
+        raise SystemExit(report(saved, args.plot))
     unknown = [c for c in args.classes.split(",") if c not in CLASSES]
     if unknown:
         parser.error(f"unknown fault class(es) {unknown}; choose from {sorted(CLASSES)}")
+    modes = tuple(args.modes.split(","))
+    if not set(modes) <= set(MODES) or not modes:
+        parser.error(f"--modes {args.modes!r}: choose from {', '.join(MODES)}")
     if not 0 < args.load_share <= 1.5:
         parser.error(f"--load-share {args.load_share} is not a share of capacity; give a number in (0, 1.5]")
-    asyncio.run(main(args.rounds, args.classes.split(","), args.plot, args.json, args.load_share))
+    if not FAULT_AT_S + 10 <= args.load_seconds <= 600:
+        parser.error(
+            f"--load-seconds {args.load_seconds}: give {FAULT_AT_S + 10:g}-600 (the fault lands at {FAULT_AT_S:g} s)"
+        )
+    code = asyncio.run(
+        main(
+            args.rounds,
+            args.classes.split(","),
+            args.plot,
+            args.json,
+            args.load_share,
+            modes,
+            args.load_seconds,
+        )
+    )
+    raise SystemExit(code)

@@ -65,6 +65,10 @@ class LoadSpec(BaseModel):
         description="a share of users are agents whose completions call tools (sim.serving.agents)",
     )
 
+    @property
+    def longest_deadline_s(self) -> float:
+        return max(self.deadlines_s.get(t, DEFAULT_DEADLINES[t]) for t in Tier)
+
     @model_validator(mode="after")
     def _check(self) -> LoadSpec:
         if not self.tiers or sum(self.tiers.values()) <= 0 or any(v < 0 for v in self.tiers.values()):
@@ -488,24 +492,45 @@ class LoadRun:
     def done(self) -> bool:
         return self._runner is not None and self._runner.done()
 
-    def grade(self, capacity: CapacityRecord, engine: EngineSpec) -> LoadGrade:
+    def grade(self, capacity: CapacityRecord, engine: EngineSpec, until_s: float | None = None) -> LoadGrade:
         """This run graded by the world (``sim.serving.grade``): its arrivals replayed against the
         capacity the world recorded for its model from the run's start. A request's work is its output
-        plus the prefill of the part of its prompt a warm prefix cache misses (``engine``'s figures)."""
+        plus the prefill of the part of its prompt a warm prefix cache misses (``engine``'s figures).
+
+        ``until_s``: grade only the arrivals before it (sim seconds since the start), for a run still
+        going; every one of their deadlines must have passed, so each outcome is settled (a request
+        still streaming past its deadline is not goodput). Replaying fewer arrivals can only raise the
+        optimum of those it keeps, so it stays a bound."""
         if self.model is None or self._layer is None:
             raise LookupError("the run has not started inside the simulator; there is nothing to grade yet")
+        deadline_of = {t: self.spec.deadlines_s.get(t, DEFAULT_DEADLINES[t]) for t in Tier}
+        chosen = [a for a in arrivals(self.spec) if until_s is None or a.offset_s < until_s]
+        if until_s is not None:
+            settled = until_s + self.spec.longest_deadline_s
+            if settled > self.sim_now():
+                raise LookupError(
+                    f"arrivals until {until_s:g} s are not all past their deadlines until {settled:g} s "
+                    f"of the run (now {self.sim_now():.1f} s); ask later or for an earlier until_s"
+                )
+        elif not self.done:
+            raise LookupError(
+                f"the run is still going ({self.sent - len(self.results)} request(s) in flight); grade it "
+                "once GET /sim/v1/load/{id} shows every arrival sent and in_flight 0, or pass until_s"
+            )
         miss = 1.0 - engine.warm_prefix_hit_rate
         jobs = [
             Job(
                 arrival=a.offset_s,
-                deadline=a.offset_s + self.spec.deadlines_s.get(a.tier, DEFAULT_DEADLINES[a.tier]),
+                deadline=a.offset_s + deadline_of[a.tier],
                 work=a.output_tokens + engine.prefill_cost * a.prompt_tokens * miss,
                 key=a.request_id,
             )
-            for a in arrivals(self.spec)
+            for a in chosen
         ]
-        refused = {r.request_id for r in self.results if r.outcome == "shed"}
-        goodput = sum(1 for r in self.results if r.outcome == "goodput")
+        keys = {j.key for j in jobs}
+        results = [r for r in self.results if r.request_id in keys]
+        refused = {r.request_id for r in results if r.outcome == "shed"}
+        goodput = sum(1 for r in results if r.outcome == "goodput")
         return grade(jobs, refused, goodput, capacity.trace(self.model, self._start_sim))
 
 
@@ -588,19 +613,17 @@ def install_load_routes(api: APIRouter, layer: Any) -> None:
         return run.report(since_s, until_s if until_s is not None else math.inf)
 
     @api.get("/sim/v1/load/{run_id}/grade", response_model=LoadGrade, tags=["sim"])
-    async def get_grade(run_id: str) -> LoadGrade:
-        """The finished run graded by the world's own record (``sim.serving.grade``)."""
+    async def get_grade(run_id: str, until_s: float | None = None, settled: bool = False) -> LoadGrade:
+        """The run graded by the world's own record (``sim.serving.grade``): once it is done, or its
+        arrivals before ``until_s`` once all their deadlines have passed; ``settled=true``: every
+        arrival whose deadline has passed (a run still going)."""
         run = runs.get(run_id)
         if run is None:
             raise HTTPException(404, f"no load run {run_id!r}; known: {sorted(runs)}")
-        if not run.done:
-            raise HTTPException(
-                409,
-                f"load run {run_id} is still running ({run.sent - len(run.results)} request(s) in flight); "
-                "grade it once GET /sim/v1/load/{id} shows every arrival sent and in_flight 0",
-            )
+        if settled and until_s is None and not run.done:
+            until_s = max(0.0, run.sim_now() - run.spec.longest_deadline_s)
         try:
-            return run.grade(layer.capacity, layer.engine_spec_for_model(run.model))
+            return run.grade(layer.capacity, layer.engine_spec_for_model(run.model), until_s)
         except LookupError as err:
             raise HTTPException(409, str(err)) from None
 

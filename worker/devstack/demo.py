@@ -257,6 +257,13 @@ class World:
         r.raise_for_status()
         return dict(r.json())
 
+    async def load_grade(self, run_id: str) -> dict[str, Any]:
+        """The users' requests graded by the world (``sim.serving.grade``): those whose deadlines have
+        passed, replayed against the capacity the world really had."""
+        r = await self.http.get(f"/sim/v1/load/{run_id}/grade", params={"settled": "true"})
+        r.raise_for_status()
+        return dict(r.json())
+
     async def pod_places(self, namespace: str) -> dict[str, PodPlace]:
         """Every pod of the namespace with its node, replica group and uid (taken just before the fault).
 
@@ -776,6 +783,7 @@ SUMMARY_KEYS = (
     "lead_time_announced_seconds",
     "shed_tiers",
     "shedding",
+    "shedding_graded_by_the_world",
     "promoted",
     "fault_class",
     "ramp_weights",
@@ -792,6 +800,35 @@ async def gateway_report(world: World, pool: PoolRef) -> dict[str, Any]:
             e.pod: e.weight for e in (await asyncio.to_thread(world.gateway.routing_set, pool)).endpoints
         }
     return {"weights_now": weights or None}
+
+
+# Over-shed the world's grade allows: refusals its true capacity could have served, as a share of arrivals.
+OVER_SHED_LIMIT = 0.01
+
+
+async def grade_by_the_world(world: World, load_id: str, report: dict[str, Any]) -> None:
+    """Put the world's grade of the users' requests so far in the report (``shedding_graded_by_the_world``)
+    and fail the run when it refused more than the world's capacity called for, or did better than
+    the world's optimum (that bound, or the world, would be wrong)."""
+    try:
+        graded = await world.load_grade(load_id)
+    except httpx.HTTPError as err:  # too early for any arrival to be settled: say so, do not fail
+        report["shedding_graded_by_the_world"] = {"error": str(err)}
+        return
+    report["shedding_graded_by_the_world"] = graded
+    reason = None
+    if graded["bound_beaten"]:
+        reason = (
+            f"the users got {graded['goodput']} requests within deadline, above the world's optimum "
+            f"{graded['optimum']}: the replay or the world is wrong"
+        )
+    elif graded["over_shed_share"] > OVER_SHED_LIMIT:
+        reason = (
+            f"{graded['over_shed']} refused request(s) ({graded['over_shed_share']:.1%} of arrivals) were ones "
+            f"the world's capacity could have served (limit {OVER_SHED_LIMIT:.0%})"
+        )
+    if reason and report.get("verdict") == "passed":
+        report["verdict"], report["verdict_reason"] = "failed", reason
 
 
 async def inference_effects(world: World, load_id: str) -> dict[str, int]:
@@ -946,6 +983,7 @@ async def run_demo(
             )
             report["worker_metrics"] = metrics
             report["gateway"] = await gateway_report(world, pool)
+            await grade_by_the_world(world, load_id, report)
             if scenario.agents is not None:
                 report["inference_effects"] = await inference_effects(world, load_id)
                 if report["inference_effects"]["external_duplicates"]:

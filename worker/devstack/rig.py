@@ -103,6 +103,16 @@ class FleetRig:
         r.raise_for_status()
         return dict(r.json())
 
+    async def load_grade(self, run_id: str, timeout_s: float = 120.0) -> dict[str, Any]:
+        """The finished run graded by the world (``sim.serving.grade``), waiting for its last request."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            r = await self.http.get(f"/sim/v1/load/{run_id}/grade")
+            if r.status_code != 409 or time.monotonic() > deadline:
+                r.raise_for_status()
+                return dict(r.json())
+            await asyncio.sleep(0.5)
+
     @contextlib.asynccontextmanager
     async def effect_api(self, token: str) -> AsyncIterator[str]:
         """fleetmend's effect API (``POST /v1/effects``, bearer ``token``) over this rig's ledger, opening
