@@ -19,7 +19,7 @@ from temporalio import activity
 from activities.act import EffectReport, EffectRequest, perform_effect
 from activities.deps import ActivityDeps, operation_id
 from activities.qualification import DEVICE_QUARANTINE_KIND, DEVICE_RELEASE_KIND, CreateJob
-from activities.world_effects import NodePatch, _digest, _permanent_if_client_error, _world
+from activities.world_effects import NodePatch, api_server_world, permanent_if_client_error, request_digest
 from fleet.device_fault import DraDevice, FaultedDevice, quarantine_annotation
 from fleet.device_taint import claim_manifest, claim_name, rule_manifest, rule_name
 from fleet.qualification import OPERATION_ANNOTATION, job_manifest, job_name
@@ -78,7 +78,7 @@ class DraObject(Effect):
     ) -> None:
         self.r, self.world, self.plural, self.name, self.ns, self.body = (
             deps.kube.resource,
-            _world(deps.kube),
+            api_server_world(deps.kube),
             plural,
             name,
             namespace,
@@ -116,7 +116,7 @@ class DraObject(Effect):
                 return {"deleted": self._what, "already_gone": True}
             if exc.status == 409 and verb == "create" and self.probe(attempt) is not None:
                 return {"created": self._what, "found_by_probe": True}
-            _permanent_if_client_error(exc, f"{verb} {self._what}")
+            permanent_if_client_error(exc, f"{verb} {self._what}")
             raise
         return {"deleted" if verb == "delete" else "created": self._what, "name": self.name}
 
@@ -142,7 +142,7 @@ class DraObject(Effect):
                 world=self.world, verb="DELETE", path=f"{base}/{self.plural}/{self.name}", body_digest="*"
             )
         return ActionSignature(
-            world=self.world, verb="POST", path=f"{base}/{self.plural}", body_digest=_digest(self.body)
+            world=self.world, verb="POST", path=f"{base}/{self.plural}", body_digest=request_digest(self.body)
         )
 
 

@@ -27,7 +27,7 @@ from temporalio import activity
 from activities import kube_reads as kr
 from activities.act import EffectReport, EffectRequest, perform_effect
 from activities.deps import ActivityDeps, operation_id
-from activities.world_effects import _digest, _permanent_if_client_error, _world
+from activities.world_effects import api_server_world, permanent_if_client_error, request_digest
 from fleet.qualification import (
     OPERATION_ANNOTATION,
     QUALIFICATION_LABEL,
@@ -100,7 +100,7 @@ class CreateJob(Effect):
         except ApiException as exc:
             if exc.status == 409 and self.probe(attempt) is not None:
                 return {"job": f"{self.ns}/{self.name}", "found_by_probe": True}
-            _permanent_if_client_error(exc, f"create qualification Job {self.ns}/{self.name}")
+            permanent_if_client_error(exc, f"create qualification Job {self.ns}/{self.name}")
             raise
         return {"job": f"{self.ns}/{self.name}"}
 
@@ -121,10 +121,10 @@ class CreateJob(Effect):
 
     def action_signature(self, attempt: Attempt) -> ActionSignature:
         return ActionSignature(
-            world=_world(self.k),
+            world=api_server_world(self.k),
             verb="POST",
             path=f"/apis/batch/v1/namespaces/{self.ns}/jobs",
-            body_digest=_digest(self.body),
+            body_digest=request_digest(self.body),
         )
 
 
@@ -143,7 +143,7 @@ class DeleteJob(Effect):
         except ApiException as exc:
             if exc.status == 404:
                 return {"deleted": f"{self.ns}/{self.name}", "already_gone": True}
-            _permanent_if_client_error(exc, f"delete qualification Job {self.ns}/{self.name}")
+            permanent_if_client_error(exc, f"delete qualification Job {self.ns}/{self.name}")
             raise
         return {"deleted": f"{self.ns}/{self.name}"}
 
@@ -158,7 +158,7 @@ class DeleteJob(Effect):
 
     def action_signature(self, attempt: Attempt) -> ActionSignature:
         return ActionSignature(
-            world=_world(self.k),
+            world=api_server_world(self.k),
             verb="DELETE",
             path=f"/apis/batch/v1/namespaces/{self.ns}/jobs/{self.name}",
             body_digest="*",
@@ -195,7 +195,7 @@ class ReturnNode(Effect):
         try:
             self.k.core.patch_node(self.node, body, _preload_content=False)
         except ApiException as exc:
-            _permanent_if_client_error(exc, f"return node {self.node}")
+            permanent_if_client_error(exc, f"return node {self.node}")
             raise
         return {"node": self.node, "taints": taints}
 
@@ -208,7 +208,7 @@ class ReturnNode(Effect):
 
     def action_signature(self, attempt: Attempt) -> ActionSignature:
         return ActionSignature(
-            world=_world(self.k), verb="PATCH", path=f"/api/v1/nodes/{self.node}", body_digest="*"
+            world=api_server_world(self.k), verb="PATCH", path=f"/api/v1/nodes/{self.node}", body_digest="*"
         )
 
 

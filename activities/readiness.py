@@ -28,7 +28,7 @@ from temporalio import activity
 from activities import kube_reads as kr
 from activities.act import EffectReport, EffectRequest, perform_effect
 from activities.deps import ActivityDeps
-from activities.world_effects import _digest, _permanent_if_client_error, _world
+from activities.world_effects import api_server_world, permanent_if_client_error, request_digest
 from fleet.engine_metrics import parse_engine_metrics
 from fleet.incident import PoolRef
 from fleet.readiness import EngineSample, ReadinessState, ReadinessThresholds, next_readiness
@@ -101,7 +101,7 @@ class PodConditionPatch(Effect):
                     # A pod that no longer exists is not ready anywhere: the outcome asked for holds.
                     return self._gone()
                 raise PermanentEffectError(f"pod {self.ns}/{self.pod} no longer exists") from exc
-            _permanent_if_client_error(exc, f"set {self.condition} on pod {self.ns}/{self.pod}")
+            permanent_if_client_error(exc, f"set {self.condition} on pod {self.ns}/{self.pod}")
             raise
         return {"pod": f"{self.ns}/{self.pod}", "condition": self.condition, "ready": self.ready}
 
@@ -124,10 +124,10 @@ class PodConditionPatch(Effect):
 
     def action_signature(self, attempt: Attempt) -> ActionSignature:
         return ActionSignature(
-            world=_world(self.k),
+            world=api_server_world(self.k),
             verb="PATCH",
             path=f"/api/v1/namespaces/{self.ns}/pods/{self.pod}/status",
-            body_digest=_digest(self.body),
+            body_digest=request_digest(self.body),
         )
 
 

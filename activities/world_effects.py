@@ -29,16 +29,19 @@ from ledger.effect import ActionSignature, Attempt, Effect
 from ledger.errors import PermanentEffectError
 
 
-def _digest(body: Any) -> str:
+def request_digest(body: Any) -> str:
+    """The ledger's digest of a request body sent to the API server (``sha256:`` of its JSON)."""
     raw = b"" if body is None else json.dumps(body).encode()
     return "sha256:" + hashlib.sha256(raw).hexdigest()
 
 
-def _world(k: KubeApis) -> str:
+def api_server_world(k: KubeApis) -> str:
+    """The ``world`` an effect on the API server is recorded under: its host:port."""
     return urlsplit(k.core.api_client.configuration.host).netloc
 
 
-def _permanent_if_client_error(exc: ApiException, what: str) -> None:
+def permanent_if_client_error(exc: ApiException, what: str) -> None:
+    """A 4xx other than 409/429 will not change on retry: raise it as permanent, naming ``what``."""
     if exc.status is not None and 400 <= exc.status < 500 and exc.status not in (409, 429):
         raise PermanentEffectError(
             f"{what}: Kubernetes answered {exc.status} {exc.reason}: {exc.body}"
@@ -83,7 +86,7 @@ class PodMetadataPatch(Effect):
                 if self.only_removes:
                     return self._gone()
                 raise PermanentEffectError(f"pod {self.ns}/{self.pod} no longer exists") from exc
-            _permanent_if_client_error(exc, f"patch pod {self.ns}/{self.pod}")
+            permanent_if_client_error(exc, f"patch pod {self.ns}/{self.pod}")
             raise
         return {"patched": f"{self.ns}/{self.pod}", "metadata": self.body["metadata"]}
 
@@ -102,10 +105,10 @@ class PodMetadataPatch(Effect):
 
     def action_signature(self, attempt: Attempt) -> ActionSignature:
         return ActionSignature(
-            world=_world(self.k),
+            world=api_server_world(self.k),
             verb="PATCH",
             path=f"/api/v1/namespaces/{self.ns}/pods/{self.pod}",
-            body_digest=_digest(self.body),
+            body_digest=request_digest(self.body),
         )
 
 
@@ -134,7 +137,7 @@ class ScaleWorkload(Effect):
             else:
                 raise PermanentEffectError(f"fleetmend does not scale {self.kind} workloads")
         except ApiException as exc:
-            _permanent_if_client_error(exc, f"scale {self.kind} {self.ns}/{self.name}")
+            permanent_if_client_error(exc, f"scale {self.kind} {self.ns}/{self.name}")
             raise
         return {"workload": f"{self.kind}/{self.ns}/{self.name}", "replicas": self.replicas}
 
@@ -157,7 +160,10 @@ class ScaleWorkload(Effect):
 
     def action_signature(self, attempt: Attempt) -> ActionSignature:
         return ActionSignature(
-            world=_world(self.k), verb="PATCH", path=self._path(), body_digest=_digest(self.body)
+            world=api_server_world(self.k),
+            verb="PATCH",
+            path=self._path(),
+            body_digest=request_digest(self.body),
         )
 
 
@@ -190,7 +196,7 @@ class NodePatch(Effect):
         try:
             self.k.core.patch_node(self.node, self.body, _preload_content=False)
         except ApiException as exc:
-            _permanent_if_client_error(exc, f"patch node {self.node}")
+            permanent_if_client_error(exc, f"patch node {self.node}")
             raise
         return {"node": self.node, "patch": self.body}
 
@@ -212,10 +218,10 @@ class NodePatch(Effect):
 
     def action_signature(self, attempt: Attempt) -> ActionSignature:
         return ActionSignature(
-            world=_world(self.k),
+            world=api_server_world(self.k),
             verb="PATCH",
             path=f"/api/v1/nodes/{self.node}",
-            body_digest=_digest(self.body),
+            body_digest=request_digest(self.body),
         )
 
 
@@ -238,7 +244,7 @@ class NodeTaintAdd(Effect):
         try:
             self.k.core.patch_node(self.node, self.body, _preload_content=False)
         except ApiException as exc:
-            _permanent_if_client_error(exc, f"taint node {self.node}")
+            permanent_if_client_error(exc, f"taint node {self.node}")
             raise
         return {"node": self.node, "taint": self.taint}
 
@@ -251,10 +257,10 @@ class NodeTaintAdd(Effect):
 
     def action_signature(self, attempt: Attempt) -> ActionSignature:
         return ActionSignature(
-            world=_world(self.k),
+            world=api_server_world(self.k),
             verb="PATCH",
             path=f"/api/v1/nodes/{self.node}",
-            body_digest=_digest(self.body),
+            body_digest=request_digest(self.body),
         )
 
 
@@ -276,7 +282,7 @@ class DeletePod(Effect):
         except ApiException as exc:
             if exc.status == 404:
                 return {"deleted": f"{self.ns}/{self.pod}", "already_gone": True}
-            _permanent_if_client_error(exc, f"delete pod {self.ns}/{self.pod}")
+            permanent_if_client_error(exc, f"delete pod {self.ns}/{self.pod}")
             raise
         return {"deleted": f"{self.ns}/{self.pod}", "grace_period_s": self.grace}
 
@@ -288,10 +294,10 @@ class DeletePod(Effect):
 
     def action_signature(self, attempt: Attempt) -> ActionSignature:
         return ActionSignature(
-            world=_world(self.k),
+            world=api_server_world(self.k),
             verb="DELETE",
             path=f"/api/v1/namespaces/{self.ns}/pods/{self.pod}",
-            body_digest=_digest(self.body),
+            body_digest=request_digest(self.body),
         )
 
 

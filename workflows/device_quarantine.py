@@ -52,6 +52,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.runbook import pod_faults
     from fleet.triage import TriageResult
     from workflows.procedure import Procedure
+    from workflows.remediation_history import machine_gate
 
 if TYPE_CHECKING:
     from workflows.node_qualification import NodeLifecycle
@@ -69,6 +70,8 @@ async def device_scope(
     health = await proc.observe(
         ObserveActivities.read_node_health, node, f"{step}: read DCGM and conditions of {node}"
     )
+    # A machine at the loop cap takes the node path at once (its hardware path would cordon it anyway).
+    _, gate = await machine_gate(proc, health.machine, timings)
     _, scope = judge_node(
         node,
         proc.now(),
@@ -79,6 +82,7 @@ async def device_scope(
         policy=device_policy(timings),
         pods=pod_faults(health.pod_reasons),
         hint=hint,
+        history_allows=gate.allowed,
     )
     scope = fenceable(scope, health.dra_devices)
     proc.decide(scope.reason, {"scope": scope.model_dump(mode="json")})

@@ -37,7 +37,6 @@ with workflow.unsafe.imports_passed_through():
     from activities.act import ActActivities, NodeCordon, NodeTaint, PodDeletion
     from activities.observe import ObserveActivities
     from activities.qualification import (
-        MachineQuery,
         NodeReturn,
         QualificationActivities,
         QualificationJobRef,
@@ -59,7 +58,6 @@ with workflow.unsafe.imports_passed_through():
         clear_for_qualification,
         identity,
         qualification_slot,
-        remediation_gate,
         repaired,
     )
     from fleet.recovery import Phase, ProcedureStatus, RecoveryInput, RecoveryTimings
@@ -74,6 +72,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.device_quarantine import DeviceLifecycle, device_scope
     from workflows.procedure import Aborted, Procedure
+    from workflows.remediation_history import machine_gate
 
 
 Look = Callable[[str], Awaitable[PoolObservation]]
@@ -160,22 +159,7 @@ class NodeLifecycle:
             await self._report(report)
             return
         machine = health.machine
-        history = (
-            await proc.observe(
-                QualificationActivities.machine_history,
-                MachineQuery(machine=machine),
-                f"remediation history of machine {machine}",
-            )
-            if machine
-            else []
-        )
-        gate = remediation_gate(
-            history,
-            proc.now(),
-            cap=self._timings.remediation_cap,
-            window_s=self._timings.repeat_fault_window_s,
-            current_workflow=workflow.info().workflow_id,
-        )
+        history, gate = await machine_gate(proc, machine, self._timings)
         if workflow.patched("device-scope"):
             scope = fault_scope(
                 result,

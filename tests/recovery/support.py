@@ -10,8 +10,10 @@ from sqlalchemy import create_engine, text
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
-from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX, ROLE_LABEL, ROLE_SPARE
-from tests.support import FAST, POOL
+from fleet.incident import LossReport
+from fleet.recovery import RecoveryTimings
+from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX, ROLE_LABEL, ROLE_SPARE, FaultKind
+from tests.support import FAST, POOL, incident_config, wait_for_child
 from worker.devstack.rig import FleetRig, compressed_scenario
 from workflows.node_qualification import child_id
 
@@ -57,6 +59,25 @@ async def node_workflow(
         except RPCError:
             await asyncio.sleep(0.3)
     raise AssertionError(f"{recovery.id} started no workflow for {node} within {timeout_s} s")
+
+
+async def fault_reported(
+    rig: FleetRig,
+    client: Client,
+    kind: FaultKind,
+    node: str,
+    *,
+    fingerprint: str,
+    timings: RecoveryTimings,
+    dry_run: bool = False,
+    **fault: Any,
+) -> WorkflowHandle[Any, Any]:
+    """A hardware fault on ``node`` (``fault``: code, gpu, keep_alive, ...) reported as a pool loss the
+    way the Xid alert reports it: the recovery that answers it, once started."""
+    await rig.inject(kind, node, **fault)
+    report = LossReport(pool=POOL, fingerprint=fingerprint, alert_name="FleetmendGpuXid", node=node)
+    incident = await rig.report_loss(report, incident_config(dry_run=dry_run, timings=timings))
+    return await wait_for_child(client, incident)
 
 
 async def two_replica_node(rig: FleetRig) -> tuple[str, dict[str, Any]]:

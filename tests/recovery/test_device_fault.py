@@ -12,18 +12,18 @@ from temporalio.service import RPCError
 
 from fleet.device_fault import quarantine_annotation
 from fleet.fence import fence_workflow_id
-from fleet.incident import LossReport
 from fleet.recovery import Phase
 from fleet.vocabulary import QUARANTINE_TAINT_KEY, ROUTER_LABEL, FaultKind
 from tests.recovery.support import (
     DEVICE_TIMINGS,
     effects_on,
+    fault_reported,
     hardware_scenario,
     node_workflow,
     procedure_rows,
     two_replica_node,
 )
-from tests.support import POOL, decisions, finish, gpu_pool, incident_config, load_reaches, wait_for_child
+from tests.support import POOL, decisions, finish, gpu_pool, load_reaches
 from worker.devstack.rig import fleet_rig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -39,10 +39,16 @@ async def test_xid_79_on_one_gpu_recovers_one_replica_and_never_touches_the_othe
         node, before = await two_replica_node(rig)
         await rig.start_load(rate=20, duration_s=200, seed=5)
         await load_reaches(rig)
-        await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0)  # the replica on GPU 0 dies
-        report = LossReport(pool=POOL, fingerprint="fp-gpu", alert_name="FleetmendGpuXid", node=node)
-        incident = await rig.report_loss(report, incident_config(timings=DEVICE_TIMINGS))
-        child = await wait_for_child(temporal_client, incident)
+        child = await fault_reported(  # the replica on GPU 0 dies
+            rig,
+            temporal_client,
+            FaultKind.GPU_XID,
+            node,
+            fingerprint="fp-gpu",
+            timings=DEVICE_TIMINGS,
+            code=79,
+            gpu=0,
+        )
         status = await finish(child, timeout_s=240)
         text_ = decisions(status)
         assert status.phase == Phase.DONE, text_
@@ -84,10 +90,15 @@ async def test_an_nvlink_error_takes_the_node_path(
     ) as rig:
         await rig.pool_ready(POOL, 5)
         node, _ = await two_replica_node(rig)
-        await rig.inject(FaultKind.NVLINK_ERROR, node, gpu=0)
-        report = LossReport(pool=POOL, fingerprint="fp-nvlink", alert_name="FleetmendGpuXid", node=node)
-        incident = await rig.report_loss(report, incident_config(timings=DEVICE_TIMINGS))
-        child = await wait_for_child(temporal_client, incident)
+        child = await fault_reported(
+            rig,
+            temporal_client,
+            FaultKind.NVLINK_ERROR,
+            node,
+            fingerprint="fp-nvlink",
+            timings=DEVICE_TIMINGS,
+            gpu=0,
+        )
         qualification = await node_workflow(temporal_client, child, node)
         for _ in range(
             600

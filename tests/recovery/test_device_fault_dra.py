@@ -15,18 +15,18 @@ from kubernetes import client as kc
 from sqlalchemy import create_engine, text
 from temporalio.client import Client
 
-from fleet.incident import LossReport
 from fleet.recovery import Phase
 from fleet.vocabulary import QUARANTINE_TAINT_KEY, FaultKind
 from tests.recovery.support import (
     DEVICE_TIMINGS,
     NODE_LEVEL_TIMINGS,
     effects_on,
+    fault_reported,
     node_workflow,
     procedure_rows,
     two_replica_node,
 )
-from tests.support import POOL, decisions, finish, incident_config, load_reaches, wait_for_child
+from tests.support import POOL, decisions, finish, load_reaches
 from worker.devstack.rig import compressed_scenario, fleet_rig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -60,10 +60,16 @@ async def test_one_gpu_is_tainted_qualified_by_uuid_kept_out_on_a_fail_and_retur
         resource = kc.ResourceV1Api(rig.core.api_client)
         await rig.start_load(rate=20, duration_s=200, seed=5)
         await load_reaches(rig)
-        await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0)
-        report = LossReport(pool=POOL, fingerprint="fp-dra", alert_name="FleetmendGpuXid", node=node)
-        incident = await rig.report_loss(report, incident_config(timings=DEVICE_TIMINGS))
-        child = await wait_for_child(temporal_client, incident)
+        child = await fault_reported(
+            rig,
+            temporal_client,
+            FaultKind.GPU_XID,
+            node,
+            fingerprint="fp-dra",
+            timings=DEVICE_TIMINGS,
+            code=79,
+            gpu=0,
+        )
         qualification = await node_workflow(temporal_client, child, node)
 
         async def repair_after_the_failed_qualification() -> None:
@@ -160,10 +166,10 @@ async def test_a_dry_run_creates_the_rule_with_effect_none_and_reports_what_noex
     ) as rig:
         await rig.pool_ready(POOL, 5)
         node, before = await two_replica_node(rig)
-        await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0, keep_alive=True)
-        report = LossReport(pool=POOL, fingerprint="fp-dra-dry", alert_name="FleetmendGpuXid", node=node)
-        incident = await rig.report_loss(report, incident_config(dry_run=True, timings=DEVICE_TIMINGS))
-        child = await wait_for_child(temporal_client, incident)
+        child = await fault_reported(
+            rig, temporal_client, FaultKind.GPU_XID, node, fingerprint="fp-dra-dry", timings=DEVICE_TIMINGS,
+            dry_run=True, code=79, gpu=0, keep_alive=True,
+        )  # fmt: skip
         node_status = await finish(await node_workflow(temporal_client, child, node), timeout_s=120)
         node_text = decisions(node_status)
         assert node_status.figures["device_taint"]["effect"] == "None", node_text
@@ -196,10 +202,10 @@ async def test_the_node_level_policy_on_dra_quarantines_the_node_and_says_its_qu
     ) as rig:
         await rig.pool_ready(POOL, 5)
         node, _ = await two_replica_node(rig)
-        await rig.inject(FaultKind.GPU_XID, node, code=79, gpu=0)
-        report = LossReport(pool=POOL, fingerprint="fp-dra-node", alert_name="FleetmendGpuXid", node=node)
-        incident = await rig.report_loss(report, incident_config(timings=NODE_LEVEL_TIMINGS))
-        child = await wait_for_child(temporal_client, incident)
+        child = await fault_reported(
+            rig, temporal_client, FaultKind.GPU_XID, node, fingerprint="fp-dra-node", timings=NODE_LEVEL_TIMINGS,
+            code=79, gpu=0,
+        )  # fmt: skip
         node_status = await finish(await node_workflow(temporal_client, child, node), timeout_s=120)
         node_text = decisions(node_status)
         assert node_status.phase == Phase.DONE, node_text
