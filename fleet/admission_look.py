@@ -32,9 +32,6 @@ class KeeperMemory(BaseModel):
     arrivals: ArrivalTally = ArrivalTally()
     previous: PoolObservation | None = None  # the last look (a served rate needs two)
     served_rps: float | None = None  # the routed replicas' served rate, smoothed over the looks
-    # The running batch of a routed replica before the gap (``survivor_load.steady_batch``): a batch
-    # grown past it is queued requests. None: only waiting requests count (recoveries started before).
-    steady_running: float | None = None
 
 
 class KeeperLook(BaseModel):
@@ -59,7 +56,7 @@ def keeper_look(
 ) -> KeeperLook:
     """Read one observation: the routed backlog, the gateway's arrival count, the served rate."""
     lost = set(lost_ids)
-    backlog = routed_backlog(obs, lost, memory.steady_running)
+    backlog = routed_backlog(obs, lost)
     arrivals = memory.arrivals.add(obs, refused_share)
     arrival = arrivals.rate(ARRIVALS_COUNTED_S)
     served = memory.served_rps
@@ -72,7 +69,7 @@ def keeper_look(
     if measured:
         notes.append(measured)
     return KeeperLook(
-        memory=memory.model_copy(update={"arrivals": arrivals, "previous": obs, "served_rps": served}),
+        memory=KeeperMemory(arrivals=arrivals, previous=obs, served_rps=served),
         backlog=backlog,
         arrival_rps=arrival,
         capacity_rps=capacity,

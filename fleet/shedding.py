@@ -122,11 +122,6 @@ class QueueRoom(BaseModel):
         """The room as an arrival rate over the horizon."""
         return self.room(capacity_rps) / self.horizon_s
 
-    def drain_rps(self, capacity_rps: float) -> float:
-        """A backlog past what ``capacity_rps`` serves within the budget, as the arrival rate to hold
-        back over the horizon so that the queues come back within it (0 when they are within it)."""
-        return max(0.0, self.backlog - capacity_rps * self.wait_budget_s) / self.horizon_s
-
 
 class ShedDecision(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -233,12 +228,7 @@ def _decide(
     mean_sat, thrashing = _pressure(survivors, t)
     pressured = mean_sat >= 1.0 or bool(thrashing)
     absorbed = min(arrival_rps * deficit, queues.absorbable_rps(usable)) if queues and deficit > 0 else 0.0
-    # Queues already past the budget: every request that joins them is late, so hold back enough of
-    # the arrivals for them to come back within it by the next look.
-    drain = queues.drain_rps(usable) if queues else 0.0
-    to_refuse = (
-        min(1.0, max(0.0, deficit - absorbed / arrival_rps) + drain / arrival_rps) if arrival_rps > 0 else 0.0
-    )
+    to_refuse = max(0.0, deficit - absorbed / arrival_rps) if arrival_rps > 0 else 0.0
     shares = shares_for_gap(to_refuse, mix)
     refused = shares.refused_fraction
     residual = max(0.0, arrival_rps * (1.0 - refused) - usable - absorbed)
@@ -248,13 +238,7 @@ def _decide(
         f"{head}; arrivals {arrival_rps:.1f} req/s vs capacity {capacity_rps:.1f} req/s at "
         f"{t.target_utilization:.0%} = {usable:.1f} req/s -> {deficit:.1%} of arrivals cannot be carried"
     ]
-    if drain > 0 and queues is not None:
-        parts.append(
-            f"the queues hold {queues.backlog:.0f} request(s), more than {usable * queues.wait_budget_s:.0f} "
-            f"served within the {queues.wait_budget_s:g} s wait budget: hold back {drain:.1f} req/s more until "
-            f"the next look in {queues.horizon_s:g} s, {to_refuse:.1%} of arrivals is left to refuse"
-        )
-    elif queues is not None and deficit > 0:
+    if queues is not None and deficit > 0:
         room = queues.room(usable)
         parts.append(
             f"the queues hold {queues.backlog:.0f} request(s) with room for {room:.0f} more within the "

@@ -2,8 +2,7 @@
 
 ``survivor_loads`` gives the pressure figures of every routed serving group
 that survived (what shedding, the retry budget and verification decide from),
-``routed_backlog`` the requests queued on the routed groups (waiting, or a running batch grown
-past its steady size), and
+``routed_backlog`` the requests waiting in the routed groups' queues, and
 ``next_admission_look`` how long the admission keeper waits before it looks at
 those queues again.
 
@@ -111,38 +110,14 @@ def survivors_read(
     )
 
 
-def routed_backlog(
-    obs: PoolObservation, lost_ids: Iterable[str] = (), steady_running: float | None = None
-) -> float:
-    """Requests queued on the routed serving groups (the survivors and what came back).
-
-    vLLM admits requests into its running batch up to ``max_num_seqs`` before any waits: an
-    overloaded replica with room in its batch shows its queue as a batch grown past its steady size
-    (every sequence decodes slower), not as waiting requests. Given ``steady_running``, the batch a
-    routed group carried before the gap (``steady_batch``), the part of a batch above it counts as
-    queued too; without it only waiting requests count."""
+def routed_backlog(obs: PoolObservation, lost_ids: Iterable[str] = ()) -> float:
+    """Requests waiting in the queues of the routed serving groups (the survivors and what came back)."""
     lost = set(lost_ids)
-    queued = 0.0
-    for g in obs.snapshot.groups:
-        if g.routed and g.id not in lost and g.id in obs.engines:
-            engine = obs.engines[g.id]
-            queued += engine.waiting
-            if steady_running is not None:
-                queued += max(0.0, engine.running - steady_running)
-    return queued
-
-
-def steady_batch(obs: PoolObservation, lost_ids: Iterable[str] = ()) -> float | None:
-    """The mean running batch of the routed groups that were not lost, at a look before the gap
-    (the incident's first): what ``routed_backlog`` counts a grown batch from. None when no such
-    group was read."""
-    lost = set(lost_ids)
-    batches = [
-        obs.engines[g.id].running
+    return sum(
+        obs.engines[g.id].waiting
         for g in obs.snapshot.groups
         if g.routed and g.id not in lost and g.id in obs.engines
-    ]
-    return sum(batches) / len(batches) if batches else None
+    )
 
 
 def next_admission_look(

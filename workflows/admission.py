@@ -61,7 +61,6 @@ with workflow.unsafe.imports_passed_through():
         PARKED_FACTOR,
         next_admission_look,
         routed_backlog,
-        steady_batch,
         survivor_loads,
         survivors_look,
     )
@@ -142,10 +141,7 @@ class AdmissionKeeper:
         survivors = list(look.loads)
         self.arrival_rps, self.per_group_rps = arrival, per_group
         self.serving_groups = len(survivors) + len(look.unread)
-        if workflow.patched("keeper-counts-the-grown-batch"):
-            # What a survivor's batch was before the gap: a batch grown past it is queued requests.
-            self.memory = self.memory.model_copy(update={"steady_running": steady_batch(initial, lost_ids)})
-        self.backlog = routed_backlog(obs, lost_ids, self.memory.steady_running)
+        self.backlog = routed_backlog(obs, lost_ids)
         async with self._lock:
             self.shed = decide_shedding(
                 arrival_rps=arrival,

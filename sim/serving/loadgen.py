@@ -453,11 +453,13 @@ class LoadRun:
                         calls.append(asyncio.get_running_loop().create_task(call))
             except aiohttp.ClientError:
                 done = False  # the connection was cut mid-stream (upstream died, reset)
+            # The inference ends with its stream: the deadline is the completion's. The agent's tool
+            # calls it started run on, and the request is recorded once they have answered.
+            result.e2e_s = self.sim_now() - sent_at
             if calls:
                 await asyncio.gather(*calls)
             result.truncated = not done
             result.outcome = "goodput" if done and not errored else "terminal_error"
-            result.e2e_s = self.sim_now() - sent_at
 
     async def wait(self) -> LoadReport:
         if self._runner is not None:

@@ -208,23 +208,3 @@ def test_the_keepers_looks_carry_the_count_and_the_served_rate_from_one_look_to_
     assert decision.shed_fraction > 0, decision.reason
     # A wait budget of 0 gives the queues no room at all.
     assert keeper_queue_room(0.0, 9.0, 1.0) is None
-
-
-def test_a_running_batch_grown_past_its_steady_size_is_queued_requests() -> None:
-    """vLLM puts requests in its running batch before any wait: an overloaded replica with room in its
-    batch shows its queue as a bigger batch. The keeper counts what grew past the batch before the gap."""
-    from fleet.admission_look import KeeperMemory, keeper_look
-    from fleet.survivor_load import routed_backlog, steady_batch
-
-    before = _obs(0.0, {"a": EngineSnapshot(running=6, waiting=0)}, 0)
-    assert steady_batch(before, ["b"]) == 6.0
-    assert steady_batch(before, ["a", "b"]) is None  # nothing routed survived to measure
-    overloaded = _obs(3.0, {"a": EngineSnapshot(running=86, waiting=4)}, 90)
-    assert routed_backlog(overloaded, ["b"]) == 4.0  # waiting only: the old reading
-    assert routed_backlog(overloaded, ["b"], steady_running=6.0) == 84.0
-    # A batch below its steady size (a new replica filling up) queues nothing.
-    assert routed_backlog(_obs(3.0, {"a": EngineSnapshot(running=2)}, 90), ["b"], steady_running=6.0) == 0
-    # The keeper's looks carry the steady batch from one look to the next.
-    memory = KeeperMemory(steady_running=6.0)
-    look = keeper_look(memory, overloaded, ["b"], refused_share=0.0, planned_capacity_rps=10.0)
-    assert look.backlog == 84.0 and look.memory.steady_running == 6.0

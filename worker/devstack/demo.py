@@ -117,7 +117,7 @@ def demo_settings(base: Settings, scenario: DemoScenario) -> Settings:
         sim = compressed_scenario(
             scenario.sim_scenario,
             startup_s=STARTUP_S,
-            warm_up_s=WARM_UP_S,
+            warm_up_s=scenario.warm_up_s or WARM_UP_S,
             node_monitor_grace_s=NODE_GRACE_S,
         )
     else:
@@ -731,6 +731,13 @@ def build_report(
         "promoted": f.get("promoted"),
         "fault_class": f.get("fault_class"),
         "ramp_weights": f.get("ramp_weights"),
+        # Every ramp step's weights as applied (the last is ``ramp_weights``): a cold replacement's
+        # weight below 1.0 while it warms, its measured rate against the established replicas'.
+        "ramp_steps": [
+            {"t": round(d.at - run.t0, 2), "weights": d.figures["weights"]}
+            for d in status.decisions
+            if d.phase == Phase.RAMPING and "weights" in d.figures
+        ],
         "verification": status.verification.model_dump(mode="json") if status.verification else None,
         "decisions": [
             {"t": round(d.at - run.t0, 2), "phase": d.phase.value, "summary": d.summary}

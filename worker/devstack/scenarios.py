@@ -152,6 +152,9 @@ class DemoScenario:
     # Agentic users (sim.serving.agents.AgentSpec without its endpoints): their tool calls go through the
     # demo stack's effect API, and the report grades them by the simulated Jira's own log.
     agents: dict[str, Any] | None = None
+    # Seconds a (re)started engine's prefix cache takes to warm in the compressed world (None: the
+    # demo's default): long enough and a replacement is still cold when the ramp starts.
+    warm_up_s: float | None = None
 
     @property
     def load_rate(self) -> float:
@@ -190,6 +193,9 @@ SCENARIOS: dict[str, DemoScenario] = {
             # Short completions (the demo's 8-32 tokens) call their first tool at token 2, so a stream the
             # node loss cut has almost always run one, and its retry re-proposes it.
             agents={"share": 0.8, "tool_calls": [1, 3], "client_retries": 1, "first_tool_token": 2},
+            # The replacement is still warming when the ramp starts: the ramp weights it by its measured
+            # rate (below 1.0) instead of an equal share.
+            warm_up_s=30.0,
         ),
         DemoScenario(
             name="rank-lost",
