@@ -623,7 +623,7 @@ def install_load_routes(api: APIRouter, layer: Any) -> None:
         if run is None:
             raise HTTPException(404, f"no load run {run_id!r}; known: {sorted(runs)}")
         if settled and until_s is None and not run.done:
-            until_s = max(0.0, run.sim_now() - run.spec.longest_deadline_s)
+            until_s = run.sim_now() - run.spec.longest_deadline_s  # < 0: none settled yet
         try:
             return run.grade(layer.capacity, layer.engine_spec_for_model(run.model), until_s)
         except LookupError as err:
