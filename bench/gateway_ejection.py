@@ -65,7 +65,14 @@ def alert_path_floor() -> dict[str, float]:
         for r in g.get("rules", [])
         if "alert" in r and re.search(r"Engine|Replica|Down|Health", r["alert"])
     ]
-    group_wait = _seconds(am.get("route", {}).get("group_wait", "30s"))
+    # The route that delivers to fleetmend sets its own group_wait; the top route's (or Alertmanager's
+    # 30 s default) applies only where it does not. (An earlier version read the top route's alone and
+    # printed 30 s against the shipped 10 s.)
+    top = am.get("route", {})
+    fleetmend = [r for r in top.get("routes", []) if r.get("receiver") == "fleetmend"]
+    group_wait = _seconds(
+        (fleetmend[0] if fleetmend else {}).get("group_wait") or top.get("group_wait") or "30s"
+    )
     return {"scrape_interval_s": scrape, "for_s": min(fors) if fors else 0.0, "group_wait_s": group_wait}
 
 
