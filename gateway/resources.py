@@ -123,7 +123,7 @@ def cluster(snapshot: PoolSnapshot, dp: DataPlaneSettings) -> dict[str, object]:
             }
         },
         # Least request: with equal weights, the fewer active requests of two random hosts (P2C); a
-        # host with the most active requests gets none until it drains to the others' level. Under
+        # host with the most active requests is picked only when both draws land on it. Under
         # a capacity gap the survivors' grown batches drain onto a promoted spare or a replacement
         # instead of getting an equal share of new arrivals (a peak-demo run under round robin kept
         # 200 streams per survivor for 20 s while the spare beside them carried 40). With unequal
@@ -228,8 +228,8 @@ def virtual_host(snapshot: PoolSnapshot, dp: DataPlaneSettings) -> dict[str, obj
         forward["retry_policy"] = {
             "retry_on": "connect-failure,refused-stream,reset-before-request",
             "num_retries": retry.max_attempts - 1,
-            # Never the host that just refused: without this a weighted round robin (a ramp gives the
-            # lost replica's neighbours uneven weights) can hand the retry to the same dead host.
+            # Never the host that just refused: without this a weighted pick (a ramp gives the lost
+            # replica's neighbours uneven weights) can hand the retry to the same dead host.
             "retry_host_predicate": [
                 {
                     "name": "envoy.retry_host_predicates.previous_hosts",

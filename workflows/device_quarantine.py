@@ -71,7 +71,11 @@ async def device_scope(
         ObserveActivities.read_node_health, node, f"{step}: read DCGM and conditions of {node}"
     )
     # A machine at the loop cap takes the node path at once (its hardware path would cordon it anyway).
-    _, gate = await machine_gate(proc, health.machine, timings)
+    # Behind a patch: a fence or recovery that read the node before this looks it up replays without it.
+    history_allows = True
+    if workflow.patched("device-scope-loop-cap"):
+        _, gate = await machine_gate(proc, health.machine, timings)
+        history_allows = gate.allowed
     _, scope = judge_node(
         node,
         proc.now(),
@@ -82,7 +86,7 @@ async def device_scope(
         policy=device_policy(timings),
         pods=pod_faults(health.pod_reasons),
         hint=hint,
-        history_allows=gate.allowed,
+        history_allows=history_allows,
     )
     scope = fenceable(scope, health.dra_devices)
     proc.decide(scope.reason, {"scope": scope.model_dump(mode="json")})

@@ -187,7 +187,7 @@ def served_by(gw: Gateway, n: int, tier: Tier = Tier.STANDARD) -> collections.Co
 
 
 def weighted(seen: collections.Counter[str], pod: str, share: float) -> bool:
-    """``pod`` served ``share`` of the requests, give or take two (where a weighted round robin
+    """``pod`` served ``share`` of the requests, give or take two (where a weighted schedule
     starts its schedule after a restart or an endpoint update - one may land mid-count when a control
     plane reconnects - is Envoy's business; 2:1 against 1:2 over 30 requests is 20 against 10)."""
     total = sum(seen.values())
@@ -208,7 +208,9 @@ def test_weights_are_envoy_endpoint_weights_and_steer_traffic(gw: Gateway) -> No
     # from a request sent on a connection the engine is closing).
     assert '"idle_timeout": "4s"' in dump, dump[:2000]
     seen = served_by(gw, 40)
-    assert weighted(seen, "llama-0", 0.75), seen  # round robin, weighted 3:1
+    # Weighted 3:1: one request at a time, so no host has an active request and Envoy's least-request
+    # pick is its weighted schedule alone.
+    assert weighted(seen, "llama-0", 0.75), seen
 
 
 def test_shed_tiers_are_answered_by_envoy_with_retry_after_and_a_share_of_a_tier(gw: Gateway) -> None:
