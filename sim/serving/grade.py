@@ -31,14 +31,18 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
 
-# A sample is kept when the capacity moved by more than this share, or SAMPLE_EVERY_S passed.
+# A sample is kept when the capacity moved by more than this share of the last one kept: a steady
+# fleet adds nothing, a warming engine a sample per half-percent step of its climb.
 SAMPLE_CHANGE = 0.005
-SAMPLE_EVERY_S = 1.0
+# World seconds of record kept: a load run longer than this is graded on the last RETAIN_S of it
+# (the simulator runs for days under ``fleetmend dev``; the record must not grow with them).
+RETAIN_S = 3 * 3600.0
 
 
 @dataclass
 class CapacityRecord:
-    """Per model: (world time, tokens/s its live engines could deliver), in time order."""
+    """Per model: (world time, tokens/s its live engines could deliver), in time order: the changes,
+    over the last ``RETAIN_S`` and the value in force before them."""
 
     samples: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
@@ -46,11 +50,16 @@ class CapacityRecord:
         for model in set(self.samples) | set(capacity):
             value = capacity.get(model, 0.0)
             series = self.samples.setdefault(model, [])
-            if series:
-                at, last = series[-1]
-                if now - at < SAMPLE_EVERY_S and abs(value - last) <= SAMPLE_CHANGE * max(last, 1e-9):
-                    continue
+            if series and abs(value - series[-1][1]) <= SAMPLE_CHANGE * max(series[-1][1], 1e-9):
+                continue
             series.append((now, value))
+            if series[0][0] < now - 2 * RETAIN_S:  # prune in batches: amortised, never per sample
+                keep = bisect.bisect_right([t for t, _ in series], now - RETAIN_S) - 1
+                del series[: max(0, keep)]
+
+    def copy(self) -> CapacityRecord:
+        """A snapshot to grade from off the world's event loop."""
+        return CapacityRecord({model: list(series) for model, series in self.samples.items()})
 
     def trace(self, model: str, since: float) -> list[tuple[float, float]]:
         """The model's capacity from world time ``since`` on, as (seconds since ``since``, tokens/s);
@@ -132,14 +141,15 @@ def _serve(held: dict[str, list[float]], capacity: Capacity, start: float, end: 
 
 
 def _time_when(capacity: Capacity, start: float, need: float) -> float:
+    """The earliest time from ``start`` by which the trace has delivered ``need`` more work."""
+    if need <= 0:
+        return start
     target = capacity.total(start) + need
-    i = bisect.bisect_right(capacity.cumulative, target) - 1
-    i = max(i, bisect.bisect_right(capacity.times, start) - 1)
-    while i + 1 < len(capacity.times) and capacity.cumulative[i + 1] <= target:
-        i += 1
-    rate = capacity.rates[i]
+    j = bisect.bisect_left(capacity.cumulative, target)  # the first breakpoint that reaches it
+    i = j - 1 if j < len(capacity.times) else len(capacity.times) - 1
+    rate = capacity.rates[i]  # > 0 inside the trace: the work rose on this segment
     if rate <= 0:
-        return math.inf
+        return math.inf  # past the last breakpoint at a rate of 0: never
     return max(start, capacity.times[i] + (target - capacity.cumulative[i]) / rate)
 
 

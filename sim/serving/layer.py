@@ -46,8 +46,9 @@ log = logging.getLogger(__name__)
 # Longest an idle serving layer sleeps between ticks (wall seconds; shorter in a fast world: at most
 # one sim second), so the kubelets' readiness probes still run on their period.
 IDLE_TICK_S = 0.5
-# Sim seconds between samples of the world's true capacity (a death is recorded at most this late:
-# the record errs towards more capacity, so the optimum it bounds errs high, never low).
+# Sim seconds between samples of the world's true capacity. A change is recorded up to this late
+# (and in 0.5 % steps): a death late errs towards more capacity (the optimum high), a restart or
+# warm-up step late towards less (the optimum low, by at most that capacity for this long).
 CAPACITY_SAMPLE_S = 0.25
 
 

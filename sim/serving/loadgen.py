@@ -426,7 +426,7 @@ class LoadRun:
                 result.tokens = answer.get("usage", {}).get("completion_tokens", 0)
                 result.ttft_s = self.sim_now() - sent_at
                 result.outcome = "goodput"
-                result.e2e_s = result.ttft_s
+                result.e2e_s = self.sim_now() - arrival.offset_s
                 return
             done = errored = False
             calls: list[asyncio.Task[None]] = []
@@ -455,7 +455,9 @@ class LoadRun:
                 done = False  # the connection was cut mid-stream (upstream died, reset)
             # The inference ends with its stream: the deadline is the completion's. The agent's tool
             # calls it started run on, and the request is recorded once they have answered.
-            result.e2e_s = self.sim_now() - sent_at
+            # From the user's arrival, not this attempt's send: a client's retry does not restart the
+            # deadline's clock (the world's grade counts deadlines from the arrival too).
+            result.e2e_s = self.sim_now() - arrival.offset_s
             if calls:
                 await asyncio.gather(*calls)
             result.truncated = not done
@@ -494,7 +496,13 @@ class LoadRun:
     def done(self) -> bool:
         return self._runner is not None and self._runner.done()
 
-    def grade(self, capacity: CapacityRecord, engine: EngineSpec, until_s: float | None = None) -> LoadGrade:
+    def grade(
+        self,
+        capacity: CapacityRecord,
+        engine: EngineSpec,
+        until_s: float | None = None,
+        results: list[RequestResult] | None = None,
+    ) -> LoadGrade:
         """This run graded by the world (``sim.serving.grade``): its arrivals replayed against the
         capacity the world recorded for its model from the run's start. A request's work is its output
         plus the prefill of the part of its prompt a warm prefix cache misses (``engine``'s figures).
@@ -524,13 +532,14 @@ class LoadRun:
             Job(
                 arrival=a.offset_s,
                 deadline=a.offset_s + deadline_of[a.tier],
-                work=a.output_tokens + engine.prefill_cost * a.prompt_tokens * miss,
+                # The prefill step samples the first token (``Engine._prefill``): decode pays the rest.
+                work=a.output_tokens - 1 + engine.prefill_cost * a.prompt_tokens * miss,
                 key=a.request_id,
             )
             for a in chosen
         ]
         keys = {j.key for j in jobs}
-        results = [r for r in self.results if r.request_id in keys]
+        results = [r for r in (self.results if results is None else results) if r.request_id in keys]
         refused = {r.request_id for r in results if r.outcome == "shed"}
         goodput = sum(1 for r in results if r.outcome == "goodput")
         return grade(jobs, refused, goodput, capacity.trace(self.model, self._start_sim))
@@ -625,7 +634,14 @@ def install_load_routes(api: APIRouter, layer: Any) -> None:
         if settled and until_s is None and not run.done:
             until_s = run.sim_now() - run.spec.longest_deadline_s  # < 0: none settled yet
         try:
-            return run.grade(layer.capacity, layer.engine_spec_for_model(run.model), until_s)
+            # Two replays of every arrival: off the event loop that serves the world (and its users).
+            return await asyncio.to_thread(
+                run.grade,
+                layer.capacity.copy(),
+                layer.engine_spec_for_model(run.model),
+                until_s,
+                list(run.results),
+            )
         except LookupError as err:
             raise HTTPException(409, str(err)) from None
 

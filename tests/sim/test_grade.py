@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from sim.serving.grade import Capacity, CapacityRecord, Job, _time_when, grade, optimum
+from sim.serving.grade import RETAIN_S, Capacity, CapacityRecord, Job, _time_when, grade, optimum
 
 
 def jobs(*spec: tuple[float, float, float]) -> list[Job]:
@@ -28,6 +28,7 @@ def test_capacity_that_drops_to_zero_serves_only_what_the_queue_can_hold_until_i
     cap = Capacity([(0.0, 100.0), (1.0, 0.0), (5.0, 100.0)])
     assert cap.work(0.0, 10.0) == pytest.approx(600.0)
     assert _time_when(cap, 0.5, 100.0) == pytest.approx(5.5)
+    assert _time_when(cap, 0.0, 100.0) == pytest.approx(1.0)  # done as the outage starts, not after it
     # Arriving in the outage with 2 s deadlines: nothing can serve them.
     assert optimum(jobs(*[(2.0, 2.0, 10.0)] * 4), cap) == 0
     # With 5 s deadlines, the first 100 tokens after the outage serve them all.
@@ -51,12 +52,23 @@ def test_over_shed_counts_only_refusals_the_world_could_have_served() -> None:
 def test_the_record_keeps_changes_and_opens_a_trace_with_the_value_in_force() -> None:
     record = CapacityRecord()
     record.sample(10.0, {"m": 100.0})
-    record.sample(10.1, {"m": 100.1})  # under 0.5 % and under a second: not kept
+    record.sample(10.1, {"m": 100.1})  # under 0.5 %: not kept
     record.sample(10.2, {"m": 50.0})
     record.sample(11.0, {})  # the model's engines are gone: 0
     assert record.samples["m"] == [(10.0, 100.0), (10.2, 50.0), (11.0, 0.0)]
     assert record.trace("m", 10.5) == [(0.0, 50.0), (0.5, 0.0)]
     assert record.trace("unknown", 0.0) == [(0.0, 0.0)]
+
+
+def test_the_record_keeps_its_retention_window_and_the_value_in_force_before_it() -> None:
+    record = CapacityRecord()
+    for hour in range(10):  # a change every hour for ten hours
+        record.sample(hour * 3600.0, {"m": 100.0 + hour})
+    kept = record.samples["m"]
+    assert len(kept) < 10 and kept[-1] == (9 * 3600.0, 109.0)
+    # What was in force RETAIN_S before the last sample is still there to open a trace (hour 6's).
+    assert kept[0][0] <= 9 * 3600.0 - RETAIN_S
+    assert record.trace("m", 9 * 3600.0 - RETAIN_S)[0] == (0.0, 106.0)
 
 
 def _edf_meets_every_deadline(chosen: list[Job], cap: Capacity) -> bool:

@@ -155,6 +155,9 @@ class DemoScenario:
     # Seconds a (re)started engine's prefix cache takes to warm in the compressed world (None: the
     # demo's default): long enough and a replacement is still cold when the ramp starts.
     warm_up_s: float | None = None
+    # The verdict fails when the world's grade finds more than this share of arrivals refused that its
+    # capacity could have served (None: reported, not judged; README "Graded by the world").
+    over_shed_limit: float | None = None
 
     @property
     def load_rate(self) -> float:
@@ -196,6 +199,7 @@ SCENARIOS: dict[str, DemoScenario] = {
             # The replacement is still warming when the ramp starts: the ramp weights it by its measured
             # rate (below 1.0) instead of an equal share.
             warm_up_s=30.0,
+            over_shed_limit=0.01,
         ),
         DemoScenario(
             name="rank-lost",
