@@ -71,7 +71,12 @@ async def _scrape(http: httpx.AsyncClient, ips: dict[str, str]) -> dict[str, Eng
 async def one_policy(url: str, policy: str, rate: float, seconds: float) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix=f"fleetmend-ramp-{policy}-"))
     sim = await asyncio.to_thread(start_sim, compressed_scenario("gpu-node-loss", warm_up_s=WARM_UP_S), 1.0)
-    data_plane = DataPlaneSettings(slow_start_window_s=WARM_UP_S if policy == "envoy-slow-start" else None)
+    # The peers' policies as a user would run them, on round robin (equal share; Envoy's slow start on
+    # its round robin); fleetmend's measured-rate weights on its own default, least request.
+    data_plane = DataPlaneSettings(
+        slow_start_window_s=WARM_UP_S if policy == "envoy-slow-start" else None,
+        balancing="least-request" if policy == "fleetmend-measured" else "round-robin",
+    )
     gateway = LocalGateway(
         kubeconfig=Path(sim.kubeconfig), database_url=url, workdir=work / "gateway", data_plane=data_plane
     )

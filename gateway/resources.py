@@ -9,6 +9,7 @@ called ``ns/svc``; the one route configuration is ``ROUTE_CONFIG_NAME``.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -76,6 +77,10 @@ class DataPlaneSettings(BaseModel):
     # Envoy's own time-based ramp for a new host (the peer baseline for step 9); off by default
     # because fleetmend's ramp sets measured-rate weights instead.
     slow_start_window_s: float | None = Field(default=None, gt=0)
+    # How Envoy picks an engine: least request (fleetmend's default; a survivor whose batch grew is
+    # left to drain) or round robin (an equal share each, what a plain Service or router gives: the
+    # baseline of the runbook's "equal share makes a cold replica late").
+    balancing: Literal["least-request", "round-robin"] = "least-request"
 
 
 def duration(seconds: float) -> str:
@@ -129,7 +134,7 @@ def cluster(snapshot: PoolSnapshot, dp: DataPlaneSettings) -> dict[str, object]:
         # 200 streams per survivor for 20 s while the spare beside them carried 40). With unequal
         # weights (a ramp) each pick scales a host's weight by 1 / (active + 1) (Envoy's
         # active_request_bias, default 1.0).
-        "lb_policy": "LEAST_REQUEST",
+        "lb_policy": "LEAST_REQUEST" if dp.balancing == "least-request" else "ROUND_ROBIN",
         # A host fleetmend removed leaves at once, even while its health checks still pass.
         "ignore_health_on_host_removal": True,
         "health_checks": [
@@ -152,9 +157,8 @@ def cluster(snapshot: PoolSnapshot, dp: DataPlaneSettings) -> dict[str, object]:
         "circuit_breakers": {"thresholds": [thresholds]},
     }
     if dp.slow_start_window_s is not None:
-        out["least_request_lb_config"] = {
-            "slow_start_config": {"slow_start_window": duration(dp.slow_start_window_s)}
-        }
+        lb_config = "least_request_lb_config" if dp.balancing == "least-request" else "round_robin_lb_config"
+        out[lb_config] = {"slow_start_config": {"slow_start_window": duration(dp.slow_start_window_s)}}
     return out
 
 

@@ -55,6 +55,8 @@ from fleet.recovery import (
     ServingObjectives,
 )
 from fleet.vocabulary import ROUTER_LABEL
+from gateway.resources import DataPlaneSettings
+from gateway.run import ControlPlaneThread, hosts_reader
 from ledger.reconcile import ReconcileReport, reconcile
 from worker.config import Settings, settings_environment
 from worker.devstack.rbac_wiring import grant_components
@@ -631,3 +633,31 @@ async def running_worker(
         )
         async with worker:
             yield worker
+
+
+async def restart_control_plane(
+    rig: FleetRig, data_plane: DataPlaneSettings, *, reconnected: PoolRef | None = None, timeout_s: float = 60
+) -> None:
+    """Stop the rig's fleetmend control plane and start it again on the same port with ``data_plane``
+    (Envoy reconnects and takes the clusters it now serves). ``reconnected``: also wait until Envoy is
+    back and the routing set of that pool reads again."""
+    gw = rig.gateway
+    assert gw.plane is not None
+    port = gw.plane.port
+    await asyncio.to_thread(gw.plane.stop)
+    gw.plane = await asyncio.to_thread(
+        ControlPlaneThread(
+            hosts_reader(gw.kubeconfig, None), gw.database_url, port=port, data_plane=data_plane
+        ).start
+    )
+    if reconnected is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if await rig.routing_set(reconnected):
+                return
+        except Exception as err:  # no Envoy connected yet
+            if time.monotonic() > deadline:
+                raise AssertionError(f"Envoy did not reconnect within {timeout_s:g} s: {err}") from err
+        await asyncio.sleep(0.2)

@@ -134,13 +134,13 @@ def _serve(held: dict[str, list[float]], capacity: Capacity, start: float, end: 
         if available + 1e-9 < need:
             held[key][1] = need - available  # all of the interval went to the earliest deadlines
             break
-        now = _time_when(capacity, now, need)  # finishes inside the interval; the next goes on from there
+        now = finish_time(capacity, now, need)  # finishes inside the interval; the next goes on from there
         del held[key]
         finished += 1
     return finished
 
 
-def _time_when(capacity: Capacity, start: float, need: float) -> float:
+def finish_time(capacity: Capacity, start: float, need: float) -> float:
     """The earliest time from ``start`` by which the trace has delivered ``need`` more work."""
     if need <= 0:
         return start

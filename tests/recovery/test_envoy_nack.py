@@ -23,7 +23,6 @@ from temporalio.client import Client
 from fleet.recovery import Phase
 from fleet.vocabulary import PROCEDURE_OPERATION_PREFIX, FaultKind
 from gateway.resources import DataPlaneSettings
-from gateway.run import ControlPlaneThread, hosts_reader
 from gateway.store import revision_of
 from tests.support import (
     POOL,
@@ -37,12 +36,12 @@ from tests.support import (
     node_report,
     posted,
     reconcile_with_world,
+    restart_control_plane,
     run_cli,
     ui_details,
     wait_for_child,
     wait_for_phase,
 )
-from worker.devstack.rig import FleetRig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -57,19 +56,6 @@ async def _until(check: Callable[[], bool], what: str, timeout_s: float = 30) ->
         await asyncio.sleep(0.1)
 
 
-async def _restart_plane(rig: FleetRig, data_plane: DataPlaneSettings) -> None:
-    """Stop fleetmend's control plane and start it again on the same port with ``data_plane``."""
-    gw = rig.gateway
-    assert gw.plane is not None
-    port = gw.plane.port
-    await asyncio.to_thread(gw.plane.stop)
-    gw.plane = await asyncio.to_thread(
-        ControlPlaneThread(
-            hosts_reader(gw.kubeconfig, None), gw.database_url, port=port, data_plane=data_plane
-        ).start
-    )
-
-
 async def test_an_envoy_nack_of_a_steps_change_stops_and_asks_and_retry_after_the_fix_completes(
     temporal_client: Client, task_queue: str, ledger_url: str
 ) -> None:
@@ -78,7 +64,7 @@ async def test_an_envoy_nack_of_a_steps_change_stops_and_asks_and_retry_after_th
         broken = DataPlaneSettings.model_construct(
             **{**DataPlaneSettings().model_dump(), "health_check_interval_s": 0.0}
         )
-        await _restart_plane(rig, broken)
+        await restart_control_plane(rig, broken)
         await _until(
             lambda: any(a.nacked_version and a.connected for a in store.answers()),
             "Envoy NACKs the broken control plane's clusters",
@@ -115,7 +101,7 @@ async def test_an_envoy_nack_of_a_steps_change_stops_and_asks_and_retry_after_th
         assert row["phase"] == Phase.AWAITING_OPERATOR.value and "Envoy refused" in row["awaiting"], row
 
         # The control plane fixed: Envoy ACKs the current policy again, then the operator retries.
-        await _restart_plane(rig, DataPlaneSettings())
+        await restart_control_plane(rig, DataPlaneSettings())
         current = store.get(POOL.key)
         revision = current.revision if current is not None else 0
         await _until(

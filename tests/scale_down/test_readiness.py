@@ -14,8 +14,9 @@ from temporalio.client import Client
 from typer.testing import CliRunner
 
 from fleet.vocabulary import SERVING_READY_CONDITION, FaultKind
+from gateway.resources import DataPlaneSettings
 from tests.scale_down.support import vllm_default_scenario
-from tests.support import POOL, load_reaches
+from tests.support import POOL, load_reaches, restart_control_plane
 from worker.cli.app import app
 from worker.devstack.rig import FleetRig, fleet_rig
 from workflows.readiness_keeper import KeeperStatus, readiness_keeper_workflow_id
@@ -60,6 +61,10 @@ async def test_kv_over_the_ceiling_loses_readiness_gets_no_new_requests_and_reco
     async with fleet_rig(
         temporal_client, scenario=scenario, database_url=ledger_url, task_queue=task_queue
     ) as rig:
+        # An equal share per replica (round robin), as a Service or a plain router gives it: Envoy's
+        # least request would already starve the slow replica of new requests, and its KV cache would
+        # never fill. The keeper's gate is what protects it where the gateway does not.
+        await restart_control_plane(rig, DataPlaneSettings(balancing="round-robin"), reconnected=POOL)
         env = {
             "FLEETMEND_TEMPORAL_ADDRESS": temporal_client.service_client.config.target_host,
             "FLEETMEND_TEMPORAL_NAMESPACE": temporal_client.namespace,

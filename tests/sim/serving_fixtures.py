@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from activities.envoy_gateway import EnvoyGateway
 from fleet.gateway import GatewayPolicy
 from fleet.incident import PoolRef
-from gateway.resources import UPSTREAM_HEADER
+from gateway.resources import UPSTREAM_HEADER, DataPlaneSettings
 from gateway.store import GatewayStore
 from ledger.store import make_engine
 from sim.app import BoundPorts, serve
@@ -220,7 +220,10 @@ def pod_node_and_gpu(sim: RunningServing, pod: str) -> tuple[str, int]:
 
 @contextlib.asynccontextmanager
 async def running_serving(
-    scn: Scenario, speed: float = 20.0, gateway_db: str | None = None
+    scn: Scenario,
+    speed: float = 20.0,
+    gateway_db: str | None = None,
+    data_plane: DataPlaneSettings | None = None,
 ) -> AsyncIterator[RunningServing]:
     """Serve ``scn`` at ``speed`` on a free loopback port, in this event loop; with ``gateway_db``
     (a migrated ledger database) a real Envoy and fleetmend's control plane in front of it."""
@@ -251,7 +254,7 @@ async def running_serving(
                 Path(pki.name) / "kubeconfig", kube_url, world.token, scn.namespace, certs.ca_pem()
             )
             running.gateway = await stack.enter_async_context(
-                gateway_in_front(base_url, kubeconfig, gateway_db, Path(pki.name) / "gateway")
+                gateway_in_front(base_url, kubeconfig, gateway_db, Path(pki.name) / "gateway", data_plane)
             )
             engine = make_engine(gateway_db, pool_size=2)
             stack.callback(engine.dispose)

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from sim.serving.grade import RETAIN_S, Capacity, CapacityRecord, Job, _time_when, grade, optimum
+from sim.serving.grade import RETAIN_S, Capacity, CapacityRecord, Job, finish_time, grade, optimum
 
 
 def jobs(*spec: tuple[float, float, float]) -> list[Job]:
@@ -27,8 +27,8 @@ def test_a_constant_capacity_serves_what_fits_within_the_deadlines() -> None:
 def test_capacity_that_drops_to_zero_serves_only_what_the_queue_can_hold_until_it_returns() -> None:
     cap = Capacity([(0.0, 100.0), (1.0, 0.0), (5.0, 100.0)])
     assert cap.work(0.0, 10.0) == pytest.approx(600.0)
-    assert _time_when(cap, 0.5, 100.0) == pytest.approx(5.5)
-    assert _time_when(cap, 0.0, 100.0) == pytest.approx(1.0)  # done as the outage starts, not after it
+    assert finish_time(cap, 0.5, 100.0) == pytest.approx(5.5)
+    assert finish_time(cap, 0.0, 100.0) == pytest.approx(1.0)  # done as the outage starts, not after it
     # Arriving in the outage with 2 s deadlines: nothing can serve them.
     assert optimum(jobs(*[(2.0, 2.0, 10.0)] * 4), cap) == 0
     # With 5 s deadlines, the first 100 tokens after the outage serve them all.
@@ -88,7 +88,7 @@ def _edf_meets_every_deadline(chosen: list[Job], cap: Capacity) -> bool:
         deadline, need = held[key]
         available = cap.work(t, nxt) if not math.isinf(nxt) else math.inf
         if available + 1e-9 >= need:
-            t = _time_when(cap, t, need)
+            t = finish_time(cap, t, need)
             if t > deadline + 1e-9:
                 return False
             del held[key]

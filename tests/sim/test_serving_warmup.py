@@ -12,6 +12,7 @@ import pytest
 
 from fleet.gateway import GatewayPolicy
 from fleet.vocabulary import Tier
+from gateway.resources import DataPlaneSettings
 from sim.serving.loadgen import GatewayTarget, LoadReport, LoadSpec, arrivals, start_load
 from tests.sim.serving_fixtures import NAMESPACE, RunningServing, running_serving, scenario
 
@@ -64,7 +65,11 @@ async def run_with_one_cold_replica(
     weighting: str, spec: LoadSpec, gateway_db: str
 ) -> tuple[LoadReport, dict[str, Any]]:
     scn = scenario(model={"warm_up_s": 600, "cold_rate_fraction": 0.25, "warm_rate_tokens_per_s": WARM_RATE})
-    async with running_serving(scn, speed=5, gateway_db=gateway_db) as sim:
+    # Equal share is round robin: Envoy's least request would already send the cold replica less.
+    balancing = "round-robin" if weighting == "equal" else "least-request"
+    async with running_serving(
+        scn, speed=5, gateway_db=gateway_db, data_plane=DataPlaneSettings(balancing=balancing)
+    ) as sim:
         warm, cold = await sim.wait_serving(2, timeout_sim_s=WAIT_SIM_S)
         # Let both warm up fully, then restart one: it comes back Ready but cold.
         advance = await sim.http.post("/sim/v1/clock/advance", json={"seconds": 600})
