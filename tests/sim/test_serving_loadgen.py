@@ -147,6 +147,20 @@ async def test_load_control_api_starts_reports_and_stops_a_run(ledger_url: str) 
         window = (await sim.http.get(f"/sim/v1/load/{run_id}", params={"since_s": 0, "until_s": 1})).json()
         early = await sim.http.get(f"/sim/v1/load/{run_id}/grade")  # graded once every request is done
         assert early.status_code == 409 and "in_flight 0" in early.text
+
+        # A run still going is graded on its settled arrivals: those whose deadlines (20 s at most) passed.
+        async def some_settled() -> bool:
+            got = await sim.http.get(f"/sim/v1/load/{run_id}/grade", params={"settled": "true"})
+            return got.status_code == 200 and got.json()["arrivals"] > 0
+
+        await sim.wait_for(some_settled, 60, "arrivals past their deadlines")
+        settled = (await sim.http.get(f"/sim/v1/load/{run_id}/grade", params={"settled": "true"})).json()
+        sent = (await sim.http.get(f"/sim/v1/load/{run_id}")).json()["sent"]
+        assert 0 < settled["arrivals"] < sent and not settled["bound_beaten"], (settled, sent)
+        assert settled["optimum"] >= settled["goodput"] and settled["capacity_samples"] >= 1, settled
+        # An until_s whose arrivals' deadlines are still to come is refused with what to ask instead.
+        future = await sim.http.get(f"/sim/v1/load/{run_id}/grade", params={"until_s": 10_000})
+        assert future.status_code == 409 and "not all past their deadlines" in future.text
         assert (await sim.http.get("/sim/v1/load/nope/grade")).status_code == 404
         assert window["window_s"] == [0.0, 1.0]
         stopped = await sim.http.delete(f"/sim/v1/load/{run_id}")
