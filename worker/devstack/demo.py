@@ -749,7 +749,9 @@ def build_report(
 
 
 def _shedding_account(run: DemoRun, figures: dict[str, Any], load: dict[str, Any]) -> dict[str, Any] | None:
-    """Users refused vs the capacity gap the incident recorded (shares of all arrivals), at the users' rate."""
+    """Users refused vs the capacity gap the incident recorded (shares of all arrivals), at the users' rate.
+    No over-shed here: graded against fleetmend's own estimate it read 0 for any over-estimate; the
+    report's ``shedding_graded_by_the_world`` is the grade."""
     levels = [ShedLevel.model_validate(lv) for lv in figures.get("shed_levels") or []]
     if not levels:
         return None
@@ -763,7 +765,6 @@ def _shedding_account(run: DemoRun, figures: dict[str, Any], load: dict[str, Any
     return {
         "refused": f"{account.refused_share:.1%}",
         "gap": f"{account.gap_share:.1%}",
-        "over_shed": f"{account.over_shed_share:.1%}",
         "levels": " ".join(f"{lv.at - run.t0:+.1f}s:{lv.refused:.1%}" for lv in levels),
     }
 
