@@ -128,6 +128,9 @@ class RunResult:
     # optimum replayed on the world's true capacity, and the over-shed against it.
     world: dict[str, Any] | None = None
     seed: int | None = None  # the arrivals' seed: runs of one seed are the same load, fault and world
+    # The users' clients retry an answer refused before its stream this many times (LoadSpec.client_retries,
+    # as the OpenAI SDKs do: 2 by default); None: runs recorded before the bench had the option (0).
+    client_retries: int | None = None
     # What the requests that missed goodput got instead (the load generator's counts).
     missed: dict[str, int] = field(default_factory=dict)
 
@@ -298,6 +301,7 @@ async def one_run(
     seed: int,
     load_share: float = LOAD_SHARE,
     load_s: float = LOAD_S,
+    client_retries: int = 0,
 ) -> RunResult:
     fleetmend = mode == "fleetmend"
     extra: dict[str, Any] = (
@@ -326,7 +330,9 @@ async def one_run(
             if fleetmend:
                 await stack.enter_async_context(rig.fast_path(identity=f"bench-{index}"))
             rate = round(fault.groups * GROUP_CAPACITY_RPS * load_share, 1)
-            load = await rig.start_load(rate=rate, duration_s=load_s, seed=seed, pool=fault.pool.key)
+            load = await rig.start_load(
+                rate=rate, duration_s=load_s, seed=seed, pool=fault.pool.key, client_retries=client_retries
+            )
             await asyncio.sleep(FAULT_AT_S)
             stages: dict[str, float | None] = {}
             phase: str | None = None
@@ -388,6 +394,7 @@ async def one_run(
                 phase,
                 shed=int(report["shed"]),
                 seed=seed,
+                client_retries=client_retries,
                 world=world_grade,
                 missed={
                     k: int(report[k])
@@ -619,6 +626,7 @@ async def main(
     load_share: float = LOAD_SHARE,
     modes: tuple[str, ...] = MODES,
     load_s: float = LOAD_S,
+    client_retries: int = 0,
 ) -> int:
     pg = acquire_server()
     env = await throwaway_dev_server()
@@ -630,6 +638,8 @@ async def main(
             fault = CLASSES[fault_class]
             # A load other than the default is its own table (and its own key in --json).
             name = fault_class if load_share == LOAD_SHARE else f"{fault_class} at {load_share:.0%} load"
+            if client_retries:
+                name += f", clients retry {client_retries}x"
             runs = results.setdefault(name, [])
             # Every round runs the modes on the same seed, so each fleetmend run is compared with
             # Kubernetes alone (and no fault) on the very same arrivals.
@@ -640,7 +650,15 @@ async def main(
                 index += 1
                 try:
                     result = await one_run(
-                        env.client, url, fault, mode, index, seed=11 + r, load_share=load_share, load_s=load_s
+                        env.client,
+                        url,
+                        fault,
+                        mode,
+                        index,
+                        seed=11 + r,
+                        load_share=load_share,
+                        load_s=load_s,
+                        client_retries=client_retries,
                     )
                 except Exception as err:  # one broken run is reported, the table goes on without it
                     print(f"{name} {mode} #{r + 1}: FAILED: {type(err).__name__}: {err}")
@@ -696,6 +714,13 @@ if __name__ == "__main__":
         default=LOAD_SHARE,
         help=f"open-loop load as a share of the pool's capacity before the fault (default {LOAD_SHARE})",
     )
+    parser.add_argument(
+        "--client-retries",
+        type=int,
+        default=0,
+        help="the users' clients retry a refusal (429, 5xx before the stream) this many times after its "
+        "Retry-After, as the OpenAI SDKs do (their default: 2); default 0",
+    )
     parser.add_argument("--plot", type=Path, default=None, help="write the stage timeline (PNG) here")
     parser.add_argument("--json", type=Path, default=None, help="write every run's figures here")
     parser.add_argument(
@@ -733,6 +758,7 @@ if __name__ == "__main__":
             args.load_share,
             modes,
             args.load_seconds,
+            args.client_retries,
         )
     )
     raise SystemExit(code)

@@ -64,6 +64,15 @@ class LoadSpec(BaseModel):
         default=None,
         description="a share of users are agents whose completions call tools (sim.serving.agents)",
     )
+    client_retries: int = Field(
+        default=0,
+        ge=0,
+        le=10,
+        description="retries of an answer refused before its stream (408, 409, 429, 5xx), as the OpenAI "
+        "SDKs make them (their default: 2): after the answer's Retry-After when 0 < it <= 60 s, else "
+        "0.5 s doubling to 8 s less up to 25 % jitter; same x-request-id; the deadline's clock keeps "
+        "running from the arrival",
+    )
 
     @property
     def longest_deadline_s(self) -> float:
@@ -352,7 +361,7 @@ class LoadRun:
         retries = self.agents.spec.client_retries if self.agents and tools else 0
         for attempt in range(1, retries + 2):
             try:
-                await self._over_http(arrival, model, result, tools=tools, client_attempt=attempt)
+                await self._client_call(arrival, model, result, tools=tools, client_attempt=attempt)
             except Exception as exc:  # a client-side failure is a failed request, not a crashed run
                 result.outcome = "terminal_error"
                 result.status = result.status or 0
@@ -366,6 +375,26 @@ class LoadRun:
         if result.outcome == "goodput" and result.e2e_s is not None and result.e2e_s > deadline:
             result.outcome = "late"
         self.results.append(result)
+
+    async def _client_call(
+        self, arrival: Arrival, model: str, result: RequestResult, *, tools: list[int], client_attempt: int
+    ) -> None:
+        """One call as an OpenAI SDK client makes it: an answer refused before the stream is retried
+        ``client_retries`` times (``LoadSpec.client_retries``); a stream that began is never retried here."""
+        jitter = random.Random(f"{arrival.request_id}/{client_attempt}")
+        for retry in range(self.spec.client_retries + 1):
+            await self._over_http(arrival, model, result, tools=tools, client_attempt=client_attempt)
+            status = result.status or 0
+            if retry == self.spec.client_retries or not (status in (408, 409, 429) or status >= 500):
+                return
+            told = result.retry_after_s
+            wait = (
+                told
+                if told is not None and 0 < told <= 60
+                else min(0.5 * 2**retry, 8.0) * (1 - 0.25 * jitter.random())
+            )
+            await asyncio.sleep(wait / self._speed)
+            result.attempts += 1
 
     def _http_request(self, arrival: Arrival, model: str) -> tuple[dict[str, str], dict[str, Any]]:
         """Headers and body of one request over HTTP: tier and id in headers, the model in the body.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from fleet.gateway import Admission, GatewayPolicy
@@ -48,6 +50,34 @@ async def test_load_through_envoy_reports_goodput_shed_and_per_replica_ttft(ledg
         assert graded.optimum == graded.arrivals == report.sent
         assert graded.over_shed == report.shed > 0 and graded.goodput == report.goodput
         assert not graded.bound_beaten and graded.min_capacity_tokens_s > 0
+
+
+async def test_clients_retry_a_refusal_after_its_retry_after_and_are_served_once_it_is_lifted(
+    ledger_url: str,
+) -> None:
+    """``client_retries``: a 429 is retried after its Retry-After with the same request id, as the
+    OpenAI SDKs do; a request refused on every try stays shed, one let in on a retry is served."""
+    async with running_serving(scenario(), speed=5, gateway_db=ledger_url) as sim:
+        await sim.wait_serving(2)
+        await sim.set_policy(GatewayPolicy(admission=Admission(shed_tiers=[Tier.SHEDDABLE])))
+        spec = LoadSpec(rate=4.0, duration_s=20.0, seed=9, client_retries=2)
+        run = start_load(sim.world, spec)
+        while not any(r.outcome == "shed" for r in run.results):  # refused on all three tries
+            await asyncio.sleep(0.05)
+        await sim.set_policy(GatewayPolicy())  # shedding lifted: the next retries are let in
+        report = await run.wait()
+        sheddable = [r for r in run.results if r.tier == Tier.SHEDDABLE]
+        refused_for_good = [r for r in sheddable if r.outcome == "shed"]
+        served_on_retry = [r for r in sheddable if r.outcome in ("goodput", "late") and r.attempts > 1]
+        assert refused_for_good and all(r.attempts == 3 for r in refused_for_good)
+        assert all(r.retry_after_s == 2.0 for r in refused_for_good)
+        assert served_on_retry, "no request refused before the lift was served on a retry"
+        # The deadline's clock ran from the arrival: a served retry waited at least one Retry-After.
+        assert all(r.e2e_s is not None and r.e2e_s >= 2.0 for r in served_on_retry)
+        assert report.shed == len(refused_for_good)
+        # Graded by the world: only the requests refused for good count as refused.
+        graded = run.grade(sim.layer.capacity, sim.layer.engine_spec_for_model(run.model))
+        assert graded.refused == len(refused_for_good)
 
 
 async def test_a_fault_scheduled_for_later_applies_at_its_sim_time() -> None:

@@ -6,7 +6,8 @@ kube-state-metrics-style series, evaluates ``deploy/prometheus/rules.yml``,
 Alertmanager routes the alert to fleetmend's webhook with its bearer token.
 The shipped configs are used as they are, templated only for loopback
 addresses and short ``for:`` / group timings so a demo takes seconds, not
-minutes. When the binaries are missing the caller posts an
+minutes (``shipped_timings=True`` keeps every interval, ``for:`` and group timing as shipped:
+``bench.alert_path`` measures the path that way). When the binaries are missing the caller posts an
 Alertmanager-format payload itself and says so.
 """
 
@@ -51,10 +52,24 @@ def fast_rules(target: Path, *, pending_s: int = 2) -> Path:
     return target
 
 
+def shipped_rules(target: Path) -> Path:
+    """deploy/prometheus/rules.yml as shipped (every ``for:`` and group interval kept)."""
+    target.write_text((DEPLOY / "prometheus/rules.yml").read_text())
+    return target
+
+
 def loopback_prometheus(
-    target: Path, *, rules: Path, sim: str, alertmanager: str, webhook: str, worker: str | None
+    target: Path,
+    *,
+    rules: Path,
+    sim: str,
+    alertmanager: str,
+    webhook: str,
+    worker: str | None,
+    every_second: bool = True,
 ) -> Path:
-    """deploy/prometheus/prometheus.yml pointed at loopback addresses, scraping every second."""
+    """deploy/prometheus/prometheus.yml pointed at loopback addresses, scraping and evaluating every
+    second (``every_second=False``: at the shipped intervals)."""
     text = (DEPLOY / "prometheus/prometheus.yml").read_text()
     text = (
         text.replace("sim:8480", sim)
@@ -62,11 +77,13 @@ def loopback_prometheus(
         .replace("webhook:8088", webhook)
     )
     config = yaml.safe_load(text)
-    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    if every_second:
+        config["global"].update(scrape_interval="1s", evaluation_interval="1s")
     config["rule_files"] = [str(rules)]
     for job in config["scrape_configs"]:
         for sd in job.get("http_sd_configs", []):
-            sd["refresh_interval"] = "2s"
+            if every_second:
+                sd["refresh_interval"] = "2s"
         for static in job.get("static_configs", []):
             targets = [t for t in static["targets"] if not t.startswith("worker:")]
             if worker is not None and any(t.startswith("worker:") for t in static["targets"]):
@@ -76,11 +93,15 @@ def loopback_prometheus(
     return target
 
 
-def loopback_alertmanager(target: Path, *, webhook_url: str, token_file: Path) -> Path:
-    """deploy/alertmanager/alertmanager.yml posting to ``webhook_url`` with 1-2 s group timings."""
+def loopback_alertmanager(
+    target: Path, *, webhook_url: str, token_file: Path, short_groups: bool = True
+) -> Path:
+    """deploy/alertmanager/alertmanager.yml posting to ``webhook_url`` with 1-2 s group timings
+    (``short_groups=False``: the shipped route's)."""
     config = yaml.safe_load((DEPLOY / "alertmanager/alertmanager.yml").read_text())
     [route] = [r for r in config["route"]["routes"] if r["receiver"] == "fleetmend"]
-    route.update(group_wait="1s", group_interval="2s", repeat_interval="1m")
+    if short_groups:
+        route.update(group_wait="1s", group_interval="2s", repeat_interval="1m")
     [hook] = next(r for r in config["receivers"] if r["name"] == "fleetmend")["webhook_configs"]
     hook["url"] = webhook_url
     hook["http_config"]["authorization"]["credentials_file"] = str(token_file)
@@ -130,8 +151,10 @@ async def alert_pipeline(
     webhook_address: str,
     webhook_token: str,
     worker_metrics_address: str | None = None,
+    shipped_timings: bool = False,
 ) -> AsyncIterator[RunningPipeline]:
-    """Run Prometheus and Alertmanager on free loopback ports until the block exits."""
+    """Run Prometheus and Alertmanager on free loopback ports until the block exits; with
+    ``shipped_timings`` at the shipped scrape and evaluation intervals, ``for:`` and group timings."""
     prometheus, alertmanager = binaries
     # Absolute: both tools resolve relative paths in a config against the config file's directory.
     workdir = workdir.resolve()
@@ -144,10 +167,13 @@ async def alert_pipeline(
         workdir / "alertmanager.yml",
         webhook_url=f"http://{webhook_address}/alerts/alertmanager",
         token_file=token_file,
+        short_groups=not shipped_timings,
     )
+    rules = workdir / "rules.yml"
     prom_config = loopback_prometheus(
         workdir / "prometheus.yml",
-        rules=fast_rules(workdir / "rules.yml"),
+        rules=shipped_rules(rules) if shipped_timings else fast_rules(rules),
+        every_second=not shipped_timings,
         sim=sim_address,
         alertmanager=f"127.0.0.1:{am_port}",
         webhook=webhook_address,
