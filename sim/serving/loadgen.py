@@ -15,7 +15,8 @@ gateway, timed by the world's clock in-process.
 
 The report counts goodput (completed within deadline), late, shed, rejected,
 terminal errors, truncated streams and retries, and per-replica TTFT
-percentiles, over any window of arrival times.
+percentiles, over any window of arrival times. Its clients can retry a refusal as the OpenAI SDKs
+do (``LoadSpec.client_retries``: after the answer's Retry-After, same request id).
 """
 
 from __future__ import annotations
@@ -167,7 +168,8 @@ class RequestResult:
     e2e_s: float | None = None
     tokens: int = 0
     expected_tokens: int = 0
-    attempts: int = 1
+    attempts: int = 1  # the gateway's attempts on the answer the client kept (Envoy's own retries)
+    client_calls: int = 1  # the client's calls: 1 + its retries of refusals (LoadSpec.client_retries)
     status: int | None = None
     truncated: bool = False  # the stream started and ended without [DONE]
     retry_after_s: float | None = None  # a refusal's Retry-After
@@ -192,6 +194,9 @@ class LoadReport(BaseModel):
     terminal_errors: int
     truncated_streams: int = Field(description="streams that ended before their last token")
     retried: int = Field(description="requests served on a later attempt")
+    served_after_refusal: int = Field(
+        0, description="requests served on a client's retry of a refusal (LoadSpec.client_retries)"
+    )
     by_tier: dict[str, dict[str, int]]
     per_replica: dict[str, ReplicaLatency]
     window_s: tuple[float, float]
@@ -218,7 +223,7 @@ def summarize(results: list[RequestResult], sent: int, window: tuple[float, floa
     count = {k: 0 for k in ("goodput", "late", "shed", "rejected", "terminal_error", "not_found")}
     by_tier: dict[str, dict[str, int]] = {}
     ttfts: dict[str, list[float]] = {}
-    truncated = retried = told_when = 0
+    truncated = retried = told_when = after_refusal = 0
     for r in chosen:
         if r.outcome == "shed" and r.retry_after_s is not None:
             told_when += 1
@@ -229,6 +234,8 @@ def summarize(results: list[RequestResult], sent: int, window: tuple[float, floa
             truncated += 1
         if r.attempts > 1 and r.outcome in ("goodput", "late"):
             retried += 1
+        if r.client_calls > 1 and r.outcome in ("goodput", "late"):
+            after_refusal += 1
         if r.replica is not None and r.ttft_s is not None:
             ttfts.setdefault(r.replica, []).append(r.ttft_s)
     per_replica = {
@@ -252,6 +259,7 @@ def summarize(results: list[RequestResult], sent: int, window: tuple[float, floa
         terminal_errors=count["terminal_error"],
         truncated_streams=truncated,
         retried=retried,
+        served_after_refusal=after_refusal,
         by_tier=by_tier,
         per_replica=per_replica,
         window_s=window,
@@ -394,7 +402,7 @@ class LoadRun:
                 else min(0.5 * 2**retry, 8.0) * (1 - 0.25 * jitter.random())
             )
             await asyncio.sleep(wait / self._speed)
-            result.attempts += 1
+            result.client_calls += 1
 
     def _http_request(self, arrival: Arrival, model: str) -> tuple[dict[str, str], dict[str, Any]]:
         """Headers and body of one request over HTTP: tier and id in headers, the model in the body.

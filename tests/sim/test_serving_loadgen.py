@@ -68,13 +68,14 @@ async def test_clients_retry_a_refusal_after_its_retry_after_and_are_served_once
         report = await run.wait()
         sheddable = [r for r in run.results if r.tier == Tier.SHEDDABLE]
         refused_for_good = [r for r in sheddable if r.outcome == "shed"]
-        served_on_retry = [r for r in sheddable if r.outcome in ("goodput", "late") and r.attempts > 1]
-        assert refused_for_good and all(r.attempts == 3 for r in refused_for_good)
+        served_on_retry = [r for r in sheddable if r.outcome in ("goodput", "late") and r.client_calls > 1]
+        assert refused_for_good and all(r.client_calls == 3 for r in refused_for_good)
         assert all(r.retry_after_s == 2.0 for r in refused_for_good)
         assert served_on_retry, "no request refused before the lift was served on a retry"
         # The deadline's clock ran from the arrival: a served retry waited at least one Retry-After.
         assert all(r.e2e_s is not None and r.e2e_s >= 2.0 for r in served_on_retry)
         assert report.shed == len(refused_for_good)
+        assert report.served_after_refusal == len(served_on_retry)
         # Graded by the world: only the requests refused for good count as refused.
         graded = run.grade(sim.layer.capacity, sim.layer.engine_spec_for_model(run.model))
         assert graded.refused == len(refused_for_good)
