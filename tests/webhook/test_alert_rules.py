@@ -156,3 +156,42 @@ def test_the_demos_alert_pipeline_configs_are_the_shipped_ones_on_loopback(tmp_p
     assert shipped_alert_names() == {
         r["alert"] for g in yaml.safe_load(rules.read_text())["groups"] for r in g["rules"] if "alert" in r
     }
+
+
+def test_the_alert_path_bench_runs_the_shipped_timings_on_loopback(tmp_path: Path) -> None:
+    """``bench.alert_path`` measures the path as shipped: only the addresses change, every scrape and
+    evaluation interval, ``for:`` and the fleetmend route's group timings stay."""
+    from worker.webhook.pipeline import loopback_alertmanager, loopback_prometheus, shipped_rules
+
+    am = yaml.safe_load(
+        loopback_alertmanager(
+            tmp_path / "am.yml",
+            webhook_url="http://127.0.0.1:1/alerts/alertmanager",
+            token_file=tmp_path / "token",
+            short_groups=False,
+        ).read_text()
+    )
+    shipped = yaml.safe_load(ALERTMANAGER_CONFIG.read_text())
+    [route] = [r for r in am["route"]["routes"] if r["receiver"] == "fleetmend"]
+    [shipped_route] = [r for r in shipped["route"]["routes"] if r["receiver"] == "fleetmend"]
+    for timing in ("group_wait", "group_interval", "repeat_interval"):
+        assert route[timing] == shipped_route[timing]
+    rules = shipped_rules(tmp_path / "rules.yml")
+    assert yaml.safe_load(rules.read_text()) == yaml.safe_load(
+        (REPO / "deploy/prometheus/rules.yml").read_text()
+    )
+    prometheus = yaml.safe_load(
+        loopback_prometheus(
+            tmp_path / "prom.yml",
+            rules=rules,
+            sim="127.0.0.1:2",
+            alertmanager="127.0.0.1:3",
+            webhook="127.0.0.1:4",
+            worker=None,
+            every_second=False,
+        ).read_text()
+    )
+    shipped_prometheus = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
+    assert prometheus["global"]["scrape_interval"] == shipped_prometheus["global"]["scrape_interval"]
+    assert prometheus["global"]["evaluation_interval"] == shipped_prometheus["global"]["evaluation_interval"]
+    assert prometheus["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["127.0.0.1:3"]
