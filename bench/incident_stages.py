@@ -322,10 +322,13 @@ async def one_run(
     load_of_world: bool = False,
 ) -> RunResult:
     fleetmend = mode == "fleetmend"
+    # With the load set against the world's capacity, fleetmend is told that capacity too, as an
+    # operator who load-tested a replica would configure it; else the 15 req/s the load is set against.
+    per_group = world_group_capacity_rps(fault) if load_of_world else GROUP_CAPACITY_RPS
     extra: dict[str, Any] = (
         {
             "recovery_timings": DEMO_TIMINGS,
-            "serving_objectives": ServingObjectives(group_capacity_rps=GROUP_CAPACITY_RPS),
+            "serving_objectives": ServingObjectives(group_capacity_rps=round(per_group, 2)),
             **FAST_PATH,
         }
         if fleetmend
@@ -347,7 +350,6 @@ async def one_run(
         async with contextlib.AsyncExitStack() as stack:
             if fleetmend:
                 await stack.enter_async_context(rig.fast_path(identity=f"bench-{index}"))
-            per_group = world_group_capacity_rps(fault) if load_of_world else GROUP_CAPACITY_RPS
             rate = round(fault.groups * per_group * load_share, 1)
             load = await rig.start_load(
                 rate=rate, duration_s=load_s, seed=seed, pool=fault.pool.key, client_retries=client_retries
