@@ -281,6 +281,10 @@ class ControlPlane:
         # Open streams per Envoy node id: an Envoy that reconnects opens its new stream before the old
         # one closes, and only the last one to close makes it disconnected.
         self.envoys: Counter[str] = Counter()
+        # Envoys whose last stream closed and whose disconnect is not written yet: a shutdown that
+        # cancels that write (the server stops its handlers) writes it instead, so a gone Envoy is not
+        # left "connected" for ENVOY_LIVENESS_S, its admin still listed for routing-set reads.
+        self._disconnecting: set[str] = set()
         # Every write about an Envoy's connection (ACK, NACK, heartbeat, disconnect) goes through one
         # thread, in the order the streams made them: an ACK still being written when its stream
         # closes can no longer land after the disconnect and leave a gone Envoy "connected".
@@ -449,7 +453,7 @@ class ControlPlane:
     async def close_streams(self) -> None:
         """Shutting down: every Envoy streaming from here is no longer connected (it will reconnect
         to another control plane, whose ACKs mark it connected again)."""
-        gone, self.envoys = list(self.envoys), Counter()
+        gone, self.envoys = [*self.envoys, *self._disconnecting], Counter()
         with contextlib.suppress(Exception):
             await self._in_order(self.store.mark, gone, connected=False)
 
@@ -560,8 +564,10 @@ class ControlPlane:
                 if self.envoys[stream.node_id] <= 0:
                     del self.envoys[stream.node_id]
                     log.info("envoy %s disconnected", stream.node_id)
+                    self._disconnecting.add(stream.node_id)
                     with contextlib.suppress(Exception):
                         await self._in_order(self.store.mark, [stream.node_id], connected=False)
+                    self._disconnecting.discard(stream.node_id)
 
 
 class _AccessLogs(als_pb2_grpc.AccessLogServiceServicer):
