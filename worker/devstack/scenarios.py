@@ -200,9 +200,10 @@ SCENARIOS: dict[str, DemoScenario] = {
             # node loss cut has almost always run one, and its retry re-proposes it.
             agents={"share": 0.8, "tool_calls": [1, 3], "client_retries": 1, "first_tool_token": 2},
             # The replacement is still warming when the ramp starts: the ramp weights it by its measured
-            # rate (below 1.0) instead of an equal share. 60 s: on a busy CI machine the ramp once started
-            # 60 s after the fault, when a 30 s warm-up was over and every weight read 1.0.
-            warm_up_s=60.0,
+            # rate (below 1.0) instead of an equal share. (On a busy CI machine the ramp once started 60 s
+            # after the fault, past this warm-up, and every weight read 1.0; 60 s of warm-up pushed the
+            # demo past its test's 240 s there. Open: see the closing note of 2026-12-07.)
+            warm_up_s=30.0,
             over_shed_limit=0.01,
         ),
         DemoScenario(
