@@ -47,7 +47,7 @@ from sim.actionlog import MUTATING_VERBS
 from sim.control import ClockReading
 from sim.k8s.api import KubeApi
 from sim.k8s.api import build_kube_app as build_kube_routes
-from sim.k8s.apiserver import KubeApiServer
+from sim.k8s.apiserver import IDLE_KEEPALIVE_S, KubeApiServer
 from sim.k8s.audit import AuditLog, AuditMiddleware, User
 from sim.k8s.faults import ApiFaultRuleSet, ApiServerRestart, ApiServerState
 from sim.k8s.tls import ServingCerts, generate_serving_certs
@@ -279,7 +279,15 @@ async def serve(
         build_kube_app(world, kube, audit), kube.watches, host=host, port=kube_port, certs=certs
     )
     app = build_app(world, serving=serving, api_server=api_server)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on")
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=IDLE_KEEPALIVE_S,
+    )
     server = uvicorn.Server(config)
     world.start()
     serve_task = asyncio.create_task(server.serve())

@@ -37,6 +37,13 @@ ASGIApp = Callable[
     Awaitable[None],
 ]
 
+# How long an idle client connection stays open. Longer than any client's own keep-alive expiry
+# (httpx drops idle connections after 5 s; urllib3 keeps them until the server closes), so a
+# client never sends on a connection the server is closing in that same instant. uvicorn's
+# default, 5 s, equals httpx's and loses that race now and then ("Server disconnected without
+# sending a response"). Used by the sim's control app as well.
+IDLE_KEEPALIVE_S = 75
+
 
 def _reserve(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` that may share the port with the other incarnation."""
@@ -170,6 +177,7 @@ class KubeApiServer:
             ssl_certfile=str(self._certs.server_cert),
             ssl_keyfile=str(self._certs.server_key),
             timeout_graceful_shutdown=3,
+            timeout_keep_alive=IDLE_KEEPALIVE_S,
         )
 
     async def _serve_on(self, listener: socket.socket) -> None:
