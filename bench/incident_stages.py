@@ -156,14 +156,13 @@ def world(fault: FaultClass) -> Any:
 def world_group_capacity_rps(fault: FaultClass) -> float:
     """Requests/s one warm replica group of the fault's world really serves: its engine's decode budget
     over the mean work of one request of the bench's load (``LoadSpec``'s lengths: the output after the
-    first token, plus the prefill of the prompt share a warm prefix cache misses), the accounting the
-    world's grade uses (``LoadRun.grade``). ``GROUP_CAPACITY_RPS`` (15), what fleetmend is told, is
+    first token, plus the prefill of the prompt share a warm prefix cache misses), counted by the same
+    ``EngineSpec.request_work`` the world's grade uses. ``GROUP_CAPACITY_RPS`` (15), what fleetmend is told, is
     about 20 % below it: a load share of that figure is a smaller share of the world's."""
     scenario = world(fault)
     spec = engine_spec_for(scenario.models[0], None, settings_from_scenario(scenario.load or {}).engine)
     load = LoadSpec(rate=1.0)
-    output, prompt = statistics.mean(load.output_tokens), statistics.mean(load.prompt_tokens)
-    work = output - 1 + spec.prefill_cost * prompt * (1 - spec.warm_prefix_hit_rate)
+    work = spec.request_work(statistics.mean(load.output_tokens), statistics.mean(load.prompt_tokens))
     return spec.warm_tokens_per_s / work
 
 

@@ -67,6 +67,14 @@ class EngineSpec(BaseModel):
     def era(self) -> MetricsEra:
         return era_for_version(self.version)
 
+    def request_work(self, output_tokens: float, prompt_tokens: float) -> float:
+        """Decode-token equivalents one request costs a warm engine: its output after the first token
+        (the prefill step samples that one, ``Engine._prefill``) plus the prefill of the prompt share a
+        warm prefix cache misses. The world's grade (``LoadRun.grade``) and the benches' calibration of
+        the world's capacity both count work this way."""
+        miss = 1.0 - self.warm_prefix_hit_rate
+        return output_tokens - 1 + self.prefill_cost * prompt_tokens * miss
+
 
 def version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in version.split(".")[:3] if p.isdigit())

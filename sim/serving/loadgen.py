@@ -564,13 +564,11 @@ class LoadRun:
                 f"the run is still going ({self.sent - len(self.results)} request(s) in flight); grade it "
                 "once GET /sim/v1/load/{id} shows every arrival sent and in_flight 0, or pass until_s"
             )
-        miss = 1.0 - engine.warm_prefix_hit_rate
         jobs = [
             Job(
                 arrival=a.offset_s,
                 deadline=a.offset_s + deadline_of[a.tier],
-                # The prefill step samples the first token (``Engine._prefill``): decode pays the rest.
-                work=a.output_tokens - 1 + engine.prefill_cost * a.prompt_tokens * miss,
+                work=engine.request_work(a.output_tokens, a.prompt_tokens),
                 key=a.request_id,
             )
             for a in chosen

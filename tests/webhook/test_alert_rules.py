@@ -126,10 +126,26 @@ def test_shipped_alertmanager_config_passes_amtool_check() -> None:
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
+def _loopback_prometheus_config(tmp_path: Path, rules: Path, *, every_second: bool) -> str:
+    """The Prometheus config the demo (``every_second``) or the alert-path bench writes, with the sim,
+    Alertmanager and webhook on placeholder loopback addresses 127.0.0.1:2, :3 and :4."""
+    from worker.webhook.pipeline import loopback_prometheus
+
+    return loopback_prometheus(
+        tmp_path / "prom.yml",
+        rules=rules,
+        sim="127.0.0.1:2",
+        alertmanager="127.0.0.1:3",
+        webhook="127.0.0.1:4",
+        worker=None,
+        every_second=every_second,
+    ).read_text()
+
+
 def test_the_demos_alert_pipeline_configs_are_the_shipped_ones_on_loopback(tmp_path: Path) -> None:
     """``fleetmend demo`` templates deploy/'s configs (worker/webhook/pipeline.py): same receiver
     limits and token file, loopback addresses, fast timings."""
-    from worker.webhook.pipeline import fast_rules, loopback_alertmanager, loopback_prometheus
+    from worker.webhook.pipeline import fast_rules, loopback_alertmanager
 
     token_file = tmp_path / "token"
     am = yaml.safe_load(
@@ -144,14 +160,7 @@ def test_the_demos_alert_pipeline_configs_are_the_shipped_ones_on_loopback(tmp_p
     assert hook["url"] == "http://127.0.0.1:1/alerts/alertmanager"
     assert hook["http_config"]["authorization"]["credentials_file"] == str(token_file)
     rules = fast_rules(tmp_path / "rules.yml")
-    prometheus = loopback_prometheus(
-        tmp_path / "prom.yml",
-        rules=rules,
-        sim="127.0.0.1:2",
-        alertmanager="127.0.0.1:3",
-        webhook="127.0.0.1:4",
-        worker=None,
-    ).read_text()
+    prometheus = _loopback_prometheus_config(tmp_path, rules, every_second=True)
     assert "sim:8480" not in prometheus and "127.0.0.1:2" in prometheus
     assert shipped_alert_names() == {
         r["alert"] for g in yaml.safe_load(rules.read_text())["groups"] for r in g["rules"] if "alert" in r
@@ -161,7 +170,7 @@ def test_the_demos_alert_pipeline_configs_are_the_shipped_ones_on_loopback(tmp_p
 def test_the_alert_path_bench_runs_the_shipped_timings_on_loopback(tmp_path: Path) -> None:
     """``bench.alert_path`` measures the path as shipped: only the addresses change, every scrape and
     evaluation interval, ``for:`` and the fleetmend route's group timings stay."""
-    from worker.webhook.pipeline import loopback_alertmanager, loopback_prometheus, shipped_rules
+    from worker.webhook.pipeline import loopback_alertmanager, shipped_rules
 
     am = yaml.safe_load(
         loopback_alertmanager(
@@ -180,17 +189,7 @@ def test_the_alert_path_bench_runs_the_shipped_timings_on_loopback(tmp_path: Pat
     assert yaml.safe_load(rules.read_text()) == yaml.safe_load(
         (REPO / "deploy/prometheus/rules.yml").read_text()
     )
-    prometheus = yaml.safe_load(
-        loopback_prometheus(
-            tmp_path / "prom.yml",
-            rules=rules,
-            sim="127.0.0.1:2",
-            alertmanager="127.0.0.1:3",
-            webhook="127.0.0.1:4",
-            worker=None,
-            every_second=False,
-        ).read_text()
-    )
+    prometheus = yaml.safe_load(_loopback_prometheus_config(tmp_path, rules, every_second=False))
     shipped_prometheus = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
     assert prometheus["global"]["scrape_interval"] == shipped_prometheus["global"]["scrape_interval"]
     assert prometheus["global"]["evaluation_interval"] == shipped_prometheus["global"]["evaluation_interval"]
