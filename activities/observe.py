@@ -120,6 +120,7 @@ class AdmissionWatch(BaseModel):
     capacity_rps: float  # the capacity the keeper planned on
     arrival_rps: float  # the keeper's arrival estimate, until the gateway has counted enough
     wait_budget_s: float
+    target_utilization: float = Field(0.9, gt=0, le=1, description="the objectives' planned utilization")
     interval_s: float = Field(gt=0, description="the keeper's base interval between looks")
     max_interval_s: float = Field(gt=0)
     look_timeout_s: float = Field(
@@ -253,6 +254,7 @@ class ObserveActivities:
                 backlog=look.backlog,
                 wait_budget_s=req.wait_budget_s,
                 look_s=interval,
+                target_utilization=req.target_utilization,
             )
             if admission_changed(req.admission, decision.admission):
                 return AdmissionWatched(moved=True, look=look, looks=looks, interval_s=interval)

@@ -319,6 +319,7 @@ async def one_run(
     load_s: float = LOAD_S,
     client_retries: int = 0,
     load_of_world: bool = False,
+    target_utilization: float | None = None,
 ) -> RunResult:
     fleetmend = mode == "fleetmend"
     # With the load set against the world's capacity, fleetmend is told that capacity too, as an
@@ -327,7 +328,10 @@ async def one_run(
     extra: dict[str, Any] = (
         {
             "recovery_timings": DEMO_TIMINGS,
-            "serving_objectives": ServingObjectives(group_capacity_rps=round(per_group, 2)),
+            "serving_objectives": ServingObjectives(
+                group_capacity_rps=round(per_group, 2),
+                **({} if target_utilization is None else {"target_utilization": target_utilization}),
+            ),
             **FAST_PATH,
         }
         if fleetmend
@@ -648,6 +652,7 @@ async def main(
     load_s: float = LOAD_S,
     client_retries: int = 0,
     load_of_world: bool = False,
+    target_utilization: float | None = None,
 ) -> int:
     pg = acquire_server()
     env = await throwaway_dev_server()
@@ -663,6 +668,8 @@ async def main(
                 name = f"{fault_class} at {load_share:.0%} of the world's capacity, {load_s:g} s of load"
             if client_retries:
                 name += f", clients retry {client_retries}x"
+            if target_utilization is not None:
+                name += f", fleetmend plans {target_utilization:.0%} utilization"
             runs = results.setdefault(name, [])
             # Every round runs the modes on the same seed, so each fleetmend run is compared with
             # Kubernetes alone (and no fault) on the very same arrivals.
@@ -683,6 +690,7 @@ async def main(
                         load_s=load_s,
                         client_retries=client_retries,
                         load_of_world=load_of_world,
+                        target_utilization=target_utilization,
                     )
                 except Exception as err:  # one broken run is reported, the table goes on without it
                     print(f"{name} {mode} #{r + 1}: FAILED: {type(err).__name__}: {err}")
@@ -751,6 +759,13 @@ if __name__ == "__main__":
         help="--load-share is a share of the world's true capacity (world_group_capacity_rps) instead of "
         f"the {GROUP_CAPACITY_RPS:g} req/s per group fleetmend is told",
     )
+    parser.add_argument(
+        "--target-utilization",
+        type=float,
+        default=None,
+        help="fleetmend's ServingObjectives.target_utilization: the share of the routed capacity it admits "
+        "during a gap (default: the objectives' default)",
+    )
     parser.add_argument("--plot", type=Path, default=None, help="write the stage timeline (PNG) here")
     parser.add_argument("--json", type=Path, default=None, help="write every run's figures here")
     parser.add_argument(
@@ -779,6 +794,8 @@ if __name__ == "__main__":
         parser.error(
             f"--load-seconds {args.load_seconds}: give {FAULT_AT_S + 10:g}-600 (the fault lands at {FAULT_AT_S:g} s)"
         )
+    if args.target_utilization is not None and not 0 < args.target_utilization <= 1:
+        parser.error(f"--target-utilization {args.target_utilization}: give a share in (0, 1]")
     code = asyncio.run(
         main(
             args.rounds,
@@ -790,6 +807,7 @@ if __name__ == "__main__":
             args.load_seconds,
             args.client_retries,
             args.load_of_world,
+            args.target_utilization,
         )
     )
     raise SystemExit(code)

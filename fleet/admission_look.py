@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from fleet.arrivals import ArrivalTally
 from fleet.observation import PoolObservation
 from fleet.service_rate import capacity_to_count_on, routed_served_rate, smoothed
-from fleet.shedding import QueueRoom, ShedDecision, decide_readmission
+from fleet.shedding import PressureThresholds, QueueRoom, ShedDecision, decide_readmission
 from fleet.survivor_load import routed_backlog
 
 # Arrivals the gateway counted over at least this long replace the first estimate (open-loop clients
@@ -95,13 +95,16 @@ def keeper_readmission(
     backlog: float,
     wait_budget_s: float,
     look_s: float,
+    target_utilization: float,
 ) -> ShedDecision:
-    """The admission the keeper would set now: the gap the queues cannot absorb is refused."""
+    """The admission the keeper would set now: the gap the queues cannot absorb is refused, with the
+    routed capacity planned at ``target_utilization``."""
     return decide_readmission(
         arrival_rps,
         capacity_rps,
         change,
         warm_floor_restored=False,
+        thresholds=PressureThresholds(target_utilization=target_utilization),
         queues=keeper_queue_room(wait_budget_s, backlog, look_s),
     )
 

@@ -5,15 +5,19 @@ arrival rate as it was: ``arrival_rate`` from two observations (the gateway's
 admitted counter when it keeps one, else the survivors' completions plus queue
 growth), ``ArrivalTally`` counted across an incident one reading after another,
 and ``admitted_rate``, what the routed engines took in over one ramp interval.
+``arrivals_before`` is the rate the gateway counted before a loss was detected, from readings
+of its counter kept ahead of any incident (the fast path's): the rate the pool keeps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.engine_metrics import EngineSnapshot
+from fleet.gateway import RouterState
+from fleet.incident import LossReport, PreLossArrivals
 from fleet.observation import PoolObservation
 from fleet.service_rate import completion_rate
 
@@ -55,6 +59,66 @@ def arrival_rate(
     return total, "survivors' completions + queue growth (the gateway keeps no count)"
 
 
+# The window ``arrivals_before`` counts: it ends at least PRE_LOSS_GAP_S before the detection (a
+# fault cuts streams, and their clients retry, before Envoy's health check or the fast path notices:
+# on the shipped 1 s health check within about 2 s), spans up to PRE_LOSS_WINDOW_S, and counts for
+# nothing under PRE_LOSS_MIN_S (an open-loop load's count over a shorter window is noise).
+PRE_LOSS_GAP_S = 2.0
+PRE_LOSS_WINDOW_S = 10.0
+PRE_LOSS_MIN_S = 3.0
+
+
+class CounterReading(BaseModel):
+    """One reading of a pool's admitted-requests counter, summed over every gateway (unix seconds)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    at: float
+    total: int = Field(ge=0)
+
+
+def arrivals_before(
+    readings: Sequence[CounterReading],
+    detected_at: float,
+    *,
+    gap_s: float = PRE_LOSS_GAP_S,
+    window_s: float = PRE_LOSS_WINDOW_S,
+    min_s: float = PRE_LOSS_MIN_S,
+) -> PreLossArrivals | None:
+    """The rate over readings (oldest first) in a window that ends ``gap_s`` before ``detected_at``
+    and spans at most ``window_s``; None when it spans less than ``min_s``. A counter that went
+    backwards (a gateway restarted) starts the window anew after the drop."""
+    kept = [r for r in readings if r.at <= detected_at - gap_s]
+    if not kept:
+        return None
+    end = kept[-1]
+    start = end
+    for r in reversed(kept[:-1]):
+        if r.total > start.total or end.at - r.at > window_s:
+            break
+        start = r
+    seconds = end.at - start.at
+    if seconds < min_s:
+        return None
+    return PreLossArrivals(
+        rps=(end.total - start.total) / seconds, seconds=seconds, ended_before_s=detected_at - end.at
+    )
+
+
+def planned_arrivals(reports: Iterable[LossReport], router: RouterState | None) -> PreLossArrivals | None:
+    """The arrivals to plan the first shed on: the pre-loss count of the earliest report that carries
+    one, when the gateway refused nothing before the incident (then its counter counted every
+    arrival; a pool already shedding let through less than arrived, and the short count since the
+    loss, scaled by the refused share, is used instead)."""
+    if router is not None and (router.admission.shed_tiers or router.admission.partial_shed):
+        return None
+    carrying = [r for r in reports if r.arrivals_before is not None]
+    if not carrying:
+        return None
+    first = min(carrying, key=lambda r: r.observed_at if r.observed_at is not None else float("inf"))
+    return first.arrivals_before
+
+
 class ArrivalTally(BaseModel):
     """Arrivals at the gateway counted across an incident, one reading of its counter after another.
 
@@ -88,6 +152,12 @@ class ArrivalTally(BaseModel):
             last_total=total,
             last_at=at,
         )
+
+    @classmethod
+    def counted_before(cls, pre: PreLossArrivals) -> ArrivalTally:
+        """A tally that starts with the window counted before the loss: the requests a burst after
+        the loss adds (the cut streams sent again) weigh against the whole count, not a second of it."""
+        return cls(requests=pre.rps * pre.seconds, seconds=pre.seconds)
 
     def rate(self, min_seconds: float) -> float | None:
         """Arrivals/s over what was counted, once at least ``min_seconds`` were."""

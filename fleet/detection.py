@@ -89,6 +89,10 @@ _AT_ONCE = {
 }
 
 
+# Evidence that the entity is there and answering: it ends a spell of failing evidence.
+_PRESENT = {EvidenceKind.HEALTH_OK, EvidenceKind.GATEWAY_HEALTHY, EvidenceKind.NODE_READY}
+
+
 class Verdict(StrEnum):
     LOSS = "loss"
     NOT_A_LOSS = "not-a-loss"
@@ -150,6 +154,15 @@ class Detection(BaseModel):
     @property
     def loss(self) -> bool:
         return self.verdict is Verdict.LOSS
+
+    @property
+    def spell_started_at(self) -> float | None:
+        """When the evidence of this spell began: the first evidence kept after the last that the entity
+        answered (the kept evidence may reach back to healthy readings long before the loss)."""
+        spell: list[Evidence] = []
+        for e in self.evidence:
+            spell = [] if e.kind in _PRESENT else [*spell, e]
+        return spell[0].at if spell else None
 
 
 def observe(

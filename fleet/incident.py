@@ -53,6 +53,22 @@ class Severity(StrEnum):
     INFO = "info"
 
 
+class PreLossArrivals(BaseModel):
+    """Requests/s the gateway let through to a pool over a window that ended before the loss was
+    detected (``fleet.arrivals.arrivals_before``, from the fast path's readings of Envoy's counters).
+
+    The pool's arrival rate as it was: a window counted after the loss also holds the streams the
+    loss cut, which their clients send again at once - a one-off burst that, read as a rate over
+    the first second or two, doubled the arrivals fleetmend planned on (114.6 req/s against the
+    users' 67.5 in the peak demo) and refused what the world could have served."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rps: float = Field(ge=0)
+    seconds: float = Field(gt=0, description="How long the window counted")
+    ended_before_s: float = Field(ge=0, description="How long before the detection the window ended")
+
+
 class LossReport(BaseModel):
     """One observation that a replica (group) of a pool may be lost.
 
@@ -80,6 +96,9 @@ class LossReport(BaseModel):
     observed_at: float | None = Field(None, description="Unix seconds the alert started (startsAt)")
     source: str = "alertmanager"
     labels: dict[str, str] = Field(default_factory=dict)
+    arrivals_before: PreLossArrivals | None = Field(
+        None, description="The pool's arrivals counted before the loss (the fast path's reports only)"
+    )
 
     def points_at_node(self, node: str) -> bool:
         """This report is about ``node`` itself, not only about a pod or group that ran on it."""

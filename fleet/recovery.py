@@ -180,6 +180,14 @@ class ServingObjectives(BaseModel):
         "its objective: the queues absorb the gap up to it before anything is refused. None = the TTFT SLO "
         "(a queued request's wait is part of its TTFT); 0 = refuse the gap at once",
     )
+    target_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="During a capacity gap, admit at most this share of the routed replicas' capacity (the "
+        "rest is headroom for their queues; every share of headroom is arrivals refused that the capacity "
+        "could have served)",
+    )
     warm_floor: int = Field(1, ge=0, description="Warm spare groups to keep")
     min_serving_groups: int = Field(1, ge=0, description="Capacity floor the guard protects")
     group_capacity_rps: float | None = Field(

@@ -38,7 +38,7 @@ with workflow.unsafe.imports_passed_through():
         keeper_queue_room,
         keeper_readmission,
     )
-    from fleet.arrivals import ArrivalTally, admitted_rate, arrival_rate
+    from fleet.arrivals import ArrivalTally, admitted_rate, arrival_rate, planned_arrivals
     from fleet.engine_metrics import EngineSnapshot
     from fleet.gateway import Admission
     from fleet.observation import PoolObservation
@@ -49,6 +49,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.service_rate import per_group_capacity
     from fleet.shedding import (
         LiftDecision,
+        PressureThresholds,
         ShedDecision,
         admission_changed,
         decide_shedding,
@@ -135,6 +136,17 @@ class AdmissionKeeper:
             refused_share=refused_fraction(self.admission),
             counted_since=initial,
         )
+        pre = planned_arrivals(inp.reports, initial.router)
+        if pre is not None:
+            # The rate the pool keeps, counted before the loss; the window since the loss also holds the
+            # cut streams sent again. The keeper's count goes on from that window.
+            counted = (
+                f"counted by the gateway over the {pre.seconds:.0f} s before the loss, until "
+                f"{pre.ended_before_s:.1f} s before it was detected; since the loss it counted {arrival:.1f} "
+                "req/s, the streams the loss cut sent again among them"
+            )
+            arrival = pre.rps
+            self.arrivals = ArrivalTally.counted_before(pre)
         self._proc.decide(f"arrivals {arrival:.1f} req/s ({counted}); {capacity_note}")
         self.arrivals = self.arrivals.add(before, 0.0).add(obs, refused_fraction(self.admission))
         look = survivors_look(before, obs, lost_ids)
@@ -148,6 +160,7 @@ class AdmissionKeeper:
                 survivors=survivors,
                 lost_capacity_rps=per_group * len([g for g in lost if g.role is GroupRole.SERVING]),
                 per_group_capacity_rps=per_group,
+                thresholds=PressureThresholds(target_utilization=inp.objectives.target_utilization),
                 keep_armed=True,  # the warm floor is short until the replacement is back
                 queues=keeper_queue_room(inp.objectives.wait_budget_s, self.backlog, self._look_s),
                 unread_survivors=look.unread,
@@ -239,6 +252,7 @@ class AdmissionKeeper:
             capacity_rps=self.capacity_rps,
             arrival_rps=self.arrival_rps,
             wait_budget_s=inp.objectives.wait_budget_s,
+            target_utilization=inp.objectives.target_utilization,
             interval_s=timings.admission_interval_s,
             max_interval_s=timings.admission_max_interval_s,
             look_timeout_s=budget.call_timeout_s,
@@ -320,6 +334,7 @@ class AdmissionKeeper:
                 backlog=self.backlog,
                 wait_budget_s=self._inp.objectives.wait_budget_s,
                 look_s=self._look_s,
+                target_utilization=self._inp.objectives.target_utilization,
             )
             if not admission_changed(self.admission, decision.admission):
                 return False

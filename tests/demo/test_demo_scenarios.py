@@ -173,7 +173,9 @@ def test_every_scenario_passes_with_no_stream_truncated(
         (output_dir / f"{scenario}.out").write_text(output)  # kept after the run, like the kept demos'
     assert report, output[-4000:]
     assert report["scenario"] == scenario
-    assert report["verdict"] == "passed", f"{report.get('verdict_reason')}\n{output[-4000:]}"
+    # The reason is said again after the output: a CI log cut to its head and tail still shows it.
+    reason = report.get("verdict_reason")
+    assert report["verdict"] == "passed", f"{reason}\n{output[-4000:]}\nverdict_reason: {reason}"
     assert code in (None, 0)
     requests = report["requests"]
     # Nothing but the fault cut a stream: not fleetmend's deroute, drain, scale or ramp.
@@ -192,10 +194,14 @@ def test_every_scenario_passes_with_no_stream_truncated(
         effects = report["inference_effects"]
         assert effects["proposed"] > 0 and effects["external_duplicates"] == 0, effects
         assert effects["deduplicated"] > 0, effects
-        # At ~90 % the gap outran the survivors' queues: Envoy refused part of the lowest tier, with
-        # Retry-After on every refusal.
+        # The first shed planned on the arrivals the gateway counted before the loss (the fast path's
+        # count), not on the first second after it, which also holds the cut streams sent again.
+        planned = [d["summary"] for d in report["decisions"] if d["summary"].startswith("arrivals ")]
+        assert planned and "before the loss" in planned[0], planned
+        # At 90 % of the capacity fleetmend is told (72 % of the world's) the queues absorb most of the
+        # gap; whatever Envoy refused carried Retry-After. (How much it may refuse: the world's grade below.)
         users = report["users"]
-        assert users["shed"] > 0 and users["shed_with_retry_after"] == users["shed"], users
+        assert users["shed_with_retry_after"] == users["shed"], users
         # The cold replacement was ramped by its measured rate, not handed an equal share at once.
         weights = [w for step in report["ramp_steps"] for w in step["weights"].values()]
         assert weights and min(weights) < 1.0, report["ramp_steps"]

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fleet.arrivals import ArrivalTally, arrival_rate
+from fleet.arrivals import (
+    PRE_LOSS_GAP_S,
+    PRE_LOSS_WINDOW_S,
+    ArrivalTally,
+    CounterReading,
+    arrival_rate,
+    arrivals_before,
+    planned_arrivals,
+)
 from fleet.engine_metrics import EngineSnapshot
+from fleet.gateway import Admission, RouterState
+from fleet.incident import LossReport, PoolRef, PreLossArrivals
 from fleet.observation import PoolObservation
+from fleet.vocabulary import Tier
 from tests.fleet.fleets import group, snapshot
 
 
@@ -204,7 +216,80 @@ def test_the_keepers_looks_carry_the_count_and_the_served_rate_from_one_look_to_
         backlog=third.backlog,
         wait_budget_s=0.5,
         look_s=1.0,
+        target_utilization=0.9,
     )
     assert decision.shed_fraction > 0, decision.reason
     # A wait budget of 0 gives the queues no room at all.
     assert keeper_queue_room(0.0, 9.0, 1.0) is None
+
+
+# -- the rate before the loss (the fast path's readings of the gateway's counter) ------------------
+
+
+def _steady(rate: float, until: float, every: float = 1.0) -> list[CounterReading]:
+    return [
+        CounterReading(at=t * every, total=round(rate * t * every)) for t in range(int(until / every) + 1)
+    ]
+
+
+def test_the_rate_before_the_loss_leaves_out_the_burst_of_cut_streams_sent_again() -> None:
+    # 67.5 req/s for 20 s; the fault at 20 s cuts 64 streams whose clients send them again at once,
+    # and the loss is detected at 21 s. The count since the fault reads them as a rate; the window
+    # that ended 2 s before the detection does not hold them.
+    readings = [*_steady(67.5, 20.0), CounterReading(at=21.0, total=round(67.5 * 21) + 64)]
+    pre = arrivals_before(readings, detected_at=21.0)
+    assert pre is not None
+    assert pre.rps == pytest.approx(67.5, rel=0.01) and pre.seconds == pytest.approx(PRE_LOSS_WINDOW_S)
+    assert pre.ended_before_s == pytest.approx(2.0)
+    since_the_fault = (readings[-1].total - readings[-2].total) / 1.0
+    assert since_the_fault > 1.9 * 67.5  # what a one-second count after the loss would plan on
+
+
+def test_too_short_a_count_before_the_loss_is_no_rate_and_a_restart_starts_the_window_anew() -> None:
+    assert arrivals_before(_steady(50.0, 4.0), detected_at=4.5) is None  # 2.5 s, under PRE_LOSS_MIN_S
+    assert arrivals_before([], detected_at=100.0) is None
+    # The gateway restarted at 6 s (its counter fell to 0): only the readings after count.
+    restarted = [*_steady(50.0, 5.0), *(CounterReading(at=6.0 + t, total=40 * t) for t in range(8))]
+    pre = arrivals_before(restarted, detected_at=15.0)
+    assert pre is not None and pre.rps == pytest.approx(40.0) and pre.seconds == pytest.approx(7.0)
+
+
+@given(
+    rate=st.floats(min_value=1.0, max_value=500.0),
+    burst=st.integers(min_value=0, max_value=5000),
+    detect_after=st.floats(min_value=0.0, max_value=PRE_LOSS_GAP_S),
+)
+def test_no_burst_after_the_fault_moves_the_rate_before_it(
+    rate: float, burst: int, detect_after: float
+) -> None:
+    fault = 30.0
+    readings = [
+        *_steady(rate, fault),
+        CounterReading(at=fault + detect_after, total=round(rate * fault) + burst),
+    ]
+    pre = arrivals_before(readings, detected_at=fault + detect_after)
+    assert pre is not None and pre.rps == pytest.approx(rate, rel=0.05, abs=0.2)
+
+
+def _report(at: float, pre: PreLossArrivals | None) -> LossReport:
+    return LossReport(
+        pool=PoolRef(namespace="inference", service="llama"),
+        fingerprint=f"fp-{at}",
+        alert_name="FleetmendFastPathLoss",
+        observed_at=at,
+        source="fastpath",
+        arrivals_before=pre,
+    )
+
+
+def test_the_first_shed_plans_on_the_earliest_reports_count_unless_the_gateway_was_already_refusing() -> None:
+    early, late = (PreLossArrivals(rps=r, seconds=10.0, ended_before_s=2.0) for r in (60.0, 90.0))
+    reports = [_report(12.0, late), _report(10.0, early), _report(11.0, None)]
+    assert planned_arrivals(reports, None) == early
+    assert planned_arrivals([_report(10.0, None)], None) is None  # the alert path's reports carry none
+    calm = RouterState(pool="inference/llama", version=0)
+    assert planned_arrivals(reports, calm) == early
+    shedding = RouterState(
+        pool="inference/llama", version=0, admission=Admission(partial_shed={Tier.SHEDDABLE: 0.3})
+    )
+    assert planned_arrivals(reports, shedding) is None  # its counter let through less than arrived

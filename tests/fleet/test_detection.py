@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleet.detection import (
+    Detection,
     DetectionPolicy,
     EntityState,
     Evidence,
@@ -219,3 +220,22 @@ def test_an_endpoint_turning_not_ready_counts_one_failure_and_asks_for_checks() 
     assert d.verdict is Verdict.WAIT and s.failures == 1 and s.confirming
     _, d = observe(s, Evidence(entity=POD, kind=FAIL, at=1.1))
     assert d.loss
+
+
+def test_a_spell_starts_at_its_first_failing_evidence_after_the_entity_last_answered() -> None:
+    def ev(kind: EvidenceKind, at: float) -> Evidence:
+        return Evidence(entity="pod:inference/a", kind=kind, at=at)
+
+    kept = (
+        ev(EvidenceKind.GATEWAY_HEALTHY, 10.0),  # minutes before the loss
+        ev(EvidenceKind.HEALTH_FAILED, 300.0),
+        ev(EvidenceKind.HEALTH_OK, 301.0),
+        ev(EvidenceKind.GATEWAY_UNHEALTHY, 400.0),
+        ev(EvidenceKind.HEALTH_FAILED, 400.5),
+    )
+    assert (
+        Detection(entity="pod:inference/a", verdict=Verdict.LOSS, reason="", evidence=kept).spell_started_at
+        == 400.0
+    )
+    healthy = Detection(entity="pod:inference/a", verdict=Verdict.WAIT, reason="", evidence=kept[:1])
+    assert healthy.spell_started_at is None

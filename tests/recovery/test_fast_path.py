@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import signal
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from temporalio.client import Client
 
+from fleet.arrivals import PRE_LOSS_GAP_S, PRE_LOSS_MIN_S
 from fleet.detection import Verdict
 from fleet.incident import incident_workflow_id
 from fleet.recovery import Phase, ProcedureStatus
@@ -75,6 +77,17 @@ async def _watched(fast: FastPath, pods: list[str], readings: int, timeout_s: fl
         await asyncio.sleep(0.2)
 
 
+async def _counted(fast: FastPath, seconds: float, timeout_s: float = 30) -> None:
+    """Until the fast path has kept ``seconds`` of the pool's admitted-requests counter."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        readings = fast.counters.readings(POOL.key)
+        if readings and readings[-1].at - readings[0].at >= seconds:
+            return
+        assert time.monotonic() < deadline, f"the fast path kept no {seconds:g} s of counts: {readings}"
+        await asyncio.sleep(0.2)
+
+
 async def _incident_running(client: Client) -> bool:
     try:
         desc = await client.get_workflow_handle(incident_workflow_id(POOL)).describe()
@@ -91,6 +104,7 @@ async def test_gpu_node_lost_under_load_opens_the_incident_by_the_fast_path_and_
             await rig.start_load(rate=52, duration_s=90, seed=3)
             routed = await load_reaches(rig)
             await _watched(fast, routed, 3)
+            await _counted(fast, PRE_LOSS_GAP_S + PRE_LOSS_MIN_S + 1)
             assert not await _incident_running(temporal_client)  # healthy load opens nothing
             fault_at = time.time()
             assert (await rig.inject(FaultKind.NODE_LOST, "gpu-node-0"))["accepted"]
@@ -126,6 +140,13 @@ async def test_gpu_node_lost_under_load_opens_the_incident_by_the_fast_path_and_
         # The evidence the fast path acted on is in the incident's record.
         assert f"{FAST_PATH_ALERT}" in text_ and "consecutive failed checks" in text_, text_
         assert fast.counts["reports_delivered"] >= 2  # both groups on the node
+        # The first shed planned on the arrivals the gateway counted before the loss (the fast path's
+        # readings), not on the count since it, which holds the cut streams sent again: the users' rate.
+        planned = re.search(
+            r"arrivals ([\d.]+) req/s \(counted by the gateway over the \d+ s before the loss", text_
+        )
+        assert planned is not None, text_
+        assert 52 * 0.75 <= float(planned.group(1)) <= 52 * 1.25, planned.group(0)
 
 
 async def test_a_dead_gpu_node_the_fast_path_reported_only_by_its_pods_is_fenced_and_quarantined(

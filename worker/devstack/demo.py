@@ -36,6 +36,7 @@ from temporalio.service import RPCError
 
 from activities.envoy_gateway import EnvoyGateway
 from activities.gateway import Gateway
+from fleet.arrivals import PRE_LOSS_GAP_S, PRE_LOSS_MIN_S
 from fleet.gateway import JournalEntry, Outcome
 from fleet.incident import PoolRef, incident_workflow_id, scale_down_workflow_id
 from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, ServingObjectives
@@ -236,8 +237,24 @@ class World:
         from kubernetes import config as kconfig
 
         self.http = http
-        self.core = kc.CoreV1Api(kconfig.new_client_from_config(config_file=str(kubeconfig)))
+        api = kconfig.new_client_from_config(config_file=str(kubeconfig))
+        self.core = kc.CoreV1Api(api)
+        self.coordination = kc.CoordinationV1Api(api)
         self.gateway = gateway
+
+    async def led_since(self, namespace: str, lease: str) -> float | None:
+        """When the Lease's holder acquired it (unix seconds), or None while nobody holds it."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            spec = (await asyncio.to_thread(self.coordination.read_namespaced_lease, lease, namespace)).spec
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+        if spec is None or not spec.holder_identity or spec.acquire_time is None:
+            return None
+        return float(spec.acquire_time.timestamp())
 
     async def routed(self, pool: PoolRef) -> list[str]:
         """The pods Envoy would send the pool's next request to."""
@@ -356,6 +373,33 @@ def count_cuts(
         else:
             elsewhere += 1
     return by_fault, elsewhere
+
+
+# Healthy serving (and scrapes) before the fault; and the worker's fast path must have counted the
+# pool's arrivals for long enough that a loss it reports carries the rate from before the loss
+# (``fleet.arrivals.arrivals_before``: a window ending PRE_LOSS_GAP_S before the detection, at least
+# PRE_LOSS_MIN_S long; its first reading of Envoy comes a moment after it starts leading).
+HEALTHY_BEFORE_FAULT_S = 3.0
+COUNTED_BEFORE_FAULT_S = PRE_LOSS_GAP_S + PRE_LOSS_MIN_S + 1.0
+
+
+async def healthy_serving_counted(world: World, settings: Settings, healthy_s: float) -> None:
+    """Until the users have been served ``healthy_s`` more seconds and, with the fast path on, its
+    leader has held the Lease ``COUNTED_BEFORE_FAULT_S``."""
+    serving_from = time.time()
+
+    async def ready() -> bool:
+        now = time.time()
+        if now - serving_from < healthy_s:
+            return False
+        if not settings.fastpath_enabled:
+            return True
+        since = await world.led_since(settings.fastpath_lease_namespace, settings.fastpath_lease_name)
+        return since is not None and now - since >= COUNTED_BEFORE_FAULT_S
+
+    await _until(
+        "the fast path to lead and count the pool's arrivals", ready, FLEET_UP_TIMEOUT_S, interval_s=0.2
+    )
 
 
 async def _until(what: str, check: Callable[[], Any], timeout_s: float, interval_s: float = 0.3) -> Any:
@@ -949,7 +993,7 @@ async def run_demo(
                         f"alerting: Prometheus {pipeline.prometheus_url}, "
                         f"Alertmanager {pipeline.alertmanager_url}"
                     )
-                await asyncio.sleep(3)  # a few seconds of healthy serving (and scrapes) before the fault
+                await healthy_serving_counted(world, s, HEALTHY_BEFORE_FAULT_S)
                 handle = await _cause(stack, world, run, pipeline, console)
                 status = await follow(handle, world, load_id, run, console)
                 console.print()  # the live view's last frame ends without a newline

@@ -22,6 +22,12 @@ number of Envoys and with what changes, not with the number of engines:
   ``HEALTHY``; ``pending_active_hc`` (awaiting its first check) and ``pending_dynamic_removal``
   (leaving service discovery) are neither failing nor healthy.
 
+The same ``/stats`` answer carries each cluster's ``upstream_rq_total`` and ``upstream_rq_retry``
+(counters; they move with every request and never make a cluster "moved"): their difference is
+the first attempts Envoy sent to the pool's engines, the arrivals admission let through.
+``CounterHistory`` keeps a few seconds of those per pool, so a loss the fast path reports carries
+the arrival rate from before the loss (``fleet.arrivals.arrivals_before``).
+
 The answer is the hosts that turned healthy and the hosts that fail (``GatewayChanges``), by
 address; the fast path maps an address to its pod through the pods informer's index. Field
 names as in Envoy's ``api/envoy/admin/v3/clusters.proto`` and as Envoy 1.40 prints them
@@ -33,11 +39,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from fleet.arrivals import PRE_LOSS_GAP_S, PRE_LOSS_WINDOW_S, CounterReading
 
 log = logging.getLogger("fleetmend.fastpath")
 
@@ -50,10 +59,13 @@ FIGURES = (
     "membership_healthy",
     "membership_total",
 )
+# Read in the same answer, never part of a cluster's health figures: first attempts = total - retry.
+TRAFFIC = ("upstream_rq_total", "upstream_rq_retry")
 STATS_FILTER = (
     r"^cluster\..+\.(health_check\.(failure|network_failure)"
     r"|outlier_detection\.(ejections_active|ejections_enforced_total)"
-    r"|membership_(healthy|total))$"
+    r"|membership_(healthy|total)"
+    r"|upstream_rq_(total|retry))$"
 )
 # HostHealthStatus flags that take a host out of rotation for its health.
 FAILED_FLAGS = ("failed_active_health_check", "failed_outlier_check")
@@ -110,6 +122,46 @@ def cluster_figures(stats: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return {c: tuple(v.get(f, 0) for f in FIGURES) for c, v in values.items()}
 
 
+def cluster_first_attempts(stats: dict[str, Any]) -> dict[str, int]:
+    """``{cluster: upstream_rq_total - upstream_rq_retry}`` from the same ``/stats`` answer."""
+    values: dict[str, dict[str, int]] = {}
+    for stat in stats.get("stats") or []:
+        name = str(stat.get("name") or "")
+        for figure in TRAFFIC:
+            if name.startswith("cluster.") and name.endswith(f".{figure}") and "value" in stat:
+                values.setdefault(name[len("cluster.") : -len(figure) - 1], {})[figure] = int(
+                    stat["value"] or 0
+                )
+    return {c: v.get(TRAFFIC[0], 0) - v.get(TRAFFIC[1], 0) for c, v in values.items()}
+
+
+class CounterHistory:
+    """Each pool's first-attempts counter, summed over every Envoy, for the last ``keep_s`` seconds:
+    at most one reading per ``every_s`` per pool (a few dozen numbers per pool, whatever its size).
+    A pool whose cluster is gone is forgotten."""
+
+    def __init__(
+        self, keep_s: float = PRE_LOSS_WINDOW_S + PRE_LOSS_GAP_S + 5.0, every_s: float = 1.0
+    ) -> None:
+        self._keep_s, self._every_s = keep_s, every_s
+        self._readings: dict[str, deque[CounterReading]] = {}
+
+    def record(self, at: float, totals: dict[str, int]) -> None:
+        for gone in set(self._readings) - set(totals):
+            del self._readings[gone]
+        for cluster, total in totals.items():
+            readings = self._readings.setdefault(cluster, deque())
+            if readings and at - readings[-1].at < self._every_s:
+                continue
+            readings.append(CounterReading(at=at, total=max(0, total)))
+            while readings and at - readings[0].at > self._keep_s:
+                readings.popleft()
+
+    def readings(self, cluster: str) -> list[CounterReading]:
+        """Oldest first."""
+        return list(self._readings.get(cluster, ()))
+
+
 def host_health(admin: str, cluster: str, host: dict[str, Any]) -> HostHealth | None:
     """One ``host_statuses[]`` entry of ``/clusters?format=json``; None without a socket address."""
     sock = (host.get("address") or {}).get("socket_address") or {}
@@ -149,6 +201,9 @@ class EnvoyHealthView:
         # (admin, cluster) -> (address, port) -> host
         self._hosts: dict[tuple[str, str], dict[tuple[str, int], HostHealth]] = {}
         self._failing_admins: set[str] = set()
+        # cluster -> first attempts summed over every Envoy, at the last reading every Envoy answered
+        self.first_attempts: dict[str, int] | None = None
+        self._attempts: dict[str, dict[str, int]] = {}  # admin -> cluster -> first attempts
         self.stats_reads = 0
         self.clusters_reads = 0
 
@@ -160,6 +215,14 @@ class EnvoyHealthView:
             self._forget(gone)
         results = await asyncio.gather(*(self._poll_one(a) for a in admins), return_exceptions=True)
         changes = GatewayChanges()
+        if all(not isinstance(result, BaseException) for result in results):
+            totals: dict[str, int] = {}
+            for admin in admins:
+                for cluster, n in self._attempts.get(admin, {}).items():
+                    totals[cluster] = totals.get(cluster, 0) + n
+            self.first_attempts = totals
+        else:  # a sum missing an Envoy would read as a counter that went backwards
+            self.first_attempts = None
         for admin, result in zip(admins, results, strict=True):
             if isinstance(result, BaseException):
                 if isinstance(result, asyncio.CancelledError):
@@ -180,6 +243,7 @@ class EnvoyHealthView:
 
     def _forget(self, admin: str) -> None:
         self._figures.pop(admin, None)
+        self._attempts.pop(admin, None)
         for key in [k for k in self._hosts if k[0] == admin]:
             del self._hosts[key]
 
@@ -189,7 +253,9 @@ class EnvoyHealthView:
         )
         r.raise_for_status()
         self.stats_reads += 1
-        figures = cluster_figures(r.json())
+        answer = r.json()
+        self._attempts[admin] = cluster_first_attempts(answer)
+        figures = cluster_figures(answer)
         before = self._figures.get(admin, {})
         moved = {c for c, f in figures.items() if before.get(c) != f}
         for cluster in set(before) - set(figures):  # the cluster is gone: so are its hosts

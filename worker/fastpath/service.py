@@ -11,6 +11,8 @@ not-ready, is a *suspect*: the fast path checks that engine's ``/health`` itself
 (``health_url_template``; at most ``fastpath_confirm_concurrency`` checks in flight)
 until ``fleet.detection`` settles it. Nothing is polled per pod while every engine
 answers, and every informer handler costs O(1) per event (``worker/fastpath/index.py``).
+The same Envoy reading carries each pool's admitted-requests counter; a few seconds of it
+(``CounterHistory``) give every loss report the pool's arrival rate from before the loss.
 
 Each observation becomes ``fleet.detection.Evidence``; the pure policy decides; a
 confirmed loss is delivered through the ``AlertIntake`` the webhook uses too
@@ -44,6 +46,7 @@ from kubernetes import client as k8s
 from sqlalchemy import Engine
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 
+from fleet.arrivals import arrivals_before
 from fleet.detection import Detection, DetectionPolicy, EntityState, Evidence, EvidenceKind, Verdict, observe
 from fleet.fence import fence_workflow_id
 from fleet.fleet_event import AttributeTally, NodeAttribute, NodeLoss, fleet_event_workflow_id
@@ -56,7 +59,7 @@ from kube.informer import Informer
 from kube.lease import LeaderElector
 from ledger.store import make_engine
 from worker.config import Settings
-from worker.fastpath.envoy import EnvoyHealthView, GatewayChanges, HostHealth
+from worker.fastpath.envoy import CounterHistory, EnvoyHealthView, GatewayChanges, HostHealth
 from worker.fastpath.index import PodIndex
 from worker.intake.intake import AlertIntake, Delivery
 from worker.intake.metrics import WebhookMetrics
@@ -129,6 +132,8 @@ class FastPath:
         self.counts: Counter[str] = Counter()
         self.informers: list[Informer] = []
         self.gateway: EnvoyHealthView | None = None  # Envoy's health view, while leading
+        # Each pool's admitted-requests counter over the last seconds: a report's pre-loss arrivals.
+        self.counters = CounterHistory()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue[Evidence] | None = None
         self._http: httpx.AsyncClient | None = None
@@ -505,6 +510,8 @@ class FastPath:
                 log.warning("fast path: reading Envoy's view failed", extra={"error": str(err)[:300]})
                 self._admins = None
             else:
+                if view.first_attempts is not None:
+                    self.counters.record(time.time(), view.first_attempts)
                 self._on_gateway(changes)
             self.counts["gateway_readings"] += 1
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
@@ -650,6 +657,7 @@ class FastPath:
     async def _report(self, detection: Detection) -> None:
         kind, _, name = detection.entity.partition(":")
         first = detection.evidence[0].at if detection.evidence else time.time()
+        spell_at = detection.spell_started_at or time.time()  # the pre-loss count ends before it
         # (pool, replica group or None, node, pod) for every affected group.
         targets: list[tuple[PoolRef, str | None, str | None, str | None]] = []
         if kind == "node":
@@ -679,6 +687,7 @@ class FastPath:
                 observed_at=first,
                 source="fastpath",
                 labels={EVIDENCE_LABEL: detection.reason[:500]},
+                arrivals_before=arrivals_before(self.counters.readings(pool.key), spell_at),
             )
             routed.append(RoutedReport(incident_workflow_id(pool), RuleAction.START_INCIDENT, report))
         if not routed:
