@@ -320,6 +320,7 @@ async def one_run(
     client_retries: int = 0,
     load_of_world: bool = False,
     target_utilization: float | None = None,
+    queue_wait_budget_s: float | None = None,
 ) -> RunResult:
     fleetmend = mode == "fleetmend"
     # With the load set against the world's capacity, fleetmend is told that capacity too, as an
@@ -331,6 +332,7 @@ async def one_run(
             "serving_objectives": ServingObjectives(
                 group_capacity_rps=round(per_group, 2),
                 **({} if target_utilization is None else {"target_utilization": target_utilization}),
+                **({} if queue_wait_budget_s is None else {"queue_wait_budget_s": queue_wait_budget_s}),
             ),
             **FAST_PATH,
         }
@@ -653,6 +655,7 @@ async def main(
     client_retries: int = 0,
     load_of_world: bool = False,
     target_utilization: float | None = None,
+    queue_wait_budget_s: float | None = None,
 ) -> int:
     pg = acquire_server()
     env = await throwaway_dev_server()
@@ -670,6 +673,8 @@ async def main(
                 name += f", clients retry {client_retries}x"
             if target_utilization is not None:
                 name += f", fleetmend plans {target_utilization:.0%} utilization"
+            if queue_wait_budget_s is not None:
+                name += f", queue wait budget {queue_wait_budget_s:g} s"
             runs = results.setdefault(name, [])
             # Every round runs the modes on the same seed, so each fleetmend run is compared with
             # Kubernetes alone (and no fault) on the very same arrivals.
@@ -691,6 +696,7 @@ async def main(
                         client_retries=client_retries,
                         load_of_world=load_of_world,
                         target_utilization=target_utilization,
+                        queue_wait_budget_s=queue_wait_budget_s,
                     )
                 except Exception as err:  # one broken run is reported, the table goes on without it
                     print(f"{name} {mode} #{r + 1}: FAILED: {type(err).__name__}: {err}")
@@ -766,6 +772,13 @@ if __name__ == "__main__":
         help="fleetmend's ServingObjectives.target_utilization: the share of the routed capacity it admits "
         "during a gap (default: the objectives' default)",
     )
+    parser.add_argument(
+        "--queue-wait-budget",
+        type=float,
+        default=None,
+        help="fleetmend's ServingObjectives.queue_wait_budget_s: how long a request may wait in a survivor's "
+        "queue during a gap (default: the TTFT objective, 2 s; the bench's users' deadlines are 5/10/20 s)",
+    )
     parser.add_argument("--plot", type=Path, default=None, help="write the stage timeline (PNG) here")
     parser.add_argument("--json", type=Path, default=None, help="write every run's figures here")
     parser.add_argument(
@@ -796,6 +809,8 @@ if __name__ == "__main__":
         )
     if args.target_utilization is not None and not 0 < args.target_utilization <= 1:
         parser.error(f"--target-utilization {args.target_utilization}: give a share in (0, 1]")
+    if args.queue_wait_budget is not None and not 0 <= args.queue_wait_budget <= 600:
+        parser.error(f"--queue-wait-budget {args.queue_wait_budget}: give seconds in [0, 600]")
     code = asyncio.run(
         main(
             args.rounds,
@@ -808,6 +823,7 @@ if __name__ == "__main__":
             args.client_retries,
             args.load_of_world,
             args.target_utilization,
+            args.queue_wait_budget,
         )
     )
     raise SystemExit(code)
