@@ -59,13 +59,17 @@ def arrival_rate(
     return total, "survivors' completions + queue growth (the gateway keeps no count)"
 
 
-# The window ``arrivals_before`` counts: it ends at least PRE_LOSS_GAP_S before the detection (a
-# fault cuts streams, and their clients retry, before Envoy's health check or the fast path notices:
-# on the shipped 1 s health check within about 2 s), spans up to PRE_LOSS_WINDOW_S, and counts for
-# nothing under PRE_LOSS_MIN_S (an open-loop load's count over a shorter window is noise).
+# The window ``arrivals_before`` counts: it ends at least PRE_LOSS_GAP_S before the first sign of the
+# loss (a fault cuts streams, and their clients retry, before Envoy's health check or the fast path
+# notices: on the shipped 1 s health check within about 2 s) and at most PRE_LOSS_STALE_S after that
+# (older readings say nothing about now: the history had a hole), spans up to PRE_LOSS_WINDOW_S, and
+# counts for nothing under PRE_LOSS_MIN_S (an open-loop load's count over a shorter window is noise).
+# ``planned_arrivals`` takes a count no older than PRE_LOSS_MAX_AGE_S when the recovery first looks.
 PRE_LOSS_GAP_S = 2.0
-PRE_LOSS_WINDOW_S = 10.0
+PRE_LOSS_STALE_S = 3.0
+PRE_LOSS_WINDOW_S = 8.0
 PRE_LOSS_MIN_S = 3.0
+PRE_LOSS_MAX_AGE_S = 30.0
 
 
 class CounterReading(BaseModel):
@@ -84,39 +88,56 @@ def arrivals_before(
     gap_s: float = PRE_LOSS_GAP_S,
     window_s: float = PRE_LOSS_WINDOW_S,
     min_s: float = PRE_LOSS_MIN_S,
+    stale_s: float = PRE_LOSS_STALE_S,
 ) -> PreLossArrivals | None:
-    """The rate over readings (oldest first) in a window that ends ``gap_s`` before ``detected_at``
-    and spans at most ``window_s``; None when it spans less than ``min_s``. A counter that went
-    backwards (a gateway restarted) starts the window anew after the drop."""
+    """The rate over readings (oldest first) in a window that ends ``gap_s`` (at most ``gap_s +
+    stale_s``) before ``detected_at``, the loss's first sign, and spans at most ``window_s``; None
+    when there is no such reading or it spans less than ``min_s``. A counter that went backwards (a
+    gateway restarted) starts the window anew after the drop, and readings before the counter first
+    moved in the window are left out: a load that began inside it (a pool just put in service, a
+    bench's users starting) is counted from its start, not diluted by the idle seconds before."""
     kept = [r for r in readings if r.at <= detected_at - gap_s]
-    if not kept:
+    if not kept or detected_at - kept[-1].at > gap_s + stale_s:
         return None
     end = kept[-1]
     start = end
+    window = [end]
     for r in reversed(kept[:-1]):
-        if r.total > start.total or end.at - r.at > window_s:
+        if r.total > window[-1].total or end.at - r.at > window_s:
             break
-        start = r
+        window.append(r)
+    window.reverse()
+    while len(window) > 1 and window[1].total == window[0].total:
+        window.pop(0)
+    start = window[0]
     seconds = end.at - start.at
-    if seconds < min_s:
+    if seconds <= 0 or seconds < min_s:
         return None
     return PreLossArrivals(
-        rps=(end.total - start.total) / seconds, seconds=seconds, ended_before_s=detected_at - end.at
+        rps=(end.total - start.total) / seconds,
+        seconds=seconds,
+        ended_at=end.at,
+        ended_before_s=detected_at - end.at,
     )
 
 
-def planned_arrivals(reports: Iterable[LossReport], router: RouterState | None) -> PreLossArrivals | None:
+def planned_arrivals(
+    reports: Iterable[LossReport],
+    router: RouterState | None,
+    looked_at: float,
+    max_age_s: float = PRE_LOSS_MAX_AGE_S,
+) -> PreLossArrivals | None:
     """The arrivals to plan the first shed on: the pre-loss count of the earliest report that carries
-    one, when the gateway refused nothing before the incident (then its counter counted every
-    arrival; a pool already shedding let through less than arrived, and the short count since the
-    loss, scaled by the refused share, is used instead)."""
+    one, when its window ended at most ``max_age_s`` before the recovery's first look (``looked_at``)
+    and the gateway refused nothing at that look. Then its counter counted every arrival: a report
+    that waited in the incident behind another recovery is older, and its window may have been
+    shed; a pool still shedding let through less than arrived. Otherwise the short count since the
+    loss, scaled by the refused share, is used, as before."""
     if router is not None and (router.admission.shed_tiers or router.admission.partial_shed):
         return None
-    carrying = [r for r in reports if r.arrivals_before is not None]
-    if not carrying:
-        return None
-    first = min(carrying, key=lambda r: r.observed_at if r.observed_at is not None else float("inf"))
-    return first.arrivals_before
+    carrying = [r.arrivals_before for r in reports if r.arrivals_before is not None]
+    fresh = [p for p in carrying if looked_at - p.ended_at <= max_age_s]
+    return min(fresh, key=lambda p: p.ended_at) if fresh else None
 
 
 class ArrivalTally(BaseModel):

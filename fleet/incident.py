@@ -66,7 +66,8 @@ class PreLossArrivals(BaseModel):
 
     rps: float = Field(ge=0)
     seconds: float = Field(gt=0, description="How long the window counted")
-    ended_before_s: float = Field(ge=0, description="How long before the detection the window ended")
+    ended_at: float = Field(description="When the window ended (unix seconds)")
+    ended_before_s: float = Field(ge=0, description="How long before the loss's first sign the window ended")
 
 
 class LossReport(BaseModel):

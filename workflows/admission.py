@@ -136,13 +136,14 @@ class AdmissionKeeper:
             refused_share=refused_fraction(self.admission),
             counted_since=initial,
         )
-        pre = planned_arrivals(inp.reports, initial.router)
+        pre = planned_arrivals(inp.reports, initial.router, initial.snapshot.observed_at)
         if pre is not None:
             # The rate the pool keeps, counted before the loss; the window since the loss also holds the
-            # cut streams sent again. The keeper's count goes on from that window.
+            # cut streams sent again. The keeper's count goes on from that window (the stretch from the
+            # first look to ``before``, a second or so after the loss, is left out with the rest).
             counted = (
                 f"counted by the gateway over the {pre.seconds:.0f} s before the loss, until "
-                f"{pre.ended_before_s:.1f} s before it was detected; since the loss it counted {arrival:.1f} "
+                f"{pre.ended_before_s:.1f} s before its first sign; since the loss it counted {arrival:.1f} "
                 "req/s, the streams the loss cut sent again among them"
             )
             arrival = pre.rps

@@ -39,3 +39,16 @@ def test_the_history_keeps_a_reading_a_second_for_a_few_seconds_and_forgets_a_go
     assert [r.at for r in kept] == [105.0, 106.0, 107.0, 108.0, 109.0, 110.0]
     history.record(111.0, {"inference/llama": 60 * 45})
     assert history.readings("inference/other") == []
+
+
+def test_a_change_in_the_set_of_envoys_starts_every_pools_history_anew() -> None:
+    # A second Envoy joins with its own lifetime count: the sum jumps, and is no rate.
+    history = CounterHistory(keep_s=30.0, every_s=1.0)
+    one, two = (
+        frozenset({"http://127.0.0.1:9901"}),
+        frozenset({"http://127.0.0.1:9901", "http://127.0.0.1:9902"}),
+    )
+    for t in range(5):
+        history.record(100.0 + t, {"inference/llama": 50 * t}, one)
+    history.record(105.0, {"inference/llama": 250 + 90_000}, two)
+    assert [r.total for r in history.readings("inference/llama")] == [90_250]

@@ -246,7 +246,7 @@ def test_the_rate_before_the_loss_leaves_out_the_burst_of_cut_streams_sent_again
 
 
 def test_too_short_a_count_before_the_loss_is_no_rate_and_a_restart_starts_the_window_anew() -> None:
-    assert arrivals_before(_steady(50.0, 4.0), detected_at=4.5) is None  # 2.5 s, under PRE_LOSS_MIN_S
+    assert arrivals_before(_steady(50.0, 4.0), detected_at=4.5) is None  # 2 s counted, under PRE_LOSS_MIN_S
     assert arrivals_before([], detected_at=100.0) is None
     # The gateway restarted at 6 s (its counter fell to 0): only the readings after count.
     restarted = [*_steady(50.0, 5.0), *(CounterReading(at=6.0 + t, total=40 * t) for t in range(8))]
@@ -257,17 +257,20 @@ def test_too_short_a_count_before_the_loss_is_no_rate_and_a_restart_starts_the_w
 @given(
     rate=st.floats(min_value=1.0, max_value=500.0),
     burst=st.integers(min_value=0, max_value=5000),
-    detect_after=st.floats(min_value=0.0, max_value=PRE_LOSS_GAP_S),
+    detect_after=st.floats(min_value=0.1, max_value=PRE_LOSS_GAP_S - 0.01),
 )
 def test_no_burst_after_the_fault_moves_the_rate_before_it(
     rate: float, burst: int, detect_after: float
 ) -> None:
+    # The fault at 30 s; the cut streams come back at 30.1 s and the fast path keeps reading (every
+    # 0.5 s) until the loss's first sign, up to 2 s later.
     fault = 30.0
-    readings = [
-        *_steady(rate, fault),
-        CounterReading(at=fault + detect_after, total=round(rate * fault) + burst),
+    after = [
+        CounterReading(at=at, total=round(rate * at) + burst)
+        for at in (fault + 0.1, fault + 0.6, fault + 1.1, fault + 1.6)
+        if at <= fault + detect_after
     ]
-    pre = arrivals_before(readings, detected_at=fault + detect_after)
+    pre = arrivals_before([*_steady(rate, fault), *after], detected_at=fault + detect_after)
     assert pre is not None and pre.rps == pytest.approx(rate, rel=0.05, abs=0.2)
 
 
@@ -283,13 +286,31 @@ def _report(at: float, pre: PreLossArrivals | None) -> LossReport:
 
 
 def test_the_first_shed_plans_on_the_earliest_reports_count_unless_the_gateway_was_already_refusing() -> None:
-    early, late = (PreLossArrivals(rps=r, seconds=10.0, ended_before_s=2.0) for r in (60.0, 90.0))
+    early, late = (
+        PreLossArrivals(rps=r, seconds=8.0, ended_at=t, ended_before_s=2.0)
+        for r, t in ((60.0, 8.0), (90.0, 10.0))
+    )
     reports = [_report(12.0, late), _report(10.0, early), _report(11.0, None)]
-    assert planned_arrivals(reports, None) == early
-    assert planned_arrivals([_report(10.0, None)], None) is None  # the alert path's reports carry none
+    assert planned_arrivals(reports, None, looked_at=13.0) == early
+    assert (
+        planned_arrivals([_report(10.0, None)], None, looked_at=13.0) is None
+    )  # the alert path's carry none
     calm = RouterState(pool="inference/llama", version=0)
-    assert planned_arrivals(reports, calm) == early
+    assert planned_arrivals(reports, calm, looked_at=13.0) == early
+    # A report that waited in the incident behind another recovery: its count is too old to plan on.
+    assert planned_arrivals(reports, calm, looked_at=39.0) == late
+    assert planned_arrivals(reports, calm, looked_at=41.0) is None
     shedding = RouterState(
         pool="inference/llama", version=0, admission=Admission(partial_shed={Tier.SHEDDABLE: 0.3})
     )
-    assert planned_arrivals(reports, shedding) is None  # its counter let through less than arrived
+    assert planned_arrivals(reports, shedding, looked_at=13.0) is None  # it let through less than arrived
+
+
+def test_a_load_that_began_inside_the_window_is_counted_from_its_start_and_stale_readings_are_none() -> None:
+    # Idle until 4 s, then 60 req/s; the window (up to 8 s, ending 2 s before the first sign at 12 s)
+    # would reach back to 2 s: the idle readings are left out, not averaged in.
+    readings = [CounterReading(at=float(t), total=max(0, 60 * (t - 4))) for t in range(13)]
+    pre = arrivals_before(readings, detected_at=12.0)
+    assert pre is not None and pre.rps == pytest.approx(60.0) and pre.seconds == pytest.approx(6.0)
+    # The fast path stopped reading 30 s before the loss (no Envoy answered): nothing to plan on.
+    assert arrivals_before(readings, detected_at=42.0) is None

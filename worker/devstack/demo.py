@@ -36,7 +36,7 @@ from temporalio.service import RPCError
 
 from activities.envoy_gateway import EnvoyGateway
 from activities.gateway import Gateway
-from fleet.arrivals import PRE_LOSS_GAP_S, PRE_LOSS_MIN_S
+from fleet.arrivals import PRE_LOSS_GAP_S, PRE_LOSS_WINDOW_S
 from fleet.gateway import JournalEntry, Outcome
 from fleet.incident import PoolRef, incident_workflow_id, scale_down_workflow_id
 from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, ServingObjectives
@@ -243,7 +243,8 @@ class World:
         self.gateway = gateway
 
     async def led_since(self, namespace: str, lease: str) -> float | None:
-        """When the Lease's holder acquired it (unix seconds), or None while nobody holds it."""
+        """When the Lease's holder acquired it (unix seconds), or None while nobody holds it (no
+        holder, or one that has not renewed within the lease's duration)."""
         from kubernetes.client.exceptions import ApiException
 
         try:
@@ -252,7 +253,9 @@ class World:
             if err.status == 404:
                 return None
             raise
-        if spec is None or not spec.holder_identity or spec.acquire_time is None:
+        if spec is None or not spec.holder_identity or spec.acquire_time is None or spec.renew_time is None:
+            return None
+        if time.time() - spec.renew_time.timestamp() > float(spec.lease_duration_seconds or 15):
             return None
         return float(spec.acquire_time.timestamp())
 
@@ -376,16 +379,21 @@ def count_cuts(
 
 
 # Healthy serving (and scrapes) before the fault; and the worker's fast path must have counted the
-# pool's arrivals for long enough that a loss it reports carries the rate from before the loss
-# (``fleet.arrivals.arrivals_before``: a window ending PRE_LOSS_GAP_S before the detection, at least
-# PRE_LOSS_MIN_S long; its first reading of Envoy comes a moment after it starts leading).
+# users' arrivals for long enough that a loss it reports carries the rate from before the loss
+# (``fleet.arrivals.arrivals_before``: a window of up to PRE_LOSS_WINDOW_S ending PRE_LOSS_GAP_S
+# before the loss's first sign). A production fleet is always under load and its fast path always
+# counting; the demo starts both a moment before the fault, so it waits until the whole window holds
+# the users' load (not the idle seconds before it) and the fast path has led through it.
 HEALTHY_BEFORE_FAULT_S = 3.0
-COUNTED_BEFORE_FAULT_S = PRE_LOSS_GAP_S + PRE_LOSS_MIN_S + 1.0
+COUNTED_BEFORE_FAULT_S = PRE_LOSS_WINDOW_S + PRE_LOSS_GAP_S + 0.5
 
 
-async def healthy_serving_counted(world: World, settings: Settings, healthy_s: float) -> None:
-    """Until the users have been served ``healthy_s`` more seconds and, with the fast path on, its
-    leader has held the Lease ``COUNTED_BEFORE_FAULT_S``."""
+async def healthy_serving_counted(
+    world: World, settings: Settings, load_started: float, healthy_s: float = HEALTHY_BEFORE_FAULT_S
+) -> None:
+    """Until the users have been served ``healthy_s`` more seconds and, with the fast path on, for
+    ``COUNTED_BEFORE_FAULT_S`` since ``load_started`` (unix seconds) with the fast path's leader
+    holding its Lease all along."""
     serving_from = time.time()
 
     async def ready() -> bool:
@@ -395,7 +403,8 @@ async def healthy_serving_counted(world: World, settings: Settings, healthy_s: f
         if not settings.fastpath_enabled:
             return True
         since = await world.led_since(settings.fastpath_lease_namespace, settings.fastpath_lease_name)
-        return since is not None and now - since >= COUNTED_BEFORE_FAULT_S
+        counting_from = None if since is None else max(since, load_started)
+        return counting_from is not None and now - counting_from >= COUNTED_BEFORE_FAULT_S
 
     await _until(
         "the fast path to lead and count the pool's arrivals", ready, FLEET_UP_TIMEOUT_S, interval_s=0.2
@@ -982,6 +991,7 @@ async def run_demo(
                     "effects_token": token,
                     "jira_url": s.sim_url,
                 }
+            load_started = time.time()
             load_id = await world.start_load(load_body)
             share = float(load_body["rate"]) / (scenario.serving_groups * GROUP_CAPACITY_RPS)
             console.print(
@@ -993,7 +1003,7 @@ async def run_demo(
                         f"alerting: Prometheus {pipeline.prometheus_url}, "
                         f"Alertmanager {pipeline.alertmanager_url}"
                     )
-                await healthy_serving_counted(world, s, HEALTHY_BEFORE_FAULT_S)
+                await healthy_serving_counted(world, s, load_started)
                 handle = await _cause(stack, world, run, pipeline, console)
                 status = await follow(handle, world, load_id, run, console)
                 console.print()  # the live view's last frame ends without a newline

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ from typing import Any
 
 import httpx
 
-from fleet.arrivals import PRE_LOSS_GAP_S, PRE_LOSS_WINDOW_S, CounterReading
+from fleet.arrivals import PRE_LOSS_GAP_S, PRE_LOSS_STALE_S, PRE_LOSS_WINDOW_S, CounterReading
 
 log = logging.getLogger("fleetmend.fastpath")
 
@@ -137,21 +138,30 @@ def cluster_first_attempts(stats: dict[str, Any]) -> dict[str, int]:
 
 class CounterHistory:
     """Each pool's first-attempts counter, summed over every Envoy, for the last ``keep_s`` seconds:
-    at most one reading per ``every_s`` per pool (a few dozen numbers per pool, whatever its size).
-    A pool whose cluster is gone is forgotten."""
+    about one reading per ``every_s`` per pool (a few dozen numbers per pool, whatever its size).
+    A pool whose cluster is gone is forgotten. The sum is over one set of Envoys: when the set
+    changes (one joined, with its own lifetime count, or left), every pool's history starts anew."""
 
     def __init__(
-        self, keep_s: float = PRE_LOSS_WINDOW_S + PRE_LOSS_GAP_S + 5.0, every_s: float = 1.0
+        self,
+        keep_s: float = PRE_LOSS_WINDOW_S + PRE_LOSS_GAP_S + PRE_LOSS_STALE_S + 2.0,
+        every_s: float = 1.0,
     ) -> None:
         self._keep_s, self._every_s = keep_s, every_s
         self._readings: dict[str, deque[CounterReading]] = {}
+        self._envoys: frozenset[str] = frozenset()
 
-    def record(self, at: float, totals: dict[str, int]) -> None:
+    def record(self, at: float, totals: dict[str, int], envoys: frozenset[str] = frozenset()) -> None:
+        """One reading of every pool's sum over ``envoys`` (the admin addresses read) at ``at``."""
+        if envoys != self._envoys:
+            self._readings.clear()
+            self._envoys = envoys
         for gone in set(self._readings) - set(totals):
             del self._readings[gone]
         for cluster, total in totals.items():
             readings = self._readings.setdefault(cluster, deque())
-            if readings and at - readings[-1].at < self._every_s:
+            # 0.9: a reading every second even when the poll's own interval jitters around a divisor.
+            if readings and at - readings[-1].at < 0.9 * self._every_s:
                 continue
             readings.append(CounterReading(at=at, total=max(0, total)))
             while readings and at - readings[0].at > self._keep_s:
@@ -201,9 +211,13 @@ class EnvoyHealthView:
         # (admin, cluster) -> (address, port) -> host
         self._hosts: dict[tuple[str, str], dict[tuple[str, int], HostHealth]] = {}
         self._failing_admins: set[str] = set()
-        # cluster -> first attempts summed over every Envoy, at the last reading every Envoy answered
+        # cluster -> first attempts summed over every Envoy, at the last reading every Envoy answered;
+        # which Envoys, and when the last of their /stats answers came (unix seconds)
         self.first_attempts: dict[str, int] | None = None
+        self.first_attempts_from: frozenset[str] = frozenset()
+        self.first_attempts_at = 0.0
         self._attempts: dict[str, dict[str, int]] = {}  # admin -> cluster -> first attempts
+        self._attempts_at: dict[str, float] = {}
         self.stats_reads = 0
         self.clusters_reads = 0
 
@@ -221,6 +235,8 @@ class EnvoyHealthView:
                 for cluster, n in self._attempts.get(admin, {}).items():
                     totals[cluster] = totals.get(cluster, 0) + n
             self.first_attempts = totals
+            self.first_attempts_from = frozenset(admins)
+            self.first_attempts_at = max((self._attempts_at.get(a, 0.0) for a in admins), default=time.time())
         else:  # a sum missing an Envoy would read as a counter that went backwards
             self.first_attempts = None
         for admin, result in zip(admins, results, strict=True):
@@ -244,6 +260,7 @@ class EnvoyHealthView:
     def _forget(self, admin: str) -> None:
         self._figures.pop(admin, None)
         self._attempts.pop(admin, None)
+        self._attempts_at.pop(admin, None)
         for key in [k for k in self._hosts if k[0] == admin]:
             del self._hosts[key]
 
@@ -254,7 +271,7 @@ class EnvoyHealthView:
         r.raise_for_status()
         self.stats_reads += 1
         answer = r.json()
-        self._attempts[admin] = cluster_first_attempts(answer)
+        self._attempts[admin], self._attempts_at[admin] = cluster_first_attempts(answer), time.time()
         figures = cluster_figures(answer)
         before = self._figures.get(admin, {})
         moved = {c for c, f in figures.items() if before.get(c) != f}

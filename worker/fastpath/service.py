@@ -501,6 +501,7 @@ class FastPath:
         assert self._http is not None
         view = EnvoyHealthView(self._http, self._admin_urls)
         self.gateway = view
+        self.counters = CounterHistory()  # a count from before this leadership says nothing about now
         interval = self.settings.fastpath_envoy_interval_s
         while not lost.is_set():
             started = time.monotonic()
@@ -511,7 +512,9 @@ class FastPath:
                 self._admins = None
             else:
                 if view.first_attempts is not None:
-                    self.counters.record(time.time(), view.first_attempts)
+                    self.counters.record(
+                        view.first_attempts_at, view.first_attempts, view.first_attempts_from
+                    )
                 self._on_gateway(changes)
             self.counts["gateway_readings"] += 1
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
