@@ -55,9 +55,8 @@ from fleet.shedding import ShedLevel, account_shedding
 from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_WORKER_INDEX_LABEL, FaultKind
 from ledger.migrate import upgrade_head
 from ledger.scratch import acquire_server
-from sim.serving.layer import settings_from_scenario
+from sim.serving.layer import warm_group_capacity_rps
 from sim.serving.loadgen import LoadSpec
-from sim.serving.supervisor import engine_spec_for
 from worker.devstack.demo import DEMO_TIMINGS
 from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
 from worker.devstack.scenarios import GROUP_CAPACITY_RPS, LOAD_SHARE
@@ -159,11 +158,7 @@ def world_group_capacity_rps(fault: FaultClass) -> float:
     first token, plus the prefill of the prompt share a warm prefix cache misses), counted by the same
     ``EngineSpec.request_work`` the world's grade uses. ``GROUP_CAPACITY_RPS`` (15), what fleetmend is told, is
     about 20 % below it: a load share of that figure is a smaller share of the world's."""
-    scenario = world(fault)
-    spec = engine_spec_for(scenario.models[0], None, settings_from_scenario(scenario.load or {}).engine)
-    load = LoadSpec(rate=1.0)
-    work = spec.request_work(statistics.mean(load.output_tokens), statistics.mean(load.prompt_tokens))
-    return spec.warm_tokens_per_s / work
+    return warm_group_capacity_rps(world(fault), LoadSpec(rate=1.0))
 
 
 @functools.cache

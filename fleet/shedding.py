@@ -393,6 +393,22 @@ def pool_capacity_rps(
     return per_group_rps * (established + sum(min(1.0, max(0.0, w)) for w in (warmth or {}).values()))
 
 
+def ramp_capacity_rps(
+    per_group_rps: float, established: int, warmth: Mapping[str, float], serving_groups: int
+) -> tuple[float, str]:
+    """The capacity a ramp step plans on, and a note when the floor applied: the established groups
+    the step measured plus the new ones at their warmth, never less than the ``serving_groups``
+    that served warm before the ramp (survivors and promoted spares). A ramp only adds capacity; a
+    step that could not read an established engine (a scrape timed out on a busy node) must not plan
+    as if that group were gone: one such step planned 30 req/s for four warm groups of 15 and
+    refused 48 % of arrivals."""
+    measured = pool_capacity_rps(per_group_rps, established, warmth)
+    floor = pool_capacity_rps(per_group_rps, serving_groups)
+    if measured >= floor:
+        return measured, ""
+    return floor, f" (at least the {serving_groups} group(s) that served warm before the ramp)"
+
+
 class LiftDecision(BaseModel):
     model_config = ConfigDict(frozen=True)
 

@@ -85,15 +85,19 @@ def plan_weights(
     return to equal (plain routing).
     """
     pods = sorted(after)
-    throughput = {
+    # A replica read now but not at the interval's start (its scrape failed then, on a busy node) has
+    # no rate for this interval: unknown, not idle. Counted as 0, one such established replica made a
+    # loaded pool read as idle and handed a cold replacement an equal share.
+    known = {
         p: max(0.0, after[p].generation_tokens_total - before[p].generation_tokens_total) / seconds
-        if p in before and seconds > 0
-        else 0.0
         for p in pods
+        if p in before and seconds > 0
     }
+    throughput = {p: known.get(p, 0.0) for p in pods}
     hits = {p: hit_ratio(before.get(p), after[p]) for p in pods}
     established = [p for p in pods if p not in new_pods]
-    ref_tokens = median([throughput[p] for p in established]) if established else 0.0
+    measured = [known[p] for p in established if p in known]
+    ref_tokens = median(measured) if measured else 0.0
     ref_hits = [h for p in established if (h := hits[p]) is not None]
     ref_hit = median(ref_hits) if ref_hits else None
     mult = dict(backoff or {})
@@ -102,7 +106,7 @@ def plan_weights(
     rates: dict[str, float] = {}
     # An idle pool (its established replicas served nothing this interval) has no rate to match:
     # a new replica that is not slower than nothing is as warm as the traffic needs.
-    idle = bool(established) and ref_tokens == 0.0
+    idle = bool(measured) and ref_tokens == 0.0
     for p in pods:
         if p not in new_pods:
             rates[p] = throughput[p] or ref_tokens or 1.0

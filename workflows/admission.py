@@ -56,6 +56,7 @@ with workflow.unsafe.imports_passed_through():
         estimate_arrivals,
         lift_after_verification,
         pool_capacity_rps,
+        ramp_capacity_rps,
         refused_fraction,
     )
     from fleet.survivor_load import (
@@ -375,11 +376,12 @@ class AdmissionKeeper:
             arrival = estimate_arrivals(admitted, self.admission, self.arrival_rps)
             counted = f"the engines admitted {admitted:.1f} req/s"
         established, warmth = ramp_capacity_shape(plan, new_pods)
+        capacity, floor_note = ramp_capacity_rps(self.per_group_rps, established, warmth, self.serving_groups)
         await self.readmit(
             f"ramp step {step}: {established} established group(s) + new "
             + (", ".join(f"{p} {w:.0%} warm" for p, w in sorted(warmth.items())) or "none")
-            + f" x {self.per_group_rps:.1f} req/s; {counted}",
-            pool_capacity_rps(self.per_group_rps, established, warmth),
+            + f" x {self.per_group_rps:.1f} req/s{floor_note}; {counted}",
+            capacity,
             arrival,
         )
 

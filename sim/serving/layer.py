@@ -39,7 +39,7 @@ from sim.serving.kubeview import KubeView, served_models
 from sim.serving.loadgen import GatewayTarget, LoadRun, LoadSpec
 from sim.serving.pods import EngineServers
 from sim.serving.probes import ProbeSettings, ReadinessProber
-from sim.serving.supervisor import EngineSupervisor
+from sim.serving.supervisor import EngineSupervisor, engine_spec_for
 from sim.serving.telemetry import NodeTelemetry, gpu_assignment, node_gpu_count, node_gpu_product
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,16 @@ def settings_from_scenario(load: dict[str, Any]) -> ServingSettings:
     except ValidationError as exc:
         problems = "; ".join(f"load.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
         raise ValueError(f"invalid serving settings in the scenario: {problems}") from None
+
+
+def warm_group_capacity_rps(scenario: Any, load: LoadSpec) -> float:
+    """Requests/s one warm replica group of the scenario's first model really serves of ``load``: its
+    engine's decode budget over the mean work of one request (``EngineSpec.request_work``, the
+    accounting the world's grade uses). What a load test of one replica would find; the incident bench
+    (``--load-of-world``) sets its load against it and tells fleetmend it."""
+    spec = engine_spec_for(scenario.models[0], None, settings_from_scenario(scenario.load or {}).engine)
+    mean = spec.request_work(sum(load.output_tokens) / 2, sum(load.prompt_tokens) / 2)
+    return spec.warm_tokens_per_s / mean
 
 
 class ServingLayer:

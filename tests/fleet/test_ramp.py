@@ -191,6 +191,19 @@ def test_an_idle_pool_has_nothing_to_ramp_so_its_replacement_counts_as_warm() ->
     assert "idle pool" in plan.reason
 
 
+def test_an_established_replica_missing_from_the_last_scrape_is_unknown_not_idle() -> None:
+    """On a busy node one established engine's scrape failed at the interval's start: its rate is
+    unknown. The other one serves 100 tok/s, so the cold replacement (20) keeps a small share; with
+    only the unknown one read, nothing is called warm and the pool is not called idle."""
+    before = {"old-b": _scrape(0), "new": _scrape(0)}
+    after = {"old-a": _scrape(5000), "old-b": _scrape(1000), "new": _scrape(200)}
+    plan = plan_weights(before, after, 10.0, ["new"], ttft_slo_s=2.0, warm_fraction=0.9)
+    assert not plan.all_warm and "idle pool" not in plan.reason
+    assert plan.weights["new"] < plan.weights["old-b"]
+    only_unknown = plan_weights({"new": _scrape(0)}, after, 10.0, ["new"], ttft_slo_s=2.0, warm_fraction=0.9)
+    assert not only_unknown.all_warm and "idle pool" not in only_unknown.reason
+
+
 def test_without_an_established_replica_there_is_no_reference_and_nothing_is_called_warm() -> None:
     before, after = {"new": _scrape(0)}, {"new": _scrape(0)}
     plan = plan_weights(before, after, 10.0, ["new"], ttft_slo_s=2.0, warm_fraction=0.9)
