@@ -312,14 +312,21 @@ class ObserveActivities:
         routed: list[str] = []
         admitted: int | None = None
         counted_at: float | None = None
+        # The routing set and the policy together or neither: a policy read without its routing set (a
+        # busy Envoy's /clusters timing out) would call every group "not routed", and the protect step
+        # would see no survivor at all (two peak demos on one 2-core machine once planned on 0
+        # survivors and refused 80 % of arrivals). Without them, the router label decides.
         try:
             policy = self.deps.gateway.policy(req.pool)
-            router_state = RouterState(pool=req.pool.key, version=0, **policy.model_dump())
             routed = [e.pod for e in self.deps.gateway.routing_set(req.pool).endpoints]
+            router_state = RouterState(pool=req.pool.key, version=0, **policy.model_dump())
+        except httpx.HTTPError as exc:
+            warnings.append(f"gateway unreachable: {exc}")
+        try:
             admitted = self.deps.gateway.admitted_requests(req.pool)
             counted_at = time.time()
         except httpx.HTTPError as exc:
-            warnings.append(f"gateway unreachable: {exc}")
+            warnings.append(f"gateway's counters unreadable: {exc}")
 
         # Nodes, with GPUs allocated by every non-terminated pod on them (all namespaces).
         # From the worker's pod watch (kube.allocation); a list of every pod only while it is not following.
