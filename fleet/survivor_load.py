@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.engine_metrics import EngineSnapshot
 from fleet.observation import PartialLook, PoolObservation, judge_partial_look
+from fleet.pool import ReplicaGroup
 from fleet.shedding import SurvivorLoad
 
 # Once Temporal suggests continuing as new (the history is thousands of events long), the keeper looks
@@ -43,12 +44,21 @@ def survivor_load(
     )
 
 
+def _survives(g: ReplicaGroup, after: PoolObservation, lost_ids: set[str]) -> bool:
+    """A serving group that was not lost, routed or (Ready) answering this look. Envoy takes a replica
+    out of its routing set when its health check times out, which a busy node does to survivors too
+    (and with most hosts failing, Envoy's panic threshold routes to all of them anyway): one such look
+    counted 0 survivors in a loaded 2-core CI run and planned on zero capacity. A replica whose own
+    engine answered is capacity."""
+    return g.id not in lost_ids and (g.routed or (g.ready and g.id in after.engines))
+
+
 def survivor_loads(before: PoolObservation, after: PoolObservation, lost_ids: set[str]) -> list[SurvivorLoad]:
-    """Pressure on every routed serving group that survived (queues, KV, preemptions/s)."""
+    """Pressure on every serving group that survived (``_survives``: queues, KV, preemptions/s)."""
     seconds = max(1e-3, after.snapshot.observed_at - before.snapshot.observed_at)
     loads = []
     for g in after.snapshot.serving:
-        if g.id in lost_ids or not g.routed or g.id not in after.engines:
+        if not _survives(g, after, lost_ids) or g.id not in after.engines:
             continue
         now_e = after.engines[g.id]
         loads.append(survivor_load(g.id, before.engines.get(g.id, now_e), now_e, seconds))

@@ -172,3 +172,21 @@ def test_the_capacity_guard_names_a_group_it_could_not_read_and_keeps_it_in_the_
         min_groups=3,
     )
     assert "not read" not in whole.reason
+
+
+def test_a_survivor_out_of_envoys_rotation_whose_engine_answered_is_still_a_survivor() -> None:
+    # A busy node: Envoy's health check timed out on g1 and g2 (out of its routing set), while their
+    # engines answered fleetmend's own look. They are capacity; g3, unrouted and unread, is not judged.
+    groups = [group("lost"), *(group(g).model_copy(update={"routed": False}) for g in ("g1", "g2", "g3"))]
+    snap = snapshot(groups)
+    before = PoolObservation(snapshot=snap, engines={"g1": _busy(1), "g2": _busy(0)}, router_label="r")
+    after = PoolObservation(
+        snapshot=snap.model_copy(update={"observed_at": snap.observed_at + 2}),
+        engines={"g1": _busy(2), "g2": _busy(0)},
+        unread_engines={"g3": SLOW},
+        router_label="r",
+    )
+    look = survivors_look(before, after, {"lost"})
+    assert [s.group_id for s in look.loads] == ["g1", "g2"] and look.unread == {}
+    not_ready = snapshot([g.model_copy(update={"ready": False}) for g in groups])
+    assert survivors_look(before, after.model_copy(update={"snapshot": not_ready}), {"lost"}).loads == ()
