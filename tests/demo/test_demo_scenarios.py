@@ -157,11 +157,18 @@ def test_worker_exposes_sdk_and_fleetmend_metrics(kept_demo: DemoProcess) -> Non
     assert value("fleetmend_phase_duration_seconds_bucket", phase="derouting", le="+Inf", **recovery)
 
 
+# The peak demo runs ``alone`` (``make test`` runs those after the parallel run, with nothing beside them):
+# it grades fleetmend's pace against a world at peak load, and on CI's two cores the three other processes'
+# stacks starved that world (fleetmend's deroute took 10 s there against 0.3-0.7 s alone, and a replacement
+# was not ready within the verification's minute).
+ALONE = {"gpu-node-loss-peak"}
+
+
 # Scenarios that run as a kept demo anyway (a package fixture): their report is read, not run again.
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize(
+    "scenario", [pytest.param(s, marks=[pytest.mark.alone] if s in ALONE else []) for s in SCENARIOS]
+)
 def test_every_scenario_passes_with_no_stream_truncated(
     scenario: str, request: pytest.FixtureRequest, output_dir: Path, tmp_path: Path
 ) -> None:
