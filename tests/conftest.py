@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 from xdist.remote import Producer
@@ -25,6 +24,7 @@ from xdist.workermanage import WorkerController
 from fleet.search_attributes import ALL_SEARCH_ATTRIBUTES
 from worker.config import Settings, load_settings
 from worker.devstack.temporal_dev import TemporalDevServer, find_temporal_cli
+from worker.payloads import data_converter
 from worker.processes import StackError, free_port
 
 # Postgres: pg_server (session), pg_url (an empty database per test), ledger_url (migrated).
@@ -72,6 +72,7 @@ QUICK_PATHS = (
     "tests/kube/",
     "tests/gateway/test_store.py",
     "tests/deploy/test_k8s_manifests.py",
+    "tests/deploy/test_payloads.py",
     "tests/webhook/test_alert_rules.py",
     "tests/webhook/test_cli.py",
     "tests/test_cli_model.py",
@@ -188,7 +189,7 @@ async def temporal_env(
             if attempt == 2:
                 raise
     try:
-        client = await Client.connect(server.address, data_converter=pydantic_data_converter)
+        client = await Client.connect(server.address, data_converter=data_converter)
         yield WorkflowEnvironment.from_client(client)
     finally:
         server.stop()
@@ -205,7 +206,7 @@ async def time_skipping_env(temporal_cli: Path) -> AsyncIterator[WorkflowEnviron
         dev_server_existing_path=str(temporal_cli),
         dev_server_extra_args=TIME_SKIPPING_ARGS,
         search_attributes=ALL_SEARCH_ATTRIBUTES,
-        data_converter=pydantic_data_converter,
+        data_converter=data_converter,
         port=free_port(),
         dev_server_log_level="error",
     )

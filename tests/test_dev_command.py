@@ -23,9 +23,9 @@ import httpx
 import kubernetes
 import pytest
 from temporalio.client import Client, WorkflowExecutionStatus
-from temporalio.contrib.pydantic import pydantic_data_converter
 
 from ledger.migrate import is_at_head
+from worker.payloads import data_converter
 from worker.processes import free_port
 from workflows.smoke import FleetmendSmoke
 
@@ -259,7 +259,7 @@ async def test_dev_starts_answers_stops_clean_and_keeps_history(
     assert is_at_head(match.group(1))
 
     # A workflow runs end to end through the stack's own worker.
-    client = await Client.connect(f"127.0.0.1:{dev_config.grpc_port}", data_converter=pydantic_data_converter)
+    client = await Client.connect(f"127.0.0.1:{dev_config.grpc_port}", data_converter=data_converter)
     workflow_id = f"smoke-{uuid.uuid4().hex[:8]}"
     result = await client.execute_workflow(
         FleetmendSmoke.run, "dev", id=workflow_id, task_queue=dev_config.task_queue
@@ -273,7 +273,7 @@ async def test_dev_starts_answers_stops_clean_and_keeps_history(
     # Restart on the same state: the earlier workflow is still there.
     again = start_dev(dev_config, "second")
     cleanup.append(again)
-    client = await Client.connect(f"127.0.0.1:{dev_config.grpc_port}", data_converter=pydantic_data_converter)
+    client = await Client.connect(f"127.0.0.1:{dev_config.grpc_port}", data_converter=data_converter)
     described = await client.get_workflow_handle(workflow_id).describe()
     assert described.status == WorkflowExecutionStatus.COMPLETED
     listed = [wf.id async for wf in client.list_workflows(f'WorkflowId="{workflow_id}"')]

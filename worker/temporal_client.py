@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from temporalio.client import Client, WorkflowHandle
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.envconfig import ClientConfigProfile
 from temporalio.runtime import Runtime
 from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 
 from worker.config import Settings
+from worker.payloads import data_converter
 from worker.priorities import ClientPriorities
 
 DEFAULT_CONFIG_FILE = Path("~/.config/temporalio/temporal.toml")
@@ -309,7 +309,7 @@ async def connect(
     return await Client.connect(
         conn.address,
         namespace=conn.namespace,
-        data_converter=pydantic_data_converter,
+        data_converter=data_converter,
         runtime=runtime,
         identity=identity,
         tls=conn.tls if conn.tls is not None else False,

@@ -23,7 +23,6 @@ import pytest
 import pytest_asyncio
 from sqlalchemy import create_engine, text
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
-from temporalio.contrib.pydantic import pydantic_data_converter
 
 from fleet.incident import LossReport, PoolRef
 from fleet.recovery import OperatorAction, Phase, ProcedureStatus
@@ -46,6 +45,7 @@ from tests.support import (
 )
 from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
 from worker.devstack.temporal_dev import TemporalDevServer, find_temporal_cli
+from worker.payloads import data_converter
 from worker.processes import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -121,7 +121,7 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
         url = pg.create_database("soak")
         await asyncio.to_thread(upgrade_head, url)
         await temporal.start()
-        client = await Client.connect(temporal.address, data_converter=pydantic_data_converter)
+        client = await Client.connect(temporal.address, data_converter=data_converter)
         stack = Stack(temporal, pg, url, client, tmp_path / "worker.log")
         yield stack
         stop_processes(*stack.workers)

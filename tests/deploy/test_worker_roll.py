@@ -88,9 +88,9 @@ async def short_history_client(
     )
     await server.start()
     try:
-        from temporalio.contrib.pydantic import pydantic_data_converter
+        from worker.payloads import data_converter
 
-        yield await Client.connect(server.address, data_converter=pydantic_data_converter)
+        yield await Client.connect(server.address, data_converter=data_converter)
     finally:
         server.stop()
 
@@ -385,3 +385,36 @@ async def test_reports_of_losses_its_recovery_handled_are_absorbed_not_recovered
     assert second.figures["first_report"] == "llama-9" and second.figures["reports"] == 1
     assert f"1 report(s) that came in while {recovery_1.id} ran name losses it handled: absorbed" in text_
     assert final.figures["alerts_absorbed"] == 1
+
+
+async def test_a_loss_report_from_a_newer_release_opens_the_recovery_its_fields_are_dropped(
+    short_history_client: Client,
+) -> None:
+    """A rolling upgrade: the newer release's fast path signals a report carrying fields this release does
+    not know (at the top and inside a nested model) into an incident this release runs. The incident reads
+    it without them and opens the recovery (worker.payloads); a report with a wrong value is still refused."""
+    client = short_history_client
+    task_queue = f"newer-{uuid.uuid4().hex[:8]}"
+    settings = settings_for(client, task_queue, "unused", "unused")
+    pool = PoolRef(namespace="inference", service="llama-newer")
+    newer = LossReport(pool=pool, pod="llama-0", fingerprint="fp-new", alert_name="ReplicaDown").model_dump(
+        mode="json"
+    )
+    newer["confidence"] = 0.97  # a field of a release after this one
+    newer["pool"]["cluster"] = "east-1"  # and one inside a nested model
+    async with worker_of(client, settings, [FleetIncident, StubRecovery], versioned=False):
+        incident = await client.start_workflow(
+            FleetIncident.run,
+            incident_input(pool, cooldown_s=0.2),
+            id=incident_workflow_id(pool),
+            task_queue=task_queue,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            start_signal=REPORT_LOSS_SIGNAL,
+            start_signal_args=[newer],
+        )
+        recovery = await child_handle(client, incident, 1)
+        await recovery.signal("finish", Finish(lost=["llama-0"]))
+        final = await client.get_workflow_handle(incident.id, result_type=ProcedureStatus).result()
+    assert final.phase == Phase.DONE and final.children == [recovery.id]
+    first = await client.get_workflow_handle(recovery.id, result_type=ProcedureStatus).result()
+    assert first.figures["first_report"] == "llama-0"

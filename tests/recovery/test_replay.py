@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 from temporalio.client import WorkflowHistory
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
 from tests.recovery.support import IDS
+from worker.payloads import data_converter
 from worker.registry import WORKFLOWS
 
 ROOT = Path(__file__).parent.parent / "histories"
@@ -52,6 +52,6 @@ async def test_a_recorded_recovery_replays_without_nondeterminism(path: Path) ->
     # The recorded workflow id: the node workflows' ids (and their start commands) derive from the recovery's.
     workflow_id = json.loads((path.parent / IDS).read_text())[path.name]
     history = WorkflowHistory.from_json(workflow_id, path.read_text())
-    replayer = Replayer(workflows=WORKFLOWS, data_converter=pydantic_data_converter)
+    replayer = Replayer(workflows=WORKFLOWS, data_converter=data_converter)
     result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
     assert result.replay_failure is None, f"{path.name}: {result.replay_failure!r}"

@@ -9,7 +9,6 @@ import asyncio
 import pytest
 from sqlalchemy import create_engine, text
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
 from fleet.gateway import Admission
@@ -36,6 +35,7 @@ from tests.support import (
     wait_for_phase,
 )
 from worker.devstack.rig import FleetRig, compressed_scenario, fleet_rig
+from worker.payloads import data_converter
 from workflows.incident import FleetIncident
 from workflows.node_qualification import NodeQualification
 from workflows.replica_loss import ReplicaLossRecovery
@@ -134,7 +134,7 @@ async def test_gpu_node_lost_under_load_alert_storm_one_recovery(
         # The recorded history replays deterministically (what a worker restart or upgrade relies on).
         replayer = Replayer(
             workflows=[FleetIncident, ReplicaLossRecovery, NodeQualification],
-            data_converter=pydantic_data_converter,
+            data_converter=data_converter,
         )
         for handle in (child, incident, *nodes):
             await replayer.replay_workflow(await handle.fetch_history())

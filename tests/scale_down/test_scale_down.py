@@ -12,7 +12,6 @@ import uuid
 
 import pytest
 from temporalio.client import Client, WorkflowFailureError, WorkflowUpdateFailedError
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError
 from temporalio.worker import Replayer
 
@@ -40,6 +39,7 @@ from tests.support import (
     wait_for_phase,
 )
 from worker.devstack.rig import fleet_rig
+from worker.payloads import data_converter
 from workflows.readiness_keeper import KeeperInput, KeeperStatus, ReadinessKeeper
 from workflows.scale_down import PlannedScaleDown
 
@@ -103,9 +103,7 @@ async def test_8_to_6_under_streaming_load_cuts_nothing_where_the_naive_way_cuts
         status = await finish(handle)
         kept = await keeper.query("status", result_type=KeeperStatus)
         await keeper.cancel()
-        replayer = Replayer(
-            workflows=[PlannedScaleDown, ReadinessKeeper], data_converter=pydantic_data_converter
-        )
+        replayer = Replayer(workflows=[PlannedScaleDown, ReadinessKeeper], data_converter=data_converter)
         await replayer.replay_workflow(await handle.fetch_history())
         text = decisions(status)
         victims = status.figures["victims"]
@@ -219,7 +217,7 @@ async def test_drain_past_deadline_waits_for_the_operator_extend_then_accept_cut
         assert no_cut.observed == cut and "operator accepted" in str(no_cut.expected)
         await routed(rig, lambda pods: len(pods) == 7, "7 replicas")
         # The history (timeouts, Updates, extensions) replays deterministically: what a worker restart relies on.
-        replayer = Replayer(workflows=[PlannedScaleDown], data_converter=pydantic_data_converter)
+        replayer = Replayer(workflows=[PlannedScaleDown], data_converter=data_converter)
         await replayer.replay_workflow(await handle.fetch_history())
 
 

@@ -16,7 +16,6 @@ import httpx
 import pytest
 from pydantic import SecretStr
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from typer.testing import CliRunner
 
@@ -32,6 +31,7 @@ from tests.support import (
 from worker.cli.app import app as cli_app
 from worker.config import Settings
 from worker.intake.rules import AlertRules
+from worker.payloads import data_converter
 from worker.processes import free_port
 from worker.webhook.app import WebhookConfigError, create_app
 from worker.webhook.examples import alert, example_payload, notification
@@ -298,7 +298,7 @@ async def test_unreachable_temporal_gets_503_and_alertmanagers_retry_lands(
     async def connect() -> Client:
         address = settings.temporal_address if temporal_up else dead_address
         return await Client.connect(
-            address, namespace=settings.temporal_namespace, data_converter=pydantic_data_converter
+            address, namespace=settings.temporal_namespace, data_converter=data_converter
         )
 
     app = create_app(settings, rules=pool_rules, temporal_client_factory=connect)

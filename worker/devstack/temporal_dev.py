@@ -189,16 +189,16 @@ async def throwaway_dev_server() -> WorkflowEnvironment:
     search attributes and the pydantic data converter; ``async with`` it to stop it."""
     import os
 
-    from temporalio.contrib.pydantic import pydantic_data_converter
     from temporalio.testing import WorkflowEnvironment
 
     from fleet.search_attributes import ALL_SEARCH_ATTRIBUTES
+    from worker.payloads import data_converter
     from worker.processes import free_port
 
     return await WorkflowEnvironment.start_local(
         dev_server_existing_path=str(find_temporal_cli(os.environ.get("FLEETMEND_TEMPORAL_CLI"))),
         search_attributes=ALL_SEARCH_ATTRIBUTES,
-        data_converter=pydantic_data_converter,
+        data_converter=data_converter,
         port=free_port(),
         dev_server_log_level="error",
     )
