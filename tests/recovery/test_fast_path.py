@@ -23,7 +23,7 @@ from temporalio.client import Client
 from fleet.arrivals import PRE_LOSS_GAP_S, PRE_LOSS_MIN_S
 from fleet.detection import Verdict
 from fleet.incident import incident_workflow_id
-from fleet.recovery import Phase, ProcedureStatus
+from fleet.recovery import Phase, ProcedureStatus, RecoveryInput
 from fleet.vocabulary import QUARANTINE_LABEL, FaultKind
 from tests.support import (
     FAST,
@@ -131,6 +131,10 @@ async def test_gpu_node_lost_under_load_opens_the_incident_by_the_fast_path_and_
             status = await finish(child)
             text_ = decisions(status)
             inc = await incident.query("status", result_type=ProcedureStatus)
+            started = (await child.fetch_history()).events[0]
+            [recovery_input] = await temporal_client.data_converter.decode(
+                started.workflow_execution_started_event_attributes.input.payloads, [RecoveryInput]
+            )
 
         assert status.phase == Phase.DONE, text_
         assert len(inc.children) == 1, inc.children  # one incident, one recovery
@@ -140,6 +144,13 @@ async def test_gpu_node_lost_under_load_opens_the_incident_by_the_fast_path_and_
         # The evidence the fast path acted on is in the incident's record.
         assert f"{FAST_PATH_ALERT}" in text_ and "consecutive failed checks" in text_, text_
         assert fast.counts["reports_delivered"] >= 2  # both groups on the node
+        # A fast-path report starts when its spell of failing evidence began: after the fault, not at a
+        # healthy reading kept from before it.
+        starts = [r.observed_at for r in recovery_input.reports if r.source == "fastpath"]
+        assert starts and all(s is not None and fault_at <= s <= fault_at + 30 for s in starts), (
+            fault_at,
+            starts,
+        )
         # The first shed planned on the arrivals the gateway counted before the loss (the fast path's
         # readings), not on the count since it, which holds the cut streams sent again: the users' rate.
         planned = re.search(

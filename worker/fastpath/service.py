@@ -659,8 +659,10 @@ class FastPath:
 
     async def _report(self, detection: Detection) -> None:
         kind, _, name = detection.entity.partition(":")
-        first = detection.evidence[0].at if detection.evidence else time.time()
-        spell_at = detection.spell_started_at or time.time()  # the pre-loss count ends before it
+        # When this spell of failing evidence began: the report's start (an alert's startsAt), and the
+        # pre-loss count ends before it. Not the first evidence kept, which can be a healthy reading from
+        # long before the loss (and would change the report's identity as old evidence ages out).
+        spell_at = detection.spell_started_at or time.time()
         # (pool, replica group or None, node, pod) for every affected group.
         targets: list[tuple[PoolRef, str | None, str | None, str | None]] = []
         if kind == "node":
@@ -687,7 +689,7 @@ class FastPath:
                 pod=pod_name,
                 replica_group=group,
                 about="node" if kind == "node" else "pod",
-                observed_at=first,
+                observed_at=spell_at,
                 source="fastpath",
                 labels={EVIDENCE_LABEL: detection.reason[:500]},
                 arrivals_before=arrivals_before(self.counters.readings(pool.key), spell_at),
