@@ -32,7 +32,7 @@ BYTECODE := $(BIN)/python -m compileall -q -j 0 $(PACKAGES) && env -u PYTHONDONT
 # Tests marked ``alone`` (the peak-load demo, which grades fleetmend's pace) run after the parallel run,
 # in one process with nothing beside them. Both runs always run; either failing fails the target.
 test: $(STAMP) system-deps
-	$(BYTECODE) $(BIN)/python -m pytest -q -ra --durations=30 -n 4 --dist loadfile -m "not alone"; \
+	$(BYTECODE) $(BIN)/python -m pytest -q -ra --durations=30 -n 5 --dist loadfile -m "not alone"; \
 	parallel=$$?; \
 	$(BYTECODE) $(BIN)/python -m pytest -q -ra -m alone; \
 	alone=$$?; \
