@@ -52,7 +52,7 @@ from fleet.gateway import Outcome
 from fleet.incident import PoolRef, incident_workflow_id
 from fleet.recovery import TERMINAL_PHASES, Phase, ProcedureStatus, ServingObjectives
 from fleet.shedding import ShedLevel, account_shedding
-from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_WORKER_INDEX_LABEL, FaultKind
+from fleet.vocabulary import LWS_GROUP_INDEX_LABEL, LWS_WORKER_INDEX_LABEL, FaultKind, Tier
 from ledger.migrate import upgrade_head
 from ledger.scratch import acquire_server
 from sim.serving.layer import warm_group_capacity_rps
@@ -137,17 +137,26 @@ class RunResult:
     missed: dict[str, int] = field(default_factory=dict)
 
 
-def world(fault: FaultClass) -> Any:
+# With --engine-priority: the engines run vLLM's --scheduling-policy priority and each user sends its
+# tier as the request's priority (lower first), as a user who runs tiers on vLLM would.
+TIER_PRIORITY = {Tier.CRITICAL: 0, Tier.STANDARD: 1, Tier.SHEDDABLE: 2}
+
+
+def world(fault: FaultClass, engine_priority: bool = False) -> Any:
     scenario = compressed_scenario(fault.scenario, startup_s=4.0, warm_up_s=8.0)
+    load = dict(scenario.load or {})
+    if engine_priority:
+        load["engine"] = {**(load.get("engine") or {}), "scheduling_policy": "priority"}
     return scenario.model_copy(
         update={
+            "load": load,
             "timings": scenario.timings.model_copy(
                 update={
                     "node_monitor_grace_s": 5.0,
                     "unreachable_toleration_s": 20,
                     "not_ready_toleration_s": 20,
                 }
-            )
+            ),
         }
     )
 
@@ -316,6 +325,7 @@ async def one_run(
     load_of_world: bool = False,
     target_utilization: float | None = None,
     queue_wait_budget_s: float | None = None,
+    engine_priority: bool = False,
 ) -> RunResult:
     fleetmend = mode == "fleetmend"
     # With the load set against the world's capacity, fleetmend is told that capacity too, as an
@@ -336,7 +346,7 @@ async def one_run(
     )
     async with fleet_rig(
         client,
-        scenario=world(fault),
+        scenario=world(fault, engine_priority),
         database_url=database_url,
         task_queue=f"bench-stages-{index}",
         run_worker=fleetmend,
@@ -352,7 +362,12 @@ async def one_run(
                 await stack.enter_async_context(rig.fast_path(identity=f"bench-{index}"))
             rate = round(fault.groups * per_group * load_share, 1)
             load = await rig.start_load(
-                rate=rate, duration_s=load_s, seed=seed, pool=fault.pool.key, client_retries=client_retries
+                rate=rate,
+                duration_s=load_s,
+                seed=seed,
+                pool=fault.pool.key,
+                client_retries=client_retries,
+                **({"tier_priority": TIER_PRIORITY} if engine_priority else {}),
             )
             await asyncio.sleep(FAULT_AT_S)
             stages: dict[str, float | None] = {}
@@ -651,6 +666,7 @@ async def main(
     load_of_world: bool = False,
     target_utilization: float | None = None,
     queue_wait_budget_s: float | None = None,
+    engine_priority: bool = False,
 ) -> int:
     pg = acquire_server()
     env = await throwaway_dev_server()
@@ -670,6 +686,8 @@ async def main(
                 name += f", fleetmend plans {target_utilization:.0%} utilization"
             if queue_wait_budget_s is not None:
                 name += f", queue wait budget {queue_wait_budget_s:g} s"
+            if engine_priority:
+                name += ", engines schedule by tier priority"
             runs = results.setdefault(name, [])
             # Every round runs the modes on the same seed, so each fleetmend run is compared with
             # Kubernetes alone (and no fault) on the very same arrivals.
@@ -692,6 +710,7 @@ async def main(
                         load_of_world=load_of_world,
                         target_utilization=target_utilization,
                         queue_wait_budget_s=queue_wait_budget_s,
+                        engine_priority=engine_priority,
                     )
                 except Exception as err:  # one broken run is reported, the table goes on without it
                     print(f"{name} {mode} #{r + 1}: FAILED: {type(err).__name__}: {err}")
@@ -774,6 +793,12 @@ if __name__ == "__main__":
         help="fleetmend's ServingObjectives.queue_wait_budget_s: how long a request may wait in a survivor's "
         "queue during a gap (default: the TTFT objective, 2 s; the bench's users' deadlines are 5/10/20 s)",
     )
+    parser.add_argument(
+        "--engine-priority",
+        action="store_true",
+        help="the engines run vLLM's --scheduling-policy priority and users send their tier as the "
+        "request's priority (critical 0, standard 1, sheddable 2); every mode runs in that world",
+    )
     parser.add_argument("--plot", type=Path, default=None, help="write the stage timeline (PNG) here")
     parser.add_argument("--json", type=Path, default=None, help="write every run's figures here")
     parser.add_argument(
@@ -819,6 +844,7 @@ if __name__ == "__main__":
             args.load_of_world,
             args.target_utilization,
             args.queue_wait_budget,
+            args.engine_priority,
         )
     )
     raise SystemExit(code)

@@ -11,6 +11,9 @@ per token). It models what the recovery procedures read and suffer from:
 * a KV cache of ``kv_capacity_tokens``: admission needs room for the prompt, and
   when decode growth overflows it the youngest running request is preempted
   (back to the waiting queue, recomputed later), as vLLM V1 does;
+* vLLM's ``--scheduling-policy``: first come first served (the default), or
+  ``priority``: each request's ``priority`` (lower first, then arrival), a full
+  batch's latest-priority request preempted for an earlier one;
 * faults: ``slow`` (a rate factor), ``wedged`` (no progress at all while
   ``/health`` keeps answering 200), ``dead`` (``/health`` 503, streams aborted);
 * SIGTERM with vLLM's ``--shutdown-timeout``: 0 aborts in-flight requests at once,
@@ -19,9 +22,10 @@ per token). It models what the recovery procedures read and suffer from:
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -56,6 +60,12 @@ class EngineSpec(BaseModel):
     )
     watchdog_s: float = Field(
         default=5.0, ge=0, description="Dead engine: seconds until the API server exits"
+    )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        default="fcfs",
+        description="vLLM --scheduling-policy: fcfs (the default) or priority (a request's `priority`, "
+        "lower first, then arrival; a waiting request preempts a running one of a later priority when "
+        "the batch is full; vllm-project/vllm#5958)",
     )
 
     @field_validator("version")
@@ -118,6 +128,7 @@ class EngineRequest:
     progress: float = 0.0
     emitted: int = 0
     done: bool = False
+    priority: int = 0  # vLLM's per-request priority (lower first); only under scheduling_policy priority
 
     @property
     def kv_tokens(self) -> float:
@@ -279,6 +290,8 @@ class Engine:
             * (self.warmth(now) - self.spec.cold_fraction)
             / max(1e-9, 1.0 - self.spec.cold_fraction)
         )
+        if self.spec.scheduling_policy == "priority" and self.waiting:
+            self._preempt_for_priority()
         while self.waiting and len(self.running) < self.spec.max_num_seqs:
             req = self.waiting[0]
             need = req.kv_tokens + 1
@@ -293,6 +306,21 @@ class Engine:
                 req.admitted_at = now
                 self.metrics.prompt_processed(req.prompt_tokens, cached)
             self.running.append(req)
+
+    def _preempt_for_priority(self) -> None:
+        """vLLM's priority policy: the waiting queue in (priority, arrival) order, and while the batch is
+        full, a waiting request of an earlier priority than the latest running one preempts it (back to
+        the waiting queue, recomputed when it is admitted again, as a KV preemption is)."""
+        self.waiting.sort(key=_priority_order)
+        while self.waiting and len(self.running) >= self.spec.max_num_seqs:
+            victim = max(self.running, key=_priority_order)
+            if self.waiting[0].priority >= victim.priority:
+                return
+            self.running.remove(victim)
+            victim.prefill_left = 0.0
+            bisect.insort(self.waiting, victim, key=_priority_order)
+            self.preemptions += 1
+            self.metrics.preempted()
 
     def _prefill(self, budget: float, now: float) -> float:
         for req in self.running:
@@ -350,3 +378,7 @@ class Engine:
             self.waiting.insert(0, victim)
             self.preemptions += 1
             self.metrics.preempted()
+
+
+def _priority_order(req: EngineRequest) -> tuple[int, float]:
+    return req.priority, req.arrived_at

@@ -61,6 +61,11 @@ class LoadSpec(BaseModel):
     output_tokens: tuple[int, int] = (8, 32)
     deadlines_s: dict[Tier, float] = Field(default_factory=lambda: dict(DEFAULT_DEADLINES))
     stream: bool = True
+    tier_priority: dict[Tier, int] | None = Field(
+        default=None,
+        description="send each tier's vLLM request `priority` (lower first): for engines run with "
+        "--scheduling-policy priority, which refuse a priority otherwise",
+    )
     agents: AgentSpec | None = Field(
         default=None,
         description="a share of users are agents whose completions call tools (sim.serving.agents)",
@@ -426,6 +431,8 @@ class LoadRun:
         }
         if self.spec.pool:
             body["pool"] = self.spec.pool
+        if self.spec.tier_priority is not None:
+            body["priority"] = self.spec.tier_priority.get(arrival.tier, 0)
         return headers, body
 
     async def _over_http(

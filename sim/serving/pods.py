@@ -99,6 +99,7 @@ class CompletionRequest(BaseModel):
     output_tokens: int | None = Field(
         default=None, ge=1, le=4096, description="tokens the model will produce"
     )
+    priority: int = Field(default=0, description="vLLM's request priority (lower first; --scheduling-policy)")
 
 
 @dataclass(eq=False)
@@ -448,12 +449,17 @@ class EngineServers:
             message = f"The model `{body.model}` does not exist."
             await reply.json(404, error_body(404, "NotFoundError", message))
             return
+        if body.priority != 0 and engine.spec.scheduling_policy != "priority":
+            message = f"Got priority {body.priority} but Priority scheduling is not enabled."  # vLLM's words
+            await reply.json(400, error_body(400, "BadRequestError", message))
+            return
         request_id = header_request_id or body.request_id or f"cmpl-{uuid.uuid4().hex[:16]}"
         reply.request_id = request_id
         prompt_tokens = body.prompt_tokens or max(1, len(str(body.prompt).split()))
         output_tokens = min(body.output_tokens or body.max_tokens, body.max_tokens)
         stream = TokenStream()
         ereq = EngineRequest(request_id, prompt_tokens, output_tokens, body.max_tokens, stream)
+        ereq.priority = body.priority
         try:
             engine.submit(ereq, clock.now())
             self.on_request()

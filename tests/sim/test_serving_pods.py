@@ -98,6 +98,12 @@ async def test_an_engine_answers_health_metrics_models_and_a_streamed_completion
             assert unknown.status_code == 404 and "gpt-9" in unknown.json()["error"]["message"]
             bad = await client.post(url + "/v1/completions", json={"model": MODEL, "max_tokens": 0})
             assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"
+            # A priority on an engine run first come first served: vLLM's 400, not a silent FIFO.
+            prio = await client.post(
+                url + "/v1/completions", json={"model": MODEL, "max_tokens": 4, "priority": 2}
+            )
+            assert prio.status_code == 400
+            assert prio.json()["error"]["message"] == "Got priority 2 but Priority scheduling is not enabled."
             # Nothing but the engine's own API on its port.
             assert (await client.get(url + f"/pods/{NAMESPACE}/{pod}/metrics")).status_code == 404
 
