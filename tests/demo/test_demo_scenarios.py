@@ -210,12 +210,13 @@ def test_every_scenario_passes_with_no_stream_truncated(
         # gap; whatever Envoy refused carried Retry-After. (How much it may refuse: the world's grade below.)
         users = report["users"]
         assert users["shed_with_retry_after"] == users["shed"], users
-        # The cold replacement was ramped by its measured rate, not handed an equal share at once: at the
-        # ramp's first step one replica's share is well below an established one's. (Weights are shares,
-        # so "some weight below 1.0" would hold for any ramp; equal weights are the failure.)
+        # The cold replacement was ramped by its measured rate, not handed an equal share at once: at some
+        # ramp step one replica's share is well below an established one's. (Weights are shares, so "some
+        # weight below 1.0" would hold for any ramp; equal weights at every step are the failure. Not "at
+        # the first step": a ramp can begin before the replacement is in the routing set, and that step
+        # weighs the established replicas alone, equally.)
         steps = report["ramp_steps"]
-        first = steps[0]["weights"] if steps else {}
-        assert first and min(first.values()) <= 0.8 * max(first.values()), steps
+        assert any(min(s["weights"].values()) <= 0.8 * max(s["weights"].values()) for s in steps), steps
     # Graded by the world (the sim's record of its true capacity): no scenario did better than the
     # world's optimum, and the peak demo refused at most 1 % of arrivals the world could have served.
     # (The lost rank over-sheds by this grade: README "Graded by the world".)
