@@ -115,13 +115,26 @@ async def current_version(client: Client, settings: Settings) -> str | None:
     return f"{current.deployment_name}.{current.build_id}" if current.build_id else None
 
 
+# Answers to the first version's promotion that a later attempt can get past: the deployment not seen yet
+# (NOT_FOUND, FAILED_PRECONDITION), or the server too busy to finish the call.
+_RETRIED_WHILE_PROMOTING = (
+    RPCStatusCode.NOT_FOUND,
+    RPCStatusCode.FAILED_PRECONDITION,
+    RPCStatusCode.CANCELLED,
+    RPCStatusCode.DEADLINE_EXCEEDED,
+    RPCStatusCode.UNAVAILABLE,
+)
+
+
 async def promote_first_version(client: Client, settings: Settings, *, attempts: int = 60) -> bool:
     """Make this version current when the deployment has no current version yet (a fresh install).
 
     Never replaces an existing current version: rolling a new version out is the
     operator's decision (README, "Roll a new worker during an incident"). The
     deployment appears on the server only after this worker's first polls, so the
-    call is retried briefly. Returns whether this call made the version current.
+    call is retried briefly; so is a call the server cancelled or timed out (a loaded
+    dev server answered CANCELLED "operation was canceled" once, and the worker would
+    have exited for it). Returns whether this call made the version current.
     """
     mine = deployment_version(settings)
     for _ in range(attempts):
@@ -139,9 +152,9 @@ async def promote_first_version(client: Client, settings: Settings, *, attempts:
             log.info("worker version made current", extra={"version": mine.to_canonical_string()})
             return True
         except RPCError as err:
-            if err.status not in (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION):
+            if err.status not in _RETRIED_WHILE_PROMOTING:
                 raise
-        await asyncio.sleep(0.5)  # the server has not seen this version's pollers yet
+        await asyncio.sleep(0.5)  # the server has not seen this version's pollers yet, or was busy
     raise StartupCheckError(
         f"worker version {mine.to_canonical_string()} never appeared in Temporal's deployment list; "
         "check that the server supports Worker Versioning, or set FLEETMEND_WORKER_VERSIONING=false"
