@@ -117,13 +117,8 @@ async def current_version(client: Client, settings: Settings) -> str | None:
 
 # Answers to the first version's promotion that a later attempt can get past: the deployment not seen yet
 # (NOT_FOUND, FAILED_PRECONDITION), or the server too busy to finish the call.
-_RETRIED_WHILE_PROMOTING = (
-    RPCStatusCode.NOT_FOUND,
-    RPCStatusCode.FAILED_PRECONDITION,
-    RPCStatusCode.CANCELLED,
-    RPCStatusCode.DEADLINE_EXCEEDED,
-    RPCStatusCode.UNAVAILABLE,
-)
+_INTERRUPTED = (RPCStatusCode.CANCELLED, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.UNAVAILABLE)
+_RETRIED_WHILE_PROMOTING = (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION, *_INTERRUPTED)
 
 
 async def promote_first_version(client: Client, settings: Settings, *, attempts: int = 60) -> bool:
@@ -137,9 +132,11 @@ async def promote_first_version(client: Client, settings: Settings, *, attempts:
     have exited for it). Returns whether this call made the version current.
     """
     mine = deployment_version(settings)
+    interrupted = False  # a call of ours the server cancelled or timed out may still have taken effect
     for _ in range(attempts):
-        if await current_version(client, settings) is not None:
-            return False
+        current = await current_version(client, settings)
+        if current is not None:
+            return interrupted and current == mine.to_canonical_string()
         try:
             await client.workflow_service.set_worker_deployment_current_version(
                 SetWorkerDeploymentCurrentVersionRequest(
@@ -154,6 +151,7 @@ async def promote_first_version(client: Client, settings: Settings, *, attempts:
         except RPCError as err:
             if err.status not in _RETRIED_WHILE_PROMOTING:
                 raise
+            interrupted |= err.status in _INTERRUPTED
         await asyncio.sleep(0.5)  # the server has not seen this version's pollers yet, or was busy
     raise StartupCheckError(
         f"worker version {mine.to_canonical_string()} never appeared in Temporal's deployment list; "

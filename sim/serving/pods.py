@@ -458,8 +458,9 @@ class EngineServers:
         prompt_tokens = body.prompt_tokens or max(1, len(str(body.prompt).split()))
         output_tokens = min(body.output_tokens or body.max_tokens, body.max_tokens)
         stream = TokenStream()
-        ereq = EngineRequest(request_id, prompt_tokens, output_tokens, body.max_tokens, stream)
-        ereq.priority = body.priority
+        ereq = EngineRequest(
+            request_id, prompt_tokens, output_tokens, body.max_tokens, stream, priority=body.priority
+        )
         try:
             engine.submit(ereq, clock.now())
             self.on_request()

@@ -19,7 +19,6 @@ from fleet.engine_metrics import EngineSnapshot
 from fleet.gateway import Admission, RouterState
 from fleet.incident import LossReport, PoolRef, PreLossArrivals
 from fleet.observation import PoolObservation
-from fleet.shedding import ramp_capacity_rps
 from fleet.vocabulary import Tier
 from tests.fleet.fleets import group, snapshot
 
@@ -315,11 +314,3 @@ def test_a_load_that_began_inside_the_window_is_counted_from_its_start_and_stale
     assert pre is not None and pre.rps == pytest.approx(60.0) and pre.seconds == pytest.approx(6.0)
     # The fast path stopped reading 30 s before the loss (no Envoy answered): nothing to plan on.
     assert arrivals_before(readings, detected_at=42.0) is None
-
-
-def test_a_ramp_step_that_missed_an_established_engine_plans_on_no_less_than_the_warm_groups() -> None:
-    # Four groups served warm (three survivors, the promoted spare); a ramp step read only two of them.
-    measured, note = ramp_capacity_rps(15.0, 4, {"replacement": 0.5}, serving_groups=4)
-    assert measured == pytest.approx(67.5) and note == ""
-    missed, note = ramp_capacity_rps(15.0, 2, {"replacement": 0.0}, serving_groups=4)
-    assert missed == pytest.approx(60.0) and "4 group(s)" in note

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from fleet.engine_metrics import EngineSnapshot
 from fleet.ramp import RampParams, RampPolicy, rate_weights, simulate_ramp, simulate_ramp_trace
+from fleet.shedding import ramp_capacity_rps
 from fleet.warmth import RampPlan, plan_weights
 
 cold_fractions = st.floats(min_value=0.1, max_value=0.9)
@@ -208,3 +209,11 @@ def test_without_an_established_replica_there_is_no_reference_and_nothing_is_cal
     before, after = {"new": _scrape(0)}, {"new": _scrape(0)}
     plan = plan_weights(before, after, 10.0, ["new"], ttft_slo_s=2.0, warm_fraction=0.9)
     assert not plan.all_warm
+
+
+def test_a_ramp_step_that_missed_an_established_engine_plans_on_no_less_than_the_warm_groups() -> None:
+    # Four groups served warm (three survivors, the promoted spare); a ramp step read only two of them.
+    measured, note = ramp_capacity_rps(15.0, 4, {"replacement": 0.5}, serving_groups=4)
+    assert measured == pytest.approx(67.5) and note == ""
+    missed, note = ramp_capacity_rps(15.0, 2, {"replacement": 0.0}, serving_groups=4)
+    assert missed == pytest.approx(60.0) and "4 group(s)" in note
