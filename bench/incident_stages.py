@@ -39,6 +39,7 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -142,11 +143,17 @@ class RunResult:
 TIER_PRIORITY = {Tier.CRITICAL: 0, Tier.STANDARD: 1, Tier.SHEDDABLE: 2}
 
 
-def world(fault: FaultClass, engine_priority: bool = False) -> Any:
-    scenario = compressed_scenario(fault.scenario, startup_s=4.0, warm_up_s=8.0)
+# The bench's worlds start a replica in 4 s and warm its prefix cache over 8 s (compressed_scenario).
+WARM_UP_S = 8.0
+
+
+def world(fault: FaultClass, engine_priority: str | None = None, engine_max_seqs: int | None = None) -> Any:
+    scenario = compressed_scenario(fault.scenario, startup_s=4.0, warm_up_s=WARM_UP_S)
     load = dict(scenario.load or {})
     if engine_priority:
         load["engine"] = {**(load.get("engine") or {}), "scheduling_policy": "priority"}
+    if engine_max_seqs is not None:
+        load["engine"] = {**(load.get("engine") or {}), "max_num_seqs": engine_max_seqs}
     return scenario.model_copy(
         update={
             "load": load,
@@ -181,6 +188,28 @@ def _as_dict(obj: Any) -> dict[str, Any]:
 
 def _pods(rig: FleetRig, namespace: str) -> list[dict[str, Any]]:
     return list(_as_dict(_core(str(rig.settings.kubeconfig)).list_namespaced_pod(namespace))["items"])
+
+
+async def pool_warm(rig: FleetRig, fault: FaultClass) -> bool:
+    """Every replica group routed, and each routed pod Ready for the world's warm-up time (its Ready
+    condition's ``lastTransitionTime``, to the second, on the world's clock: an engine warms its prefix
+    cache from when it starts serving): the load a share of the world's warm capacity is set against
+    then meets that capacity, not a fleet still warming."""
+    routed = set(await rig.routing_set(fault.pool))
+    if len(routed) < fault.groups:
+        return False
+    now = await rig.sim_now()
+    for pod in await asyncio.to_thread(_pods, rig, fault.pool.namespace):
+        if pod["metadata"]["name"] not in routed:
+            continue
+        ready = [
+            datetime.fromisoformat(str(c["lastTransitionTime"])).timestamp()
+            for c in pod["status"].get("conditions") or []
+            if c.get("type") == "Ready" and c.get("status") == "True" and c.get("lastTransitionTime")
+        ]
+        if not ready or now - max(ready) < WARM_UP_S + 1.0:  # + the second the stamp rounds off
+            return False
+    return True
 
 
 def _unschedulable(rig: FleetRig, node: str) -> bool:
@@ -270,17 +299,22 @@ class Watcher:
 async def recovery_of(client: Client, pool: PoolRef, fault_at: float) -> WorkflowHandle[Any, Any]:
     incident = client.get_workflow_handle(incident_workflow_id(pool))
     deadline = time.monotonic() + 60
+    seen = "nothing yet"
     while time.monotonic() < deadline:
+        seen = "no incident workflow for the pool"
         try:
             desc = await incident.describe()
-            if desc.start_time is not None and desc.start_time.timestamp() >= fault_at - 1:
+            started = desc.start_time.timestamp() - fault_at if desc.start_time is not None else None
+            seen = f"the pool's incident started {started:+.2f} s from the fault, status {desc.status}"
+            if started is not None and started >= -1:
                 status = await incident.query("status", result_type=ProcedureStatus)
+                seen += f", phase {status.phase.value}, children {status.children}"
                 if status.children:
                     return client.get_workflow_handle(status.children[-1])
-        except Exception:  # not started yet, or no worker answered the query this instant
-            pass
+        except Exception as err:  # not started yet, or no worker answered the query this instant
+            seen += f" ({type(err).__name__}: {err})"
         await asyncio.sleep(0.2)
-    raise TimeoutError("no recovery started within 60 s of the fault")
+    raise TimeoutError(f"no recovery started within 60 s of the fault; last seen: {seen}")
 
 
 async def final_status(handle: WorkflowHandle[Any, Any]) -> ProcedureStatus:
@@ -325,7 +359,9 @@ async def one_run(
     load_of_world: bool = False,
     target_utilization: float | None = None,
     queue_wait_budget_s: float | None = None,
-    engine_priority: bool = False,
+    engine_priority: str | None = None,
+    engine_max_seqs: int | None = None,
+    give_up_at_deadline: bool = False,
 ) -> RunResult:
     fleetmend = mode == "fleetmend"
     # With the load set against the world's capacity, fleetmend is told that capacity too, as an
@@ -346,20 +382,19 @@ async def one_run(
     )
     async with fleet_rig(
         client,
-        scenario=world(fault, engine_priority),
+        scenario=world(fault, engine_priority, engine_max_seqs),
         database_url=database_url,
         task_queue=f"bench-stages-{index}",
         run_worker=fleetmend,
         **extra,
     ) as rig:
-
-        async def pool_up() -> bool:
-            return len(await rig.routing_set(fault.pool)) >= fault.groups
-
-        await until("the pool serving", pool_up, 90)
+        await until("the pool serving, warm", lambda: pool_warm(rig, fault), 90)
         async with contextlib.AsyncExitStack() as stack:
-            if fleetmend:
+            fast_path = (
                 await stack.enter_async_context(rig.fast_path(identity=f"bench-{index}"))
+                if fleetmend
+                else None
+            )
             rate = round(fault.groups * per_group * load_share, 1)
             load = await rig.start_load(
                 rate=rate,
@@ -367,7 +402,14 @@ async def one_run(
                 seed=seed,
                 pool=fault.pool.key,
                 client_retries=client_retries,
-                **({"tier_priority": TIER_PRIORITY} if engine_priority else {}),
+                give_up_at_deadline=give_up_at_deadline,
+                **(
+                    {"deadline_priority": True}
+                    if engine_priority == "deadline"
+                    else {"tier_priority": TIER_PRIORITY}
+                    if engine_priority
+                    else {}
+                ),
             )
             await asyncio.sleep(FAULT_AT_S)
             stages: dict[str, float | None] = {}
@@ -385,7 +427,16 @@ async def one_run(
                 watching = asyncio.create_task(watcher.run(stop))
                 try:
                     if fleetmend:
-                        recovery = await recovery_of(client, fault.pool, fault_at)
+                        try:
+                            recovery = await recovery_of(client, fault.pool, fault_at)
+                        except TimeoutError as err:  # what the fast path saw, to tell why
+                            assert fast_path is not None
+                            seen = [
+                                (d.entity, d.verdict.value, d.reason[:120]) for d in fast_path.detections[-5:]
+                            ]
+                            raise TimeoutError(
+                                f"{err}; fast path counts {dict(fast_path.counts)}, last verdicts {seen}"
+                            ) from None
                         desc = await client.get_workflow_handle(incident_workflow_id(fault.pool)).describe()
                         status = await final_status(recovery)
                         phase = status.phase.value
@@ -666,7 +717,9 @@ async def main(
     load_of_world: bool = False,
     target_utilization: float | None = None,
     queue_wait_budget_s: float | None = None,
-    engine_priority: bool = False,
+    engine_priority: str | None = None,
+    engine_max_seqs: int | None = None,
+    give_up_at_deadline: bool = False,
 ) -> int:
     pg = acquire_server()
     env = await throwaway_dev_server()
@@ -686,8 +739,14 @@ async def main(
                 name += f", fleetmend plans {target_utilization:.0%} utilization"
             if queue_wait_budget_s is not None:
                 name += f", queue wait budget {queue_wait_budget_s:g} s"
-            if engine_priority:
+            if engine_priority == "deadline":
+                name += ", engines schedule by deadline"
+            elif engine_priority:
                 name += ", engines schedule by tier priority"
+            if engine_max_seqs is not None:
+                name += f", engines batch at most {engine_max_seqs} sequences"
+            if give_up_at_deadline:
+                name += ", clients give up at their deadline"
             runs = results.setdefault(name, [])
             # Every round runs the modes on the same seed, so each fleetmend run is compared with
             # Kubernetes alone (and no fault) on the very same arrivals.
@@ -711,6 +770,8 @@ async def main(
                         target_utilization=target_utilization,
                         queue_wait_budget_s=queue_wait_budget_s,
                         engine_priority=engine_priority,
+                        engine_max_seqs=engine_max_seqs,
+                        give_up_at_deadline=give_up_at_deadline,
                     )
                 except Exception as err:  # one broken run is reported, the table goes on without it
                     print(f"{name} {mode} #{r + 1}: FAILED: {type(err).__name__}: {err}")
@@ -795,9 +856,27 @@ if __name__ == "__main__":
     )
     parser.add_argument(
         "--engine-priority",
+        nargs="?",
+        const="tier",
+        choices=["tier", "deadline"],
+        default=None,
+        help="the engines run vLLM's --scheduling-policy priority and users send as the request's "
+        "priority their tier (tier, the default: critical 0, standard 1, sheddable 2) or their deadline "
+        "in milliseconds (deadline: the engines serve earliest deadline first); every mode runs in that world",
+    )
+    parser.add_argument(
+        "--engine-max-seqs",
+        type=int,
+        default=None,
+        help="vLLM's --max-num-seqs for every engine (the scenario's own, 256 for a lost rank, by default): "
+        "a batch this size saturates the decode budget and further requests wait in the engine's queue, "
+        "where --engine-priority orders them",
+    )
+    parser.add_argument(
+        "--give-up-at-deadline",
         action="store_true",
-        help="the engines run vLLM's --scheduling-policy priority and users send their tier as the "
-        "request's priority (critical 0, standard 1, sheddable 2); every mode runs in that world",
+        help="users' clients time out at their request's deadline and close the connection, which "
+        "aborts the request in the engine (LoadSpec.give_up_at_deadline); every mode runs with them",
     )
     parser.add_argument("--plot", type=Path, default=None, help="write the stage timeline (PNG) here")
     parser.add_argument("--json", type=Path, default=None, help="write every run's figures here")
@@ -829,6 +908,8 @@ if __name__ == "__main__":
         )
     if args.target_utilization is not None and not 0 < args.target_utilization <= 1:
         parser.error(f"--target-utilization {args.target_utilization}: give a share in (0, 1]")
+    if args.engine_max_seqs is not None and not 1 <= args.engine_max_seqs <= 4096:
+        parser.error(f"--engine-max-seqs {args.engine_max_seqs}: give a batch size in [1, 4096]")
     if args.queue_wait_budget is not None and not 0 <= args.queue_wait_budget <= 600:
         parser.error(f"--queue-wait-budget {args.queue_wait_budget}: give seconds in [0, 600]")
     code = asyncio.run(
@@ -845,6 +926,8 @@ if __name__ == "__main__":
             args.target_utilization,
             args.queue_wait_budget,
             args.engine_priority,
+            args.engine_max_seqs,
+            args.give_up_at_deadline,
         )
     )
     raise SystemExit(code)

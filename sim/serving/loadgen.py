@@ -66,6 +66,17 @@ class LoadSpec(BaseModel):
         description="send each tier's vLLM request `priority` (lower first): for engines run with "
         "--scheduling-policy priority, which refuse a priority otherwise",
     )
+    give_up_at_deadline: bool = Field(
+        default=False,
+        description="each client times out at its request's deadline and closes the connection (the "
+        "engine aborts the request, as vLLM does for a client gone): a late answer is no answer",
+    )
+    deadline_priority: bool = Field(
+        default=False,
+        description="send each request's deadline, in milliseconds from the run's start, as its vLLM "
+        "`priority`: engines run with --scheduling-policy priority then serve earliest deadline first "
+        "(instead of tier_priority)",
+    )
     agents: AgentSpec | None = Field(
         default=None,
         description="a share of users are agents whose completions call tools (sim.serving.agents)",
@@ -93,6 +104,8 @@ class LoadSpec(BaseModel):
         for name, (lo, hi) in (("prompt_tokens", self.prompt_tokens), ("output_tokens", self.output_tokens)):
             if not 1 <= lo <= hi:
                 raise ValueError(f"{name}: need 1 <= min <= max (got [{lo}, {hi}])")
+        if self.deadline_priority and self.tier_priority is not None:
+            raise ValueError("deadline_priority and tier_priority both set a request's priority: give one")
         return self
 
 
@@ -372,19 +385,26 @@ class LoadRun:
         tools = self.agents.tool_positions(arrival.request_id, arrival.output_tokens) if self.agents else []
         # An agent's client retries a stream that died, with the same idempotency key (x-request-id).
         retries = self.agents.spec.client_retries if self.agents and tools else 0
-        for attempt in range(1, retries + 2):
-            try:
-                await self._client_call(arrival, model, result, tools=tools, client_attempt=attempt)
-            except Exception as exc:  # a client-side failure is a failed request, not a crashed run
-                result.outcome = "terminal_error"
-                result.status = result.status or 0
-                del exc
-            if result.outcome != "terminal_error" or attempt > retries:
-                break
-            if self.agents is not None:
-                self.agents.note_retry(arrival.request_id, result.tokens, tools)
-            result.attempts += 1
-            result.tokens, result.ttft_s, result.truncated = 0, None, False
+        # A client that gives up at the deadline (its timeout) closes the connection, which aborts the
+        # request in the engine; the arrival was due at its offset, so the time left is counted from it.
+        left_s = arrival.offset_s + deadline - self.sim_now() if self.spec.give_up_at_deadline else math.inf
+        try:
+            async with asyncio.timeout(None if math.isinf(left_s) else max(0.0, left_s) / self._speed):
+                for attempt in range(1, retries + 2):
+                    try:
+                        await self._client_call(arrival, model, result, tools=tools, client_attempt=attempt)
+                    except Exception as exc:  # a client-side failure is a failed request, not a crashed run
+                        result.outcome = "terminal_error"
+                        result.status = result.status or 0
+                        del exc
+                    if result.outcome != "terminal_error" or attempt > retries:
+                        break
+                    if self.agents is not None:
+                        self.agents.note_retry(arrival.request_id, result.tokens, tools)
+                    result.attempts += 1
+                    result.tokens, result.ttft_s, result.truncated = 0, None, False
+        except TimeoutError:
+            result.outcome, result.e2e_s = "late", deadline  # given up: the stream was not finished in time
         if result.outcome == "goodput" and result.e2e_s is not None and result.e2e_s > deadline:
             result.outcome = "late"
         self.results.append(result)
@@ -433,6 +453,8 @@ class LoadRun:
             body["pool"] = self.spec.pool
         if self.spec.tier_priority is not None:
             body["priority"] = self.spec.tier_priority.get(arrival.tier, 0)
+        if self.spec.deadline_priority:
+            body["priority"] = round((arrival.offset_s + body["deadline_s"]) * 1000)
         return headers, body
 
     async def _over_http(

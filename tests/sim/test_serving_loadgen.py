@@ -10,7 +10,7 @@ from fleet.gateway import Admission, GatewayPolicy
 from fleet.vocabulary import FaultKind, Tier
 from sim.control import FaultRequest
 from sim.serving.baselines import measure_deroute
-from sim.serving.loadgen import LoadSpec, arrivals, start_load
+from sim.serving.loadgen import DEFAULT_DEADLINES, GatewayTarget, LoadRun, LoadSpec, arrivals, start_load
 from sim.serving.telemetry import gpu_assignment
 from tests.sim.serving_fixtures import NAMESPACE, POOL, POOL_REF, running_serving, scenario
 
@@ -24,6 +24,21 @@ def test_arrivals_are_a_pure_function_of_the_seed() -> None:
     tiers = {a.tier for a in arrivals(spec)}
     assert tiers == {Tier.CRITICAL, Tier.STANDARD, Tier.SHEDDABLE}
     assert 100 < len(arrivals(spec)) < 200  # ~150 at 5/s over 30 s
+
+
+def test_a_request_carries_its_tier_or_its_deadline_as_its_vllm_priority() -> None:
+    """``tier_priority`` sends the tier's number; ``deadline_priority`` the deadline in milliseconds from
+    the run's start, so an engine scheduling by priority serves earliest deadline first. Not both."""
+    target = GatewayTarget("http://127.0.0.1:9")
+    by_deadline = LoadSpec(rate=5.0, duration_s=10.0, seed=3, deadline_priority=True)
+    arrival = arrivals(by_deadline)[7]
+    _, body = LoadRun(target, by_deadline)._http_request(arrival, "m")
+    assert body["priority"] == round((arrival.offset_s + DEFAULT_DEADLINES[arrival.tier]) * 1000)
+    by_tier = by_deadline.model_copy(update={"deadline_priority": False, "tier_priority": {arrival.tier: 4}})
+    assert LoadRun(target, by_tier)._http_request(arrival, "m")[1]["priority"] == 4
+    assert "priority" not in LoadRun(target, LoadSpec(rate=5.0))._http_request(arrival, "m")[1]
+    with pytest.raises(ValueError, match="give one"):
+        LoadSpec(rate=5.0, deadline_priority=True, tier_priority={Tier.CRITICAL: 0})
 
 
 async def test_load_through_envoy_reports_goodput_shed_and_per_replica_ttft(ledger_url: str) -> None:
@@ -79,6 +94,30 @@ async def test_clients_retry_a_refusal_after_its_retry_after_and_are_served_once
         # Graded by the world: only the requests refused for good count as refused.
         graded = run.grade(sim.layer.capacity, sim.layer.engine_spec_for_model(run.model))
         assert graded.refused == len(refused_for_good)
+
+
+async def test_a_client_that_gives_up_at_its_deadline_closes_the_stream_and_the_engine_aborts_it(
+    ledger_url: str,
+) -> None:
+    """``give_up_at_deadline``: on wedged engines nothing finishes; each client stops waiting at its
+    deadline (the report says late, after exactly the deadline) and the engines hold nothing after."""
+    async with running_serving(scenario(), speed=5, gateway_db=ledger_url) as sim:
+        pods = await sim.wait_serving(2)
+        engines = [sim.layer.supervisor.get(f"{NAMESPACE}/{pod}") for pod in pods]
+        for engine in engines:
+            assert engine is not None
+            engine.wedged = True
+        deadlines = {Tier.CRITICAL: 2.0, Tier.STANDARD: 2.0, Tier.SHEDDABLE: 2.0}
+        spec = LoadSpec(rate=4.0, duration_s=3.0, seed=5, deadlines_s=deadlines, give_up_at_deadline=True)
+        run = start_load(sim.world, spec)
+        report = await run.wait()
+        assert report.sent == len(run.results) > 0
+        assert {r.outcome for r in run.results} == {"late"} and {r.e2e_s for r in run.results} == {2.0}
+        await sim.wait_for(
+            lambda: all(e is not None and not e.running and not e.waiting for e in engines),
+            10,
+            "the engines to abort the requests their clients gave up on",
+        )
 
 
 async def test_a_fault_scheduled_for_later_applies_at_its_sim_time() -> None:
