@@ -8,7 +8,8 @@ Every run serves a fresh compressed world (``worker.devstack.rig.compressed_scen
 real speed, start-up 4 s, cache warm-up 8 s, node-monitor grace 5 s, taint-eviction tolerations
 20 s, so Kubernetes' own recovery also fits in a run) under open-loop load at 70 % of the pool's
 capacity (``--load-share``: at 90 % the lost replica's share is more than the survivors' headroom),
-then kills the fault class's target. Three modes, same world, same seeded arrivals:
+started once every routed replica is warm (Ready for the world's warm-up), then kills the fault
+class's target. Three modes, same world, same seeded arrivals:
 
 * **fleetmend** — a real worker and fleetmend's fast path (Lease, informers, engine ``/health``)
   opening the incident; Temporal dev server and Postgres for real. Stages, from the fault:
@@ -22,6 +23,10 @@ then kills the fault class's target. Three modes, same world, same seeded arriva
   taint eviction, the ReplicaSet / LeaderWorkerSet controllers and the scheduler. Stages: out of
   rotation, and capacity restored (the routing set back to its size before the fault).
 * **no-fault** — the same load on the same world with nothing killed: the goodput reference.
+
+The world itself can be varied: ``--engine-max-seqs`` (vLLM's ``--max-num-seqs``), ``--engine-priority
+tier|deadline`` (vLLM's ``--scheduling-policy priority``, each request's priority its tier or its
+deadline), ``--give-up-at-deadline`` (clients time out at their deadline; the engine aborts the request).
 
 Goodput = requests completed within their deadline, over the whole run's arrivals, as a ratio of
 the no-fault run's. The times are wall seconds on this machine, which runs the simulator, the
@@ -305,7 +310,7 @@ async def recovery_of(client: Client, pool: PoolRef, fault_at: float) -> Workflo
         try:
             desc = await incident.describe()
             started = desc.start_time.timestamp() - fault_at if desc.start_time is not None else None
-            seen = f"the pool's incident started {started:+.2f} s from the fault, status {desc.status}"
+            seen = f"the pool's incident started {started and round(started, 2)} s from the fault, status {desc.status}"
             if started is not None and started >= -1:
                 status = await incident.query("status", result_type=ProcedureStatus)
                 seen += f", phase {status.phase.value}, children {status.children}"
