@@ -155,10 +155,12 @@ WARM_UP_S = 8.0
 def world(fault: FaultClass, engine_priority: str | None = None, engine_max_seqs: int | None = None) -> Any:
     scenario = compressed_scenario(fault.scenario, startup_s=4.0, warm_up_s=WARM_UP_S)
     load = dict(scenario.load or {})
+    engine = dict(load.get("engine") or {})
     if engine_priority:
-        load["engine"] = {**(load.get("engine") or {}), "scheduling_policy": "priority"}
+        engine["scheduling_policy"] = "priority"
     if engine_max_seqs is not None:
-        load["engine"] = {**(load.get("engine") or {}), "max_num_seqs": engine_max_seqs}
+        engine["max_num_seqs"] = engine_max_seqs
+    load["engine"] = engine
     return scenario.model_copy(
         update={
             "load": load,
@@ -189,6 +191,14 @@ def _core(kubeconfig: str) -> k8s.CoreV1Api:
 
 def _as_dict(obj: Any) -> dict[str, Any]:
     return dict(k8s.ApiClient().sanitize_for_serialization(obj))
+
+
+def priority_options(engine_priority: str | None) -> dict[str, Any]:
+    """The users' load options for ``--engine-priority``: each request's tier, or its deadline, as its
+    vLLM priority; none when the engines serve first come, first served."""
+    if engine_priority == "deadline":
+        return {"deadline_priority": True}
+    return {"tier_priority": TIER_PRIORITY} if engine_priority else {}
 
 
 def _pods(rig: FleetRig, namespace: str) -> list[dict[str, Any]]:
@@ -310,7 +320,8 @@ async def recovery_of(client: Client, pool: PoolRef, fault_at: float) -> Workflo
         try:
             desc = await incident.describe()
             started = desc.start_time.timestamp() - fault_at if desc.start_time is not None else None
-            seen = f"the pool's incident started {started and round(started, 2)} s from the fault, status {desc.status}"
+            when = "at no recorded time" if started is None else f"{started:+.2f} s from the fault"
+            seen = f"the pool's incident started {when}, status {desc.status}"
             if started is not None and started >= -1:
                 status = await incident.query("status", result_type=ProcedureStatus)
                 seen += f", phase {status.phase.value}, children {status.children}"
@@ -408,13 +419,7 @@ async def one_run(
                 pool=fault.pool.key,
                 client_retries=client_retries,
                 give_up_at_deadline=give_up_at_deadline,
-                **(
-                    {"deadline_priority": True}
-                    if engine_priority == "deadline"
-                    else {"tier_priority": TIER_PRIORITY}
-                    if engine_priority
-                    else {}
-                ),
+                **priority_options(engine_priority),
             )
             await asyncio.sleep(FAULT_AT_S)
             stages: dict[str, float | None] = {}

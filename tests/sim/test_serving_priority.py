@@ -30,8 +30,7 @@ def engine(policy: Literal["fcfs", "priority"], max_num_seqs: int) -> Engine:
 
 
 def submit(e: Engine, name: str, priority: int, at: float, output_tokens: int = 40) -> EngineRequest:
-    req = EngineRequest(name, 16, output_tokens, output_tokens, Sink())
-    req.priority = priority
+    req = EngineRequest(name, 16, output_tokens, output_tokens, Sink(), priority=priority)
     e.submit(req, at)
     return req
 
