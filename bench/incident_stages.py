@@ -141,11 +141,36 @@ class RunResult:
     client_retries: int | None = None
     # What the requests that missed goodput got instead (the load generator's counts).
     missed: dict[str, int] = field(default_factory=dict)
+    # Per WINDOW_S of arrivals, from the fault on (the first window opens FAULT_AT_S before it): what
+    # the users got, by the load generator's record. When refusals fall against when capacity returned.
+    timeline: list[dict[str, float]] = field(default_factory=list)
 
 
 # With --engine-priority: the engines run vLLM's --scheduling-policy priority and each user sends its
 # tier as the request's priority (lower first), as a user who runs tiers on vLLM would.
 TIER_PRIORITY = {Tier.CRITICAL: 0, Tier.STANDARD: 1, Tier.SHEDDABLE: 2}
+
+
+WINDOW_S = 5.0  # RunResult.timeline
+
+
+async def outcome_timeline(rig: FleetRig, load: str, load_s: float) -> list[dict[str, float]]:
+    """What the users got per WINDOW_S of arrivals: the window's start (seconds from the fault),
+    arrivals, goodput, late, shed (refused in the end, after the client's retries), and those served on a
+    client's retry of a refusal."""
+    rows: list[dict[str, float]] = []
+    start = 0.0
+    while start < load_s:
+        report = await rig.load_report(load, since_s=start, until_s=start + WINDOW_S)
+        rows.append(
+            {
+                "from_fault_s": start - FAULT_AT_S,
+                "arrivals": report["finished"],  # the run is over: every arrival of the window finished
+                **{k: report.get(k, 0) for k in ("goodput", "late", "shed", "served_after_refusal")},
+            }
+        )
+        start += WINDOW_S
+    return rows
 
 
 # The bench's worlds start a replica in 4 s and warm its prefix cache over 8 s (compressed_scenario).
@@ -499,6 +524,7 @@ async def one_run(
                     if report.get(k)
                 },
             )
+            result.timeline = await outcome_timeline(rig, load, load_s)
             # Envoy's word on the requests it did not complete: response code and flags (UO overflow,
             # UH no healthy host, UF connect failure, UC/UR cut, URX retries spent...), and whether the
             # replica was one the fault took (a cut on a survivor would be something fleetmend did).

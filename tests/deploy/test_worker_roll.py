@@ -418,3 +418,55 @@ async def test_a_loss_report_from_a_newer_release_opens_the_recovery_its_fields_
     assert final.phase == Phase.DONE and final.children == [recovery.id]
     first = await client.get_workflow_handle(recovery.id, result_type=ProcedureStatus).result()
     assert first.figures["first_report"] == "llama-0"
+
+
+async def test_a_report_that_arrives_as_the_cool_down_ends_opens_a_recovery_it_is_never_dropped(
+    short_history_client: Client,
+) -> None:
+    """The incident closes when its cool-down passes with no new report. A report that reaches the
+    server in the same moment (here: the cool-down's timer fired while no worker ran, then the report
+    came; the next worker sees both in one workflow task) is a new loss: it opens a recovery, and the
+    incident does not close with it unread."""
+    client = short_history_client
+    task_queue = f"cool-{uuid.uuid4().hex[:8]}"
+    settings = settings_for(client, task_queue, "unused", "unused")
+    pool = PoolRef(namespace="inference", service="llama-cool")
+    cfg = incident_input(pool, cooldown_s=4.0)
+
+    async def events() -> list[EventType.ValueType]:
+        return [e.event_type async for e in client.get_workflow_handle(incident.id).fetch_history_events()]
+
+    async with worker_of(client, settings, [FleetIncident, StubRecovery], versioned=False):
+        incident = await report(client, task_queue, pool, cfg, "llama-0", "fp-0")
+        recovery_1 = await child_handle(client, incident, 1)
+        await recovery_1.signal("finish", Finish(lost=["llama-0"]))
+
+        async def cooling_down() -> bool:
+            kinds = await events()
+            timers = (
+                kinds.count(EventType.EVENT_TYPE_TIMER_STARTED)
+                - kinds.count(EventType.EVENT_TYPE_TIMER_FIRED)
+                - kinds.count(EventType.EVENT_TYPE_TIMER_CANCELED)
+            )
+            return (
+                EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_COMPLETED in kinds
+                and kinds[-1] == EventType.EVENT_TYPE_TIMER_STARTED
+                and timers == 1
+            )
+
+        await until(cooling_down, "the incident waits out its cool-down after recovery 1")
+    # No worker: the cool-down's timer fires on the server, and then the next report arrives.
+
+    async def fired() -> bool:
+        kinds = await events()
+        return kinds[-2:] == [EventType.EVENT_TYPE_TIMER_FIRED, EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED]
+
+    await until(fired, "the cool-down's timer fired")
+    await report(client, task_queue, pool, cfg, "llama-9", "fp-9")
+    async with worker_of(client, settings, [FleetIncident, StubRecovery], versioned=False):
+        recovery_2 = await child_handle(client, incident, 2)
+        await recovery_2.signal("finish", Finish(lost=["llama-9"]))
+        final = await client.get_workflow_handle(incident.id, result_type=ProcedureStatus).result()
+    assert final.children == [recovery_1.id, recovery_2.id]
+    second = await client.get_workflow_handle(recovery_2.id, result_type=ProcedureStatus).result()
+    assert second.figures["first_report"] == "llama-9"

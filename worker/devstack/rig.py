@@ -98,8 +98,12 @@ class FleetRig:
         r.raise_for_status()
         return str(r.json()["id"])
 
-    async def load_report(self, run_id: str, since_s: float = 0.0) -> dict[str, Any]:
-        r = await self.http.get(f"/sim/v1/load/{run_id}", params={"since_s": since_s})
+    async def load_report(
+        self, run_id: str, since_s: float = 0.0, until_s: float | None = None
+    ) -> dict[str, Any]:
+        """The load run's report over the requests that arrived from ``since_s`` to ``until_s`` (run seconds)."""
+        params = {"since_s": since_s, **({} if until_s is None else {"until_s": until_s})}
+        r = await self.http.get(f"/sim/v1/load/{run_id}", params=params)
         r.raise_for_status()
         return dict(r.json())
 
