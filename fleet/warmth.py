@@ -80,9 +80,11 @@ def plan_weights(
 ) -> RampPlan:
     """Weights for the routed replicas (keyed by leader pod) from one measurement interval.
 
-    A new replica whose own TTFT p99 exceeds the SLO is backed off (its rate is
-    multiplied down) until it recovers; once every new replica is warm, weights
-    return to equal (plain routing).
+    A new replica whose own TTFT p99 exceeds the SLO, and the established replicas' median p99, is
+    backed off (its rate is multiplied down) until it recovers. One over the SLO but no slower than
+    the established replicas is not: the whole pool is overloaded (a gap's backlog), and backing the
+    new replica off would only hand its share to replicas that are as late. Once every new replica
+    is warm, weights return to equal (plain routing).
     """
     pods = sorted(after)
     # A replica read now but not at the interval's start (its scrape failed then, on a busy node) has
@@ -101,6 +103,10 @@ def plan_weights(
     ref_hits = [h for p in established if (h := hits[p]) is not None]
     ref_hit = median(ref_hits) if ref_hits else None
     mult = dict(backoff or {})
+    # The established replicas' own TTFT p99 over the interval: a new replica is backed off for being
+    # slower than they are, not for an overloaded pool (see the backoff below).
+    peer_ttfts = [t for p in established if (t := window_ttft_p99(before.get(p), after[p])) is not None]
+    peer_ttft = median(peer_ttfts) if peer_ttfts else None
     notes: list[str] = []
     warm: dict[str, bool] = {}
     rates: dict[str, float] = {}
@@ -123,11 +129,18 @@ def plan_weights(
             warm[p] = warmth >= warm_fraction
         ttft = window_ttft_p99(before.get(p), after[p])
         m = mult.get(p, 1.0)
-        if ttft is not None and ttft > ttft_slo_s:
+        if ttft is not None and ttft > ttft_slo_s and (peer_ttft is None or ttft > peer_ttft):
             m *= BACKOFF_FACTOR
             warm[p] = False
             notes.append(f"{p} TTFT p99 {ttft:.2f}s > SLO {ttft_slo_s:g}s: backing off (x{m:.2f})")
         else:
+            if ttft is not None and ttft > ttft_slo_s and peer_ttft is not None:
+                # Over the SLO but no slower than the established replicas: the pool is overloaded, not
+                # this replica cold. Backing it off would move its share onto replicas as late as it.
+                notes.append(
+                    f"{p} TTFT p99 {ttft:.2f}s > SLO {ttft_slo_s:g}s, no slower than the established "
+                    f"replicas' {peer_ttft:.2f}s: the pool is overloaded, not this replica cold (no backoff)"
+                )
             m = min(1.0, m * RECOVERY_FACTOR)
         mult[p] = m
         rates[p] = max(throughput[p], ref_tokens * warmth) * m

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from fleet.engine_metrics import EngineSnapshot
+from fleet.engine_metrics import EngineSnapshot, Histogram, HistogramBucket
 from fleet.ramp import RampParams, RampPolicy, rate_weights, simulate_ramp, simulate_ramp_trace
 from fleet.shedding import ramp_capacity_rps
 from fleet.warmth import RampPlan, plan_weights
@@ -217,3 +217,36 @@ def test_a_ramp_step_that_missed_an_established_engine_plans_on_no_less_than_the
     assert measured == pytest.approx(67.5) and note == ""
     missed, note = ramp_capacity_rps(15.0, 2, {"replacement": 0.0}, serving_groups=4)
     assert missed == pytest.approx(60.0) and "4 group(s)" in note
+
+
+def _timed(tokens: float, ttft_s: float, requests: int = 100) -> EngineSnapshot:
+    """A scrape whose TTFT histogram holds ``requests`` first tokens, all at about ``ttft_s``."""
+    buckets = tuple(HistogramBucket(le=le, count=requests if ttft_s <= le else 0) for le in TTFT_BUCKETS)
+    ttft = Histogram(buckets=buckets, sum=ttft_s * requests, count=requests)
+    return EngineSnapshot(generation_tokens_total=tokens, ttft=ttft)
+
+
+TTFT_BUCKETS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+
+
+def test_a_replacement_slower_than_its_peers_is_backed_off_one_as_late_as_an_overloaded_pool_is_not() -> None:
+    """The SLO is 2 s. A replacement at ~6 s while the established replicas answer within 1 s is
+    cold: its share halves. The same 6 s while the established replicas are at ~12 s (the survivors
+    hold a gap's backlog) is the pool overloaded: backing the replacement off would hand its share to
+    replicas later than it, so its weight stays by its rate."""
+    before = {"old-a": EngineSnapshot(), "old-b": EngineSnapshot(), "new": EngineSnapshot()}
+
+    def step(peer_ttft_s: float) -> RampPlan:
+        after = {
+            "old-a": _timed(1000, peer_ttft_s),
+            "old-b": _timed(1000, peer_ttft_s),
+            "new": _timed(500, 6.0),
+        }
+        return plan_weights(before, after, 10.0, ["new"], ttft_slo_s=2.0, warm_fraction=0.9)
+
+    cold = step(peer_ttft_s=1.0)
+    assert cold.backoff["new"] == pytest.approx(0.5) and "backing off" in cold.reason
+    overloaded = step(peer_ttft_s=12.0)
+    assert overloaded.backoff["new"] == pytest.approx(1.0) and "backing off" not in overloaded.reason
+    assert "the pool is overloaded" in overloaded.reason
+    assert overloaded.weights["new"] > cold.weights["new"]
