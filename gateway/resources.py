@@ -24,8 +24,6 @@ LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
 # A retry goes to a host the request has not tried yet (Envoy's previous_hosts retry host predicate).
 PREVIOUS_HOSTS_PREDICATE = "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
 HTTP_PROTOCOL_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-LEAST_REQUEST_POLICY = "envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest"
-ROUND_ROBIN_POLICY = "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
 # Response header naming the engine that served the request (Envoy fills it in).
 UPSTREAM_HEADER = "x-fleetmend-upstream"
 # Ramp weights are floats; Envoy's load_balancing_weight is an integer >= 1.
@@ -129,6 +127,14 @@ def cluster(snapshot: PoolSnapshot, dp: DataPlaneSettings) -> dict[str, object]:
                 "explicit_http_config": {"http_protocol_options": {}},
             }
         },
+        # Least request: with equal weights, the fewer active requests of two random hosts (P2C); a
+        # host with the most active requests is picked only when both draws land on it. Under
+        # a capacity gap the survivors' grown batches drain onto a promoted spare or a replacement
+        # instead of getting an equal share of new arrivals (a peak-demo run under round robin kept
+        # 200 streams per survivor for 20 s while the spare beside them carried 40). With unequal
+        # weights (a ramp) each pick scales a host's weight by 1 / (active + 1) (Envoy's
+        # active_request_bias, default 1.0).
+        "lb_policy": "LEAST_REQUEST" if dp.balancing == "least-request" else "ROUND_ROBIN",
         # A host fleetmend removed leaves at once, even while its health checks still pass.
         "ignore_health_on_host_removal": True,
         "health_checks": [
@@ -149,33 +155,11 @@ def cluster(snapshot: PoolSnapshot, dp: DataPlaneSettings) -> dict[str, object]:
             "max_ejection_percent": dp.max_ejection_percent,
         },
         "circuit_breakers": {"thresholds": [thresholds]},
-        "load_balancing_policy": {"policies": [{"typed_extension_config": balancing_policy(dp)}]},
     }
-    return out
-
-
-def balancing_policy(dp: DataPlaneSettings) -> dict[str, object]:
-    """How Envoy picks an engine for a request (the cluster's load-balancing policy extension).
-
-    Least request (the default) scans every host for the fewest active requests when the weights are
-    equal (``FULL_SCAN``). Envoy's default samples two hosts at random, with replacement, and keeps the
-    less busy: in a pool of two replicas it sends 25 % of new requests to the busier one whatever its
-    backlog (Envoy's own note on ``SelectionMethod``). After a lost rank's group came back, that share
-    kept the survivor's grown batch from draining for 25 s, and a quarter of the users' requests in
-    that time joined it late. A pool is tens of replicas at most, so a scan costs nothing. With
-    unequal weights (a ramp) each pick scales a host's weight by 1 / (active + 1) (Envoy's
-    ``active_request_bias``, default 1.0). Round robin gives each host an equal share in turn: the
-    baseline of a plain Service. ``slow_start_window_s`` adds Envoy's time-based ramp to either.
-    """
-    config: dict[str, object] = {}
-    if dp.balancing == "least-request":
-        name, kind = "envoy.load_balancing_policies.least_request", LEAST_REQUEST_POLICY
-        config["selection_method"] = "FULL_SCAN"
-    else:
-        name, kind = "envoy.load_balancing_policies.round_robin", ROUND_ROBIN_POLICY
     if dp.slow_start_window_s is not None:
-        config["slow_start_config"] = {"slow_start_window": duration(dp.slow_start_window_s)}
-    return {"name": name, "typed_config": {"@type": f"type.googleapis.com/{kind}", **config}}
+        lb_config = "least_request_lb_config" if dp.balancing == "least-request" else "round_robin_lb_config"
+        out[lb_config] = {"slow_start_config": {"slow_start_window": duration(dp.slow_start_window_s)}}
+    return out
 
 
 def load_assignment(snapshot: PoolSnapshot) -> dict[str, object]:

@@ -36,12 +36,6 @@ import grpc
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
-from envoy.extensions.load_balancing_policies.least_request.v3 import (  # noqa: F401  (registers the type)
-    least_request_pb2,
-)
-from envoy.extensions.load_balancing_policies.round_robin.v3 import (  # noqa: F401  (registers the type)
-    round_robin_pb2,
-)
 from envoy.extensions.upstreams.http.v3 import (  # noqa: F401  (registers the type a cluster's Any names)
     http_protocol_options_pb2,
 )
