@@ -127,14 +127,21 @@ async def promote_first_version(client: Client, settings: Settings, *, attempts:
     Never replaces an existing current version: rolling a new version out is the
     operator's decision (README, "Roll a new worker during an incident"). The
     deployment appears on the server only after this worker's first polls, so the
-    call is retried briefly; so is a call the server cancelled or timed out (a loaded
-    dev server answered CANCELLED "operation was canceled" once, and the worker would
-    have exited for it). Returns whether this call made the version current.
+    call is retried briefly; so is a call the server cancelled or timed out, the read of
+    the current version as well as the promotion (a loaded dev server answered CANCELLED
+    "operation was canceled" to each once, and the worker would have exited for it).
+    Returns whether this call made the version current.
     """
     mine = deployment_version(settings)
     interrupted = False  # a call of ours the server cancelled or timed out may still have taken effect
     for _ in range(attempts):
-        current = await current_version(client, settings)
+        try:
+            current = await current_version(client, settings)
+        except RPCError as err:  # the read itself was cancelled or timed out: read again
+            if err.status not in _INTERRUPTED:
+                raise
+            await asyncio.sleep(0.5)
+            continue
         if current is not None:
             return interrupted and current == mine.to_canonical_string()
         try:
