@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -88,6 +89,12 @@ def _is_quick(path: str) -> bool:
     return path.startswith(QUICK_PATHS) and not path.startswith(SLOW_BESIDE_QUICK)
 
 
+def work_unit(nodeid: str) -> str:
+    """The unit one process runs whole: the test's file, or the shared package it is in."""
+    path = nodeid.split("::", 1)[0]
+    return next((pkg for pkg in SHARED_PACKAGES if path.startswith(pkg)), path)
+
+
 class FileOrSharedPackageScheduling(LoadScopeScheduling):
     """``--dist loadfile``, except that a package in ``SHARED_PACKAGES`` goes to one process as a whole, and
     units are dealt longest first (``LONGEST_FIRST``, then the rest, then ``QUICK_PATHS``) instead of
@@ -98,8 +105,7 @@ class FileOrSharedPackageScheduling(LoadScopeScheduling):
     """
 
     def _split_scope(self, nodeid: str) -> str:
-        path = nodeid.split("::", 1)[0]
-        return next((pkg for pkg in SHARED_PACKAGES if path.startswith(pkg)), path)
+        return work_unit(nodeid)
 
     def _assign_work_unit(self, node: WorkerController) -> None:
         if not self._dealing_ordered:  # the first deal: the queue holds every unit, in xdist's order
@@ -120,6 +126,25 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LoadSco
     if config.getvalue("dist") != "loadfile":
         return None
     return FileOrSharedPackageScheduling(config, log)
+
+
+# Each work unit's time (its tests' setup, call and teardown summed), as the controller saw it: the summary
+# names the longest units, so whoever rebalances LONGEST_FIRST reads the long pole of the last run, not a guess.
+_UNIT_SECONDS: dict[str, float] = defaultdict(float)
+UNITS_SHOWN = 12
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _UNIT_SECONDS[work_unit(report.nodeid)] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if len(_UNIT_SECONDS) < 2:
+        return
+    terminalreporter.section(f"longest {UNITS_SHOWN} work units (setup + call + teardown)")
+    longest = sorted(_UNIT_SECONDS.items(), key=lambda kv: -kv[1])[:UNITS_SHOWN]
+    for unit, seconds in longest:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {unit}")
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

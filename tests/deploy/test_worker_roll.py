@@ -165,6 +165,15 @@ async def until(
     raise AssertionError(f"never happened: {what} (last: {last!r})")
 
 
+def open_timers(kinds: Sequence[EventType.ValueType]) -> int:
+    """The workflow's timers still pending in a history: started, less fired and cancelled."""
+    return (
+        kinds.count(EventType.EVENT_TYPE_TIMER_STARTED)
+        - kinds.count(EventType.EVENT_TYPE_TIMER_FIRED)
+        - kinds.count(EventType.EVENT_TYPE_TIMER_CANCELED)
+    )
+
+
 async def child_handle(
     client: Client, incident: WorkflowHandle[Any, Any], n: int
 ) -> WorkflowHandle[Any, Any]:
@@ -360,14 +369,9 @@ async def test_reports_of_losses_its_recovery_handled_are_absorbed_not_recovered
             window's fired, or none was needed), and its last task completed. Later reports wait."""
             events = [e async for e in client.get_workflow_handle(incident.id).fetch_history_events()]
             kinds = [e.event_type for e in events]
-            opened = (
-                kinds.count(EventType.EVENT_TYPE_TIMER_STARTED)
-                - kinds.count(EventType.EVENT_TYPE_TIMER_FIRED)
-                - kinds.count(EventType.EVENT_TYPE_TIMER_CANCELED)
-            )
             return (
                 EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_STARTED in kinds
-                and opened == 0
+                and open_timers(kinds) == 0
                 and kinds[-1] == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED
             )
 
@@ -443,15 +447,10 @@ async def test_a_report_that_arrives_as_the_cool_down_ends_opens_a_recovery_it_i
 
         async def cooling_down() -> bool:
             kinds = await events()
-            timers = (
-                kinds.count(EventType.EVENT_TYPE_TIMER_STARTED)
-                - kinds.count(EventType.EVENT_TYPE_TIMER_FIRED)
-                - kinds.count(EventType.EVENT_TYPE_TIMER_CANCELED)
-            )
             return (
                 EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_COMPLETED in kinds
                 and kinds[-1] == EventType.EVENT_TYPE_TIMER_STARTED
-                and timers == 1
+                and open_timers(kinds) == 1
             )
 
         await until(cooling_down, "the incident waits out its cool-down after recovery 1")
