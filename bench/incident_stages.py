@@ -415,6 +415,14 @@ async def one_run(
                 group_capacity_rps=round(per_group, 2),
                 **({} if target_utilization is None else {"target_utilization": target_utilization}),
                 **({} if queue_wait_budget_s is None else {"queue_wait_budget_s": queue_wait_budget_s}),
+                # Engines that serve by deadline are configured so, with the users' deadlines (an
+                # operator who set vLLM's --scheduling-policy priority would say so): the queues may
+                # then hold the lowest tier up to its deadline (ServingObjectives.wait_budget_s).
+                **(
+                    {"engine_queue_order": "deadline", "tier_deadlines_s": LoadSpec(rate=1.0).deadlines_s}
+                    if engine_priority == "deadline"
+                    else {}
+                ),
             ),
             **FAST_PATH,
         }
@@ -776,7 +784,7 @@ async def main(
             if queue_wait_budget_s is not None:
                 name += f", queue wait budget {queue_wait_budget_s:g} s"
             if engine_priority == "deadline":
-                name += ", engines schedule by deadline"
+                name += ", engines schedule by deadline (and fleetmend is told so)"
             elif engine_priority:
                 name += ", engines schedule by tier priority"
             if engine_max_seqs is not None:
@@ -888,7 +896,8 @@ if __name__ == "__main__":
         type=float,
         default=None,
         help="fleetmend's ServingObjectives.queue_wait_budget_s: how long a request may wait in a survivor's "
-        "queue during a gap (default: the TTFT objective, 2 s; the bench's users' deadlines are 5/10/20 s)",
+        "queue during a gap (default: the TTFT objective, 2 s, or with --engine-priority deadline the longest "
+        "of the users' deadlines, 5/10/20 s)",
     )
     parser.add_argument(
         "--engine-priority",
@@ -898,7 +907,8 @@ if __name__ == "__main__":
         default=None,
         help="the engines run vLLM's --scheduling-policy priority and users send as the request's "
         "priority their tier (tier, the default: critical 0, standard 1, sheddable 2) or their deadline "
-        "in milliseconds (deadline: the engines serve earliest deadline first); every mode runs in that world",
+        "in milliseconds (deadline: the engines serve earliest deadline first, and fleetmend is told so: "
+        "ServingObjectives.engine_queue_order); every mode runs in that world",
     )
     parser.add_argument(
         "--engine-max-seqs",

@@ -9,11 +9,12 @@ time-skipping server offline).
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fleet.incident import LossReport, PoolRef, Severity
+from fleet.vocabulary import Tier
 
 
 class Phase(StrEnum):
@@ -180,6 +181,18 @@ class ServingObjectives(BaseModel):
         "its objective: the queues absorb the gap up to it before anything is refused. None = the TTFT SLO "
         "(a queued request's wait is part of its TTFT); 0 = refuse the gap at once",
     )
+    engine_queue_order: Literal["arrival", "deadline"] = Field(
+        "arrival",
+        description="How the pool's engines order the requests waiting in their queues: arrival (vLLM's "
+        "default, --scheduling-policy fcfs), or deadline (--scheduling-policy priority, the clients sending "
+        "each request's deadline as its priority). In deadline order a queued request waits only behind "
+        "those due sooner, so the survivors' queues can hold a tier until its own deadline",
+    )
+    tier_deadlines_s: dict[Tier, float] = Field(
+        default_factory=dict,
+        description="Each tier's end-to-end deadline as its clients hold it (seconds). Needed with "
+        "engine_queue_order deadline: the queue wait budget is then the longest of them",
+    )
     target_utilization: float = Field(
         0.9,
         gt=0,
@@ -197,10 +210,32 @@ class ServingObjectives(BaseModel):
     )
     max_concurrent_destructive: int = Field(1, ge=1, description="Rate limit per pool")
 
+    @model_validator(mode="after")
+    def _deadlines_for_deadline_order(self) -> ServingObjectives:
+        if (
+            self.engine_queue_order == "deadline"
+            and self.queue_wait_budget_s is None
+            and not self.tier_deadlines_s
+        ):
+            raise ValueError(
+                "engine_queue_order 'deadline' needs tier_deadlines_s (each tier's deadline, e.g. "
+                "{'critical': 5, 'standard': 10, 'sheddable': 20}) or an explicit queue_wait_budget_s"
+            )
+        if any(d <= 0 for d in self.tier_deadlines_s.values()):
+            raise ValueError(f"tier_deadlines_s must be positive seconds, got {self.tier_deadlines_s}")
+        return self
+
     @property
     def wait_budget_s(self) -> float:
-        """The queue wait budget in effect (``queue_wait_budget_s``, else the TTFT SLO)."""
-        return self.ttft_p99_slo_s if self.queue_wait_budget_s is None else self.queue_wait_budget_s
+        """The queue wait budget in effect: ``queue_wait_budget_s`` when set; else, when the engines
+        serve by deadline, the longest tier deadline (the lowest tier is refused first, and in deadline
+        order its requests wait behind every sooner one: the queues may hold them that long); else the
+        TTFT SLO (in arrival order a queued request's wait is part of every later request's TTFT)."""
+        if self.queue_wait_budget_s is not None:
+            return self.queue_wait_budget_s
+        if self.engine_queue_order == "deadline":
+            return max(self.tier_deadlines_s.values())
+        return self.ttft_p99_slo_s
 
 
 class IncidentInput(BaseModel):

@@ -77,6 +77,7 @@ def plan_weights(
     ttft_slo_s: float,
     warm_fraction: float,
     backoff: Mapping[str, float] | None = None,
+    by_deadline: bool = False,
 ) -> RampPlan:
     """Weights for the routed replicas (keyed by leader pod) from one measurement interval.
 
@@ -85,6 +86,14 @@ def plan_weights(
     the established replicas is not: the whole pool is overloaded (a gap's backlog), and backing the
     new replica off would only hand its share to replicas that are as late. Once every new replica
     is warm, weights return to equal (plain routing).
+
+    ``by_deadline``: the engines serve their queues earliest deadline first
+    (``ServingObjectives.engine_queue_order``). Then, while the established replicas are over the SLO,
+    a new replica that answers no slower than they do is weighted at their rate, not at its cache's
+    warmth: a measured share would keep the gap's backlog on the later replicas, and a deadline-ordered
+    queue on the new one only defers what can wait. (In arrival order the same full share measured
+    worse: the cold replica's own batch then made all of its requests late; README "Graded by the
+    world".)
     """
     pods = sorted(after)
     # A replica read now but not at the interval's start (its scrape failed then, on a busy node) has
@@ -129,6 +138,8 @@ def plan_weights(
             warm[p] = warmth >= warm_fraction
         ttft = window_ttft_p99(before.get(p), after[p])
         m = mult.get(p, 1.0)
+        # The established replicas are over the SLO (a gap's backlog) and this one is no slower.
+        helps_backlog = False
         if ttft is not None and ttft > ttft_slo_s and (peer_ttft is None or ttft > peer_ttft):
             m *= BACKOFF_FACTOR
             warm[p] = False
@@ -141,14 +152,25 @@ def plan_weights(
                     f"{p} TTFT p99 {ttft:.2f}s > SLO {ttft_slo_s:g}s, no slower than the established "
                     f"replicas' {peer_ttft:.2f}s: the pool is overloaded, not this replica cold (no backoff)"
                 )
+            helps_backlog = (
+                by_deadline
+                and peer_ttft is not None
+                and peer_ttft > ttft_slo_s
+                and (ttft is None or ttft <= peer_ttft)
+            )
             m = min(1.0, m * RECOVERY_FACTOR)
         mult[p] = m
-        rates[p] = max(throughput[p], ref_tokens * warmth) * m
+        rates[p] = max(throughput[p], ref_tokens * (1.0 if helps_backlog else warmth)) * m
         notes.append(
             f"{p} idle pool: no traffic to ramp"
             if idle
             else f"{p} cache {warmth:.0%} warm, serving {throughput[p]:.0f} tok/s vs {ref_tokens:.0f} established"
             + (" (warm)" if warm[p] else "")
+            + (
+                f"; weighted at the established rate: they are over the SLO ({peer_ttft:.2f}s) and it is not slower"
+                if helps_backlog and peer_ttft is not None
+                else ""
+            )
         )
     all_warm = bool(warm) and all(warm.values())
     if all_warm:

@@ -124,6 +124,7 @@ async def ramp_back(
                 ttft_slo_s=inp.objectives.ttft_p99_slo_s,
                 warm_fraction=timings.warm_fraction,
                 backoff=backoff,
+                by_deadline=inp.objectives.engine_queue_order == "deadline",
             )
             backoff = dict(plan.backoff)
             step += 1

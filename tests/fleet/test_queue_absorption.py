@@ -64,6 +64,37 @@ def test_the_wait_budget_defaults_to_the_ttft_slo_and_zero_turns_absorption_off(
         QueueRoom(wait_budget_s=2, backlog=0, horizon_s=0)
 
 
+def test_engines_that_serve_by_deadline_let_the_queues_hold_the_lowest_tier_until_its_deadline() -> None:
+    """In arrival order a queued request delays every later one, so the queues may hold a gap for the
+    TTFT SLO; in deadline order (vLLM's priority scheduling, the deadline as priority) a request waits
+    only behind those due sooner, so they may hold it for the longest tier deadline. A gap that arrival
+    order must refuse is then absorbed: in a world serving by deadline, the world's grade counted such
+    refusals as over-shed (README "Graded by the world")."""
+    deadlines = {Tier.CRITICAL: 5.0, Tier.STANDARD: 10.0, Tier.SHEDDABLE: 20.0}
+    arrival = ServingObjectives(ttft_p99_slo_s=2.0, tier_deadlines_s=deadlines)
+    deadline = ServingObjectives(
+        ttft_p99_slo_s=2.0, engine_queue_order="deadline", tier_deadlines_s=deadlines
+    )
+    assert arrival.wait_budget_s == 2.0 and deadline.wait_budget_s == 20.0
+    explicit = deadline.model_copy(update={"queue_wait_budget_s": 15.0})
+    assert explicit.wait_budget_s == 15.0  # an operator's own budget still wins
+
+    # 60 req/s at 90 % = 54 usable against 70 arriving: 16 req/s over. 200 requests already queued.
+    def decided(objectives: ServingObjectives) -> float:
+        room = _room(200, budget=objectives.wait_budget_s, horizon=4.0)
+        return decide_readmission(
+            70, 60, "queues re-read", warm_floor_restored=False, queues=room
+        ).shed_fraction
+
+    assert decided(arrival) == pytest.approx(1 - 54 / 70, abs=1e-3)  # 54 x 2 s < 200 queued: the whole gap
+    assert decided(deadline) == 0  # 54 x 20 s - 200 = 880 more: 220 req/s of room over the next 4 s
+
+    with pytest.raises(ValueError, match="needs tier_deadlines_s"):
+        ServingObjectives(engine_queue_order="deadline")
+    with pytest.raises(ValueError, match="must be positive seconds"):
+        ServingObjectives(tier_deadlines_s={Tier.SHEDDABLE: 0})
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     arrivals=st.floats(1, 500),

@@ -250,3 +250,30 @@ def test_a_replacement_slower_than_its_peers_is_backed_off_one_as_late_as_an_ove
     assert overloaded.backoff["new"] == pytest.approx(1.0) and "backing off" not in overloaded.reason
     assert "the pool is overloaded" in overloaded.reason
     assert overloaded.weights["new"] > cold.weights["new"]
+
+
+def test_by_deadline_a_replacement_no_slower_than_overloaded_peers_takes_their_share() -> None:
+    """After a gap the established replicas hold its backlog, over the 2 s SLO. In engines that serve
+    by deadline, a replacement whose cache is still cold (it served 300 tokens/s against their 1,000)
+    but that answers no slower than them is handed their share: weighting it by its rate would keep
+    the backlog on the replicas that are later. With peers within the SLO, or engines serving in
+    arrival order, the same replacement is weighted by its rate, as the ramp always did."""
+    before = {"old-a": EngineSnapshot(), "old-b": EngineSnapshot(), "new": EngineSnapshot()}
+
+    def step(peer_ttft_s: float, by_deadline: bool = True) -> RampPlan:
+        after = {
+            "old-a": _timed(1000, peer_ttft_s),
+            "old-b": _timed(1000, peer_ttft_s),
+            "new": _timed(300, 1.5),
+        }
+        return plan_weights(
+            before, after, 10.0, ["new"], ttft_slo_s=2.0, warm_fraction=0.9, by_deadline=by_deadline
+        )
+
+    arrival_order = step(peer_ttft_s=12.0, by_deadline=False)
+    assert arrival_order.weights["new"] == pytest.approx(0.3 * arrival_order.weights["old-a"], rel=0.05)
+    backlog = step(peer_ttft_s=12.0)
+    assert backlog.weights["new"] == pytest.approx(backlog.weights["old-a"]), backlog.weights
+    assert not backlog.all_warm and "weighted at the established rate" in backlog.reason, backlog.reason
+    calm = step(peer_ttft_s=1.0)
+    assert calm.weights["new"] == pytest.approx(0.3 * calm.weights["old-a"], rel=0.05), calm.weights
