@@ -11,6 +11,11 @@ same in the ``status`` query, the incident channel and the audit trail:
 2. survivors' queues back to their baseline;
 3. preemption rate zero on every replica;
 4. TTFT p99 under the SLO **per replica** (the fleet average hides a cold one);
+
+(Engines that serve by deadline, ``ServingObjectives.engine_queue_order``, change 3 and 4: vLLM's
+priority scheduler preempts a running request for one due sooner by design, and the lowest tier
+waits in the queue up to the wait budget, its deadline. So 3 is recorded, not judged, and 4 is
+judged against the wait budget; the queues must still come back to their baseline.)
 5. ledger reconciliation: no duplicate, no orphan, no unresolved intent;
 6. warm floor restored;
 7. failed nodes quarantined (cordoned + tainted + labelled);
@@ -106,19 +111,23 @@ def verify_recovery(
             expected=f"waiting <= baseline + {queue_tolerance:g}",
         )
     )
+    by_deadline = o.engine_queue_order == "deadline"
     preempting = {r.group_id: r.preemptions_per_s for r in obs.replicas if r.preemptions_per_s > 0}
     checks.append(
         CheckResult(
             name="preemption rate zero",
-            passed=not preempting,
+            passed=by_deadline or not preempting,
             observed=preempting or 0.0,
-            expected="0 preemptions/s on every replica",
+            expected="recorded, not judged: engines serving by deadline preempt for sooner deadlines"
+            if by_deadline
+            else "0 preemptions/s on every replica",
         )
     )
+    ttft_limit = o.wait_budget_s if by_deadline else o.ttft_p99_slo_s
     slow = {
         r.group_id: r.ttft_p99_s
         for r in obs.replicas
-        if r.ttft_p99_s is not None and r.ttft_p99_s > o.ttft_p99_slo_s
+        if r.ttft_p99_s is not None and r.ttft_p99_s > ttft_limit
     }
     unmeasured = [r.group_id for r in obs.replicas if r.ttft_p99_s is None]
     checks.append(
@@ -126,7 +135,8 @@ def verify_recovery(
             name="TTFT p99 under SLO per replica",
             passed=not slow,
             observed=slow or ({"unmeasured (no requests)": unmeasured} if unmeasured else "all under SLO"),
-            expected=f"<= {o.ttft_p99_slo_s:g} s on every replica",
+            expected=f"<= {ttft_limit:g} s on every replica"
+            + (" (deadline order: the wait budget, the longest tier deadline)" if by_deadline else ""),
         )
     )
     ledger = obs.ledger

@@ -283,6 +283,37 @@ def test_each_failing_check_is_reported_with_observed_and_expected(
     assert failed[0].observed is not None and failed[0].expected is not None
 
 
+def test_with_engines_serving_by_deadline_preemptions_are_recorded_and_ttft_is_held_to_the_wait_budget() -> (
+    None
+):
+    """vLLM's priority scheduler preempts for sooner deadlines by design, and the lowest tier waits up
+    to its deadline: under steady load neither says the pool is unwell. Judged as in arrival order, a
+    recovery in such a pool never passed verification while the load ran, and waited for an operator."""
+    by_deadline = ServingObjectives.model_validate(
+        {
+            "warm_floor": 1,
+            "engine_queue_order": "deadline",
+            "tier_deadlines_s": {"critical": 5, "standard": 10, "sheddable": 20},
+        }
+    )
+    busy = (ReplicaObservation(group_id="g1", preemptions_per_s=0.5, ttft_p99_s=9.0),)
+    report = verify_recovery(good_observations(replicas=busy), by_deadline)
+    assert report.passed, report.checks
+    preempt = next(c for c in report.checks if c.name == "preemption rate zero")
+    assert preempt.observed == {"g1": 0.5} and "recorded, not judged" in str(preempt.expected)
+    arrival = by_deadline.model_copy(update={"engine_queue_order": "arrival"})
+    failed = [
+        c.name for c in verify_recovery(good_observations(replicas=busy), arrival).checks if not c.passed
+    ]
+    assert failed == ["preemption rate zero", "TTFT p99 under SLO per replica"]
+    # Past the wait budget, or a queue that has not come back, still fails.
+    late = (ReplicaObservation(group_id="g1", ttft_p99_s=25.0, waiting=9, baseline_waiting=1),)
+    failed = [
+        c.name for c in verify_recovery(good_observations(replicas=late), by_deadline).checks if not c.passed
+    ]
+    assert failed == ["survivor queues back to baseline", "TTFT p99 under SLO per replica"]
+
+
 def test_scale_down_verification() -> None:
     ok = verify_scale_down(6, 6, cut_streams=0, victims_in_flight=0, ledger=LedgerReconcile())
     assert ok.passed

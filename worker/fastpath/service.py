@@ -649,6 +649,7 @@ class FastPath:
             await self._report(detection)
         except Exception as err:
             # Not lost: the alert path still opens the incident; the next evidence retries here.
+            self.counts["reports_failed"] += 1
             log.warning(
                 "fast path: delivery failed",
                 extra={"entity": detection.entity, "error": str(err)[:300]},
@@ -696,6 +697,9 @@ class FastPath:
             )
             routed.append(RoutedReport(incident_workflow_id(pool), RuleAction.START_INCIDENT, report))
         if not routed:
+            # Counted: a loss judged and reported to no pool is what a caller waiting for the incident
+            # needs to be told (a pod deleted before its groups were read, and not seen deleted).
+            self.counts["reports_unrouted"] += 1
             log.info("fast path: the lost entity serves no managed pool", extra={"entity": detection.entity})
             return
         await self._deliver(routed)
