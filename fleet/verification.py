@@ -11,15 +11,15 @@ same in the ``status`` query, the incident channel and the audit trail:
 2. survivors' queues back to their baseline;
 3. preemption rate zero on every replica;
 4. TTFT p99 under the SLO **per replica** (the fleet average hides a cold one);
+5. ledger reconciliation: no duplicate, no orphan, no unresolved intent;
+6. warm floor restored;
+7. failed nodes quarantined (cordoned + tainted + labelled);
+8. no replacement landed in the wrong pool.
 
 (Engines that serve by deadline, ``ServingObjectives.engine_queue_order``, change 3 and 4: vLLM's
 priority scheduler preempts a running request for one due sooner by design, and the lowest tier
 waits in the queue up to the wait budget, its deadline. So 3 is recorded, not judged, and 4 is
 judged against the wait budget; the queues must still come back to their baseline.)
-5. ledger reconciliation: no duplicate, no orphan, no unresolved intent;
-6. warm floor restored;
-7. failed nodes quarantined (cordoned + tainted + labelled);
-8. no replacement landed in the wrong pool.
 
 Shedding is lifted only after the report passes. ``verify_scale_down`` is the
 planned scale-down's step 5 (remaining groups ready, no cut stream, ledger clean).

@@ -10,9 +10,19 @@ from worker.processes import EPHEMERAL_RANGE, LISTEN_PORTS_FROM, free_port
 def test_picks_below_the_ephemeral_range_differ_and_skip_a_taken_port() -> None:
     ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
     first = free_port()
-    # Taken by someone else before our next pick: the walk must step over it.
+    # Taken by someone else before our next pick: the walk must step over it. The first port after
+    # ``first`` this test can bind (a process beside it may hold the very next one: CI's run of
+    # 2026-12-07 failed binding first + 1).
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
-        taken.bind(("127.0.0.1", first + 1 if first + 1 < ephemeral_low else LISTEN_PORTS_FROM))
+        for candidate in range(first + 1, first + 200):
+            port = candidate if candidate < ephemeral_low else LISTEN_PORTS_FROM + candidate - ephemeral_low
+            try:
+                taken.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                continue
+        else:
+            raise AssertionError(f"no port free in the 200 after {first}")
         taken.listen()
         picks = [free_port() for _ in range(20)]
         assert taken.getsockname()[1] not in picks
