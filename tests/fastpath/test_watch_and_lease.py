@@ -20,7 +20,7 @@ import httpx
 import pytest
 from kubernetes import client, config
 
-from fleet.detection import EvidenceKind, observe
+from fleet.detection import Evidence, EvidenceKind, observe
 from fleet.vocabulary import LWS_GROUP_KEY_LABEL, LWS_WORKER_INDEX_LABEL, MODEL_LABEL, ROUTER_LABEL
 from kube.informer import Informer
 from kube.lease import LeaderElector
@@ -29,6 +29,7 @@ from sim.scenario import shipped_scenarios
 from worker.config import load_settings
 from worker.devstack.sim_wiring import settings_for_running_sim
 from worker.fastpath.service import FastPath
+from worker.intake.topology import PoolTopology
 
 NS = "inference"
 
@@ -317,6 +318,49 @@ async def test_a_rank_that_restarts_is_evidence_about_its_groups_routed_leader()
     failed = [e for e in evidence if e.kind is EvidenceKind.RANK_FAILED]
     assert failed and {e.entity for e in failed} == {f"pod:{NS}/{leader}"}, evidence
     assert rank in failed[0].detail and "NCCL" in failed[0].detail, failed[0]
+
+
+async def test_a_loss_whose_pod_is_gone_before_its_groups_are_read_is_reported_when_its_deletion_arrives() -> (
+    None
+):
+    """A rank fails and the LeaderWorkerSet deletes its group at once: the fast path can judge the loss,
+    look the leader up, and find it gone from the API while the watch has not yet brought its deletion
+    (so its last labels are unknown). That loss reaches no pool. It used to stay marked reported, and
+    no recovery started (a bench run of 2026-12-07); now it is re-armed, and the deletion event that
+    follows reports it with the pod's last labels."""
+    sim = start_sim(shipped_scenarios()["rank-lost"], speed=100.0)
+    delivered: list[Any] = []
+
+    async def deliver(reports: list[Any]) -> list[Any]:
+        delivered.extend(reports)
+        return [None] * len(reports)
+
+    try:
+        settings = load_settings(**settings_for_running_sim(sim))
+        fast = FastPath(settings, deliver, PoolTopology.from_settings(settings))
+        fast._loop, fast._queue = asyncio.get_running_loop(), asyncio.Queue()
+        core = _core(sim)
+        leader = sorted(p.metadata.name for p in await _routed(core))[0]
+        last_seen = client.ApiClient().sanitize_for_serialization(core.read_namespaced_pod(leader, NS))
+        gone = f"{leader}-gone"  # a leader the API no longer has: its deletion is still on the way
+        last_seen["metadata"]["name"] = gone
+        entity = f"pod:{NS}/{gone}"
+
+        async def handled(evidence: Evidence) -> None:
+            await fast._handle(evidence)
+            await asyncio.gather(*fast._tasks)
+
+        await handled(Evidence(entity=entity, kind=EvidenceKind.RANK_FAILED, at=time.time(), detail="rank 1"))
+        assert fast.counts["loss"] == 1 and fast.counts["reports_unrouted"] == 1 and not delivered
+        state = fast.state(entity)
+        assert state is not None and not state.reported  # re-armed
+        fast._on_pod("DELETED", last_seen)
+        assert fast._queue is not None
+        await handled(await asyncio.wait_for(fast._queue.get(), 5))
+    finally:
+        sim.stop()
+    assert fast.counts["loss"] == 2 and fast.counts["reports_delivered"] == 1, fast.counts
+    assert [(r.report.pool.service, r.report.pod) for r in delivered] == [("llama-405b", gone)], delivered
 
 
 LEADER_PROCESS = """

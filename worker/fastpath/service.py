@@ -645,20 +645,25 @@ class FastPath:
             self._spawn(self._report_or_rearm(detection), f"report-{detection.entity}")
 
     async def _report_or_rearm(self, detection: Detection) -> None:
+        """Report the loss; when it could not be delivered, or routed to any pool, re-arm the entity so
+        its next evidence reports it (the alert path still opens the incident meanwhile)."""
         try:
-            await self._report(detection)
+            routed = await self._report(detection)
         except Exception as err:
-            # Not lost: the alert path still opens the incident; the next evidence retries here.
             self.counts["reports_failed"] += 1
             log.warning(
                 "fast path: delivery failed",
                 extra={"entity": detection.entity, "error": str(err)[:300]},
             )
-            current = self._states.get(detection.entity)
-            if current is not None:
-                self._states[detection.entity] = current.model_copy(update={"reported": False})
+            routed = False
+        if routed:
+            return
+        current = self._states.get(detection.entity)
+        if current is not None:
+            self._states[detection.entity] = current.model_copy(update={"reported": False})
 
-    async def _report(self, detection: Detection) -> None:
+    async def _report(self, detection: Detection) -> bool:
+        """Deliver the loss to every pool it hits; False when it hit none that could be found."""
         kind, _, name = detection.entity.partition(":")
         # When this spell of failing evidence began: the report's start (an alert's startsAt), and the
         # pre-loss count ends before it. Not the first evidence kept, which can be a healthy reading from
@@ -697,13 +702,15 @@ class FastPath:
             )
             routed.append(RoutedReport(incident_workflow_id(pool), RuleAction.START_INCIDENT, report))
         if not routed:
-            # Counted: a loss judged and reported to no pool is what a caller waiting for the incident
-            # needs to be told (a pod deleted before its groups were read, and not seen deleted).
+            # A pod the API no longer has, whose deletion the watch has not brought yet (the group's
+            # controller deleted it between the evidence and this lookup): re-armed, the deletion
+            # event that follows is evidence that reports it, with the pod's last labels.
             self.counts["reports_unrouted"] += 1
             log.info("fast path: the lost entity serves no managed pool", extra={"entity": detection.entity})
-            return
+            return False
         await self._deliver(routed)
         self.counts["reports_delivered"] += len(routed)
+        return True
 
     async def _start_fence(
         self,
