@@ -138,9 +138,11 @@ def plan_weights(
             warm[p] = warmth >= warm_fraction
         ttft = window_ttft_p99(before.get(p), after[p])
         m = mult.get(p, 1.0)
-        # The established replicas are over the SLO (a gap's backlog) and this one is no slower.
-        helps_backlog = False
-        if ttft is not None and ttft > ttft_slo_s and (peer_ttft is None or ttft > peer_ttft):
+        backed_off = ttft is not None and ttft > ttft_slo_s and (peer_ttft is None or ttft > peer_ttft)
+        # In deadline order, with the established replicas over the SLO (a gap's backlog), a replica not
+        # backed off is no slower than they are: it takes their rate and drains that backlog.
+        helps_backlog = by_deadline and not backed_off and peer_ttft is not None and peer_ttft > ttft_slo_s
+        if backed_off:
             m *= BACKOFF_FACTOR
             warm[p] = False
             notes.append(f"{p} TTFT p99 {ttft:.2f}s > SLO {ttft_slo_s:g}s: backing off (x{m:.2f})")
@@ -152,12 +154,6 @@ def plan_weights(
                     f"{p} TTFT p99 {ttft:.2f}s > SLO {ttft_slo_s:g}s, no slower than the established "
                     f"replicas' {peer_ttft:.2f}s: the pool is overloaded, not this replica cold (no backoff)"
                 )
-            helps_backlog = (
-                by_deadline
-                and peer_ttft is not None
-                and peer_ttft > ttft_slo_s
-                and (ttft is None or ttft <= peer_ttft)
-            )
             m = min(1.0, m * RECOVERY_FACTOR)
         mult[p] = m
         rates[p] = max(throughput[p], ref_tokens * (1.0 if helps_backlog else warmth)) * m

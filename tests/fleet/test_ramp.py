@@ -219,14 +219,14 @@ def test_a_ramp_step_that_missed_an_established_engine_plans_on_no_less_than_the
     assert missed == pytest.approx(60.0) and "4 group(s)" in note
 
 
+TTFT_BUCKETS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+
+
 def _timed(tokens: float, ttft_s: float, requests: int = 100) -> EngineSnapshot:
     """A scrape whose TTFT histogram holds ``requests`` first tokens, all at about ``ttft_s``."""
     buckets = tuple(HistogramBucket(le=le, count=requests if ttft_s <= le else 0) for le in TTFT_BUCKETS)
     ttft = Histogram(buckets=buckets, sum=ttft_s * requests, count=requests)
     return EngineSnapshot(generation_tokens_total=tokens, ttft=ttft)
-
-
-TTFT_BUCKETS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 
 
 def test_a_replacement_slower_than_its_peers_is_backed_off_one_as_late_as_an_overloaded_pool_is_not() -> None:
